@@ -1,0 +1,217 @@
+"""The one configuration schema: every key a config may set, its default, and its validation.
+
+Config files in configs/ start from `base_config()` and override values; `validate(config)`
+runs before any compute and stops with one message naming the offending key and the allowed
+values. A key that is not in `base_config()` is an error, so typos never pass silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_collections
+
+from kimijax.data.pipeline import SOURCES as DATA_SOURCES, default_data_config
+
+# Letters accepted in model.layer_pattern: one letter per mixer sublayer kind.
+LAYER_KINDS = {'A': 'full attention'}
+RESIDUALS = ('standard',)
+OPTIMIZERS = ('adamw',)
+SCHEDULES = ('cosine', 'wsd', 'constant')
+ATTN_IMPLS = ('xla', 'cudnn')
+KDA_IMPLS = ('recurrent', 'chunk', 'pallas')
+ATTENTION_KINDS = ('mha', 'gqa')
+POSITIONS = ('rope', 'nope')
+DTYPES = ('float32', 'bfloat16')
+MESH_AXES = ('data', 'fsdp', 'tensor')
+
+# Logical axis name -> mesh axes. Parameters use 'embed', 'heads', 'kv_heads', 'mlp', 'vocab';
+# activations use the 'act_*' names so that e.g. the parameter embedding dim can be fsdp-sharded
+# while the activation's embedding dim is replicated.
+DEFAULT_RULES = (
+    ('act_batch', ('data', 'fsdp')),
+    ('act_length', None),
+    ('act_embed', None),
+    ('act_heads', 'tensor'),
+    ('act_mlp', 'tensor'),
+    ('act_vocab', 'tensor'),
+    ('embed', 'fsdp'),
+    ('vocab', 'tensor'),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('head_dim', None),
+    ('mlp', 'tensor'),
+    ('norm', None),
+)
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """All keys with their defaults: a tiny attention LM on the stdlib corpus, CPU-sized."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.model = m = ml_collections.ConfigDict()
+  m.vocab_size = 258            # >= the tokenizer's vocabulary (bytes + EOS + PAD)
+  m.d_model = 256
+  m.num_layers = 4
+  m.num_heads = 4               # head_dim = d_model // num_heads
+  m.num_kv_heads = 0            # 0: same as num_heads; < num_heads with attention_kind='gqa'
+  m.attention_kind = 'mha'
+  m.mlp_dim = 768               # SwiGLU hidden width
+  m.layer_pattern = 'A'         # tiled to num_layers, one letter per layer
+  m.residual = 'standard'
+  m.position = 'rope'
+  m.rope_theta = 10000.0
+  m.tie_embeddings = True
+  m.attn_impl = 'xla'
+  m.kda_impl = 'chunk'
+  m.norm_eps = 1e-6
+  m.init_std = 0.02
+  m.compute_dtype = 'bfloat16'  # params stay float32; norms, softmax and the loss run in float32
+  m.remat = False               # rematerialise each layer in the backward pass
+
+  c.train = t = ml_collections.ConfigDict()
+  t.steps = 1000
+  t.batch_size = 16             # global, in sequences
+  t.seq_len = 256
+  t.log_every = 10
+  t.eval_every = 200
+  t.eval_batches = 8
+  t.checkpoint_every = 200
+  t.keep_checkpoints = 3
+  t.grad_clip = 1.0             # global-norm clip; 0 disables
+  t.plot = True                 # loss-curve PNG in the workdir at the end
+
+  c.optimizer = o = ml_collections.ConfigDict()
+  o.name = 'adamw'
+  o.learning_rate = 3e-3
+  o.weight_decay = 0.1
+  o.qk_clip_tau = 100.0
+  o.schedule = 'cosine'
+  o.warmup_steps = 50
+  o.decay_fraction = 0.2        # wsd: fraction of steps spent decaying at the end
+  o.min_lr_ratio = 0.1          # final lr = min_lr_ratio * learning_rate
+  o.b1 = 0.9
+  o.b2 = 0.95
+  o.eps = 1e-8
+
+  c.data = default_data_config()   # source, path, val_fraction, mqar_num_pairs
+
+  c.mesh = ms = ml_collections.ConfigDict()
+  ms.data = -1                  # -1: all devices not used by the other axes
+  ms.fsdp = 1
+  ms.tensor = 1
+  ms.rules = DEFAULT_RULES
+  return c
+
+
+class ConfigError(ValueError):
+  """A config value or key that cannot be used; the message names the key."""
+
+
+def _check_keys(config: ml_collections.ConfigDict, schema: ml_collections.ConfigDict, prefix: str):
+  for key in config.keys():
+    path = f'{prefix}{key}'
+    if key not in schema:
+      raise ConfigError(f'unknown config key {path!r}; known keys here: {sorted(schema.keys())}')
+    if isinstance(schema[key], ml_collections.ConfigDict):
+      if not isinstance(config[key], ml_collections.ConfigDict):
+        raise ConfigError(f'config key {path!r} must be a group with keys {sorted(schema[key].keys())}')
+      _check_keys(config[key], schema[key], path + '.')
+  for key in schema.keys():
+    if key not in config:
+      raise ConfigError(f'config key {prefix}{key!r} is missing; start configs from kimijax.config.base_config()')
+
+
+def _one_of(path: str, value: Any, allowed) -> None:
+  if value not in allowed:
+    raise ConfigError(f'{path}={value!r} is not allowed; allowed values: {list(allowed)}')
+
+
+def _positive(path: str, value, *, zero_ok: bool = False) -> None:
+  if value < 0 or (value == 0 and not zero_ok):
+    raise ConfigError(f'{path}={value!r} must be {"non-negative" if zero_ok else "positive"}')
+
+
+def layer_kinds(model: ml_collections.ConfigDict) -> str:
+  """The per-layer mixer letters: layer_pattern tiled to num_layers ('A' x 4 -> 'AAAA')."""
+  pattern = model.layer_pattern
+  reps = -(-model.num_layers // len(pattern))
+  return (pattern * reps)[: model.num_layers]
+
+
+def num_kv_heads(model: ml_collections.ConfigDict) -> int:
+  return model.num_kv_heads or model.num_heads
+
+
+def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Checks every key and value; raises ConfigError naming the first bad one. Returns config."""
+  _check_keys(config, base_config(), '')
+  m, t, o, d, ms = config.model, config.train, config.optimizer, config.data, config.mesh
+
+  for key in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'mlp_dim'):
+    _positive(f'model.{key}', m[key])
+  _positive('model.num_kv_heads', m.num_kv_heads, zero_ok=True)
+  if m.d_model % m.num_heads:
+    raise ConfigError(f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}')
+  if (m.d_model // m.num_heads) % 2 and m.position == 'rope':
+    raise ConfigError(f'head_dim = model.d_model // model.num_heads = {m.d_model // m.num_heads} '
+                      'must be even for model.position=\'rope\'')
+  _one_of('model.attention_kind', m.attention_kind, ATTENTION_KINDS)
+  kv = num_kv_heads(m)
+  if m.attention_kind == 'mha' and kv != m.num_heads:
+    raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} differs from model.num_heads={m.num_heads}; '
+                      "set model.attention_kind='gqa' for grouped-query attention")
+  if m.num_heads % kv:
+    raise ConfigError(f'model.num_kv_heads={kv} does not divide model.num_heads={m.num_heads}')
+  if not m.layer_pattern:
+    raise ConfigError(f'model.layer_pattern is empty; use letters from {LAYER_KINDS}')
+  for letter in m.layer_pattern:
+    if letter not in LAYER_KINDS:
+      raise ConfigError(f'model.layer_pattern={m.layer_pattern!r} has unknown letter {letter!r}; '
+                        f'allowed letters: {LAYER_KINDS}')
+  _one_of('model.residual', m.residual, RESIDUALS)
+  _one_of('model.position', m.position, POSITIONS)
+  _one_of('model.attn_impl', m.attn_impl, ATTN_IMPLS)
+  _one_of('model.kda_impl', m.kda_impl, KDA_IMPLS)
+  _one_of('model.compute_dtype', m.compute_dtype, DTYPES)
+  _positive('model.norm_eps', m.norm_eps)
+  _positive('model.init_std', m.init_std)
+  _positive('model.rope_theta', m.rope_theta)
+
+  for key in ('steps', 'batch_size', 'seq_len', 'log_every', 'eval_every', 'eval_batches',
+              'checkpoint_every', 'keep_checkpoints'):
+    _positive(f'train.{key}', t[key])
+  _positive('train.grad_clip', t.grad_clip, zero_ok=True)
+
+  _one_of('optimizer.name', o.name, OPTIMIZERS)
+  _one_of('optimizer.schedule', o.schedule, SCHEDULES)
+  _positive('optimizer.learning_rate', o.learning_rate)
+  _positive('optimizer.weight_decay', o.weight_decay, zero_ok=True)
+  _positive('optimizer.qk_clip_tau', o.qk_clip_tau)
+  _positive('optimizer.warmup_steps', o.warmup_steps, zero_ok=True)
+  _positive('optimizer.eps', o.eps)
+  for key in ('b1', 'b2', 'decay_fraction', 'min_lr_ratio'):
+    if not 0.0 <= o[key] <= 1.0:
+      raise ConfigError(f'optimizer.{key}={o[key]!r} must lie in [0, 1]')
+
+  _one_of('data.source', d.source, DATA_SOURCES)
+  if d.source == 'text' and not d.path:
+    raise ConfigError("data.path must name a text file or folder when data.source='text'")
+  if not 0.0 < d.val_fraction < 1.0:
+    raise ConfigError(f'data.val_fraction={d.val_fraction!r} must lie in (0, 1)')
+  _positive('data.mqar_num_pairs', d.mqar_num_pairs)
+
+  for axis in MESH_AXES:
+    if ms[axis] == 0 or ms[axis] < -1:
+      raise ConfigError(f'mesh.{axis}={ms[axis]} must be a positive size or -1 (all remaining devices)')
+  if sum(ms[a] == -1 for a in MESH_AXES) > 1:
+    raise ConfigError('at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1')
+  for rule in ms.rules:
+    if len(rule) != 2:
+      raise ConfigError(f'mesh.rules entry {rule!r} must be (logical_name, mesh_axes)')
+    axes = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)
+    for axis in axes:
+      if axis is not None and axis not in MESH_AXES:
+        raise ConfigError(f'mesh.rules entry {rule!r} names mesh axis {axis!r}; allowed: {MESH_AXES}')
+  return config

@@ -1,0 +1,58 @@
+"""Multi-head / grouped-query self-attention with RoPE or NoPE."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from kimijax.ops.attention import attention
+
+
+def apply_rope(x_bthd, positions_bt, theta: float):
+  """Rotary embedding (rotate-half pairing of dims i and i + D/2), computed in float32."""
+  d = x_bthd.shape[-1]
+  inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  angles = positions_bt.astype(jnp.float32)[..., None, None] * inv_freq   # [B, T, 1, D/2]
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  x = x_bthd.astype(jnp.float32)
+  x1, x2 = x[..., : d // 2], x[..., d // 2:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthd.dtype)
+
+
+class SelfAttention(nn.Module):
+  """Causal self-attention. x [B, T, D] -> (y [B, T, D], max_logits [H] fp32).
+
+  Query kernel [D, H, Dh], key/value kernels [D, Hkv, Dh], output kernel [H, Dh, D], so that
+  per-head weight rewrites (QK-Clip, SPEC §3) index the head axis directly.
+  """
+  num_heads: int
+  num_kv_heads: int
+  rope: bool
+  rope_theta: float
+  impl: str
+  init_std: float
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_btd, positions_bt):
+    d = x_btd.shape[-1]
+    head_dim = d // self.num_heads
+    init = nn.initializers.normal(self.init_std)
+
+    def kernel(name, shape, names):
+      return self.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32).astype(self.dtype)
+
+    x_btd = x_btd.astype(self.dtype)
+    w_q = kernel('query', (d, self.num_heads, head_dim), ('embed', 'heads', 'head_dim'))
+    w_k = kernel('key', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
+    w_v = kernel('value', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
+    w_o = kernel('out', (self.num_heads, head_dim, d), ('heads', 'head_dim', 'embed'))
+    q, k, v = (jnp.einsum('btd,dhk->bthk', x_btd, w) for w in (w_q, w_k, w_v))
+    if self.rope:
+      q = apply_rope(q, positions_bt, self.rope_theta)
+      k = apply_rope(k, positions_bt, self.rope_theta)
+    names = ('act_batch', 'act_length', 'act_heads', None)
+    q, k, v = (nn.with_logical_constraint(t, names) for t in (q, k, v))
+    o_bthd, max_logits_h = attention(q, k, v, causal=True, impl=self.impl, return_max_logits=True)
+    o_bthd = nn.with_logical_constraint(o_bthd, names)
+    return jnp.einsum('bthk,hkd->btd', o_bthd, w_o), max_logits_h

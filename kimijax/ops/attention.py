@@ -1,0 +1,125 @@
+"""Softmax attention with one dispatch point for its implementations.
+
+`attention(q, k, v, impl=...)` is the only way the model reaches attention; `impl` picks
+'xla' (plain einsums, runs everywhere) or 'cudnn' (fused flash attention on NVIDIA GPUs).
+With `return_max_logits=True` it also returns, per query head, the largest scaled and causally
+masked logit over the batch and all positions (SPEC §3, the S_max^h that QK-Clip needs). That
+value is exact for every implementation and carries no gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ('xla', 'cudnn')
+_MASKED = -1e30  # finite, so fully masked rows give 0 weights instead of NaN
+
+
+def _check_shapes(q, k, v):
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f'attention expects q [B, T, H, D] and k, v [B, S, Hkv, D]; got q {q.shape}, '
+                     f'k {k.shape}, v {v.shape}')
+  b, _, h, d = q.shape
+  if k.shape != v.shape[:3] + (d,) or k.shape[0] != b or v.shape[:3] != k.shape[:3]:
+    raise ValueError(f'attention: k {k.shape} and v {v.shape} must be [B={b}, S, Hkv, D={d}]')
+  if h % k.shape[2]:
+    raise ValueError(f'attention: key/value heads {k.shape[2]} must divide query heads {h}')
+
+
+def _causal_mask(t: int, s: int) -> jax.Array:
+  """[T, S] bool; query i sits at absolute position s - t + i (queries are the last T of S)."""
+  return jnp.arange(t)[:, None] + (s - t) >= jnp.arange(s)[None, :]
+
+
+def _grouped_logits(q, k, scale):
+  """fp32 logits [B, Hkv, G, T, S] for q [B, T, Hkv*G, D], k [B, S, Hkv, D]."""
+  b, t, h, d = q.shape
+  hkv = k.shape[2]
+  q_btkgd = q.reshape(b, t, hkv, h // hkv, d)
+  return jnp.einsum('btkgd,bskd->bkgts', q_btkgd, k, preferred_element_type=jnp.float32) * scale
+
+
+def _max_over_logits(logits_bkgts, mask_ts):
+  masked = jnp.where(mask_ts, logits_bkgts, -jnp.inf) if mask_ts is not None else logits_bkgts
+  m_kg = jnp.max(masked, axis=(0, 3, 4))
+  return m_kg.reshape(-1)
+
+
+def _xla_attention(q, k, v, causal, scale, return_max_logits):
+  b, t, h, _ = q.shape
+  s = k.shape[1]
+  logits = _grouped_logits(q, k, scale)
+  mask = _causal_mask(t, s) if causal else None
+  if mask is not None:
+    logits = jnp.where(mask, logits, _MASKED)
+  probs = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum('bkgts,bskd->btkgd', probs.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32).astype(q.dtype)
+  out = out.reshape(b, t, h, v.shape[-1])
+  if not return_max_logits:
+    return out, None
+  return out, jax.lax.stop_gradient(_max_over_logits(logits, mask))
+
+
+def max_logits_blocked(q, k, *, causal=True, scale=None, block=512):
+  """Exact per-head max logit [H] without materialising [T, S] for all queries at once.
+
+  Used by fused implementations that do not expose their logits; costs one extra QK^T pass
+  (forward only, no gradient).
+  """
+  b, t, h, d = q.shape
+  s = k.shape[1]
+  scale = d ** -0.5 if scale is None else scale
+  q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+  block = min(block, t)
+  n = -(-t // block)
+  q_pad = jnp.pad(q, ((0, 0), (0, n * block - t), (0, 0), (0, 0)))
+  q_nbthd = q_pad.reshape(b, n, block, h, d).transpose(1, 0, 2, 3, 4)
+  rows = jnp.arange(n * block).reshape(n, block)
+
+  def one_block(args):
+    q_blk, row = args
+    logits = _grouped_logits(q_blk, k, scale)
+    valid = (row < t)[:, None]
+    if causal:
+      valid = valid & (row[:, None] + (s - t) >= jnp.arange(s)[None, :])
+    return _max_over_logits(logits, valid)
+
+  return jnp.max(jax.lax.map(one_block, (q_nbthd, rows)), axis=0)
+
+
+def _cudnn_attention(q, k, v, causal, scale, return_max_logits):
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f"attention impl='cudnn' needs bfloat16 or float16 inputs, got {q.dtype}; "
+                     "set model.compute_dtype='bfloat16' or use impl='xla'")
+  out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation='cudnn')
+  if not return_max_logits:
+    return out, None
+  return out, max_logits_blocked(q, k, causal=causal, scale=scale)
+
+
+def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits=False):
+  """Scaled dot-product attention with GQA.
+
+  Args:
+    q: [B, T, H, D] queries. k, v: [B, S, Hkv, D] keys and values, H % Hkv == 0. When T < S
+      the queries are the last T positions (decoding with a cache).
+    causal: mask keys after each query's position.
+    impl: 'xla' or 'cudnn'.
+    scale: softmax scale, default D ** -0.5.
+    return_max_logits: also return max_logits [H] fp32 = max over batch, queries and unmasked keys
+      of scale * q . k (SPEC §3).
+
+  Returns:
+    out [B, T, H, D] in q's dtype, or (out, max_logits) when return_max_logits.
+  """
+  _check_shapes(q, k, v)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  if impl == 'xla':
+    out, m = _xla_attention(q, k, v, causal, scale, return_max_logits)
+  elif impl == 'cudnn':
+    out, m = _cudnn_attention(q, k, v, causal, scale, return_max_logits)
+  else:
+    raise ValueError(f'attention impl={impl!r} is unknown; allowed: {IMPLS}')
+  return (out, m) if return_max_logits else out

@@ -1,0 +1,58 @@
+"""One device mesh with axes (data, fsdp, tensor), and logical-name -> mesh shardings.
+
+Parameters and activations carry logical axis names (see kimijax.config.DEFAULT_RULES); the
+rules in `config.mesh.rules` map them onto the mesh, so the same model code runs on one CPU,
+8 fake CPU devices, or many GPUs across hosts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import ml_collections
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from kimijax.config import ConfigError, MESH_AXES
+
+
+def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
+  """Sizes of (data, fsdp, tensor); a -1 takes the devices the other axes leave."""
+  sizes = [mesh_cfg[a] for a in MESH_AXES]
+  fixed = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % fixed:
+      raise ConfigError(f'mesh: {num_devices} devices cannot be split with fixed axes '
+                        f'{dict(zip(MESH_AXES, sizes))}')
+    sizes[sizes.index(-1)] = num_devices // fixed
+  if math.prod(sizes) != num_devices:
+    raise ConfigError(f'mesh.data * mesh.fsdp * mesh.tensor = {math.prod(sizes)} but there are '
+                      f'{num_devices} devices; set one axis to -1 to use all devices')
+  return tuple(sizes)
+
+
+def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices=None) -> Mesh:
+  devices = jax.devices() if devices is None else list(devices)
+  shape = mesh_shape(mesh_cfg, len(devices))
+  return jax.make_mesh(shape, MESH_AXES, devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def rules(mesh_cfg: ml_collections.ConfigDict):
+  return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in mesh_cfg.rules)
+
+
+def logical_shardings(logical_specs, mesh: Mesh, mesh_cfg: ml_collections.ConfigDict):
+  """Pytree of logical PartitionSpecs -> pytree of NamedShardings on `mesh`."""
+  return nn.logical_to_mesh_sharding(logical_specs, mesh, rules(mesh_cfg))
+
+
+def batch_sharding(mesh: Mesh, mesh_cfg: ml_collections.ConfigDict) -> NamedSharding:
+  """Sharding of [B, T] token batches: batch over the axes 'act_batch' maps to."""
+  spec = nn.logical_to_mesh_axes(('act_batch', 'act_length'), rules(mesh_cfg))
+  return NamedSharding(mesh, spec)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())

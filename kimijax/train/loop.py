@@ -1,0 +1,145 @@
+"""The training loop: config -> data + model + optimizer -> jitted steps -> metrics and checkpoints."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import jax
+import ml_collections
+import numpy as np
+import tqdm
+
+from kimijax import config as config_lib
+from kimijax.data import eval_batches, make_loader
+from kimijax.model import Transformer, count_params
+from kimijax.optim import make_optimizer, make_schedule
+from kimijax.parallel import mesh as mesh_lib
+from kimijax.train import checkpoint as ckpt_lib
+from kimijax.train import metrics as metrics_lib
+from kimijax.train.state import init_state, state_shardings
+from kimijax.train.step import jit_steps
+
+
+class NonFiniteError(FloatingPointError):
+  """Loss or gradients became NaN or Inf."""
+
+
+def _to_global(batch: dict, sharding) -> dict:
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
+
+
+def _train_record(step: int, m: dict, layer_ids: list[int]) -> dict:
+  record = {'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']), 'grad_norm': float(m['grad_norm'])}
+  max_logits = np.asarray(m['max_logits'])           # [attention layers, heads]
+  if max_logits.size:
+    record['max_logit'] = float(max_logits.max())
+    for layer, value in zip(layer_ids, max_logits.max(axis=1)):
+      record[f'max_logit_layer_{layer}'] = float(value)
+  return record
+
+
+def evaluate(eval_step, params, batches: list[dict]) -> float:
+  """Mean token nll over the fixed validation batches."""
+  total, count = 0.0, 0.0
+  for batch in batches:
+    nll, n = eval_step(params, batch)
+    total, count = total + float(nll), count + float(n)
+  return total / max(count, 1.0)
+
+
+def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, devices=None) -> dict:
+  """Trains (or resumes) `config` in `workdir` on `devices` (default: all); returns a summary."""
+  config_lib.validate(config)
+  workdir = pathlib.Path(workdir)
+  pid, nproc = jax.process_index(), jax.process_count()
+  t = config.train
+
+  # Everything that can fail on bad input is checked before any compile or step.
+  train_loader = make_loader(config, 'train', process_index=pid, process_count=nproc)
+  if config.model.vocab_size < train_loader.vocab_size:
+    raise config_lib.ConfigError(f'model.vocab_size={config.model.vocab_size} is smaller than the '
+                                 f'tokenizer vocabulary ({train_loader.vocab_size})')
+  val_local = eval_batches(config, t.eval_batches, process_index=pid, process_count=nproc)
+  mesh = mesh_lib.make_mesh(config.mesh, devices)
+  workdir.mkdir(parents=True, exist_ok=True)
+
+  model = Transformer(config.model)
+  optimizer, schedule = make_optimizer(config), make_schedule(config)
+  abstract_state, shardings = state_shardings(model, optimizer, config, mesh)
+  checkpointer = ckpt_lib.Checkpointer(workdir / 'checkpoints', keep=t.keep_checkpoints)
+  start = checkpointer.latest_step()
+  if start is not None:
+    state, data_state = checkpointer.restore(start, abstract_state, config)
+    train_loader.set_state(data_state)
+  else:
+    start = 0
+    state = init_state(model, optimizer, config, shardings)
+  if pid == 0:
+    (workdir / 'config.json').write_text(config.to_json(indent=2))
+
+  train_step, eval_step = jit_steps(model, optimizer, schedule, config, mesh, shardings)
+  batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh)
+  val_batches = [_to_global(b, batch_sharding) for b in val_local]
+  writer = metrics_lib.MetricsWriter(workdir, resume_step=start if start else None)
+  layer_ids = [i for i, k in enumerate(config_lib.layer_kinds(config.model)) if k == 'A']
+  n_params = count_params(state.params)
+  tokens_per_step = t.batch_size * t.seq_len
+  if pid == 0:
+    print(f'kimijax: {n_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, '
+          f'{tokens_per_step} tokens/step, {"resuming from step " + str(start) if start else "fresh start"}',
+          flush=True)
+
+  def check(step: int, metrics: dict) -> None:
+    if not bool(metrics['finite']):
+      checkpointer.wait()
+      raise NonFiniteError(f'loss or gradients became NaN/Inf at step {step}; stopped. The last good '
+                           f'checkpoint is step {checkpointer.latest_step()} in {checkpointer.directory}')
+
+  bar = tqdm.tqdm(total=t.steps, initial=start, disable=pid != 0, dynamic_ncols=True, desc='train')
+  started = time.time()
+  interval_start, interval_steps = None, 0
+  last_loss, eval_loss, pending = None, None, None
+  try:
+    for step in range(start + 1, t.steps + 1):
+      state, metrics = train_step(state, _to_global(next(train_loader), batch_sharding))
+      if pending is not None:
+        check(*pending)             # one step behind, so the host does not stall the device
+      pending = (step, metrics)
+      if interval_start is None:    # the first step includes compilation: time from after it
+        check(*pending)
+        interval_start = time.time()
+      else:
+        interval_steps += 1
+      last = step == t.steps
+      if step % t.log_every == 0 or last:
+        check(*pending)
+        record = _train_record(step, metrics, layer_ids)
+        now = time.time()
+        rate = interval_steps * tokens_per_step / max(now - interval_start, 1e-9) if interval_steps else 0.0
+        interval_start, interval_steps = now, 0
+        record.update(tokens=step * tokens_per_step, tokens_per_sec=rate)
+        writer.write(record)
+        last_loss = record['loss']
+        bar.set_postfix(loss=f'{last_loss:.3f}', tok_s=f'{rate:,.0f}', refresh=False)
+      if step % t.eval_every == 0 or last:
+        eval_loss = evaluate(eval_step, state.params, val_batches)
+        writer.write({'step': step, 'eval_loss': eval_loss, 'tokens': step * tokens_per_step})
+        if pid == 0:
+          bar.write(f'step {step}: eval loss {eval_loss:.4f}')
+      if step % t.checkpoint_every == 0 or last:
+        check(*pending)
+        checkpointer.save(step, state, train_loader.get_state(), config)
+      bar.update(1)
+  finally:
+    bar.close()
+    checkpointer.wait()
+    writer.close()
+  checkpointer.close()
+
+  summary = {'params': n_params, 'steps': t.steps, 'tokens': t.steps * tokens_per_step,
+             'seconds': time.time() - started, 'final_loss': last_loss, 'eval_loss': eval_loss,
+             'workdir': str(workdir.absolute())}
+  if pid == 0 and t.plot and (workdir / 'metrics.jsonl').exists():
+    summary['plot'] = str(metrics_lib.plot_loss_curve(workdir))
+  return summary

@@ -1,0 +1,76 @@
+"""metrics.jsonl, TensorBoard events and the loss-curve PNG; only process 0 writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import jax
+
+
+class MetricsWriter:
+  """Appends one JSON object per logged step to DIR/metrics.jsonl and mirrors scalars to
+  TensorBoard (DIR/tensorboard)."""
+
+  def __init__(self, workdir: str | pathlib.Path, *, resume_step: int | None = None):
+    self.path = pathlib.Path(workdir) / 'metrics.jsonl'
+    self.enabled = jax.process_index() == 0
+    self._tb = None
+    if not self.enabled:
+      return
+    if resume_step is not None:
+      self._drop_after(resume_step)
+    from tensorboardX import SummaryWriter
+    self._tb = SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'))
+
+  def _drop_after(self, step: int) -> None:
+    """On resume, drop lines logged after the restored step by the interrupted run, so the
+    file holds one continuous curve. Rewritten through a temporary file and a rename."""
+    if not self.path.exists():
+      return
+    keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l)['step'] <= step]
+    tmp = self.path.with_suffix('.jsonl.tmp')
+    tmp.write_text(''.join(l + '\n' for l in keep))
+    os.replace(tmp, self.path)
+
+  def write(self, record: dict) -> None:
+    if not self.enabled:
+      return
+    with self.path.open('a') as f:
+      f.write(json.dumps(record) + '\n')
+    for key, value in record.items():
+      if key != 'step' and isinstance(value, (int, float)):
+        self._tb.add_scalar(key, value, record['step'])
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
+  path = pathlib.Path(workdir) / 'metrics.jsonl'
+  return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def plot_loss_curve(workdir: str | pathlib.Path) -> pathlib.Path:
+  """DIR/loss.png: train loss and eval loss against step."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  records = read_metrics(workdir)
+  train = [(r['step'], r['loss']) for r in records if 'loss' in r]
+  evals = [(r['step'], r['eval_loss']) for r in records if 'eval_loss' in r]
+  fig, ax = plt.subplots(figsize=(7, 4))
+  if train:
+    ax.plot(*zip(*train), label='train loss')
+  if evals:
+    ax.plot(*zip(*evals), 'o-', label='eval loss')
+  ax.set_xlabel('step')
+  ax.set_ylabel('nats per token')
+  ax.grid(alpha=0.3)
+  ax.legend()
+  out = pathlib.Path(workdir) / 'loss.png'
+  fig.savefig(out, dpi=110, bbox_inches='tight')
+  plt.close(fig)
+  return out
