@@ -5,6 +5,8 @@ one copy per process with --coordinator_address=HOST:PORT --num_processes=N --pr
 (or none of them where jax.distributed detects the cluster itself, e.g. under SLURM).
 """
 
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -23,23 +25,58 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)   # orbax logs every save step at INFO
   import jax
   if FLAGS.coordinator_address or FLAGS.distributed:
-    if jax.default_backend() == 'cpu' or FLAGS.coordinator_address:
-      jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    # Cross-process collectives of the CPU backend (harmless on GPU). Do not query the backend
+    # here (jax.default_backend()): that initialises it, and initialize() must come first.
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
 
-  from kimijax.config import validate
+  from kimijax.config import ConfigError, validate
+  from kimijax.data import DataError
+  from kimijax.train.checkpoint import CheckpointError
   from kimijax.train.loop import train
-  config = validate(FLAGS.config)
-  summary = train(config, FLAGS.workdir)
+  try:   # these errors carry one message naming the key or path; a traceback would bury it
+    config = validate(FLAGS.config)
+    summary = train(config, FLAGS.workdir)
+  except (ConfigError, DataError, CheckpointError) as e:
+    sys.exit(f'{type(e).__name__}: {e}')
   if jax.process_index() == 0:
     print('\n'.join([
         'done.',
         f'  parameters   {summary["params"] / 1e6:.2f}M',
         f'  tokens       {summary["tokens"]:,} in {summary["seconds"]:.0f} s',
-        f'  final loss   train {summary["final_loss"]}, eval {summary["eval_loss"]}',
+        f'  final loss   train {_fmt(summary["final_loss"])}, eval {_fmt(summary["eval_loss"])} (nats/token)',
         f'  outputs      {summary["workdir"]}/ (metrics.jsonl, checkpoints/, tensorboard/, loss.png)',
     ]))
 
 
+def _fmt(x) -> str:
+  return 'n/a' if x is None else f'{x:.4f}'
+
+
+def unknown_override(argv: list[str]) -> str | None:
+  """The message for a --config.a.b=v whose key is not in the schema, else None. ml_collections
+  would fail inside flag parsing with a bare AttributeError naming neither the key nor the
+  allowed ones."""
+  import ml_collections
+  from kimijax.config import base_config
+  for arg in argv[1:]:
+    if arg == '--':
+      break
+    if not arg.startswith('--config.'):
+      continue
+    path = arg[len('--config.'):].split('=', 1)[0]
+    node, parent = base_config(), 'config'
+    for part in path.split('.'):
+      if not isinstance(node, ml_collections.ConfigDict):
+        return f'ConfigError: unknown config key {path!r} (from {arg}): {parent!r} is a value, not a group'
+      if part not in node:
+        return (f'ConfigError: unknown config key {path!r} (from {arg}); '
+                f'allowed keys in {parent!r}: {sorted(node.keys())}')
+      node, parent = node[part], part if parent == 'config' else f'{parent}.{part}'
+  return None
+
+
 if __name__ == '__main__':
+  if message := unknown_override(sys.argv):
+    sys.exit(message)
   app.run(main)

@@ -3,8 +3,8 @@
 Run:      make run      (= python run.py --config=configs/default.py --workdir=runs/default)
 Variants: --config=configs/default.py:gqa   (grouped-query attention, 2 KV heads)
           --config=configs/default.py:nope  (no positional encoding)
-Expected: 3.5M parameters; train loss ~5.5 at step 1; eval loss below 2.5 nats/byte after 600
-          steps (2.5M tokens) in about 8 minutes on a 2-core CPU (see README for measured figures).
+Expected: 3.48M parameters; loss 5.55 (ln 258) at step 1; eval loss 2.42 at step 100 and 1.49
+          nats/byte at step 600 (2.46M tokens), 327 s on a 2-core CPU (2026-11-30).
 """
 
 from kimijax.config import base_config

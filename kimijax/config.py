@@ -68,6 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.norm_eps = 1e-6
   m.init_std = 0.02
   m.compute_dtype = 'bfloat16'  # params stay float32; norms, softmax and the loss run in float32
+  m.residual_dtype = 'float32'  # dtype of the residual stream between sublayers
   m.remat = False               # rematerialise each layer in the backward pass
 
   c.train = t = ml_collections.ConfigDict()
@@ -175,6 +176,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _one_of('model.attn_impl', m.attn_impl, ATTN_IMPLS)
   _one_of('model.kda_impl', m.kda_impl, KDA_IMPLS)
   _one_of('model.compute_dtype', m.compute_dtype, DTYPES)
+  _one_of('model.residual_dtype', m.residual_dtype, DTYPES)
   _positive('model.norm_eps', m.norm_eps)
   _positive('model.init_std', m.init_std)
   _positive('model.rope_theta', m.rope_theta)

@@ -13,6 +13,8 @@ scaled logit over the batch (SPEC §3), for logging and QK-Clip.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,24 @@ from kimijax.layers.mlp import SwiGLU
 from kimijax.layers.norms import RMSNorm
 
 ACT_BTD = ('act_batch', 'act_length', 'act_embed')
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def cotangent_in(x, dtype):
+  """Identity whose cotangent is cast to `dtype`: the float32 logits' gradient then flows back
+  through the head matmul in the compute dtype (bf16 GEMMs) instead of float32 GEMMs."""
+  return x
+
+
+def _cotangent_in_fwd(x, dtype):
+  return x, None
+
+
+def _cotangent_in_bwd(dtype, _, g):
+  return (g.astype(dtype),)
+
+
+cotangent_in.defvjp(_cotangent_in_fwd, _cotangent_in_bwd)
 
 
 class Layer(nn.Module):
@@ -60,8 +80,9 @@ class Transformer(nn.Module):
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     embed = self.param('embed', nn.with_logical_partitioning(
         nn.initializers.normal(cfg.init_std), ('vocab', 'embed')), (cfg.vocab_size, cfg.d_model), jnp.float32)
-    # The residual stream is kept in float32; sublayers compute in `dtype`.
-    h_btd = nn.with_logical_constraint(jnp.take(embed, tokens_bt, axis=0), ACT_BTD)
+    # The residual stream is kept in residual_dtype (default float32); sublayers compute in `dtype`.
+    h_btd = jnp.take(embed, tokens_bt, axis=0).astype(cfg.residual_dtype)
+    h_btd = nn.with_logical_constraint(h_btd, ACT_BTD)
 
     layer_cls = nn.remat(Layer, prevent_cse=True) if cfg.remat else Layer
     max_logits = []
@@ -77,6 +98,7 @@ class Transformer(nn.Module):
       head_dv = self.param('head', nn.with_logical_partitioning(
           nn.initializers.normal(cfg.init_std), ('embed', 'vocab')), (cfg.d_model, cfg.vocab_size), jnp.float32)
     logits_btv = jnp.einsum('btd,dv->btv', x_btd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
+    logits_btv = cotangent_in(logits_btv, dtype)
     logits_btv = nn.with_logical_constraint(logits_btv, ('act_batch', 'act_length', 'act_vocab'))
     aux = {'max_logits': jnp.stack(max_logits) if max_logits else jnp.zeros((0, cfg.num_heads))}
     return logits_btv, aux

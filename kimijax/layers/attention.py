@@ -47,7 +47,11 @@ class SelfAttention(nn.Module):
     w_k = kernel('key', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
     w_v = kernel('value', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
     w_o = kernel('out', (self.num_heads, head_dim, d), ('heads', 'head_dim', 'embed'))
-    q, k, v = (jnp.einsum('btd,dhk->bthk', x_btd, w) for w in (w_q, w_k, w_v))
+    if self.num_kv_heads == self.num_heads:   # one GEMM with 3x the output width
+      qkv = jnp.einsum('btd,dshk->btshk', x_btd, jnp.stack([w_q, w_k, w_v], axis=1))
+      q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+      q, k, v = (jnp.einsum('btd,dhk->bthk', x_btd, w) for w in (w_q, w_k, w_v))
     if self.rope:
       q = apply_rope(q, positions_bt, self.rope_theta)
       k = apply_rope(k, positions_bt, self.rope_theta)

@@ -24,7 +24,8 @@ def _check_shapes(q, k, v):
   if k.shape != v.shape[:3] + (d,) or k.shape[0] != b or v.shape[:3] != k.shape[:3]:
     raise ValueError(f'attention: k {k.shape} and v {v.shape} must be [B={b}, S, Hkv, D={d}]')
   if h % k.shape[2]:
-    raise ValueError(f'attention: key/value heads {k.shape[2]} must divide query heads {h}')
+    raise ValueError(f'attention: key/value heads {k.shape[2]} must divide query heads {h}; got '
+                     f'q {q.shape}, k {k.shape}')
 
 
 def _causal_mask(t: int, s: int) -> jax.Array:
@@ -65,8 +66,8 @@ def _xla_attention(q, k, v, causal, scale, return_max_logits):
 def max_logits_blocked(q, k, *, causal=True, scale=None, block=512):
   """Exact per-head max logit [H] without materialising [T, S] for all queries at once.
 
-  Used by fused implementations that do not expose their logits; costs one extra QK^T pass
-  (forward only, no gradient).
+  A portable reference for fused implementations that do not expose their logits (on GPU the
+  fused Pallas kernel kernels_pallas.max_logits does the same without writing logits to memory).
   """
   b, t, h, d = q.shape
   s = k.shape[1]
@@ -93,10 +94,18 @@ def _cudnn_attention(q, k, v, causal, scale, return_max_logits):
   if q.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"attention impl='cudnn' needs bfloat16 or float16 inputs, got {q.dtype}; "
                      "set model.compute_dtype='bfloat16' or use impl='xla'")
-  out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation='cudnn')
+  t, s = q.shape[1], k.shape[1]
+  if causal and t != s:
+    # jax's is_causal aligns the mask top-left (query i sees keys <= i); here the queries are the
+    # last T of S positions, so pass the bottom-right mask explicitly.
+    out = jax.nn.dot_product_attention(q, k, v, mask=_causal_mask(t, s)[None, None], scale=scale,
+                                       implementation='cudnn')
+  else:
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation='cudnn')
   if not return_max_logits:
     return out, None
-  return out, max_logits_blocked(q, k, causal=causal, scale=scale)
+  from kernels_pallas.max_logits import max_logits  # GPU only: imports Triton lowering
+  return out, max_logits(q, k, causal=causal, scale=scale)
 
 
 def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits=False):

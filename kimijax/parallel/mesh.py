@@ -20,11 +20,15 @@ from kimijax.config import ConfigError, MESH_AXES
 def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
   """Sizes of (data, fsdp, tensor); a -1 takes the devices the other axes leave."""
   sizes = [mesh_cfg[a] for a in MESH_AXES]
+  given = ', '.join(f'mesh.{a}={s}' for a, s in zip(MESH_AXES, sizes))
+  if sizes.count(-1) > 1:
+    raise ConfigError(f'at most one mesh axis may be -1 (it takes the devices the others leave); '
+                      f'got {given} for {num_devices} devices')
   fixed = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % fixed:
-      raise ConfigError(f'mesh: {num_devices} devices cannot be split with fixed axes '
-                        f'{dict(zip(MESH_AXES, sizes))}')
+      raise ConfigError(f'{given}: the fixed axes (product {fixed}) do not divide the '
+                        f'{num_devices} devices')
     sizes[sizes.index(-1)] = num_devices // fixed
   if math.prod(sizes) != num_devices:
     raise ConfigError(f'mesh.data * mesh.fsdp * mesh.tensor = {math.prod(sizes)} but there are '

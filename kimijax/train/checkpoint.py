@@ -2,17 +2,22 @@
 
 Saves are asynchronous; orbax writes each step into a temporary folder and renames it when
 complete, so a run killed mid-save resumes from the last complete step. A checkpoint that cannot
-be read, or that was written by a different model config, stops the run with a message naming
-the path; it is never overwritten.
+be read, whose arrays do not match the checksums saved with them (orbax stores raw array bytes
+without checksums, so flipped bytes would otherwise load silently), or that was written by a
+different model config, stops the run with a message naming the path; it is never overwritten.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 
 # Config groups that must match to restore: they decide parameter shapes and meaning.
 # mesh, train and data may change between runs (resharding onto another mesh is supported).
@@ -41,6 +46,37 @@ def config_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[st
   return [f'{k}: {before.get(k)!r} -> {now.get(k)!r}' for k in keys if before.get(k) != now.get(k)]
 
 
+def _leaf_checksum(x):
+  """[2] uint32: sum of the leaf's 32-bit words and sum of word * (2 * index + 1), mod 2**32.
+  Integer sums are exact in any order, so the result does not depend on the sharding."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    words = x.astype(jnp.uint32)
+  elif x.dtype.itemsize >= 4:
+    words = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  else:
+    words = jax.lax.bitcast_convert_type(x, jnp.dtype(f'uint{8 * x.dtype.itemsize}')).astype(jnp.uint32)
+  words = words.reshape(-1)
+  odd = 2 * jnp.arange(words.size, dtype=jnp.uint32) + 1
+  return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * odd, dtype=jnp.uint32)])
+
+
+@functools.lru_cache(maxsize=8)
+def _checksum_fn(out_sharding):
+  return jax.jit(lambda tree: jax.tree.map(_leaf_checksum, tree), out_shardings=out_sharding)
+
+
+def state_checksums(state) -> dict[str, list[int]]:
+  """{leaf path: [two uint32 checksums]} of a pytree of jax Arrays."""
+  leaves = jax.tree.leaves(state)
+  sharding = leaves[0].sharding if leaves else None
+  out = NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else None
+  sums = jax.device_get(_checksum_fn(out)(state))
+  return {jax.tree_util.keystr(path): [int(v) for v in value]
+          for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]}
+
+
 class Checkpointer:
   def __init__(self, directory: str | pathlib.Path, *, keep: int):
     self.directory = pathlib.Path(directory).absolute()
@@ -48,7 +84,7 @@ class Checkpointer:
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                              enable_async_checkpointing=True),
-        item_names=('state', 'data', 'config'))
+        item_names=('state', 'data', 'config', 'checksums'))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -57,27 +93,33 @@ class Checkpointer:
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
-        config=ocp.args.JsonSave(json.loads(config.to_json()))))
+        config=ocp.args.JsonSave(json.loads(config.to_json())),
+        checksums=ocp.args.JsonSave(state_checksums(state))))
 
   def restore(self, step: int, abstract_state, config: ml_collections.ConfigDict):
     """(state laid out as abstract_state's shardings, data-iterator state) of `step`."""
     path = self.directory / str(step)
-    try:
-      saved_config = self.manager.restore(step, args=ocp.args.Composite(
-          config=ocp.args.JsonRestore())).config
-    except Exception as e:  # orbax raises many types for unreadable files
-      raise CheckpointError(f'checkpoint {path} cannot be read ({type(e).__name__}: {e}); '
-                            'it was left untouched: move it away or use another --workdir') from e
-    mismatches = config_mismatches(saved_config, config)
+    untouched = 'it was left untouched: move it away or use another --workdir'
+    try:  # orbax raises many exception types for unreadable files
+      meta = self.manager.restore(step, args=ocp.args.Composite(
+          config=ocp.args.JsonRestore(), checksums=ocp.args.JsonRestore()))
+    except Exception as e:
+      raise CheckpointError(f'checkpoint {path} cannot be read ({type(e).__name__}: {e}); {untouched}') from e
+    mismatches = config_mismatches(meta.config, config)
     if mismatches:
-      raise CheckpointError(f'checkpoint {path} was written by a different model config; it was left '
-                            'untouched. Differences (saved -> now): ' + '; '.join(mismatches))
+      raise CheckpointError(f'checkpoint {path} was written by a different model config; {untouched}. '
+                            'Differences (saved -> now): ' + '; '.join(mismatches))
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
     except Exception as e:
-      raise CheckpointError(f'checkpoint {path} cannot be restored ({type(e).__name__}: {e}); '
-                            'it was left untouched: move it away or use another --workdir') from e
+      raise CheckpointError(f'checkpoint {path} cannot be restored ({type(e).__name__}: {e}); {untouched}') from e
+    sums = state_checksums(restored.state)
+    bad = sorted(k for k in set(sums) | set(meta.checksums) if sums.get(k) != meta.checksums.get(k))
+    if bad:
+      more = f' and {len(bad) - 5} more' if len(bad) > 5 else ''
+      raise CheckpointError(f'checkpoint {path} is corrupt: the restored arrays {bad[:5]}{more} do not '
+                            f'match the checksums saved with them; {untouched}')
     return restored.state, restored.data
 
   def wait(self) -> None:

@@ -36,7 +36,7 @@ def make_train_step(model, optimizer: optax.GradientTransformation, schedule: op
 
   def train_step(state: TrainState, batch):
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),

@@ -1,0 +1,99 @@
+"""Training throughput: tokens/s, step time, model FLOPs utilisation and peak memory.
+
+    python experiments/bench_train.py --config=configs/bench_350m.py [--config.a.b=v] [--steps=20]
+
+Runs the real jitted train step (same code as run.py) on synthetic token batches, after warm-up.
+Model FLOPs per token = 6 * N (N: parameters used in matmuls; the input embedding table counts
+only when tied to the output head) + 6 * L_attn * T * H * Dh for causal attention (forward +
+backward). MFU is against the chip's dense bf16 peak (--peak_tflops; H100/H200 SXM: 989).
+"""
+
+import json
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file('config', None, 'config file', lock_config=True)
+flags.DEFINE_integer('steps', 20, 'timed steps')
+flags.DEFINE_integer('warmup', 3, 'untimed steps (the first compiles)')
+flags.DEFINE_float('peak_tflops', 989.0, 'dense bf16 peak of one device, TFLOP/s')
+flags.DEFINE_string('json_out', None, 'also write the figures to this JSON file')
+flags.DEFINE_string('profile_dir', None, 'write a profiler trace (perfetto JSON too) of 3 extra steps here')
+flags.mark_flags_as_required(['config'])
+FLAGS = flags.FLAGS
+
+
+def model_flops_per_token(config, n_params: int) -> float:
+  m = config.model
+  from kimijax.config import layer_kinds
+  n_matmul = n_params if m.tie_embeddings else n_params - m.vocab_size * m.d_model
+  n_attn = layer_kinds(m).count('A')
+  return 6.0 * n_matmul + 6.0 * n_attn * config.train.seq_len * m.d_model
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+
+  from kimijax.config import validate
+  from kimijax.model import Transformer, count_params
+  from kimijax.optim import make_optimizer, make_schedule
+  from kimijax.parallel import mesh as mesh_lib
+  from kimijax.train.state import init_state, state_shardings
+  from kimijax.train.step import jit_steps
+
+  config = validate(FLAGS.config)
+  t = config.train
+  mesh = mesh_lib.make_mesh(config.mesh)
+  model = Transformer(config.model)
+  optimizer, schedule = make_optimizer(config), make_schedule(config)
+  _, shardings = state_shardings(model, optimizer, config, mesh)
+  state = init_state(model, optimizer, config, shardings)
+  train_step, _ = jit_steps(model, optimizer, schedule, config, mesh, shardings)
+  batch_sh = mesh_lib.batch_sharding(mesh, config.mesh)
+  tokens = jax.jit(lambda k: jax.random.randint(k, (t.batch_size, t.seq_len + 1), 0, config.model.vocab_size),
+                   out_shardings=mesh_lib.replicated(mesh))(jax.random.key(0))
+  batch = jax.device_put({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+                          'mask': jnp.ones((t.batch_size, t.seq_len), jnp.float32)}, batch_sh)
+
+  for _ in range(FLAGS.warmup):
+    state, metrics = train_step(state, batch)
+  jax.block_until_ready(metrics)
+  start = time.perf_counter()
+  for _ in range(FLAGS.steps):
+    state, metrics = train_step(state, batch)
+  jax.block_until_ready(metrics)
+  step_s = (time.perf_counter() - start) / FLAGS.steps
+
+  if FLAGS.profile_dir:
+    with jax.profiler.trace(FLAGS.profile_dir, create_perfetto_trace=True):
+      for _ in range(3):
+        state, metrics = train_step(state, batch)
+      jax.block_until_ready(metrics)
+
+  n_params = count_params(state.params)
+  tokens_per_step = t.batch_size * t.seq_len
+  flops_per_token = model_flops_per_token(config, n_params)
+  n_dev = len(jax.devices())
+  tflops_per_dev = flops_per_token * tokens_per_step / step_s / n_dev / 1e12
+  stats = jax.devices()[0].memory_stats() or {}
+  result = {
+      'device': jax.devices()[0].device_kind, 'num_devices': n_dev, 'params_M': n_params / 1e6,
+      'batch': t.batch_size, 'seq_len': t.seq_len, 'attn_impl': config.model.attn_impl,
+      'remat': config.model.remat, 'residual': config.model.residual,
+      'residual_dtype': config.model.residual_dtype,
+      'step_ms': step_s * 1e3, 'tokens_per_sec': tokens_per_step / step_s,
+      'model_tflops_per_device': tflops_per_dev, 'mfu': tflops_per_dev / FLAGS.peak_tflops,
+      'peak_memory_GiB': stats.get('peak_bytes_in_use', 0) / 2**30, 'loss': float(metrics['loss']),
+  }
+  for key, value in result.items():
+    print(f'{key:>24}: {value:.4g}' if isinstance(value, float) else f'{key:>24}: {value}')
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, 'w') as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == '__main__':
+  app.run(main)

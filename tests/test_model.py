@@ -1,0 +1,330 @@
+"""Tests for kimijax.model.Transformer and RoPE against float64 NumPy written here.
+
+The NumPy forward below reads the model's own parameter pytree but none of its code: embedding
+lookup, RMSNorm with gain, GQA attention with RoPE (complex-number rotation), SwiGLU, final norm
+and the tied or untied head.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimijax import config as config_lib
+from kimijax.layers.attention import apply_rope
+from kimijax.model import Transformer, count_params
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls_in_full():
+  """GPUs run float32 matmuls as TF32 by default; these tests compare with float64 at ~1e-5."""
+  with jax.default_matmul_precision('highest'):
+    yield
+
+
+B, T = 2, 9
+
+
+def tiny_model_config(**overrides):
+  """A validated tiny float32 model config: V=37, D=32, 2 layers, 4 heads of 8, GQA 2 kv heads."""
+  c = config_lib.base_config()
+  c.model.update(dict(vocab_size=37, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      attention_kind='gqa', mlp_dim=48, compute_dtype='float32'))
+  c.model.update(overrides)
+  return config_lib.validate(c).model
+
+
+def init_params(cfg, seed=0):
+  """Plain (unboxed) params with O(1)-scale random values, so attention is far from uniform.
+
+  Only the structure comes from the model (via eval_shape); every value is drawn here.
+  """
+  tokens = jnp.zeros((1, T), jnp.int32)
+  params = nn.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(seed), tokens)['params'])
+  leaves, treedef = jax.tree.flatten_with_path(params)
+  rng = np.random.default_rng(seed + 100)
+  new = []
+  for path, leaf in leaves:
+    name = jax.tree_util.keystr(path)
+    if 'scale' in name:                                   # norm gains around 1
+      x = 1.0 + 0.3 * rng.standard_normal(leaf.shape)
+    elif 'embed' in name:
+      x = rng.standard_normal(leaf.shape)
+    else:                                                 # matrices: fan-in of the first axis
+      fan_in = leaf.shape[0] * (leaf.shape[1] if name.endswith("['out']") else 1)
+      gain = 2.0 if ("['query']" in name or "['key']" in name) else 1.0
+      x = gain * rng.standard_normal(leaf.shape) / np.sqrt(fan_in)
+    new.append(jnp.asarray(x, leaf.dtype))
+  return jax.tree.unflatten(treedef, new)
+
+
+def random_tokens(cfg, seed=1, b=B, t=T):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+
+
+_FORWARDS = {}
+
+
+def forward(cfg, params, tokens, positions=None):
+  """Jitted Transformer.apply, one compiled function per config (cheaper than eager on CPU)."""
+  key = cfg.to_json()
+  if key not in _FORWARDS:
+    _FORWARDS[key] = jax.jit(Transformer(cfg).apply)
+  return _FORWARDS[key]({'params': params}, tokens, positions)
+
+
+# ----------------------------------------------------------------------------- NumPy reference
+
+
+def np_rope(x_bthd, positions_bt, theta):
+  """Rotate each pair (i, i + D/2) by pos * theta^(-2i/D), as a complex multiplication."""
+  d = x_bthd.shape[-1]
+  half = d // 2
+  angle = positions_bt[:, :, None, None] * theta ** (-2.0 * np.arange(half) / d)
+  z = (x_bthd[..., :half] + 1j * x_bthd[..., half:]) * np.exp(1j * angle)
+  return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def np_rmsnorm(x, gain, eps):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * gain
+
+
+def np_silu(x):
+  return x / (1.0 + np.exp(-x))
+
+
+def kernel(node):
+  """A matrix parameter, stored bare or (nn.Dense style) under 'kernel'."""
+  return node['kernel'] if isinstance(node, dict) else node
+
+
+def np_attention_block(x_btd, p, positions_bt, cfg):
+  """Returns (y [B, T, D], per-head max logit [H])."""
+  wq, wk, wv, wo = (np.asarray(p[n], np.float64) for n in ('query', 'key', 'value', 'out'))
+  h, hkv = wq.shape[1], wk.shape[1]
+  dh = wq.shape[2]
+  t = x_btd.shape[1]
+  q = np.einsum('btd,dhk->bthk', x_btd, wq)
+  k = np.einsum('btd,dhk->bthk', x_btd, wk)
+  v = np.einsum('btd,dhk->bthk', x_btd, wv)
+  if cfg.position == 'rope':
+    q, k = np_rope(q, positions_bt, cfg.rope_theta), np_rope(k, positions_bt, cfg.rope_theta)
+  kv_head = np.arange(h) // (h // hkv)
+  logits = np.einsum('bihk,bjhk->bhij', q, k[:, :, kv_head]) / np.sqrt(dh)
+  causal = np.tril(np.ones((t, t), bool))
+  logits = np.where(causal, logits, -np.inf)
+  max_logits = logits.max(axis=(0, 2, 3))
+  w = np.exp(logits - logits.max(-1, keepdims=True))
+  w /= w.sum(-1, keepdims=True)
+  o = np.einsum('bhij,bjhk->bihk', w, v[:, :, kv_head])
+  return np.einsum('bthk,hkd->btd', o, wo), max_logits
+
+
+def np_forward(cfg, params, tokens, positions=None):
+  """float64 forward: (logits [B, T, V], max_logits [layers, H])."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  tokens = np.asarray(tokens)
+  if positions is None:
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+  positions = np.asarray(positions, np.float64)
+  h = p['embed'][tokens]
+  max_logits = []
+  for i in range(cfg.num_layers):
+    lp = p[f'layer_{i}']
+    y, m = np_attention_block(np_rmsnorm(h, lp['mixer_norm']['scale'], cfg.norm_eps),
+                              lp['attention'], positions, cfg)
+    h = h + y
+    max_logits.append(m)
+    x = np_rmsnorm(h, lp['mlp_norm']['scale'], cfg.norm_eps)
+    mlp = lp['mlp']
+    h = h + (np_silu(x @ kernel(mlp['wi_gate'])) * (x @ kernel(mlp['wi_up']))) @ kernel(mlp['wo'])
+  x = np_rmsnorm(h, p['final_norm']['scale'], cfg.norm_eps)
+  head = p['embed'].T if cfg.tie_embeddings else p['head']
+  return x @ head, np.stack(max_logits)
+
+
+def rel_err(a, ref):
+  return float(np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+@pytest.mark.parametrize('theta', [10000.0, 500.0])
+def test_apply_rope_matches_pair_rotation(theta):
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((2, 6, 3, 16)).astype(np.float32)
+  positions = rng.integers(0, 64, (2, 6))
+  got = apply_rope(jnp.asarray(x), jnp.asarray(positions), theta)
+  assert got.dtype == jnp.float32 and got.shape == x.shape
+  np.testing.assert_allclose(got, np_rope(x.astype(np.float64), positions.astype(np.float64), theta),
+                             rtol=1e-5, atol=1e-5)
+  # Explicit check of one pair against the written-out 2-D rotation.
+  i, d, pos = 3, 16, float(positions[1, 4])
+  ang = pos * theta ** (-2 * i / d)
+  a, b = x[1, 4, 2, i], x[1, 4, 2, i + d // 2]
+  np.testing.assert_allclose(got[1, 4, 2, [i, i + d // 2]],
+                             [a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)],
+                             rtol=1e-5, atol=1e-5)
+  # Position 0 is the identity; bf16 input keeps its dtype.
+  np.testing.assert_array_equal(apply_rope(jnp.asarray(x), jnp.zeros((2, 6)), theta), x)
+  assert apply_rope(jnp.asarray(x, jnp.bfloat16), jnp.asarray(positions), theta).dtype == jnp.bfloat16
+
+
+def test_rope_logits_depend_only_on_relative_offset():
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.standard_normal((1, 8, 2, 16)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((1, 8, 2, 16)), jnp.float32)
+  pos = jnp.asarray(rng.integers(0, 30, (1, 8)))
+  logits = lambda p: jnp.einsum('bihd,bjhd->bhij', apply_rope(q, p, 1e4), apply_rope(k, p, 1e4))
+  base = logits(pos)
+  for shift in (1, 17, 250):
+    np.testing.assert_allclose(logits(pos + shift), base, rtol=1e-4, atol=1e-4)
+  # ...whereas changing the offsets does change them.
+  assert np.max(np.abs(logits(pos * 2) - base)) > 1e-1
+
+
+# ----------------------------------------------------------------------------- whole model
+
+
+MODEL_CASES = {
+    'rope_gqa_tied': dict(),
+    'rope_mha_untied': dict(num_kv_heads=0, attention_kind='mha', tie_embeddings=False),
+    'nope_gqa_tied': dict(position='nope'),
+    'rope_mqa_1layer': dict(num_layers=1, num_kv_heads=1, rope_theta=100.0),
+}
+
+
+@pytest.mark.parametrize('overrides', MODEL_CASES.values(), ids=MODEL_CASES.keys())
+def test_forward_matches_numpy_reference(overrides):
+  cfg = tiny_model_config(**overrides)
+  params = init_params(cfg)
+  tokens = random_tokens(cfg)
+  logits, aux = forward(cfg, params, tokens)
+  ref_logits, ref_max = np_forward(cfg, params, tokens)
+  assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
+  assert rel_err(logits, ref_logits) <= 1e-5
+  assert aux['max_logits'].shape == (cfg.num_layers, cfg.num_heads)
+  assert aux['max_logits'].dtype == jnp.float32
+  np.testing.assert_allclose(aux['max_logits'], ref_max, rtol=1e-5, atol=1e-5)
+  # The reference is sensitive to the rotation: toggling it in NumPy changes the answer.
+  other = cfg.copy_and_resolve_references()
+  other.position = 'nope' if cfg.position == 'rope' else 'rope'
+  assert rel_err(logits, np_forward(other, params, tokens)[0]) > 1e-2
+
+
+def test_rope_model_is_invariant_to_shifting_all_positions():
+  cfg = tiny_model_config()
+  params = init_params(cfg)
+  tokens = random_tokens(cfg)
+  positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+  base, _ = forward(cfg, params, tokens, positions)
+  shifted, _ = forward(cfg, params, tokens, positions + 23)
+  assert rel_err(shifted, np.asarray(base, np.float64)) <= 1e-4
+  ref_shifted, _ = np_forward(cfg, params, tokens, positions + 23)
+  assert rel_err(shifted, ref_shifted) <= 1e-5
+
+
+def test_nope_ignores_positions():
+  cfg = tiny_model_config(position='nope')
+  params = init_params(cfg)
+  tokens = random_tokens(cfg)
+  base, _ = forward(cfg, params, tokens)
+  moved, _ = forward(cfg, params, tokens, jnp.broadcast_to(jnp.arange(T)[::-1] * 7, (B, T)))
+  np.testing.assert_array_equal(moved, base)
+
+
+def test_causality():
+  cfg = tiny_model_config()
+  params = init_params(cfg)
+  tokens = random_tokens(cfg)
+  base, _ = forward(cfg, params, tokens)
+  for t in (0, 4, T - 1):
+    changed = tokens.at[:, t].set((tokens[:, t] + 5) % cfg.vocab_size)
+    logits, _ = forward(cfg, params, changed)
+    np.testing.assert_allclose(logits[:, :t], base[:, :t], rtol=0, atol=1e-6)
+    assert np.max(np.abs(logits[:, t] - base[:, t])) > 1e-2
+
+
+def test_gqa_param_shapes():
+  cfg = tiny_model_config()          # D=32, H=4, Hkv=2, Dh=8, F=48, V=37
+  params = init_params(cfg)
+  attn = params['layer_0']['attention']
+  assert attn['query'].shape == (32, 4, 8)
+  assert attn['key'].shape == (32, 2, 8)
+  assert attn['value'].shape == (32, 2, 8)
+  assert attn['out'].shape == (4, 8, 32)
+  mlp = params['layer_1']['mlp']
+  assert (kernel(mlp['wi_gate']).shape, kernel(mlp['wi_up']).shape, kernel(mlp['wo']).shape) == (
+      (32, 48), (32, 48), (48, 32))
+  assert params['embed'].shape == (37, 32) and 'head' not in params
+  untied = init_params(tiny_model_config(tie_embeddings=False))
+  assert untied['head'].shape == (32, 37)
+
+
+# ----------------------------------------------------------------------------- precision and remat
+
+
+def cross_entropy(logits_btv, tokens_bt):
+  """Next-token loss: logits at t predict token t + 1."""
+  logp = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, tokens_bt[:, 1:, None], axis=-1))
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits():
+  cfg16 = tiny_model_config(compute_dtype='bfloat16')
+  cfg32 = tiny_model_config()
+  tokens = random_tokens(cfg32, b=4, t=16)
+  boxed = jax.eval_shape(Transformer(cfg16).init, jax.random.key(0), tokens)['params']
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nn.unbox(boxed)))
+  params = init_params(cfg32)                 # the same pytree serves both configs
+  logits16, aux16 = forward(cfg16, params, tokens)
+  logits32, _ = forward(cfg32, params, tokens)
+  assert logits16.dtype == jnp.float32 and aux16['max_logits'].dtype == jnp.float32
+  loss16, loss32 = float(cross_entropy(logits16, tokens)), float(cross_entropy(logits32, tokens))
+  assert abs(loss16 - loss32) <= 2e-2 * loss32, (loss16, loss32)
+  assert rel_err(logits16, np.asarray(logits32, np.float64)) <= 5e-2
+
+
+def test_remat_gives_same_loss_and_gradients():
+  tokens = random_tokens(tiny_model_config(), b=2, t=12)
+  params = init_params(tiny_model_config())
+  results = []
+  for remat in (False, True):
+    cfg = tiny_model_config(remat=remat)
+    loss_fn = lambda p: cross_entropy(Transformer(cfg).apply({'params': p}, tokens)[0], tokens)
+    results.append(jax.jit(jax.value_and_grad(loss_fn))(params))
+  (loss0, grads0), (loss1, grads1) = results
+  np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+  flat0, flat1 = jax.tree.leaves_with_path(grads0), jax.tree.leaves_with_path(grads1)
+  assert [p for p, _ in flat0] == [p for p, _ in flat1]
+  for (path, g0), (_, g1) in zip(flat0, flat1):
+    assert np.max(np.abs(g0)) > 0, jax.tree_util.keystr(path)
+    # Recomputation may fuse differently: allow float32 rounding relative to the leaf's scale.
+    assert rel_err(g1, np.asarray(g0, np.float64)) <= 1e-5, jax.tree_util.keystr(path)
+
+
+# ----------------------------------------------------------------------------- parameter count
+
+
+def closed_form_param_count(m):
+  v, d, f, h, layers = m.vocab_size, m.d_model, m.mlp_dim, m.num_heads, m.num_layers
+  hkv, dh = (m.num_kv_heads or h), d // h
+  attention = d * h * dh + 2 * d * hkv * dh + h * dh * d      # query, key + value, out
+  per_layer = attention + 2 * d + 3 * d * f                   # + two norm gains + SwiGLU matrices
+  head = 0 if m.tie_embeddings else d * v
+  return v * d + layers * per_layer + d + head                # embed, layers, final norm, head
+
+
+@pytest.mark.parametrize('overrides', [{}, dict(num_kv_heads=2, attention_kind='gqa', tie_embeddings=False)],
+                         ids=['default', 'gqa_untied'])
+def test_param_count_matches_closed_form(overrides):
+  c = config_lib.base_config()
+  c.model.update(overrides)
+  m = config_lib.validate(c).model
+  shapes = jax.eval_shape(Transformer(m).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params']
+  expected = closed_form_param_count(m)
+  if not overrides:   # the default config, written out: 258*256 + 4*(4*256*256 + 2*256 + 3*256*768) + 256
+    assert expected == 258 * 256 + 4 * (4 * 256 * 256 + 2 * 256 + 3 * 256 * 768) + 256 == 3_476_224
+  assert count_params(shapes) == expected
+  assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(shapes))) == expected
