@@ -7,7 +7,7 @@ a SwiGLU MLP, joined by the residual strategy `model.residual`.
     params = model.init(rng, tokens_bt)['params']
     logits_btv, aux = model.apply({'params': params}, tokens_bt)
 
-`aux['max_logits']` is [num_attention_layers, H] fp32: each attention layer's per-head max
+`aux['max_logits']` is {'layer_<i>': [H] fp32} for each attention layer: its per-head max
 scaled logit over the batch (SPEC §3), for logging and QK-Clip.
 """
 
@@ -47,7 +47,8 @@ cotangent_in.defvjp(_cotangent_in_fwd, _cotangent_in_bwd)
 
 
 class Layer(nn.Module):
-  """One layer: h += mixer(norm(h)); h += mlp(norm(h)). Returns (h, mixer max logits [H])."""
+  """One layer: h += mixer(norm(h)); h += mlp(norm(h)). Returns (h, max logits [H] of an
+  attention mixer, else None)."""
   cfg: ml_collections.ConfigDict
   kind: str
 
@@ -85,11 +86,11 @@ class Transformer(nn.Module):
     h_btd = nn.with_logical_constraint(h_btd, ACT_BTD)
 
     layer_cls = nn.remat(Layer, prevent_cse=True) if cfg.remat else Layer
-    max_logits = []
+    max_logits = {}
     for i, kind in enumerate(config_lib.layer_kinds(cfg)):
       h_btd, m = layer_cls(cfg, kind, name=f'layer_{i}')(h_btd, positions_bt)
-      if kind == 'A':
-        max_logits.append(m)
+      if m is not None:
+        max_logits[f'layer_{i}'] = m
 
     x_btd = RMSNorm(cfg.norm_eps, dtype, name='final_norm')(h_btd)
     if cfg.tie_embeddings:
@@ -100,7 +101,7 @@ class Transformer(nn.Module):
     logits_btv = jnp.einsum('btd,dv->btv', x_btd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
     logits_btv = cotangent_in(logits_btv, dtype)
     logits_btv = nn.with_logical_constraint(logits_btv, ('act_batch', 'act_length', 'act_vocab'))
-    aux = {'max_logits': jnp.stack(max_logits) if max_logits else jnp.zeros((0, cfg.num_heads))}
+    aux = {'max_logits': max_logits}
     return logits_btv, aux
 
 

@@ -204,9 +204,10 @@ def test_forward_matches_numpy_reference(overrides):
   ref_logits, ref_max = np_forward(cfg, params, tokens)
   assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
   assert rel_err(logits, ref_logits) <= 1e-5
-  assert aux['max_logits'].shape == (cfg.num_layers, cfg.num_heads)
-  assert aux['max_logits'].dtype == jnp.float32
-  np.testing.assert_allclose(aux['max_logits'], ref_max, rtol=1e-5, atol=1e-5)
+  assert list(aux['max_logits']) == [f'layer_{i}' for i in range(cfg.num_layers)]
+  got_max = np.stack([aux['max_logits'][f'layer_{i}'] for i in range(cfg.num_layers)])
+  assert got_max.shape == (cfg.num_layers, cfg.num_heads) and got_max.dtype == np.float32
+  np.testing.assert_allclose(got_max, ref_max, rtol=1e-5, atol=1e-5)
   # The reference is sensitive to the rotation: toggling it in NumPy changes the answer.
   other = cfg.copy_and_resolve_references()
   other.position = 'nope' if cfg.position == 'rope' else 'rope'
@@ -280,7 +281,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
   params = init_params(cfg32)                 # the same pytree serves both configs
   logits16, aux16 = forward(cfg16, params, tokens)
   logits32, _ = forward(cfg32, params, tokens)
-  assert logits16.dtype == jnp.float32 and aux16['max_logits'].dtype == jnp.float32
+  assert logits16.dtype == jnp.float32 and all(v.dtype == jnp.float32 for v in aux16['max_logits'].values())
   loss16, loss32 = float(cross_entropy(logits16, tokens)), float(cross_entropy(logits32, tokens))
   assert abs(loss16 - loss32) <= 2e-2 * loss32, (loss16, loss32)
   assert rel_err(logits16, np.asarray(logits32, np.float64)) <= 5e-2

@@ -29,13 +29,12 @@ def _to_global(batch: dict, sharding) -> dict:
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
 
 
-def _train_record(step: int, m: dict, layer_ids: list[int]) -> dict:
+def _train_record(step: int, m: dict) -> dict:
   record = {'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']), 'grad_norm': float(m['grad_norm'])}
-  max_logits = np.asarray(m['max_logits'])           # [attention layers, heads]
-  if max_logits.size:
-    record['max_logit'] = float(max_logits.max())
-    for layer, value in zip(layer_ids, max_logits.max(axis=1)):
-      record[f'max_logit_layer_{layer}'] = float(value)
+  per_layer = {name: float(np.max(v)) for name, v in m['max_logits'].items()}   # {'layer_<i>': [H]}
+  if per_layer:
+    record['max_logit'] = max(per_layer.values())
+    record.update({f'max_logit_{name}': value for name, value in per_layer.items()})
   return record
 
 
@@ -82,7 +81,6 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
   batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh)
   val_batches = [_to_global(b, batch_sharding) for b in val_local]
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start if start else None)
-  layer_ids = [i for i, k in enumerate(config_lib.layer_kinds(config.model)) if k == 'A']
   n_params = count_params(state.params)
   tokens_per_step = t.batch_size * t.seq_len
   if pid == 0:
@@ -114,7 +112,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
       last = step == t.steps
       if step % t.log_every == 0 or last:
         check(*pending)
-        record = _train_record(step, metrics, layer_ids)
+        record = _train_record(step, metrics)
         now = time.time()
         rate = interval_steps * tokens_per_step / max(now - interval_start, 1e-9) if interval_steps else 0.0
         interval_start, interval_steps = now, 0
