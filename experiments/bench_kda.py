@@ -1,0 +1,142 @@
+"""KDA op timings: forward and forward+backward of every kimijax.ops.kda implementation.
+
+    python experiments/bench_kda.py                                   # GPU, SPEC §5 shape B=8 T=4096 H=16 D=128
+    python experiments/bench_kda.py --batch=1 --seq_len=2048 --heads=2 --head_dim=64 --dtype=float32   # CPU
+
+Times kimijax's 'recurrent' and 'chunk' implementations (and 'pallas' once it exists) on random
+inputs of one shape (q, k L2-normalised; g = -exp(U(-7, 0.5)), the range of the KDA gate at
+init; beta = sigmoid(N(0, 1))). forward: o from (q, k, v, g, beta); forward+backward: the
+gradients of sum(o * do) with respect to all five inputs. On a GPU where `import fla` works, fla's
+Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (SPEC §5: 1.77 ms /
+10.0 ms at the default shape on an H200). Each figure is the median (and min) of --repeats timed
+calls after --warmup calls; prints a Markdown table.
+"""
+
+import datetime
+import platform
+import statistics
+import sys
+import time
+
+from absl import app, flags
+
+flags.DEFINE_integer('batch', 8, 'B')
+flags.DEFINE_integer('seq_len', 4096, 'T')
+flags.DEFINE_integer('heads', 16, 'H')
+flags.DEFINE_integer('head_dim', 128, 'K = V')
+flags.DEFINE_integer('chunk_size', 64, "chunk length of impl='chunk'")
+flags.DEFINE_string('dtype', None, 'input dtype of q, k, v, beta (g is float32); default bfloat16 on GPU, '
+                    'float32 on CPU')
+flags.DEFINE_list('impls', ['recurrent', 'chunk', 'pallas', 'fla'], 'what to time')
+flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
+flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
+FLAGS = flags.FLAGS
+
+
+def _time(fn, repeats, warmup, sync):
+  for _ in range(warmup):
+    sync(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    sync(fn())
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times), min(times)
+
+
+def _jax_rows(shape, dtype_name):
+  import jax
+  import jax.numpy as jnp
+
+  from kimijax.ops import kda as kda_lib
+
+  b, t, h, d = shape
+  dtype = jnp.dtype(dtype_name)
+  keys = jax.random.split(jax.random.key(0), 6)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(keys[0], (b, t, h, d))).astype(dtype)
+  k = unit(jax.random.normal(keys[1], (b, t, h, d))).astype(dtype)
+  v = jax.random.normal(keys[2], (b, t, h, d), dtype)
+  g = -jnp.exp(jax.random.uniform(keys[3], (b, t, h, d), jnp.float32, -7.0, 0.5))
+  beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h))).astype(dtype)
+  do = jax.random.normal(keys[5], (b, t, h, d), dtype)
+  args = (q, k, v, g, beta)
+  sync = jax.block_until_ready
+  rows = []
+  for impl in FLAGS.impls:
+    if impl not in kda_lib.IMPLS:
+      continue
+    fn = lambda *a, impl=impl: kda_lib.kda(*a, impl=impl, chunk_size=FLAGS.chunk_size)[0]
+    fwd = jax.jit(fn)
+    loss = lambda q, k, v, g, beta, do, fn=fn: jnp.sum(fn(q, k, v, g, beta).astype(jnp.float32)
+                                                       * do.astype(jnp.float32))
+    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    row = [f'kimijax {impl}']
+    for f, f_args in ((fwd, args), (fwd_bwd, args + (do,))):
+      try:
+        row.append('%.2f (%.2f)' % _time(lambda f=f, a=f_args: f(*a), FLAGS.repeats, FLAGS.warmup, sync))
+      except NotImplementedError as e:
+        row.append('not built yet')
+        del e
+      except Exception as e:  # noqa: BLE001 - e.g. out of memory for the recurrence's backward
+        row.append(f'failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}')
+    rows.append(row)
+  return rows
+
+
+def _fla_rows(shape):
+  """fla's Triton chunk_kda on the same shape (bf16), when PyTorch + fla + a CUDA device exist."""
+  try:
+    import torch
+    from fla.ops.kda import chunk_kda
+  except ImportError as e:
+    return [['fla chunk_kda', f'skipped ({e})', '']]
+  if not torch.cuda.is_available():
+    return [['fla chunk_kda', 'skipped (no CUDA device for PyTorch)', '']]
+  b, t, h, d = shape
+  gen = torch.Generator(device='cuda').manual_seed(0)
+  randn = lambda *s: torch.randn(*s, device='cuda', generator=gen)
+  unit = lambda x: x / x.norm(dim=-1, keepdim=True)
+  q = unit(randn(b, t, h, d)).bfloat16().requires_grad_()
+  k = unit(randn(b, t, h, d)).bfloat16().requires_grad_()
+  v = randn(b, t, h, d).bfloat16().requires_grad_()
+  g = (-torch.exp(torch.rand(b, t, h, d, device='cuda', generator=gen) * 7.5 - 7.0)).requires_grad_()
+  beta = torch.sigmoid(randn(b, t, h)).bfloat16().requires_grad_()
+  do = randn(b, t, h, d).bfloat16()
+  sync = lambda _: torch.cuda.synchronize()
+
+  def fwd():
+    with torch.no_grad():
+      return chunk_kda(q, k, v, g, beta)[0]
+
+  def fwd_bwd():
+    o, _ = chunk_kda(q, k, v, g, beta)
+    return torch.autograd.grad(o, (q, k, v, g, beta), do)
+
+  return [['fla chunk_kda (Triton, bf16)'] + ['%.2f (%.2f)' % _time(f, FLAGS.repeats, FLAGS.warmup, sync)
+                                              for f in (fwd, fwd_bwd)]]
+
+
+def main(argv):
+  del argv
+  import jax
+  shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.heads, FLAGS.head_dim)
+  backend = jax.default_backend()
+  dtype = FLAGS.dtype or ('float32' if backend == 'cpu' else 'bfloat16')
+  device = jax.devices()[0]
+  print(f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; backend {backend}; '
+        f'device {device.device_kind} x{jax.device_count()}; host {platform.processor() or platform.machine()}')
+  print(f'command: python {" ".join(sys.argv)}')
+  print(f'shape B={shape[0]} T={shape[1]} H={shape[2]} K=V={shape[3]}; inputs {dtype} (g float32); '
+        f'chunk_size {FLAGS.chunk_size}; median (min) of {FLAGS.repeats} calls in ms\n')
+  rows = _jax_rows(shape, dtype)
+  if 'fla' in FLAGS.impls and backend == 'gpu':
+    rows += _fla_rows(shape)
+  print('| implementation | forward ms | forward+backward ms |')
+  print('|---|---|---|')
+  for row in rows:
+    print('| ' + ' | '.join(row) + ' |')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,358 @@
+"""Kimi Delta Attention (KDA) ops: the recurrence, its exact chunkwise form, a decode step (SPEC §1).
+
+Per batch row and head, with state S [K, V] in float32, one token t does (decay, delta write, read):
+
+    S <- Diag(exp(g_t)) S
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T
+    o_t = S^T (scale * q_t)
+
+`kda_recurrent` scans that over time (the reference); `kda_chunk` computes the same thing a chunk
+of C tokens at a time with the WY/UT form of SPEC §1 (matmuls inside a chunk, a scan over chunks
+for the state); `kda_step` is one token for decoding; `kda(..., impl=...)` is the one dispatch point
+the model uses. Layout: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H] (after the sigmoid);
+g is the per-channel log-decay (<= 0); q and k arrive L2-normalised; states [B, H, K, V] float32.
+All arithmetic is float32 whatever the input dtype; outputs take v's dtype. fp32 matmuls follow
+jax's default matmul precision (TF32 on NVIDIA GPUs unless `jax.default_matmul_precision('highest')`),
+except the chunk form's small triangular inverse, always in full float32.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+IMPLS = ('recurrent', 'chunk', 'pallas')
+_EXACT = lax.Precision.HIGHEST
+_SUB = 16   # sub-chunk length inside a chunk (the anchoring unit of the chunk form)
+# Chunks whose intra-chunk part is computed together are grouped so that its largest transient, the
+# [group, B, H, C, 16, K] decay factors, holds about this many float32 (and the backward recomputes
+# one group at a time). On CPU cache-sized groups measured fastest; accelerators want big batches.
+_GROUP_ELEMENTS = {'cpu': 1 << 19}
+_GROUP_ELEMENTS_DEFAULT = 1 << 24
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _fmt(shape) -> str:
+  return '[' + ', '.join(str(int(d)) for d in shape) + ']'
+
+
+def _check_float(fn, **arrays):
+  for name, x in arrays.items():
+    if x is not None and not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
+      raise ValueError(f'{fn}: {name} must be a floating-point array, got dtype {jnp.asarray(x).dtype}')
+
+
+def _check_sequence_inputs(fn, q, k, v, g, beta, initial_state):
+  """Shape and dtype checks for the [B, T, H, *] entry points; returns (B, T, H, K, V)."""
+  _check_float(fn, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+  if q.ndim != 4:
+    raise ValueError(f'{fn}: q must be [B, T, H, K], got shape {_fmt(q.shape)}')
+  b, t, h, dk = q.shape
+  if k.shape != q.shape or g.shape != q.shape:
+    raise ValueError(f'{fn}: q, k and g must have the same shape [B, T, H, K]; got q {_fmt(q.shape)}, '
+                     f'k {_fmt(k.shape)}, g {_fmt(g.shape)}')
+  if v.ndim != 4 or v.shape[:3] != (b, t, h):
+    raise ValueError(f'{fn}: v must be [B, T, H, V] with B, T, H = {b}, {t}, {h} as in q '
+                     f'{_fmt(q.shape)}; got v {_fmt(v.shape)}')
+  if beta.shape != (b, t, h):
+    raise ValueError(f'{fn}: beta must be [B, T, H] = {_fmt((b, t, h))} (one scalar per token and '
+                     f'head, after the sigmoid); got beta {_fmt(beta.shape)}')
+  dv = v.shape[-1]
+  if initial_state is not None and initial_state.shape != (b, h, dk, dv):
+    raise ValueError(f'{fn}: initial_state must be [B, H, K, V] = {_fmt((b, h, dk, dv))} for q '
+                     f'{_fmt(q.shape)} and v {_fmt(v.shape)}; got {_fmt(initial_state.shape)}')
+  if t == 0:
+    raise ValueError(f'{fn}: the sequence is empty (T = 0), q {_fmt(q.shape)}')
+  return b, t, h, dk, dv
+
+
+def _check_step_inputs(q, k, v, g, beta, state):
+  _check_float('kda_step', q=q, k=k, v=v, g=g, beta=beta, state=state)
+  if q.ndim != 3:
+    raise ValueError(f'kda_step: q must be [B, H, K] (one token), got shape {_fmt(q.shape)}')
+  b, h, dk = q.shape
+  if k.shape != q.shape or g.shape != q.shape:
+    raise ValueError(f'kda_step: q, k and g must have the same shape [B, H, K]; got q {_fmt(q.shape)}, '
+                     f'k {_fmt(k.shape)}, g {_fmt(g.shape)}')
+  if v.ndim != 3 or v.shape[:2] != (b, h):
+    raise ValueError(f'kda_step: v must be [B, H, V] with B, H = {b}, {h} as in q {_fmt(q.shape)}; '
+                     f'got v {_fmt(v.shape)}')
+  if beta.shape != (b, h):
+    raise ValueError(f'kda_step: beta must be [B, H] = {_fmt((b, h))}; got beta {_fmt(beta.shape)}')
+  if state.shape != (b, h, dk, v.shape[-1]):
+    raise ValueError(f'kda_step: state must be [B, H, K, V] = {_fmt((b, h, dk, v.shape[-1]))}; '
+                     f'got {_fmt(state.shape)}')
+
+
+def _default_scale(scale, dk):
+  return dk ** -0.5 if scale is None else scale
+
+
+# ----------------------------------------------------------------------------- recurrence
+
+
+def _token_update(s_bhkv, q_bhk, k_bhk, v_bhv, g_bhk, beta_bh, scale):
+  """One token of SPEC §1 in float32: decay, delta write, read. Returns (o [B, H, V], S')."""
+  s_bhkv = s_bhkv * jnp.exp(g_bhk)[..., None]
+  predicted_bhv = jnp.einsum('bhkv,bhk->bhv', s_bhkv, k_bhk)
+  delta_bhv = beta_bh[..., None] * (v_bhv - predicted_bhv)
+  s_bhkv = s_bhkv + k_bhk[..., :, None] * delta_bhv[..., None, :]
+  o_bhv = jnp.einsum('bhkv,bhk->bhv', s_bhkv, scale * q_bhk)
+  return o_bhv, s_bhkv
+
+
+def kda_step(q, k, v, g, beta, state, *, scale=None):
+  """One decoding token: q, k, g [B, H, K], v [B, H, V], beta [B, H], state [B, H, K, V].
+
+  Returns (o [B, H, V] in v's dtype, new_state [B, H, K, V] float32).
+  """
+  q, k, v, g, beta, state = (jnp.asarray(x) for x in (q, k, v, g, beta, state))
+  _check_step_inputs(q, k, v, g, beta, state)
+  f32 = lambda x: x.astype(jnp.float32)
+  o, s = _token_update(f32(state), f32(q), f32(k), f32(v), f32(g), f32(beta),
+                       _default_scale(scale, q.shape[-1]))
+  return o.astype(v.dtype), s
+
+
+def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False):
+  """Reference KDA: a lax.scan over the T tokens (SPEC §1, the order decay -> delta write -> read).
+
+  Args:
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; g <= 0 (log-decay per channel).
+    scale: query scale, default K ** -0.5.
+    initial_state: optional [B, H, K, V] (zeros if None).
+    output_final_state: also return the state after the last token.
+
+  Returns:
+    (o [B, T, H, V] in v's dtype, final state [B, H, K, V] float32 or None).
+
+  Its backward keeps the state of every token (O(T K V) memory): a reference, not for long sequences.
+  """
+  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
+  initial_state = None if initial_state is None else jnp.asarray(initial_state)
+  b, _, h, dk, dv = _check_sequence_inputs('kda_recurrent', q, k, v, g, beta, initial_state)
+  scale = _default_scale(scale, dk)
+  time_major = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
+  xs = tuple(time_major(x) for x in (q, k, v, g, beta))
+  s0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
+        else initial_state.astype(jnp.float32))
+
+  def body(s, x):
+    o, s = _token_update(s, *x, scale)
+    return s, o
+
+  s_final, o_tbhv = lax.scan(body, s0, xs)
+  o = jnp.moveaxis(o_tbhv, 0, 1).astype(v.dtype)
+  return o, (s_final if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------- chunkwise form
+
+
+def _sub_chunk_len(c: int) -> int:
+  """Largest divisor of the chunk length that is at most _SUB."""
+  return max(d for d in range(1, min(c, _SUB) + 1) if c % d == 0)
+
+
+def _suffix_sum_exclusive(x, axis):
+  """sum_{j > i} x_j along axis, summed directly (no difference of two cumulative sums)."""
+  inclusive = jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis), axis)
+  shifted = lax.slice_in_dim(inclusive, 1, x.shape[axis], axis=axis)
+  return jnp.concatenate([shifted, jnp.zeros_like(lax.slice_in_dim(x, 0, 1, axis=axis))], axis)
+
+
+def _intra_chunk_scores(qs, k, g, sub):
+  """Decay-weighted scores inside one chunk, never exponentiating a positive number.
+
+  qs (scaled queries), k, g (per-token log-decay <= 0): [..., C, K] float32. With G the
+  within-chunk cumulative sum of g, returns
+    a_qk [..., C, C]: sum_d qs_rd k_id exp(G_rd - G_id) for i <= r, else 0
+    a_kk [..., C, C]: sum_d k_rd  k_id exp(G_rd - G_id) for i <  r, else 0
+  The chunk is cut into sub-chunks of `sub` rows. For a row r in sub-chunk a and a column i in an
+  earlier sub-chunk, the exponent is split at the first row p of sub-chunk a,
+  G_r - G_i = (G_r - G_p) + (G_p - G_i), both parts <= 0, so the pair block is one matmul of
+  factors <= 1. Inside a sub-chunk no single split point works for every pair, so those
+  `sub` x `sub` blocks are formed elementwise from exp(G_r - G_i) masked to i <= r.
+  Accuracy: the split exponents are sums of g over the token range they cover, summed directly
+  rather than as differences of chunk-wide cumulative sums (which lose absolute precision once a
+  strong decay has made |G| large); only the within-sub-chunk differences subtract, and those
+  cumulative sums span at most `sub` tokens.
+  """
+  *batch, c, dk = k.shape
+  n = c // sub
+  split = lambda x: x.reshape(*batch, n, sub, dk)
+  q4, k4, g4 = split(qs), split(k), split(g)
+
+  # diagonal blocks: e[a, s, s', d] = exp(G_{a,s,d} - G_{a,s',d}) for s' <= s, else 0
+  local = jnp.cumsum(g4, axis=-2)                                         # cumulative within sub-chunk
+  causal_incl = jnp.arange(sub)[:, None] >= jnp.arange(sub)[None, :]
+  dg = local[..., :, :, None, :] - local[..., :, None, :, :]              # [..., n, S, S, K]
+  e = jnp.exp(jnp.where(causal_incl[:, :, None], dg, -jnp.inf))
+  ke = k4[..., :, None, :, :] * e                                         # k_{s'} exp(G_s - G_s')
+  # broadcast-and-sum rather than einsum: tiny batched dot_generals are slow on CPU, this fuses
+  qk_diag = jnp.sum(q4[..., :, :, None, :] * ke, axis=-1)                 # [..., n, S, S]
+  kk_diag = jnp.sum(k4[..., :, :, None, :] * ke, axis=-1) * jnp.tri(sub, k=-1, dtype=k.dtype)  # i < r
+  eye_n = jnp.eye(n, dtype=k.dtype)
+  place = lambda blocks: (blocks[..., :, :, None, :] * eye_n[:, None, :, None]).reshape(*batch, c, c)
+  a_qk, a_kk = place(qk_diag), place(kk_diag)
+  if n == 1:
+    return a_qk, a_kk
+
+  # blocks below the diagonal: split the exponent at p_a, the first row of sub-chunk a.
+  # rows: G_r - G_{p_a} = sum of g over (p_a, r]
+  row = jnp.exp(local - local[..., :, :1, :])                             # [..., n, S, K], <= 1
+  # columns i in sub-chunk b < a: G_{p_a} - G_i = (sum over (i, end of b]) + between[a, b], where
+  # between[a, b] = (totals of the sub-chunks strictly between b and a) + g_{p_a}
+  after_in_sub = _suffix_sum_exclusive(g4, axis=-2)                       # [..., n, S, K]
+  totals = local[..., :, -1, :]                                           # [..., n, K]
+  strictly_between = ((jnp.arange(n)[None, :, None] < jnp.arange(n)[None, None, :])
+                      & (jnp.arange(n)[None, None, :] < jnp.arange(n)[:, None, None]))   # [a, b, c]
+  between = (jnp.einsum('abc,...cd->...abd', strictly_between.astype(g.dtype), totals, precision=_EXACT)
+             + g4[..., :, None, 0, :])                                    # [..., n(a), n(b), K]
+  col_exp = between[..., :, :, None, :] + after_in_sub[..., None, :, :, :]   # [..., a, b, S, K]
+  earlier = jnp.arange(n)[:, None] > jnp.arange(n)[None, :]               # [a, b]: b < a
+  col_exp = jnp.where(earlier[:, :, None, None], col_exp, -jnp.inf).reshape(*batch, n, c, dk)
+  col = k[..., None, :, :] * jnp.exp(col_exp)                             # [..., n, C, K], <= |k|
+  a_qk = a_qk + jnp.einsum('...asd,...aid->...asi', q4 * row, col).reshape(*batch, c, c)
+  a_kk = a_kk + jnp.einsum('...asd,...aid->...asi', k4 * row, col).reshape(*batch, c, c)
+  return a_qk, a_kk
+
+
+@jax.custom_jvp
+def _unit_lower_inverse(a):
+  """(I + a)^-1 for strictly lower-triangular a [..., C, C], exactly (C padded to a power of two).
+
+  Block recursion from 1 x 1 blocks upward: the inverse of [[L1, 0], [A21, L2]] is
+  [[T1, 0], [-T2 A21 T1, T2]], T1 and T2 the inverses of the diagonal blocks; log2 C levels of
+  batched matmuls. (lax.linalg.triangular_solve was far slower on CPU, forward and backward.)
+  The derivative is given directly, d(L^-1) = -L^-1 dL L^-1, two batched matmuls. These small
+  matmuls always run in full float32 (no TF32), whatever the default matmul precision.
+  """
+  *batch, c0, _ = a.shape
+  c = 1 << (c0 - 1).bit_length()
+  if c != c0:   # [[I + a, 0], [0, I]] has the same leading block in its inverse
+    a = jnp.pad(a, [(0, 0)] * len(batch) + [(0, c - c0), (0, c - c0)])
+  t = jnp.ones((*batch, c, 1, 1), a.dtype)                               # inverses of 1 x 1 blocks
+  m = 1
+  while m < c:
+    nb = c // (2 * m)
+    blocks = a.reshape(*batch, nb, 2 * m, nb, 2 * m)
+    blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)   # [..., nb, 2m, 2m]
+    t1, t2 = t[..., 0::2, :, :], t[..., 1::2, :, :]
+    t21 = -jnp.einsum('...ij,...jk,...kl->...il', t2, blocks[..., m:, :m], t1, precision=_EXACT)
+    t = jnp.concatenate([jnp.concatenate([t1, jnp.zeros_like(t1)], axis=-1),
+                         jnp.concatenate([t21, t2], axis=-1)], axis=-2)   # [..., nb, 2m, 2m]
+    m *= 2
+  return t[..., 0, :c0, :c0]
+
+
+@_unit_lower_inverse.defjvp
+def _unit_lower_inverse_jvp(primals, tangents):
+  t = _unit_lower_inverse(primals[0])
+  da = jnp.tril(tangents[0], -1)   # the function reads only the strictly lower triangle
+  return t, -jnp.einsum('...ij,...jk,...kl->...il', t, da, t, precision=_EXACT)
+
+
+def _chunk_intra(chunk, *, scale, sub):
+  """Everything inside a chunk that does not need the incoming state (SPEC §1, WY/UT form).
+
+  chunk: q, k, g [..., C, K], v [..., C, V], beta [..., C] float32 (any leading dims). Returns
+    qg = scale q exp(G)  [..., C, K]     reads the incoming state
+    kg = k exp(G_C - G)  [..., C, K]     writes into the outgoing state
+    w, u [..., C, K], [..., C, V]        (I + Diag(beta) A_kk) [w | u] = Diag(beta) [exp(G) k | v]
+    a_qk [..., C, C]                     causal decay-weighted query-key scores
+    decay [..., K] = exp(G_C)            the chunk's total decay
+  with G the within-chunk cumulative sum of g. Every exp has a non-positive argument.
+  """
+  q, k, v, g, beta = chunk
+  c, dk = k.shape[-2:]
+  gcum = jnp.cumsum(g, axis=-2)                                           # G, non-increasing
+  a_qk, a_kk = _intra_chunk_scores(scale * q, k, g, sub)
+  t_inv = _unit_lower_inverse(beta[..., :, None] * a_kk)                 # (I + Diag(beta) A_kk)^-1
+  w = jnp.einsum('...ri,...id->...rd', t_inv, (beta[..., None] * jnp.exp(gcum)) * k)
+  u = jnp.einsum('...ri,...iv->...rv', t_inv, beta[..., None] * v)
+  to_end = _suffix_sum_exclusive(g, axis=-2)                              # G_C - G, summed directly
+  return dict(qg=scale * q * jnp.exp(gcum), kg=k * jnp.exp(to_end), w=w, u=u, a_qk=a_qk,
+              decay=jnp.exp(gcum[..., -1, :]))
+
+
+def _chunk_state_step(s, x):
+  """Carry the state [..., K, V] across one chunk and read the chunk's outputs [..., C, V]."""
+  v_new = x['u'] - jnp.einsum('...ck,...kv->...cv', x['w'], s)           # U - W S
+  o = jnp.einsum('...ck,...kv->...cv', x['qg'], s) + jnp.einsum('...ci,...iv->...cv', x['a_qk'], v_new)
+  s = x['decay'][..., :, None] * s + jnp.einsum('...ck,...cv->...kv', x['kg'], v_new)
+  return s, o
+
+
+def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              chunk_size=64):
+  """KDA in the exact chunkwise WY/UT form (SPEC §1); same arguments and results as kda_recurrent.
+
+  T is padded to a multiple of the chunk length with k = v = q = 0, g = 0, beta = 0 (tokens that
+  neither decay nor write) and the output sliced back; sequences shorter than chunk_size use one
+  chunk of T rounded up to a multiple of 16. The intra-chunk part (decay-weighted scores, the UT
+  inverse, W and U) runs batched over groups of chunks; a lax.scan over chunks then carries the state.
+
+  Memory: the intra-chunk part is rematerialised in the backward pass (jax.checkpoint), in groups
+  of chunks sized so its largest transient ([.., C, 16, K] decay factors) stays near
+  _GROUP_ELEMENTS; the backward keeps O(T (K + V + C)) activations plus one [B, H, K, V] state per
+  chunk, (T / C) K V, never a state per token. No exp of a positive number is formed (see
+  _intra_chunk_scores), so any decay g <= 0, however strong, is safe.
+  """
+  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
+  initial_state = None if initial_state is None else jnp.asarray(initial_state)
+  b, t, h, dk, dv = _check_sequence_inputs('kda_chunk', q, k, v, g, beta, initial_state)
+  if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size < 1:
+    raise ValueError(f'kda_chunk: chunk_size must be a positive int, got {chunk_size!r}')
+  scale = _default_scale(scale, dk)
+  c = min(int(chunk_size), -(-t // _SUB) * _SUB)
+  n = -(-t // c)
+  pad = n * c - t
+  sub = _sub_chunk_len(c)
+
+  def chunks(x):   # [B, T, H, *] -> [N, B, H, C, *] float32, zero-padded in time
+    x = x.astype(jnp.float32)
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(b, n, c, h, *x.shape[3:])
+    return jnp.moveaxis(x, (1, 3), (0, 2))
+
+  xs = tuple(chunks(x) for x in (q, k, v, g, beta))
+  intra = jax.checkpoint(lambda x: _chunk_intra(x, scale=scale, sub=sub))
+  budget = _GROUP_ELEMENTS.get(jax.default_backend(), _GROUP_ELEMENTS_DEFAULT)
+  group = max(1, budget // (b * h * c * sub * max(dk, dv)))
+  if group >= n:
+    per_chunk = intra(xs)
+  else:
+    per_chunk = lax.map(intra, xs, batch_size=group)
+  s0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
+        else initial_state.astype(jnp.float32))
+  s_final, o_nbhcv = lax.scan(_chunk_state_step, s0, per_chunk)
+  o = jnp.moveaxis(o_nbhcv, (0, 2), (1, 3)).reshape(b, n * c, h, dv)[:, :t]
+  return o.astype(v.dtype), (s_final if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def kda(q, k, v, g, beta, *, impl='chunk', scale=None, initial_state=None, output_final_state=False,
+        chunk_size=64):
+  """KDA through one dispatch point: impl 'recurrent' | 'chunk' | 'pallas'.
+
+  Same arguments and results as kda_chunk (chunk_size is ignored by 'recurrent').
+  """
+  if impl == 'recurrent':
+    return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state)
+  if impl == 'chunk':
+    return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, chunk_size=chunk_size)
+  if impl == 'pallas':
+    raise NotImplementedError("kda impl='pallas': the Pallas KDA kernel is not built yet "
+                              "(kernels_pallas/ has no KDA kernel); use impl='chunk' "
+                              "(model.kda_impl='chunk')")
+  raise ValueError(f'kda impl={impl!r} is unknown; allowed: {IMPLS}')
