@@ -1,6 +1,9 @@
-"""Train one config: python run.py --config=configs/default.py[:variant] --workdir=DIR [--config.a.b=v].
+"""Train one config, or generate text from a trained one.
 
-Re-running the same command resumes from DIR/checkpoints. For several processes (hosts), start
+    python run.py --config=configs/default.py[:variant] --workdir=DIR [--config.a.b=v]
+    python run.py --mode=generate --workdir=DIR --prompt='def main(' [--max_new_tokens=200]
+
+Re-running the same training command resumes from DIR/checkpoints. For several processes (hosts), start
 one copy per process with --coordinator_address=HOST:PORT --num_processes=N --process_id=I
 (or none of them where jax.distributed detects the cluster itself, e.g. under SLURM).
 """
@@ -16,7 +19,14 @@ flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for mu
 flags.DEFINE_integer('num_processes', None, 'Number of processes in a multi-process run.')
 flags.DEFINE_integer('process_id', None, 'This process index in a multi-process run.')
 flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() with cluster auto-detection.')
-flags.mark_flags_as_required(['config', 'workdir'])
+flags.DEFINE_enum('mode', 'train', ['train', 'generate'], 'Train the config, or generate from DIR.')
+flags.DEFINE_string('prompt', '', 'generate: the text to continue.')
+flags.DEFINE_integer('max_new_tokens', 200, 'generate: tokens (bytes) to add.')
+flags.DEFINE_float('temperature', 0.8, 'generate: sampling temperature; 0 is greedy.')
+flags.DEFINE_integer('top_k', 0, 'generate: keep the k most likely tokens (0: all).')
+flags.DEFINE_float('top_p', 0.95, 'generate: keep the smallest set of tokens with this probability.')
+flags.DEFINE_integer('num_samples', 1, 'generate: continuations of the prompt, as one batch.')
+flags.mark_flags_as_required(['workdir'])
 FLAGS = flags.FLAGS
 
 
@@ -35,6 +45,10 @@ def main(argv):
   from kimijax.train.checkpoint import CheckpointError
   from kimijax.train.loop import train
   try:   # these errors carry one message naming the key or path; a traceback would bury it
+    if FLAGS.mode == 'generate':
+      return generate_text()
+    if FLAGS.config is None:
+      raise ConfigError('--config=FILE[:arg] is required to train')
     config = validate(FLAGS.config)
     summary = train(config, FLAGS.workdir)
   except (ConfigError, DataError, CheckpointError) as e:
@@ -47,6 +61,21 @@ def main(argv):
         f'  final loss   train {_fmt(summary["final_loss"])}, eval {_fmt(summary["eval_loss"])} (nats/token)',
         f'  outputs      {summary["workdir"]}/ (metrics.jsonl, checkpoints/, tensorboard/, loss.png)',
     ]))
+
+
+def generate_text():
+  """Prints num_samples continuations of --prompt from the latest checkpoint in --workdir."""
+  from kimijax.data import ByteTokenizer
+  from kimijax.infer.generate import generate, load_for_generation
+  config, model, params = load_for_generation(FLAGS.workdir)
+  tokenizer = ByteTokenizer()
+  prompt = tokenizer.encode(FLAGS.prompt or '\n')
+  tokens = generate(model, params, [prompt] * FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
+                    temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                    seed=config.seed, stop_token=tokenizer.eos_id)
+  for row in tokens:
+    print(FLAGS.prompt + tokenizer.decode(row[len(prompt):]))
+    print('-' * 40)
 
 
 def _fmt(x) -> str:

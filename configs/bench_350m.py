@@ -3,7 +3,8 @@
 Run:      python experiments/bench_train.py --config=configs/bench_350m.py
 Expected: one H200, 2026-11-30: 392 ms/step, 167k tokens/s, 44.9% MFU, 73.5 GiB peak
           (table and breakdown in experiments/results/bench_train.md).
-Variants: :remat (rematerialise each layer), :xla (attn_impl='xla').
+Variants: :remat (rematerialise each layer), :xla (attn_impl='xla'), :attnres_full,
+          :attnres_block (8 blocks of 6 of the 48 sublayers); combine with commas (:attnres_block,remat).
 """
 
 from kimijax.config import base_config
@@ -30,6 +31,11 @@ def get_config(arg: str | None = None):
       m.remat = True
     elif variant == 'xla':
       m.attn_impl = 'xla'
+    elif variant == 'attnres_full':
+      m.residual = 'attnres_full'
+    elif variant == 'attnres_block':
+      m.residual, m.attnres_block_size = 'attnres_block', 6   # 2 * 24 sublayers / 6 = 8 blocks
     else:
-      raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'remat', 'xla'")
+      raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'remat', 'xla', "
+                       "'attnres_full', 'attnres_block'")
   return c

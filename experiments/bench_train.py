@@ -6,6 +6,8 @@ Runs the real jitted train step (same code as run.py) on synthetic token batches
 Model FLOPs per token = 6 * N (N: parameters used in matmuls; the input embedding table counts
 only when tied to the output head) + 6 * L_attn * T * H * Dh for causal attention (forward +
 backward). MFU is against the chip's dense bf16 peak (--peak_tflops; H100/H200 SXM: 989).
+Attention Residuals' depth attention (a few memory-bound [B, T, D] passes per sublayer) is not
+counted as model FLOPs, so its cost shows as a longer step and a lower MFU.
 """
 
 import json
@@ -38,21 +40,15 @@ def main(argv):
   import jax.numpy as jnp
 
   from kimijax.config import validate
-  from kimijax.model import Transformer, count_params
-  from kimijax.optim import make_optimizer, make_schedule
+  from kimijax.model import count_params
   from kimijax.parallel import mesh as mesh_lib
-  from kimijax.train.state import init_state, state_shardings
-  from kimijax.train.step import jit_steps
+  from kimijax.train.step import build_training
 
   config = validate(FLAGS.config)
   t = config.train
   mesh = mesh_lib.make_mesh(config.mesh)
-  model = Transformer(config.model)
-  optimizer, schedule = make_optimizer(config), make_schedule(config)
-  _, shardings = state_shardings(model, optimizer, config, mesh)
-  state = init_state(model, optimizer, config, shardings)
-  train_step, _ = jit_steps(model, optimizer, schedule, config, mesh, shardings)
-  batch_sh = mesh_lib.batch_sharding(mesh, config.mesh)
+  run = build_training(config, mesh)
+  state, train_step, batch_sh = run.init_state(config), run.train_step, run.batch_sharding
   tokens = jax.jit(lambda k: jax.random.randint(k, (t.batch_size, t.seq_len + 1), 0, config.model.vocab_size),
                    out_shardings=mesh_lib.replicated(mesh))(jax.random.key(0))
   batch = jax.device_put({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
@@ -83,6 +79,8 @@ def main(argv):
       'device': jax.devices()[0].device_kind, 'num_devices': n_dev, 'params_M': n_params / 1e6,
       'batch': t.batch_size, 'seq_len': t.seq_len, 'attn_impl': config.model.attn_impl,
       'remat': config.model.remat, 'residual': config.model.residual,
+      'attnres_block_size': (config.model.attnres_block_size
+                             if config.model.residual == 'attnres_block' else None),
       'residual_dtype': config.model.residual_dtype,
       'step_ms': step_s * 1e3, 'tokens_per_sec': tokens_per_step / step_s,
       'model_tflops_per_device': tflops_per_dev, 'mfu': tflops_per_dev / FLAGS.peak_tflops,

@@ -14,13 +14,14 @@ import ml_collections
 from kimijax.data.pipeline import SOURCES as DATA_SOURCES, default_data_config
 
 # Letters accepted in model.layer_pattern: one letter per mixer sublayer kind.
-LAYER_KINDS = {'A': 'full attention'}
-RESIDUALS = ('standard',)
-OPTIMIZERS = ('adamw',)
+LAYER_KINDS = {'A': 'full attention (model.attention_kind)', 'K': 'Kimi Delta Attention'}
+RESIDUALS = ('standard', 'attnres_full', 'attnres_block')   # SPEC §4; kimijax/layers/residual.py
+OPTIMIZERS = ('adamw', 'muon', 'muonclip')   # kimijax/optim/factory.py
 SCHEDULES = ('cosine', 'wsd', 'constant')
 ATTN_IMPLS = ('xla', 'cudnn')
 KDA_IMPLS = ('recurrent', 'chunk', 'pallas')
-ATTENTION_KINDS = ('mha', 'gqa')
+ATTENTION_KINDS = ('mha', 'gqa', 'mla')
+KDA_OUTPUT_GATES = ('sigmoid', 'swish', 'none')
 POSITIONS = ('rope', 'nope')
 DTYPES = ('float32', 'bfloat16')
 MESH_AXES = ('data', 'fsdp', 'tensor')
@@ -42,6 +43,8 @@ DEFAULT_RULES = (
     ('head_dim', None),
     ('mlp', 'tensor'),
     ('norm', None),
+    ('conv_width', None),
+    ('latent', None),
 )
 
 
@@ -58,8 +61,10 @@ def base_config() -> ml_collections.ConfigDict:
   m.num_kv_heads = 0            # 0: same as num_heads; < num_heads with attention_kind='gqa'
   m.attention_kind = 'mha'
   m.mlp_dim = 768               # SwiGLU hidden width
-  m.layer_pattern = 'A'         # tiled to num_layers, one letter per layer
-  m.residual = 'standard'
+  m.layer_pattern = 'A'         # letters tiled to num_layers ('KKKA'), or a ratio 'K:A' ('3:1' = 'KKKA')
+  m.residual = 'standard'       # 'standard' (h + f(h)) | 'attnres_full' | 'attnres_block' (SPEC §4)
+  m.attnres_block_size = 4      # attnres_block: sublayers per block (attention and MLP count one each);
+                                # the last block takes the rest when it does not divide 2 * num_layers
   m.position = 'rope'
   m.rope_theta = 10000.0
   m.tie_embeddings = True
@@ -70,6 +75,18 @@ def base_config() -> ml_collections.ConfigDict:
   m.compute_dtype = 'bfloat16'  # params stay float32; norms, softmax and the loss run in float32
   m.residual_dtype = 'float32'  # dtype of the residual stream between sublayers
   m.remat = False               # rematerialise each layer in the backward pass
+  # Kimi Delta Attention layers ('K'; SPEC §1)
+  m.kda_num_heads = 0           # 0: num_heads
+  m.kda_head_dim = 0            # 0: d_model // num_heads (key and value head dim)
+  m.kda_short_conv = True       # depthwise causal conv (kernel 4) + SiLU on q, k, v
+  m.kda_output_gate = 'sigmoid' # 'sigmoid' | 'swish' | 'none' (report Table 1)
+  m.kda_gate_lower_bound = 0.0  # 0: -exp(A_log) softplus gate; in [-5, 0): bounded sigmoid gate
+  # Multi-head Latent Attention (attention_kind='mla')
+  m.mla_kv_lora_rank = 64
+  m.mla_q_lora_rank = 0         # 0: full-rank queries
+  m.mla_qk_nope_head_dim = 0    # 0: d_model // num_heads
+  m.mla_qk_rope_head_dim = 0    # 0: NoPE (the hybrid default)
+  m.mla_v_head_dim = 0          # 0: the nope head dim
 
   c.train = t = ml_collections.ConfigDict()
   t.steps = 1000
@@ -82,19 +99,26 @@ def base_config() -> ml_collections.ConfigDict:
   t.keep_checkpoints = 3
   t.grad_clip = 1.0             # global-norm clip; 0 disables
   t.plot = True                 # loss-curve PNG in the workdir at the end
+  t.log_attnres = False         # log per-sublayer depth-attention weights (AttnRes) and input/output RMS
 
   c.optimizer = o = ml_collections.ConfigDict()
-  o.name = 'adamw'
-  o.learning_rate = 3e-3
-  o.weight_decay = 0.1
-  o.qk_clip_tau = 100.0
+  o.name = 'adamw'              # 'adamw' | 'muon' (Moonlight, SPEC §2) | 'muonclip' (muon + QK-Clip, SPEC §3)
+  o.learning_rate = 3e-3        # shared by AdamW and both sides of muon
+  o.weight_decay = 0.1          # decoupled (x lr); muon decays every parameter, adamw only matrices
+  o.qk_clip_tau = 100.0         # muonclip: logit cap tau
   o.schedule = 'cosine'
   o.warmup_steps = 50
   o.decay_fraction = 0.2        # wsd: fraction of steps spent decaying at the end
   o.min_lr_ratio = 0.1          # final lr = min_lr_ratio * learning_rate
-  o.b1 = 0.9
+  o.b1 = 0.9                    # AdamW betas and eps (also muon's AdamW side)
   o.b2 = 0.95
   o.eps = 1e-8
+  o.momentum = 0.95             # muon: M = momentum * M + G (Moonlight, no bias correction)
+  o.nesterov = True             # muon: orthogonalise G + momentum * M instead of M
+  o.ns_steps = 5                # muon: Newton-Schulz iterations
+  o.ns_dtype = 'bfloat16'       # muon: dtype of the Newton-Schulz matmuls ('float32' for exactness)
+  o.rms_scale = 0.2             # muon: update = rms_scale * sqrt(max(A, B)) * NS(N), AdamW-like RMS
+  o.muon_per_head = False       # muon: attention kernels as per-head matrices, not one [D, H*Dh]
 
   c.data = default_data_config()   # source, path, val_fraction, mqar_num_pairs
 
@@ -134,11 +158,27 @@ def _positive(path: str, value, *, zero_ok: bool = False) -> None:
     raise ConfigError(f'{path}={value!r} must be {"non-negative" if zero_ok else "positive"}')
 
 
+def expand_pattern(pattern: str) -> str:
+  """'KKKA' stays; a ratio '3:1' becomes 'KKKA' (KDA layers, then attention layers)."""
+  if ':' not in pattern:
+    return pattern
+  parts = pattern.split(':')
+  if len(parts) != 2 or not all(p.isdigit() for p in parts) or not int(parts[0]) + int(parts[1]):
+    raise ConfigError(f"model.layer_pattern={pattern!r}: a ratio must be 'K:A' with non-negative "
+                      "integers, e.g. '3:1'")
+  return 'K' * int(parts[0]) + 'A' * int(parts[1])
+
+
 def layer_kinds(model: ml_collections.ConfigDict) -> str:
   """The per-layer mixer letters: layer_pattern tiled to num_layers ('A' x 4 -> 'AAAA')."""
-  pattern = model.layer_pattern
+  pattern = expand_pattern(model.layer_pattern)
   reps = -(-model.num_layers // len(pattern))
   return (pattern * reps)[: model.num_layers]
+
+
+def kda_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
+  """(heads, head dim) of the KDA layers; the head dim serves keys and values."""
+  return model.kda_num_heads or model.num_heads, model.kda_head_dim or model.d_model // model.num_heads
 
 
 def num_kv_heads(model: ml_collections.ConfigDict) -> int:
@@ -167,11 +207,23 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f'model.num_kv_heads={kv} does not divide model.num_heads={m.num_heads}')
   if not m.layer_pattern:
     raise ConfigError(f'model.layer_pattern is empty; use letters from {LAYER_KINDS}')
-  for letter in m.layer_pattern:
+  for letter in expand_pattern(m.layer_pattern):
     if letter not in LAYER_KINDS:
       raise ConfigError(f'model.layer_pattern={m.layer_pattern!r} has unknown letter {letter!r}; '
                         f'allowed letters: {LAYER_KINDS}')
   _one_of('model.residual', m.residual, RESIDUALS)
+  _one_of('model.kda_output_gate', m.kda_output_gate, KDA_OUTPUT_GATES)
+  if not -5.0 <= m.kda_gate_lower_bound <= 0.0:
+    raise ConfigError(f'model.kda_gate_lower_bound={m.kda_gate_lower_bound!r} must lie in [-5, 0] (0: unbounded gate)')
+  for key in ('kda_num_heads', 'kda_head_dim', 'mla_q_lora_rank', 'mla_qk_nope_head_dim',
+              'mla_qk_rope_head_dim', 'mla_v_head_dim'):
+    _positive(f'model.{key}', m[key], zero_ok=True)
+  _positive('model.mla_kv_lora_rank', m.mla_kv_lora_rank)
+  if m.mla_qk_rope_head_dim % 2:
+    raise ConfigError(f'model.mla_qk_rope_head_dim={m.mla_qk_rope_head_dim} must be even (rotary pairs)')
+  if not isinstance(m.attnres_block_size, int) or m.attnres_block_size < 1:
+    raise ConfigError(f'model.attnres_block_size={m.attnres_block_size!r} must be a positive integer '
+                      '(sublayers per block; 1 is Full AttnRes)')
   _one_of('model.position', m.position, POSITIONS)
   _one_of('model.attn_impl', m.attn_impl, ATTN_IMPLS)
   _one_of('model.kda_impl', m.kda_impl, KDA_IMPLS)
@@ -193,6 +245,13 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _positive('optimizer.qk_clip_tau', o.qk_clip_tau)
   _positive('optimizer.warmup_steps', o.warmup_steps, zero_ok=True)
   _positive('optimizer.eps', o.eps)
+  if not 0.0 <= o.momentum < 1.0:
+    raise ConfigError(f'optimizer.momentum={o.momentum!r} must lie in [0, 1)')
+  _positive('optimizer.ns_steps', o.ns_steps)
+  _one_of('optimizer.ns_dtype', o.ns_dtype, DTYPES)
+  _positive('optimizer.rms_scale', o.rms_scale)
+  for key in ('nesterov', 'muon_per_head'):
+    _one_of(f'optimizer.{key}', o[key], (True, False))
   for key in ('b1', 'b2', 'decay_fraction', 'min_lr_ratio'):
     if not 0.0 <= o[key] <= 1.0:
       raise ConfigError(f'optimizer.{key}={o[key]!r} must lie in [0, 1]')

@@ -1,7 +1,10 @@
 """Decoder-only language model: embed -> layers by model.layer_pattern -> final norm -> head.
 
 Each layer is two pre-norm sublayers, a sequence mixer (the pattern letter: 'A' attention) and
-a SwiGLU MLP, joined by the residual strategy `model.residual`.
+a SwiGLU MLP; sublayer l computes y_l = F_l(Norm_l(h_l)). How h_l is formed from the embedding
+and the earlier outputs is the residual strategy `model.residual` (kimijax/layers/residual.py):
+'standard' (h_{l+1} = h_l + y_l), 'attnres_full' or 'attnres_block' (Attention Residuals,
+SPEC §4; then a final depth-attention aggregator feeds the final norm).
 
     model = Transformer(config.model)
     params = model.init(rng, tokens_bt)['params']
@@ -9,6 +12,14 @@ a SwiGLU MLP, joined by the residual strategy `model.residual`.
 
 `aux['max_logits']` is {'layer_<i>': [H] fp32} for each attention layer: its per-head max
 scaled logit over the batch (SPEC §3), for logging and QK-Clip.
+
+With `Transformer(cfg, log_attnres=True)`, `aux['attnres']` also holds, averaged over batch and
+tokens (consumers: sublayers 0 .. L-1 in order, then the final aggregator):
+  'input_rms'  [L + 1]  RMS of each consumer's input h_l (before its pre-norm)
+  'output_rms' [L]      RMS of each sublayer's output y_l
+  'weights'    [L + 1, S] (AttnRes only) depth-attention weights; column j is source j (the
+               embedding, then sublayer outputs or block sums in order; a block's running partial
+               sum takes its block's column), NaN where consumer l has no source j.
 """
 
 from __future__ import annotations
@@ -21,7 +32,10 @@ import jax.numpy as jnp
 import ml_collections
 
 from kimijax import config as config_lib
+from kimijax.layers import residual as residual_lib
 from kimijax.layers.attention import SelfAttention
+from kimijax.layers.kda import KimiDeltaAttention
+from kimijax.layers.mla import MultiHeadLatentAttention
 from kimijax.layers.mlp import SwiGLU
 from kimijax.layers.norms import RMSNorm
 
@@ -46,35 +60,75 @@ def _cotangent_in_bwd(dtype, _, g):
 cotangent_in.defvjp(_cotangent_in_fwd, _cotangent_in_bwd)
 
 
+def make_mixer(cfg: ml_collections.ConfigDict, kind: str, dtype) -> nn.Module:
+  """The sequence mixer of a model.layer_pattern letter. Called as mixer(x_btd, positions_bt, cache)
+  it returns (y_btd, max_logits [H] fp32 or None, new cache or None). max_logits is None for
+  mixers without softmax logits (KDA) and when decoding; the cache (kimijax/infer/cache.py) is
+  None in training."""
+  if kind == 'K':
+    heads, head_dim = config_lib.kda_dims(cfg)
+    return KimiDeltaAttention(heads, head_dim, cfg.kda_impl, cfg.kda_short_conv, cfg.kda_output_gate,
+                              cfg.kda_gate_lower_bound, cfg.init_std, dtype, name='kda')
+  if kind == 'A' and cfg.attention_kind == 'mla':
+    return MultiHeadLatentAttention(
+        cfg.num_heads, cfg.mla_kv_lora_rank, cfg.mla_qk_nope_head_dim or cfg.d_model // cfg.num_heads,
+        cfg.mla_qk_rope_head_dim, cfg.mla_v_head_dim, cfg.mla_q_lora_rank, cfg.rope_theta,
+        cfg.attn_impl, cfg.norm_eps, cfg.init_std, dtype, name='mla')
+  if kind == 'A':
+    return SelfAttention(cfg.num_heads, config_lib.num_kv_heads(cfg), cfg.position == 'rope',
+                         cfg.rope_theta, cfg.attn_impl, cfg.init_std, dtype, name='attention')
+  raise ValueError(f'unknown layer kind {kind!r}')
+
+
 class Layer(nn.Module):
-  """One layer: h += mixer(norm(h)); h += mlp(norm(h)). Returns (h, max logits [H] of an
-  attention mixer, else None)."""
+  """Layer `index`: sublayers 2*index (mixer) and 2*index + 1 (SwiGLU MLP). Each reads its input
+  h from the residual state, applies F(Norm(h)) and writes its output back; the strategy
+  (model.residual) is all in `residual_lib`, so mixers never see it.
+
+  (state, positions [B, T], cache) -> (state, max logits [H] of an attention mixer or None,
+  per-sublayer statistics when `log` else None, the mixer's new cache or None)."""
   cfg: ml_collections.ConfigDict
   kind: str
+  index: int
+  log: bool = False
 
   @nn.compact
-  def __call__(self, h_btd, positions_bt):
+  def __call__(self, state, positions_bt, cache=None):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.compute_dtype)
-    norm = lambda name: RMSNorm(cfg.norm_eps, dtype, name=name)
-    if self.kind == 'A':
-      mixer = SelfAttention(cfg.num_heads, config_lib.num_kv_heads(cfg), cfg.position == 'rope',
-                            cfg.rope_theta, cfg.attn_impl, cfg.init_std, dtype, name='attention')
-    else:
-      raise ValueError(f'unknown layer kind {self.kind!r}')
-    y_btd, max_logits_h = mixer(norm('mixer_norm')(h_btd), positions_bt)
-    h_btd = nn.with_logical_constraint(h_btd + y_btd.astype(h_btd.dtype), ACT_BTD)
-    y_btd = SwiGLU(cfg.mlp_dim, cfg.init_std, dtype, name='mlp')(norm('mlp_norm')(h_btd))
-    h_btd = nn.with_logical_constraint(h_btd + y_btd.astype(h_btd.dtype), ACT_BTD)
-    return h_btd, max_logits_h
+    res = residual_lib.make_residual(cfg, log=self.log)
+    stats = {'weights': [], 'input_rms': [], 'output_rms': []}
+
+    def sublayer(state, offset: int, name: str, fn):
+      h_btd, w_n = res.read(state, name)
+      y_btd, extra = fn(RMSNorm(cfg.norm_eps, dtype, name=f'{name}_norm')(h_btd))
+      if self.log:
+        stats['weights'].append(w_n)
+        stats['input_rms'].append(residual_lib.rms(h_btd))
+        stats['output_rms'].append(residual_lib.rms(y_btd))
+      return res.write(state, y_btd, 2 * self.index + offset), extra
+
+    mixer = make_mixer(cfg, self.kind, dtype)
+    def run_mixer(x_btd):
+      y_btd, max_logits_h, new_cache = mixer(x_btd, positions_bt, cache)
+      return y_btd, (max_logits_h, new_cache)
+
+    state, (max_logits_h, new_cache) = sublayer(state, 0, 'mixer', run_mixer)
+    mlp = SwiGLU(cfg.mlp_dim, cfg.init_std, dtype, name='mlp')
+    state, _ = sublayer(state, 1, 'mlp', lambda x: (mlp(x), None))
+    return state, max_logits_h, (stats if self.log else None), new_cache
 
 
 class Transformer(nn.Module):
-  """tokens [B, T] int32 -> (logits [B, T, V] fp32, aux)."""
+  """tokens [B, T] int32 -> (logits [B, T, V] fp32, aux).
+
+  With `cache` (kimijax.infer.cache.init_cache) the call is a prefill (T tokens from position 0)
+  or a decode step (T = 1 at positions_bt), and aux['cache'] holds the updated caches."""
   cfg: ml_collections.ConfigDict
+  log_attnres: bool = False     # add aux['attnres'] (per-sublayer depth weights and RMS)
 
   @nn.compact
-  def __call__(self, tokens_bt, positions_bt=None):
+  def __call__(self, tokens_bt, positions_bt=None, cache=None):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.compute_dtype)
     if positions_bt is None:
@@ -82,15 +136,20 @@ class Transformer(nn.Module):
     embed = self.param('embed', nn.with_logical_partitioning(
         nn.initializers.normal(cfg.init_std), ('vocab', 'embed')), (cfg.vocab_size, cfg.d_model), jnp.float32)
     # The residual stream is kept in residual_dtype (default float32); sublayers compute in `dtype`.
-    h_btd = jnp.take(embed, tokens_bt, axis=0).astype(cfg.residual_dtype)
-    h_btd = nn.with_logical_constraint(h_btd, ACT_BTD)
+    res = residual_lib.make_residual(cfg, log=self.log_attnres)
+    state = res.start(jnp.take(embed, tokens_bt, axis=0).astype(cfg.residual_dtype))
 
+    # Remat per layer: the residual state (h, or the AttnRes sources) is the saved carry.
     layer_cls = nn.remat(Layer, prevent_cse=True) if cfg.remat else Layer
-    max_logits = {}
+    max_logits, stats, new_cache = {}, [], {}
     for i, kind in enumerate(config_lib.layer_kinds(cfg)):
-      h_btd, m = layer_cls(cfg, kind, name=f'layer_{i}')(h_btd, positions_bt)
+      name = f'layer_{i}'
+      state, m, s, new_cache[name] = layer_cls(cfg, kind, i, self.log_attnres, name=name)(
+          state, positions_bt, None if cache is None else cache[name])
+      stats.append(s)
       if m is not None:
         max_logits[f'layer_{i}'] = m
+    h_btd, w_n = res.read(state, 'final')   # AttnRes: the final aggregator ('final_attnres')
 
     x_btd = RMSNorm(cfg.norm_eps, dtype, name='final_norm')(h_btd)
     if cfg.tie_embeddings:
@@ -102,7 +161,24 @@ class Transformer(nn.Module):
     logits_btv = cotangent_in(logits_btv, dtype)
     logits_btv = nn.with_logical_constraint(logits_btv, ('act_batch', 'act_length', 'act_vocab'))
     aux = {'max_logits': max_logits}
+    if cache is not None:
+      aux['cache'] = new_cache
+    if self.log_attnres:
+      aux['attnres'] = _collect_stats(cfg, stats, w_n, residual_lib.rms(h_btd))
     return logits_btv, aux
+
+
+def _collect_stats(cfg, layer_stats, final_w_n, final_rms):
+  """Per-layer statistics -> aux['attnres'] (see the module docstring): weight rows padded
+  with NaN to the most sources any consumer sees."""
+  out = {'input_rms': jnp.stack([r for s in layer_stats for r in s['input_rms']] + [final_rms]),
+         'output_rms': jnp.stack([r for s in layer_stats for r in s['output_rms']])}
+  if cfg.residual != 'standard':
+    width = residual_lib.num_sources(cfg)
+    rows = [w for s in layer_stats for w in s['weights']] + [final_w_n]
+    out['weights'] = jnp.stack([jnp.pad(w, (0, width - w.shape[0]), constant_values=jnp.nan)
+                                for w in rows])
+  return out
 
 
 def count_params(params) -> int:

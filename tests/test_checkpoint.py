@@ -17,26 +17,15 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from configs.default import get_config
 from kimijax.train.checkpoint import CheckpointError
 from kimijax.train.loop import train
+from tiny_config import TINY, make_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = {'model.d_model': 64, 'model.num_layers': 2, 'model.num_heads': 2, 'model.mlp_dim': 128,
-        'train.seq_len': 64, 'train.batch_size': 4, 'train.eval_batches': 1, 'train.plot': False,
-        'train.log_every': 1}
 # Constant lr after warmup: a cosine schedule is a function of train.steps, so a 4-step run
 # extended to 8 would (by design) follow a different lr curve than a straight 8-step run.
 RESUMABLE = {**TINY, 'optimizer.schedule': 'constant', 'optimizer.warmup_steps': 2,
              'train.steps': 8, 'train.eval_every': 4, 'train.checkpoint_every': 4}
-
-
-def make_config(overrides):
-  c = get_config()
-  for key, value in overrides.items():
-    group, name = key.split('.')
-    c[group][name] = value
-  return c
 
 
 def run_train(overrides, workdir, num_devices=1):

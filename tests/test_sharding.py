@@ -17,10 +17,10 @@ from jax.sharding import PartitionSpec as P
 from kimijax import config as config_lib
 from kimijax.config import ConfigError
 from kimijax.model import Transformer
-from kimijax.optim import make_optimizer, make_schedule
+from kimijax.optim import make_optimizer
 from kimijax.parallel import mesh as mesh_lib
-from kimijax.train.state import init_state, state_shardings
-from kimijax.train.step import jit_steps
+from kimijax.train.state import state_shardings
+from kimijax.train.step import build_training
 
 STEPS = 3
 BATCH, SEQ = 8, 16
@@ -66,12 +66,8 @@ BATCHES = make_batches()
 def train(config, devices):
   """(per-step metrics as numpy, final state, mesh) of STEPS real train steps on `devices`."""
   mesh = mesh_lib.make_mesh(config.mesh, devices)
-  model = Transformer(config.model)
-  optimizer, schedule = make_optimizer(config), make_schedule(config)
-  _, shardings = state_shardings(model, optimizer, config, mesh)
-  state = init_state(model, optimizer, config, shardings)
-  train_step, _ = jit_steps(model, optimizer, schedule, config, mesh, shardings)
-  batch_sh = mesh_lib.batch_sharding(mesh, config.mesh)
+  run = build_training(config, mesh)
+  state, train_step, batch_sh = run.init_state(config), run.train_step, run.batch_sharding
   history = []
   for batch in BATCHES:
     gbatch = {k: jax.make_array_from_process_local_data(batch_sh, v) for k, v in batch.items()}

@@ -15,22 +15,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from configs.default import get_config
 from kimijax.config import ConfigError, base_config, validate
 from kimijax.train.loop import NonFiniteError, train
+from tiny_config import TINY, make_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = {'model.d_model': 64, 'model.num_layers': 2, 'model.num_heads': 2, 'model.mlp_dim': 128,
-        'train.seq_len': 64, 'train.batch_size': 4, 'train.eval_batches': 1, 'train.plot': False,
-        'train.log_every': 1}
-
-
-def make_config(overrides):
-  c = get_config()
-  for key, value in overrides.items():
-    group, name = key.split('.')
-    c[group][name] = value
-  return c
 
 
 def read_metrics(workdir):

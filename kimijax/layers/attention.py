@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
-from kimijax.ops.attention import attention
+from kimijax.ops.attention import attention, decode_attention
 
 
 def apply_rope(x_bthd, positions_bt, theta: float):
@@ -20,7 +21,11 @@ def apply_rope(x_bthd, positions_bt, theta: float):
 
 
 class SelfAttention(nn.Module):
-  """Causal self-attention. x [B, T, D] -> (y [B, T, D], max_logits [H] fp32).
+  """Causal self-attention. x [B, T, D] -> (y [B, T, D], max_logits [H] fp32, cache).
+
+  Without a cache: training, max logits returned, cache None. With a cache {'k', 'v'}
+  [B, S_max, Hkv, Dh]: a prefill from position 0 (T tokens) or a decode step (T = 1); the keys and
+  values are written at positions_bt[0] onwards and max_logits is None.
 
   Query kernel [D, H, Dh], key/value kernels [D, Hkv, Dh], output kernel [H, Dh, D], so that
   per-head weight rewrites (QK-Clip, SPEC §3) index the head axis directly.
@@ -34,7 +39,7 @@ class SelfAttention(nn.Module):
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt):
+  def __call__(self, x_btd, positions_bt, cache=None):
     d = x_btd.shape[-1]
     head_dim = d // self.num_heads
     init = nn.initializers.normal(self.init_std)
@@ -57,6 +62,18 @@ class SelfAttention(nn.Module):
       k = apply_rope(k, positions_bt, self.rope_theta)
     names = ('act_batch', 'act_length', 'act_heads', None)
     q, k, v = (nn.with_logical_constraint(t, names) for t in (q, k, v))
-    o_bthd, max_logits_h = attention(q, k, v, causal=True, impl=self.impl, return_max_logits=True)
+    if cache is None:
+      o_bthd, max_logits_h = attention(q, k, v, causal=True, impl=self.impl, return_max_logits=True)
+      new_cache = None
+    else:   # write this call's keys/values at their positions; prefill starts at position 0
+      start = positions_bt[0, 0]
+      new_cache = {name: jax.lax.dynamic_update_slice_in_dim(cache[name], t.astype(cache[name].dtype),
+                                                             start, axis=1)
+                   for name, t in (('k', k), ('v', v))}
+      if x_btd.shape[1] == 1:
+        o_bthd = decode_attention(q, new_cache['k'], new_cache['v'], start + 1)
+      else:
+        o_bthd = attention(q, k, v, causal=True, impl=self.impl)
+      max_logits_h = None
     o_bthd = nn.with_logical_constraint(o_bthd, names)
-    return jnp.einsum('bthk,hkd->btd', o_bthd, w_o), max_logits_h
+    return jnp.einsum('bthk,hkd->btd', o_bthd, w_o), max_logits_h, new_cache

@@ -18,11 +18,12 @@ _MASKED = -1e30  # finite, so fully masked rows give 0 weights instead of NaN
 
 def _check_shapes(q, k, v):
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f'attention expects q [B, T, H, D] and k, v [B, S, Hkv, D]; got q {q.shape}, '
-                     f'k {k.shape}, v {v.shape}')
+    raise ValueError(f'attention expects q [B, T, H, D], k [B, S, Hkv, D] and v [B, S, Hkv, Dv]; '
+                     f'got q {q.shape}, k {k.shape}, v {v.shape}')
   b, _, h, d = q.shape
-  if k.shape != v.shape[:3] + (d,) or k.shape[0] != b or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f'attention: k {k.shape} and v {v.shape} must be [B={b}, S, Hkv, D={d}]')
+  if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
+    raise ValueError(f'attention: k {k.shape} must be [B={b}, S, Hkv, D={d}] and v {v.shape} '
+                     f'[B={b}, S, Hkv, Dv]')
   if h % k.shape[2]:
     raise ValueError(f'attention: key/value heads {k.shape[2]} must divide query heads {h}; got '
                      f'q {q.shape}, k {k.shape}')
@@ -95,6 +96,12 @@ def _cudnn_attention(q, k, v, causal, scale, return_max_logits):
     raise ValueError(f"attention impl='cudnn' needs bfloat16 or float16 inputs, got {q.dtype}; "
                      "set model.compute_dtype='bfloat16' or use impl='xla'")
   t, s = q.shape[1], k.shape[1]
+  dv = v.shape[-1]
+  if dv != q.shape[-1]:   # cuDNN wants one head dim: pad v (MLA's value dim may differ), slice after
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - dv))) if dv < q.shape[-1] else v
+    if dv > q.shape[-1]:
+      raise ValueError(f"attention impl='cudnn' needs the value head dim ({dv}) <= the query/key head "
+                       f"dim ({q.shape[-1]}); use impl='xla'")
   if causal and t != s:
     # jax's is_causal aligns the mask top-left (query i sees keys <= i); here the queries are the
     # last T of S positions, so pass the bottom-right mask explicitly.
@@ -102,6 +109,7 @@ def _cudnn_attention(q, k, v, causal, scale, return_max_logits):
                                        implementation='cudnn')
   else:
     out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation='cudnn')
+  out = out[..., :dv]
   if not return_max_logits:
     return out, None
   from kernels_pallas.max_logits import max_logits  # GPU only: imports Triton lowering
@@ -132,3 +140,22 @@ def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits
   else:
     raise ValueError(f'attention impl={impl!r} is unknown; allowed: {IMPLS}')
   return (out, m) if return_max_logits else out
+
+
+def decode_attention(q, k_cache, v_cache, length, *, scale=None):
+  """Attention of new queries over a preallocated cache, for decoding.
+
+  q [B, T, H, D] are the queries at positions length-T .. length-1; k_cache [B, S, Hkv, D] and
+  v_cache [B, S, Hkv, Dv] hold valid keys at positions < length (a traced scalar). Query i sees
+  keys at positions <= length - T + i. Softmax in float32. Returns [B, T, H, Dv] in q's dtype.
+  """
+  b, t, h, d = q.shape
+  s, hkv = k_cache.shape[1], k_cache.shape[2]
+  scale = d ** -0.5 if scale is None else scale
+  logits = _grouped_logits(q, k_cache, scale)                             # [B, Hkv, G, T, S]
+  query_pos = length - t + jnp.arange(t)
+  allowed = query_pos[:, None] >= jnp.arange(s)[None, :]
+  probs = jax.nn.softmax(jnp.where(allowed, logits, _MASKED), axis=-1)
+  out = jnp.einsum('bkgts,bskd->btkgd', probs.astype(v_cache.dtype), v_cache,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h, v_cache.shape[-1]).astype(q.dtype)

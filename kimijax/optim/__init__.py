@@ -1,5 +1,9 @@
 """Optimizers as optax GradientTransformations, picked by config.optimizer.name."""
 
-from kimijax.optim.factory import make_optimizer, make_schedule
+from kimijax.optim.factory import describe, make_optimizer, make_schedule, param_groups
+from kimijax.optim.muon import muon, scale_by_muon
+from kimijax.optim.qk_clip import muonclip, qk_clip
+from kimijax.optim.routing import MatrixView, Routing
 
-__all__ = ['make_optimizer', 'make_schedule']
+__all__ = ['MatrixView', 'Routing', 'describe', 'make_optimizer', 'make_schedule', 'muon', 'muonclip',
+           'param_groups', 'qk_clip', 'scale_by_muon']

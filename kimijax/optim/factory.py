@@ -1,10 +1,26 @@
-"""Learning-rate schedules and the optimizer named by config.optimizer."""
+"""Learning-rate schedules and the optimizer named by config.optimizer.
+
+    'adamw'     optax.adamw; weight decay on matrices only (decay_mask)
+    'muon'      kimijax.optim.muon.muon: Moonlight's Muon on hidden matrices, AdamW on the rest
+    'muonclip'  muon, then kimijax.optim.qk_clip.qk_clip(optimizer.qk_clip_tau)
+
+Global-norm gradient clipping (train.grad_clip) comes first in every chain. The returned
+transform takes the forward pass's max logits as `update(..., max_logits=...)` (ignored by
+all but QK-Clip).
+"""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
+
+from kimijax.optim.muon import muon
+from kimijax.optim.qk_clip import qk_clip
+from kimijax.optim.routing import ADAMW, Routing
 
 
 def make_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -34,12 +50,37 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def routing(config: ml_collections.ConfigDict) -> Routing | None:
+  """The Muon/AdamW routing of config's optimizer (None for plain 'adamw')."""
+  if config.optimizer.name in ('muon', 'muonclip'):
+    return Routing(per_head=config.optimizer.muon_per_head)
+  return None
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformationExtraArgs:
   o = config.optimizer
   schedule = make_schedule(config)
   clip = [optax.clip_by_global_norm(config.train.grad_clip)] if config.train.grad_clip > 0 else []
   if o.name == 'adamw':
-    opt = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+    opts = [optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)]
+  elif o.name in ('muon', 'muonclip'):
+    opts = [muon(schedule, momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps,
+                 ns_dtype=jnp.dtype(o.ns_dtype), rms_scale=o.rms_scale, weight_decay=o.weight_decay,
+                 adam_b1=o.b1, adam_b2=o.b2, adam_eps=o.eps, per_head=o.muon_per_head)]
+    if o.name == 'muonclip':
+      opts.append(qk_clip(o.qk_clip_tau))
   else:
     raise ValueError(f'optimizer.name={o.name!r} is unknown')
-  return optax.chain(*clip, opt)
+  return optax.chain(*clip, *opts)
+
+
+def param_groups(config: ml_collections.ConfigDict) -> Callable[[Any], Any]:
+  """params -> pytree of group labels ('muon' / 'adamw'), for per-group update metrics."""
+  r = routing(config)
+  return r.labels if r is not None else (lambda params: jax.tree.map(lambda _: ADAMW, params))
+
+
+def describe(config: ml_collections.ConfigDict, params) -> str | None:
+  """The start-up table of which parameter uses which rule (None for plain 'adamw')."""
+  r = routing(config)
+  return r.table(params) if r is not None else None

@@ -19,6 +19,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from kimijax.config import base_config
+
 # Config groups that must match to restore: they decide parameter shapes and meaning.
 # mesh, train and data may change between runs (resharding onto another mesh is supported).
 MUST_MATCH = ('model',)
@@ -39,11 +41,14 @@ def _flatten(d, prefix=''):
 
 
 def config_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
-  """Keys under MUST_MATCH whose saved value differs from `config`, as 'key: saved -> now'."""
+  """Keys under MUST_MATCH whose saved value differs from `config`, as 'key: saved -> now'. A key
+  the saved config lacks (added to the schema after it was written) matches its default."""
   now = _flatten(json.loads(config.to_json()))
   before = _flatten(saved)
+  defaults = _flatten(json.loads(base_config().to_json()))
   keys = sorted(k for k in set(now) | set(before) if k.split('.')[0] in MUST_MATCH)
-  return [f'{k}: {before.get(k)!r} -> {now.get(k)!r}' for k in keys if before.get(k) != now.get(k)]
+  return [f'{k}: {before.get(k)!r} -> {now.get(k)!r}' for k in keys
+          if before.get(k, defaults.get(k)) != now.get(k)]
 
 
 def _leaf_checksum(x):

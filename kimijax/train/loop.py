@@ -13,12 +13,11 @@ import tqdm
 from kimijax import config as config_lib
 from kimijax.data import eval_batches, make_loader
 from kimijax.model import Transformer, count_params
-from kimijax.optim import make_optimizer, make_schedule
+from kimijax.optim import describe as describe_optimizer
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train import checkpoint as ckpt_lib
 from kimijax.train import metrics as metrics_lib
-from kimijax.train.state import init_state, state_shardings
-from kimijax.train.step import jit_steps
+from kimijax.train.step import build_training
 
 
 class NonFiniteError(FloatingPointError):
@@ -35,6 +34,15 @@ def _train_record(step: int, m: dict) -> dict:
   if per_layer:
     record['max_logit'] = max(per_layer.values())
     record.update({f'max_logit_{name}': value for name, value in per_layer.items()})
+  if 'qk_clip_heads' in m:    # muonclip: query heads whose max logit exceeded tau this step
+    record['qk_clip_heads'] = int(m['qk_clip_heads'])
+  record.update({k: float(v) for k, v in m.items() if k.startswith('update_rms_')})
+  if 'attnres' in m:          # train.log_attnres; see kimijax.model for the meaning of each array
+    stats = jax.device_get(m['attnres'])
+    record['attnres_input_rms'] = [float(x) for x in stats['input_rms']]
+    record['attnres_output_rms'] = [float(x) for x in stats['output_rms']]
+    if 'weights' in stats:    # one row per consumer, only the sources it sees (no NaN padding)
+      record['attnres_weights'] = [[float(x) for x in row if not np.isnan(x)] for row in stats['weights']]
   return record
 
 
@@ -63,9 +71,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   workdir.mkdir(parents=True, exist_ok=True)
 
-  model = Transformer(config.model)
-  optimizer, schedule = make_optimizer(config), make_schedule(config)
-  abstract_state, shardings = state_shardings(model, optimizer, config, mesh)
+  run = build_training(config, mesh, Transformer(config.model, log_attnres=config.train.log_attnres))
+  abstract_state, train_step, eval_step = run.abstract_state, run.train_step, run.eval_step
   checkpointer = ckpt_lib.Checkpointer(workdir / 'checkpoints', keep=t.keep_checkpoints)
   start = checkpointer.latest_step()
   if start is not None:
@@ -73,12 +80,11 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
     train_loader.set_state(data_state)
   else:
     start = 0
-    state = init_state(model, optimizer, config, shardings)
+    state = run.init_state(config)
   if pid == 0:
     (workdir / 'config.json').write_text(config.to_json(indent=2))
 
-  train_step, eval_step = jit_steps(model, optimizer, schedule, config, mesh, shardings)
-  batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh)
+  batch_sharding = run.batch_sharding
   val_batches = [_to_global(b, batch_sharding) for b in val_local]
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start if start else None)
   n_params = count_params(state.params)
@@ -87,6 +93,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
     print(f'kimijax: {n_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, '
           f'{tokens_per_step} tokens/step, {"resuming from step " + str(start) if start else "fresh start"}',
           flush=True)
+    routing_table = describe_optimizer(config, abstract_state.params)
+    if routing_table:
+      print(f'optimizer {config.optimizer.name}: parameter routing\n{routing_table}', flush=True)
 
   def check(step: int, metrics: dict) -> None:
     if not bool(metrics['finite']):

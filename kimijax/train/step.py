@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
+from kimijax import optim
+from kimijax.optim.qk_clip import heads_clipped
 from kimijax.parallel import mesh as mesh_lib
-from kimijax.train.state import TrainState
+from kimijax.model import Transformer
+from kimijax.optim import make_optimizer, make_schedule
+from kimijax.train.state import TrainState, init_state, state_shardings
 
 
 def token_nll(logits_btv, targets_bt):
@@ -29,21 +35,46 @@ def make_loss_fn(model: nn.Module):
   return loss_fn
 
 
-def make_train_step(model, optimizer: optax.GradientTransformation, schedule: optax.Schedule):
+def update_rms(updates, labels) -> dict:
+  """{'update_rms_<group>': RMS over the group's elements of the parameter change} (lr, weight
+  decay and QK-Clip included), fp32; `labels` is a pytree of group names like `updates`."""
+  sums, counts = {}, {}
+  for u, group in zip(jax.tree.leaves(updates), jax.tree.leaves(labels)):
+    sums[group] = sums.get(group, 0.0) + jnp.sum(jnp.square(u.astype(jnp.float32)))
+    counts[group] = counts.get(group, 0) + u.size
+  return {f'update_rms_{g}': jnp.sqrt(sums[g] / counts[g]) for g in sorted(sums)}
+
+
+def make_train_step(model, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                    param_groups=None):
   """(state, batch) -> (state, metrics). A step whose loss or gradients are not finite leaves the
-  state unchanged and reports finite=False; the loop stops on it."""
+  state unchanged and reports finite=False; the loop stops on it.
+
+  The optimizer gets the forward pass's per-head max logits as `max_logits=` (QK-Clip uses them;
+  other transforms ignore them). `param_groups` (params -> pytree of group names, e.g.
+  kimijax.optim.param_groups(config)) adds update_rms_<group> to the metrics; with QK-Clip in the
+  optimizer, `qk_clip_heads` is the number of query heads clipped this step."""
   loss_fn = make_loss_fn(model)
+  optimizer = optax.with_extra_args_support(optimizer)
 
   def train_step(state: TrainState, batch):
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params,
+                                          max_logits=aux['max_logits'])
     new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                      opt_state=opt_state)
     new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
     metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step),
                'max_logits': aux['max_logits'], 'finite': finite}
+    if param_groups is not None:
+      metrics.update(update_rms(updates, param_groups(state.params)))
+    clipped = heads_clipped(opt_state)
+    if clipped is not None:
+      metrics['qk_clip_heads'] = clipped
+    if 'attnres' in aux:        # Transformer(..., log_attnres=True): per-sublayer depth statistics
+      metrics['attnres'] = aux['attnres']
     return new, metrics
 
   return train_step
@@ -72,9 +103,34 @@ def jit_steps(model, optimizer, schedule, config, mesh, state_shardings):
   """The train and eval steps jitted with explicit in/out shardings; the train state is donated."""
   batch_sh = mesh_lib.batch_sharding(mesh, config.mesh)
   rep = mesh_lib.replicated(mesh)
-  train = jax.jit(make_train_step(model, optimizer, schedule),
+  train = jax.jit(make_train_step(model, optimizer, schedule, optim.param_groups(config)),
                   in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, rep),
                   donate_argnums=0)
   evaluate = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sh),
                      out_shardings=rep)
   return in_mesh(train, mesh, config.mesh), in_mesh(evaluate, mesh, config.mesh)
+
+
+class Training(NamedTuple):
+  """Everything a run needs besides data: built once from the config and the mesh."""
+  model: nn.Module
+  optimizer: optax.GradientTransformation
+  schedule: optax.Schedule
+  abstract_state: TrainState       # shapes, dtypes and shardings, for restoring checkpoints
+  shardings: TrainState            # NamedSharding per leaf
+  train_step: Callable             # (state, batch) -> (state, metrics), jitted, state donated
+  eval_step: Callable              # (params, batch) -> (sum nll, tokens), jitted
+  batch_sharding: NamedSharding
+
+  def init_state(self, config: ml_collections.ConfigDict) -> TrainState:
+    return init_state(self.model, self.optimizer, config, self.shardings)
+
+
+def build_training(config: ml_collections.ConfigDict, mesh: Mesh, model: nn.Module | None = None) -> Training:
+  """Model (default Transformer(config.model)), optimizer, schedule, state layout and jitted steps."""
+  model = Transformer(config.model) if model is None else model
+  optimizer, schedule = make_optimizer(config), make_schedule(config)
+  abstract_state, shardings = state_shardings(model, optimizer, config, mesh)
+  train_step, eval_step = jit_steps(model, optimizer, schedule, config, mesh, shardings)
+  return Training(model, optimizer, schedule, abstract_state, shardings, train_step, eval_step,
+                  mesh_lib.batch_sharding(mesh, config.mesh))

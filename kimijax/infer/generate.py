@@ -1,0 +1,94 @@
+"""Prefill + token-by-token decoding with per-layer caches, and batched sampling.
+
+    tokens = generate(model, params, prompt_bt, max_new_tokens=64, temperature=0.8, top_p=0.95)
+
+The prompt runs once through the parallel path (the chunked KDA form, flash attention) and fills
+every layer's cache; each new token then costs one decode step, which for KDA layers is O(1) in
+the context length. Prompts in a batch share one length.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from kimijax.infer.cache import init_cache
+from kimijax.infer.sampling import sample
+from kimijax.model import Transformer
+from kimijax.optim import make_optimizer
+from kimijax.parallel import mesh as mesh_lib
+from kimijax.train.checkpoint import CheckpointError, Checkpointer
+from kimijax.train.state import state_shardings
+
+
+def _step_fns(model: nn.Module):
+  """Jitted (prefill, decode_step) for `model`: each returns (last-position logits [B, V], cache)."""
+  def run(params, tokens_bt, positions_bt, cache):
+    logits, aux = model.apply({'params': params}, tokens_bt, positions_bt, cache=cache)
+    return logits[:, -1], aux['cache']
+
+  @jax.jit
+  def prefill(params, tokens_bt, cache):
+    return run(params, tokens_bt, jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape), cache)
+
+  @jax.jit
+  def decode_step(params, token_b, position, cache):
+    return run(params, token_b[:, None], jnp.full((token_b.shape[0], 1), position), cache)
+
+  return prefill, decode_step
+
+
+def generate(model: nn.Module, params, prompt_bt, *, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_token: int | None = None):
+  """prompt [B, P] int -> [B, P + max_new_tokens] int32 (generation continues past stop_token
+  for other rows; positions after a row's stop token are filled with it)."""
+  prompt_bt = jnp.asarray(prompt_bt, jnp.int32)
+  b, p = prompt_bt.shape
+  if p == 0:
+    raise ValueError('generate: the prompt must hold at least one token')
+  prefill, decode_step = _step_fns(model)
+  logits, cache = prefill(params, prompt_bt, init_cache(model.cfg, b, p + max_new_tokens))
+  rng = jax.random.key(seed)
+  out = [np.asarray(prompt_bt)]
+  done = np.zeros(b, bool)
+  for i in range(max_new_tokens):
+    rng, key = jax.random.split(rng)
+    token = sample(key, logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    token_np = np.asarray(token)
+    if stop_token is not None:
+      token_np = np.where(done, stop_token, token_np)
+      done |= token_np == stop_token
+    out.append(token_np[:, None])
+    if i + 1 == max_new_tokens or (stop_token is not None and done.all()):
+      break
+    logits, cache = decode_step(params, jnp.asarray(token_np), p + i, cache)
+  tokens = np.concatenate(out, axis=1).astype(np.int32)
+  if tokens.shape[1] < p + max_new_tokens:   # every row stopped early
+    tokens = np.pad(tokens, ((0, 0), (0, p + max_new_tokens - tokens.shape[1])), constant_values=stop_token)
+  return tokens
+
+
+def load_for_generation(workdir):
+  """(config, model, params) from the latest checkpoint in workdir (its config.json), laid out
+  data-parallel over this host's devices."""
+  workdir = pathlib.Path(workdir)
+  config_path = workdir / 'config.json'
+  if not config_path.exists():
+    raise CheckpointError(f'{config_path} not found: --workdir must be a folder that run.py trained into')
+  config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+  checkpointer = Checkpointer(workdir / 'checkpoints', keep=config.train.keep_checkpoints)
+  step = checkpointer.latest_step()
+  if step is None:
+    raise CheckpointError(f'no checkpoint in {workdir / "checkpoints"} to generate from')
+  model = Transformer(config.model)
+  abstract, _ = state_shardings(model, make_optimizer(config), config, mesh_lib.make_mesh(config.mesh))
+  state, _ = checkpointer.restore(step, abstract, config)   # optimizer state too: restore reads whole steps
+  checkpointer.close()
+  return config, model, state.params

@@ -1,0 +1,127 @@
+"""Kimi Delta Attention layer (SPEC §1): projections, short convolutions, gates and output.
+
+    q, k = L2Norm(SiLU(ShortConv(W_q x))), L2Norm(SiLU(ShortConv(W_k x)));  v = SiLU(ShortConv(W_v x))
+    beta = sigmoid(W_b x)                                  one scalar per head
+    g = -exp(A_log) * softplus(W_f2 W_f1 x + dt_bias)      per-channel log-decay (<= 0), float32
+        or lower_bound * sigmoid(exp(A_log) * (W_f2 W_f1 x + dt_bias)) with a bounded gate
+    o = kda(q, k, v, g, beta)                              the delta-rule recurrence, kimijax.ops.kda
+    y = W_o (RMSNorm_per_head(o) * sigmoid(W_g2 W_g1 x))   output gate: sigmoid | swish | none
+
+Decode cache per sequence: the last 3 conv inputs of q, k and v, and the float32 state [H, K, V].
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kimijax.layers.conv import ShortConv
+from kimijax.layers.norms import rms_normalise
+from kimijax.ops.kda import kda, kda_step
+
+CONV_WIDTH = 4
+OUTPUT_GATES = ('sigmoid', 'swish', 'none')
+
+
+def l2_normalise(x, eps: float = 1e-6):
+  """x / sqrt(sum(x^2) + eps) over the last axis, in float32."""
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _a_log_init(key, shape, dtype):
+  """A_log = log(A), A ~ U(1, 16)."""
+  return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+
+
+def _dt_bias_init(key, shape, dtype):
+  """Inverse softplus of dt ~ logU(1e-3, 1e-1) (floored at 1e-4)."""
+  dt = jnp.exp(jax.random.uniform(key, shape, dtype, math.log(1e-3), math.log(1e-1)))
+  dt = jnp.maximum(dt, 1e-4)
+  return dt + jnp.log(-jnp.expm1(-dt))
+
+
+class KimiDeltaAttention(nn.Module):
+  """x [B, T, D] -> (y [B, T, D], None, cache or None). Heads H of key dim K and value dim V."""
+  num_heads: int
+  head_dim: int
+  impl: str = 'chunk'
+  short_conv: bool = True
+  output_gate: str = 'sigmoid'
+  gate_lower_bound: float = 0.0       # 0: the unbounded gate; in [-5, 0): the bounded gate
+  init_std: float = 0.02
+  dtype: jnp.dtype = jnp.float32
+
+  def _kernel(self, name, shape, names, init=None):
+    init = init or nn.initializers.normal(self.init_std)
+    return self.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32).astype(self.dtype)
+
+  def _low_rank(self, name, x_btd, rank):
+    """[B, T, D] -> [B, T, H, K] through a rank-`rank` bottleneck."""
+    d = x_btd.shape[-1]
+    a = self._kernel(f'{name}_a', (d, rank), ('embed', 'latent'))
+    b = self._kernel(f'{name}_b', (rank, self.num_heads, self.head_dim), ('latent', 'heads', 'head_dim'))
+    return jnp.einsum('btr,rhk->bthk', jnp.einsum('btd,dr->btr', x_btd, a), b)
+
+  @nn.compact
+  def __call__(self, x_btd, positions_bt=None, cache=None):
+    del positions_bt   # KDA has no positional encoding: the decay orders the sequence
+    h, hd = self.num_heads, self.head_dim
+    d = x_btd.shape[-1]
+    x_btd = x_btd.astype(self.dtype)
+    names = ('embed', 'heads', 'head_dim')
+    q, k, v = (jnp.einsum('btd,dhk->bthk', x_btd, self._kernel(f'{n}_proj', (d, h, hd), names))
+               for n in ('q', 'k', 'v'))
+    new_cache = {}
+    if self.short_conv:
+      convs = []
+      for name, t in (('q', q), ('k', k), ('v', v)):
+        prefix = None if cache is None else cache[f'conv_{name}']
+        out, new_cache[f'conv_{name}'] = ShortConv(CONV_WIDTH, self.dtype, name=f'{name}_conv')(t, prefix)
+        convs.append(out)
+      q, k, v = convs
+    q, k = l2_normalise(jax.nn.silu(q)), l2_normalise(jax.nn.silu(k))
+    v = jax.nn.silu(v)
+    act = ('act_batch', 'act_length', 'act_heads', None)
+    q, k, v = (nn.with_logical_constraint(t, act) for t in (q, k, v))
+
+    beta = jax.nn.sigmoid(jnp.einsum('btd,dh->bth', x_btd, self._kernel('b_proj', (d, h), ('embed', 'heads'))
+                                     ).astype(jnp.float32))
+    a_log = self.param('A_log', nn.with_logical_partitioning(_a_log_init, ('heads',)), (h,), jnp.float32)
+    dt_bias = self.param('dt_bias', nn.with_logical_partitioning(_dt_bias_init, ('heads', 'head_dim')),
+                         (h, hd), jnp.float32)
+    f = self._low_rank('f', x_btd, hd).astype(jnp.float32) + dt_bias
+    if self.gate_lower_bound:
+      g = self.gate_lower_bound * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * f)
+    else:
+      g = -jnp.exp(a_log)[:, None] * jax.nn.softplus(f)
+
+    if cache is None:
+      o, _ = kda(q, k, v, g, beta, impl=self.impl)
+    elif x_btd.shape[1] == 1:   # decode: one token, O(1) in the context length
+      o, new_cache['state'] = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache['state'])
+      o = o[:, None]
+    else:                       # prefill (or a chunk of it) from the cached state
+      o, new_cache['state'] = kda(q, k, v, g, beta, impl=self.impl, initial_state=cache['state'],
+                                  output_final_state=True)
+
+    gain = self.param('o_norm', nn.with_logical_partitioning(nn.initializers.ones, ('head_dim',)),
+                      (hd,), jnp.float32)
+    o = rms_normalise(o, 1e-5) * gain
+    if self.output_gate != 'none':
+      gate = self._low_rank('g', x_btd, hd).astype(jnp.float32)
+      o = o * (jax.nn.sigmoid(gate) if self.output_gate == 'sigmoid' else jax.nn.silu(gate))
+    o = nn.with_logical_constraint(o.astype(self.dtype), act)
+    y = jnp.einsum('bthk,hkd->btd', o, self._kernel('o_proj', (h, hd, d), ('heads', 'head_dim', 'embed')))
+    return y, None, (new_cache if cache is not None else None)
+
+  @staticmethod
+  def init_cache(batch: int, num_heads: int, head_dim: int, short_conv: bool, dtype) -> dict:
+    cache = {'state': jnp.zeros((batch, num_heads, head_dim, head_dim), jnp.float32)}
+    if short_conv:
+      for name in ('q', 'k', 'v'):
+        cache[f'conv_{name}'] = jnp.zeros((batch, CONV_WIDTH - 1, num_heads, head_dim), dtype)
+    return cache

@@ -1,0 +1,118 @@
+"""Multi-head Latent Attention (DeepSeek-V2 style, as used by Kimi Linear's full-attention layers).
+
+    c = RMSNorm(W_dkv x)                      [r]     the compressed KV latent (cached at decode)
+    k_h = [W_uk_h c ; RoPE(W_kr x)]                   per-head no-position part, shared rotary part
+    v_h = W_uv_h c
+    q_h = [W_uq_h cq ; RoPE(W_qr_h cq)],  cq = RMSNorm(W_dq x) (or cq = x without a q low rank)
+    y = W_o [softmax(scale q_h . k_h) v_h]_h,  scale = (d_nope + d_rope) ** -0.5
+
+With qk_rope_head_dim = 0 (NoPE, the hybrid default) there is no rotary part. The no-position and
+rotary parts are separate parameters (q_nope / q_rope, k_nope, shared k_rope) so QK-Clip can scale
+them differently (SPEC §3). Decoding uses the absorbed form: queries are mapped into the latent
+space (W_uk_h^T q_h) and attend over the cached latents like multi-query attention; the cache
+holds r + d_rope numbers per token instead of 2 H D.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kimijax.layers.attention import apply_rope
+from kimijax.layers.norms import RMSNorm
+from kimijax.ops.attention import _MASKED, attention
+
+
+def _write(buffer_bs, x_bt, start):
+  """buffer [B, S, ...] with x [B, T, ...] written at positions start .. start+T-1."""
+  return jax.lax.dynamic_update_slice_in_dim(buffer_bs, x_bt.astype(buffer_bs.dtype), start, axis=1)
+
+
+class MultiHeadLatentAttention(nn.Module):
+  """x [B, T, D] -> (y [B, T, D], max_logits [H] fp32, cache or None)."""
+  num_heads: int
+  kv_lora_rank: int
+  qk_nope_head_dim: int
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0                 # 0: qk_nope_head_dim
+  q_lora_rank: int = 0                # 0: full-rank queries
+  rope_theta: float = 10000.0
+  impl: str = 'xla'
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  dtype: jnp.dtype = jnp.float32
+
+  def _kernel(self, name, shape, names):
+    return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(self.init_std), names),
+                      shape, jnp.float32).astype(self.dtype)
+
+  @nn.compact
+  def __call__(self, x_btd, positions_bt, cache=None):
+    h, dn, dr, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+    dv = self.v_head_dim or dn
+    d = x_btd.shape[-1]
+    x_btd = x_btd.astype(self.dtype)
+    scale = (dn + dr) ** -0.5
+
+    if self.q_lora_rank:
+      cq = jnp.einsum('btd,dr->btr', x_btd, self._kernel('q_down', (d, self.q_lora_rank), ('embed', 'latent')))
+      cq = RMSNorm(self.norm_eps, self.dtype, name='q_norm')(cq)
+      q_in, q_axes = cq, ('latent', 'heads', 'head_dim')
+    else:
+      q_in, q_axes = x_btd, ('embed', 'heads', 'head_dim')
+    q_nope = jnp.einsum('btr,rhk->bthk', q_in, self._kernel('q_nope', (q_in.shape[-1], h, dn), q_axes))
+    c = jnp.einsum('btd,dr->btr', x_btd, self._kernel('kv_down', (d, r), ('embed', 'latent')))
+    c = RMSNorm(self.norm_eps, self.dtype, name='kv_norm')(c)                      # [B, T, r]
+    w_k_nope = self._kernel('k_nope', (r, h, dn), ('latent', 'heads', 'head_dim'))
+    w_v = self._kernel('v', (r, h, dv), ('latent', 'heads', 'head_dim'))
+    w_o = self._kernel('out', (h, dv, d), ('heads', 'head_dim', 'embed'))
+    if dr:
+      q_rope = jnp.einsum('btr,rhk->bthk', q_in, self._kernel('q_rope', (q_in.shape[-1], h, dr), q_axes))
+      q_rope = apply_rope(q_rope, positions_bt, self.rope_theta)
+      k_rope = jnp.einsum('btd,dk->btk', x_btd, self._kernel('k_rope', (d, dr), ('embed', 'head_dim')))
+      k_rope = apply_rope(k_rope[:, :, None], positions_bt, self.rope_theta)[:, :, 0]  # [B, T, dr]
+
+    new_cache = None
+    if cache is not None and x_btd.shape[1] == 1:
+      o, new_cache = self._decode(q_nope, q_rope if dr else None, c, k_rope if dr else None,
+                                  w_k_nope, w_v, cache, positions_bt[0, 0], scale)
+      return jnp.einsum('bthk,hkd->btd', o, w_o), None, new_cache
+    if cache is not None:   # prefill from an empty cache: write the latents, attend in full form
+      new_cache = {'latent': _write(cache['latent'], c, 0)}
+      if dr:
+        new_cache['k_rope'] = _write(cache['k_rope'], k_rope, 0)
+
+    k_nope = jnp.einsum('btr,rhk->bthk', c, w_k_nope)
+    v = jnp.einsum('btr,rhk->bthk', c, w_v)
+    if dr:
+      q = jnp.concatenate([q_nope, q_rope], axis=-1)
+      k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3] + (dr,))], axis=-1)
+    else:
+      q, k = q_nope, k_nope
+    act = ('act_batch', 'act_length', 'act_heads', None)
+    q, k, v = (nn.with_logical_constraint(t, act) for t in (q, k, v))
+    o, max_logits_h = attention(q, k, v, causal=True, impl=self.impl, scale=scale, return_max_logits=True)
+    return jnp.einsum('bthk,hkd->btd', o, w_o), max_logits_h, new_cache
+
+  def _decode(self, q_nope, q_rope, c, k_rope, w_k_nope, w_v, cache, pos, scale):
+    """One token at position `pos` against the cached latents (absorbed, MQA-like form)."""
+    latent = _write(cache['latent'], c, pos)
+    new_cache = {'latent': latent}
+    q_latent = jnp.einsum('bthk,rhk->bthr', q_nope, w_k_nope)                     # [B, 1, H, r]
+    logits = jnp.einsum('bthr,bsr->bhts', q_latent, latent, preferred_element_type=jnp.float32)
+    if q_rope is not None:
+      rope = _write(cache['k_rope'], k_rope, pos)
+      new_cache['k_rope'] = rope
+      logits += jnp.einsum('bthk,bsk->bhts', q_rope, rope, preferred_element_type=jnp.float32)
+    allowed = jnp.arange(latent.shape[1]) <= pos
+    probs = jax.nn.softmax(jnp.where(allowed, logits * scale, _MASKED), axis=-1)
+    o_latent = jnp.einsum('bhts,bsr->bthr', probs.astype(latent.dtype), latent)    # [B, 1, H, r]
+    return jnp.einsum('bthr,rhk->bthk', o_latent, w_v), new_cache
+
+  @staticmethod
+  def init_cache(batch: int, max_len: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype) -> dict:
+    cache = {'latent': jnp.zeros((batch, max_len, kv_lora_rank), dtype)}
+    if qk_rope_head_dim:
+      cache['k_rope'] = jnp.zeros((batch, max_len, qk_rope_head_dim), dtype)
+    return cache

@@ -1,0 +1,374 @@
+"""Attention Residuals (SPEC §4): the depth-attention op, the model wiring (full and block), its
+carried state, sharding and remat, and the optimizer routing of its parameters.
+
+References are written here from SPEC §4 in float64 NumPy: the op's formula with the key gain
+applied to the normalised keys (the model folds it into the query), and a whole-model forward
+that keeps every sublayer output and forms block sums and partial sums from that list (the model
+instead carries a running state). The sublayer maths reuses tests/test_model.py's NumPy helpers.
+"""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import test_model as tm          # tests/ is on sys.path under pytest
+import test_sharding as ts
+from kimijax import config as config_lib
+from kimijax.layers import residual as residual_lib
+from kimijax.model import Transformer
+from kimijax.ops.attnres import depth_attention, depth_attention_list
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls_in_full():
+  with jax.default_matmul_precision('highest'):
+    yield
+
+
+B, T = tm.B, tm.T
+
+
+def np_depth_attention(sources, w, gain, eps):
+  """float64: alpha_i = softmax_i(w . (gain * v_i / rms(v_i))), h = sum_i alpha_i v_i.
+  Returns (h [..., D], alpha [N, ...])."""
+  v = np.stack(sources).astype(np.float64)
+  keys = gain * v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
+  logits = keys @ w
+  alpha = np.exp(logits - logits.max(axis=0))
+  alpha /= alpha.sum(axis=0)
+  return np.einsum('n...,n...d->...d', alpha, v), alpha
+
+
+# ----------------------------------------------------------------------------- the op
+
+
+def test_depth_attention_matches_numpy():
+  rng = np.random.default_rng(0)
+  n, d = 5, 16
+  # Sources of very different scales: the RMS-normalised keys make the logits scale-free.
+  scales = np.array([1e-2, 1.0, 30.0, 0.3, 3.0])[:, None, None, None]
+  sources = (rng.standard_normal((n, B, T, d)) * scales).astype(np.float32)
+  query = (0.5 * rng.standard_normal(d)).astype(np.float32)
+  ref, alpha = np_depth_attention(list(sources), query.astype(np.float64), 1.0, 1e-6)
+  assert alpha.min() < 0.05 and alpha.max() > 0.5, 'weights should be far from uniform'
+
+  got = jax.jit(depth_attention)(jnp.asarray(sources), jnp.asarray(query))
+  assert got.shape == (B, T, d) and got.dtype == jnp.float32
+  assert tm.rel_err(got, ref) <= 1e-5
+
+  # The list form: same result, and weights that match the reference.
+  h, w = depth_attention_list(list(jnp.asarray(sources)), jnp.asarray(query), return_weights=True)
+  assert tm.rel_err(h, ref) <= 1e-5
+  np.testing.assert_allclose(w, alpha, rtol=1e-5, atol=1e-6)
+
+  # Zero query: the plain mean. One source: that source exactly.
+  np.testing.assert_allclose(depth_attention(jnp.asarray(sources), jnp.zeros(d)), sources.mean(0),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(depth_attention(jnp.asarray(sources[:1]), jnp.asarray(query)), sources[0])
+
+  # bf16 sources: computed in float32, returned in bf16 (one rounding of the float32 result).
+  got16 = depth_attention(jnp.asarray(sources, jnp.bfloat16), jnp.asarray(query))
+  ref16, _ = np_depth_attention(list(np.asarray(jnp.asarray(sources, jnp.bfloat16), np.float64)),
+                                query.astype(np.float64), 1.0, 1e-6)
+  assert got16.dtype == jnp.bfloat16 and tm.rel_err(got16, ref16) <= 2 ** -8
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def cfg_for(residual, **overrides):
+  return tm.tiny_model_config(residual=residual, **overrides)
+
+
+def np_attnres_forward(cfg, params, tokens):
+  """float64 forward of an AttnRes model: (logits, mean weights per consumer, input RMS, output RMS).
+
+  Every sublayer output is kept; consumer l (sublayer index, or L for the final aggregator) with
+  block size S sees b_0 = embedding, the sums of the blocks [kS, (k+1)S) that end at or before l,
+  and the sum of the outputs of its own block before l when there are any.
+  """
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  tokens = np.asarray(tokens)
+  positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape).astype(np.float64)
+  S = 1 if cfg.residual == 'attnres_full' else cfg.attnres_block_size
+  emb = p['embed'][tokens]
+  outputs, weights, in_rms, out_rms = [], [], [], []
+
+  def consume(l, q):
+    n = l // S
+    sources = [emb] + [sum(outputs[k * S:(k + 1) * S]) for k in range(n)]
+    if l % S:
+      sources.append(sum(outputs[n * S:l]))
+    if q is None:                 # sublayer 0: the embedding alone, no parameters
+      assert l == 0 and len(sources) == 1
+      q = {'attnres_query': np.zeros(cfg.d_model), 'attnres_key_scale': np.ones(cfg.d_model)}
+    h, alpha = np_depth_attention(sources, q['attnres_query'], q['attnres_key_scale'], cfg.norm_eps)
+    weights.append(alpha.mean(axis=(1, 2)))
+    in_rms.append(np.sqrt(np.mean(h * h)))
+    return h
+
+  for i in range(cfg.num_layers):
+    lp = p[f'layer_{i}']
+    h = consume(2 * i, lp.get('mixer_attnres'))
+    y, _ = tm.np_attention_block(tm.np_rmsnorm(h, lp['mixer_norm']['scale'], cfg.norm_eps),
+                                 lp['attention'], positions, cfg)
+    outputs.append(y)
+    h = consume(2 * i + 1, lp['mlp_attnres'])
+    x = tm.np_rmsnorm(h, lp['mlp_norm']['scale'], cfg.norm_eps)
+    mlp = lp['mlp']
+    outputs.append((tm.np_silu(x @ tm.kernel(mlp['wi_gate'])) * (x @ tm.kernel(mlp['wi_up'])))
+                   @ tm.kernel(mlp['wo']))
+  out_rms = [np.sqrt(np.mean(y * y)) for y in outputs]
+  h = consume(2 * cfg.num_layers, p['final_attnres'])
+  x = tm.np_rmsnorm(h, p['final_norm']['scale'], cfg.norm_eps)
+  head = p['embed'].T if cfg.tie_embeddings else p['head']
+  return x @ head, weights, np.array(in_rms), np.array(out_rms)
+
+
+_FORWARDS = {}
+
+
+def forward(cfg, params, tokens, log=False):
+  """Jitted Transformer.apply, compiled once per (config, log)."""
+  key = (cfg.to_json(), log)
+  if key not in _FORWARDS:
+    _FORWARDS[key] = jax.jit(Transformer(cfg, log_attnres=log).apply)
+  return _FORWARDS[key]({'params': params}, tokens)
+
+
+@pytest.mark.parametrize('residual,block', [('attnres_full', 4), ('attnres_block', 3),
+                                            ('attnres_block', 2)])
+def test_forward_matches_numpy_reference(residual, block):
+  """Random non-zero pseudo-queries and key gains (tm.init_params draws every leaf), 2 layers;
+  block 3 does not divide the 4 sublayers (last block of 1), block 2 does."""
+  cfg = cfg_for(residual, attnres_block_size=block)
+  params = tm.init_params(cfg)
+  assert np.abs(params['layer_1']['mlp_attnres']['attnres_query']).min() > 0
+  tokens = tm.random_tokens(cfg)
+  logits, aux = forward(cfg, params, tokens, log=True)
+  ref_logits, ref_w, ref_in, ref_out = np_attnres_forward(cfg, params, tokens)
+  assert tm.rel_err(logits, ref_logits) <= 1e-5
+
+  # aux['attnres']: weights padded with NaN to the widest row; RMS per sublayer and consumer.
+  st = aux['attnres']
+  width = max(len(w) for w in ref_w)
+  assert st['weights'].shape == (2 * cfg.num_layers + 1, width)
+  for row, ref in zip(np.asarray(st['weights']), ref_w):
+    np.testing.assert_allclose(row[:len(ref)], ref, rtol=1e-5, atol=1e-6)
+    assert np.all(np.isnan(row[len(ref):]))
+  assert max(np.max(np.abs(r - 1 / len(r))) for r in ref_w) > 1e-2, 'weights should not be uniform'
+  np.testing.assert_allclose(st['input_rms'], ref_in, rtol=1e-5)
+  np.testing.assert_allclose(st['output_rms'], ref_out, rtol=1e-5)
+  # Max logits still come out per attention layer.
+  assert list(aux['max_logits']) == ['layer_0', 'layer_1']
+
+
+def copy_shared(std_params, attnres_cfg, seed=7):
+  """The AttnRes params tree holding std_params' sublayer weights; pseudo-queries zero (their
+  initial value) and key gains random (they must not matter while the queries are zero)."""
+  shapes = nn.unbox(jax.eval_shape(Transformer(attnres_cfg).init, jax.random.key(0),
+                                   jnp.zeros((1, T), jnp.int32))['params'])
+  rng = np.random.default_rng(seed)
+  flat_std = {jax.tree_util.keystr(k): v for k, v in jax.tree.leaves_with_path(std_params)}
+  leaves, treedef = jax.tree.flatten_with_path(shapes)
+  new = []
+  for path, leaf in leaves:
+    name = jax.tree_util.keystr(path)
+    if name.endswith("['attnres_query']"):
+      new.append(jnp.zeros(leaf.shape, leaf.dtype))
+    elif name.endswith("['attnres_key_scale']"):
+      new.append(jnp.asarray(1 + 0.5 * rng.standard_normal(leaf.shape), leaf.dtype))
+    else:
+      new.append(flat_std.pop(name))
+  assert not flat_std, f'standard parameters without a place in the AttnRes tree: {list(flat_std)}'
+  return jax.tree.unflatten(treedef, new)
+
+
+@pytest.mark.parametrize('residual', ['attnres_full', 'attnres_block'])
+def test_zero_queries_equal_standard_model(residual):
+  """SPEC §4: at zero init every consumer takes the mean of its sources; every consumer
+  normalises its input, so the logits equal the standard pre-norm model's (norm eps made
+  negligible: the mean of many small sources is small)."""
+  std_cfg = cfg_for('standard', norm_eps=1e-12)
+  cfg = cfg_for(residual, norm_eps=1e-12, attnres_block_size=3)
+  std_params = tm.init_params(std_cfg)
+  params = copy_shared(std_params, cfg)
+  tokens = tm.random_tokens(cfg)
+  ref_logits, ref_aux = forward(std_cfg, std_params, tokens)
+  logits, aux = forward(cfg, params, tokens)
+  assert tm.rel_err(logits, np.asarray(ref_logits, np.float64)) <= 1e-5
+  for name, m in ref_aux['max_logits'].items():
+    np.testing.assert_allclose(aux['max_logits'][name], m, rtol=1e-5)
+  # ...and only because the queries are zero: one non-zero pseudo-query changes the logits.
+  moved = jax.tree.map(lambda x: x, params)
+  moved['layer_1']['mlp_attnres']['attnres_query'] = jnp.full((cfg.d_model,), 0.3)
+  assert tm.rel_err(forward(cfg, moved, tokens)[0], np.asarray(ref_logits, np.float64)) > 1e-3
+
+
+def loss_fn(cfg):
+  tokens = tm.random_tokens(cfg, b=2, t=12)
+  return lambda p: tm.cross_entropy(Transformer(cfg).apply({'params': p}, tokens)[0], tokens)
+
+
+def attnres_leaves(tree, suffix):
+  return {jax.tree_util.keystr(k): v for k, v in jax.tree.leaves_with_path(tree)
+          if jax.tree_util.keystr(k).endswith(f"['{suffix}']")}
+
+
+def test_block_size_one_is_full_and_gradients_reach_every_query():
+  full, block1 = cfg_for('attnres_full'), cfg_for('attnres_block', attnres_block_size=1)
+  params = tm.init_params(full)                      # non-zero pseudo-queries
+  tokens = tm.random_tokens(full)
+  np.testing.assert_allclose(forward(block1, params, tokens)[0], forward(full, params, tokens)[0],
+                             rtol=1e-6, atol=1e-6)
+
+  # From the real initial state (queries 0): every pseudo-query gets a non-zero gradient.
+  init = nn.unbox(Transformer(full).init(jax.random.key(0), tokens)['params'])
+  queries = attnres_leaves(init, 'attnres_query')
+  # The first sublayer sees the embedding alone and has no query; every other consumer has one.
+  assert len(queries) == 2 * full.num_layers and all(np.all(q == 0) for q in queries.values())
+  grads = jax.jit(jax.grad(loss_fn(full)))(init)
+  for name, g in attnres_leaves(grads, 'attnres_query').items():
+    assert np.max(np.abs(g)) > 0, name
+  # From a non-uniform state the key gains get gradients too (at zero queries theirs is 0).
+  grads = jax.jit(jax.grad(loss_fn(full)))(params)
+  for suffix in ('attnres_query', 'attnres_key_scale'):
+    for name, g in attnres_leaves(grads, suffix).items():
+      assert np.max(np.abs(g)) > 0, name
+
+
+# ----------------------------------------------------------------------------- carried state
+
+
+def expected_carry(sublayers_done: int, s: int) -> int:
+  """Arrays in the block state after `sublayers_done` sublayers: b_0, completed blocks, partial."""
+  return 1 + sublayers_done // s + (sublayers_done % s != 0)
+
+
+def test_block_state_holds_n_plus_one_arrays():
+  """Traced model with remat: each layer's checkpointed call takes the residual state as its
+  carry; count its [B, T, D] inputs (no parameter has that shape) and outputs."""
+  layers, s = 4, 3                        # L = 8 sublayers, N = ceil(8 / 3) = 3 blocks
+  counts = {}
+  for residual in ('attnres_block', 'attnres_full', 'standard'):
+    cfg = cfg_for(residual, num_layers=layers, attnres_block_size=s, remat=True)
+    tokens = jnp.zeros((B, T), jnp.int32)
+    params = nn.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(0), tokens)['params'])
+    jaxpr = jax.make_jaxpr(lambda p: Transformer(cfg).apply({'params': p}, tokens))(params)
+    calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ('remat2', 'checkpoint', 'remat')]
+    assert len(calls) == layers, [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    btd = lambda vs: sum(v.aval.shape == (B, T, cfg.d_model) for v in vs)
+    counts[residual] = [btd(e.invars) for e in calls] + [btd(calls[-1].outvars)]
+  # Block: at most N + 1 = 4 arrays (not L + 1 = 9), the final aggregator's source count.
+  assert counts['attnres_block'] == [expected_carry(2 * i, s) for i in range(layers + 1)] == [1, 2, 3, 3, 4]
+  assert residual_lib.num_sources(cfg_for('attnres_block', num_layers=layers, attnres_block_size=s)) == 4
+  assert counts['attnres_full'] == [expected_carry(2 * i, 1) for i in range(layers + 1)] == [1, 3, 5, 7, 9]
+  assert counts['standard'] == [1] * (layers + 1)
+
+
+# ----------------------------------------------------------------------------- sharding, remat
+
+
+def sharded_config(shape, remat=False):
+  c = ts.make_config('mha', shape)
+  c.model.residual, c.model.attnres_block_size, c.model.remat = 'attnres_block', 3, remat
+  return config_lib.validate(c)
+
+
+def test_sharded_and_remat_training_match_one_device():
+  """3 real train steps (AdamW moves the zero pseudo-queries at step 1, so steps 2-3 run with
+  non-uniform depth weights) on fsdp and data x fsdp x tensor meshes, and with remat, give the
+  one-device losses and gradient norms."""
+  assert len(jax.devices()) == 8
+  ref, ref_state, _, _ = ts.train(sharded_config((1, 1, 1)), jax.devices()[:1])
+  ref_losses = [float(h['loss']) for h in ref]
+  assert len(set(ref_losses)) == ts.STEPS
+  q = attnres_leaves(jax.tree.map(np.asarray, ref_state.params), 'attnres_query')
+  assert all(np.max(np.abs(v)) > 0 for v in q.values())
+  for shape, remat in (((1, 8, 1), False), ((2, 2, 2), True)):
+    history, state, _, _ = ts.train(sharded_config(shape, remat), jax.devices())
+    np.testing.assert_allclose([float(h['loss']) for h in history], ref_losses, rtol=ts.RTOL, atol=0,
+                               err_msg=str((shape, remat)))
+    np.testing.assert_allclose([float(h['grad_norm']) for h in history],
+                               [float(h['grad_norm']) for h in ref], rtol=ts.RTOL, atol=0)
+    for name, leaf in attnres_leaves(state.params, 'attnres_query').items():   # replicated
+      assert all(s.data.shape == leaf.shape for s in leaf.addressable_shards), name
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def test_attnres_parameters_are_vectors_routed_to_adamw():
+  """Pseudo-queries and key gains are 1-D [D] with logical axis 'norm' (replicated), and Muon's
+  default routing (kimijax.optim.routing) sends them to AdamW while the sublayer matrices of the
+  same model still go to Muon (SPEC §2)."""
+  from kimijax.optim.routing import ADAMW, MUON, Routing
+  cfg = cfg_for('attnres_block', attnres_block_size=3)
+  boxed = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), jnp.zeros((1, T), jnp.int32))['params']
+  specs = nn.get_partition_spec(boxed)
+  params = nn.unbox(boxed)
+  for suffix in ('attnres_query', 'attnres_key_scale'):
+    leaves = attnres_leaves(params, suffix)
+    assert len(leaves) == 2 * cfg.num_layers          # all consumers but sublayer 0
+    assert "['layer_0']['mixer_attnres']" not in ''.join(leaves)
+    assert all(v.shape == (cfg.d_model,) for v in leaves.values())
+    assert all(tuple(s) == ('norm',) for s in attnres_leaves(specs, suffix).values())
+  extra = sum(v.size for k, v in jax.tree.leaves_with_path(params)
+              if 'attnres' in jax.tree_util.keystr(k))
+  assert extra == 2 * cfg.d_model * 2 * cfg.num_layers     # SPEC: 2d per consumer
+
+  routes = Routing().routes(boxed)
+  for suffix in ('attnres_query', 'attnres_key_scale'):
+    assert all(r.rule == ADAMW for r in attnres_leaves(routes, suffix).values())
+  for suffix in ('query', 'out', 'wi_gate', 'wo'):
+    rules = {r.rule for r in attnres_leaves(routes, suffix).values()}
+    assert rules == {MUON}, (suffix, rules)
+
+
+@pytest.mark.parametrize('key,value', [('residual', 'attnres'), ('attnres_block_size', 0),
+                                       ('attnres_block_size', -2)])
+def test_config_rejects_bad_values(key, value):
+  c = config_lib.base_config()
+  c.model[key] = value
+  with pytest.raises(config_lib.ConfigError, match=f'model.{key}'):
+    config_lib.validate(c)
+
+
+# ----------------------------------------------------------------------------- logging and figures
+
+
+def test_training_logs_depth_statistics_and_plot_script_draws_them(tmp_path):
+  """train.log_attnres: metrics.jsonl carries one weight row per consumer (only the sources it
+  sees, summing to 1) and the RMS lists; experiments/plot_attnres.py reads the checkpoint back
+  and writes both figures."""
+  from configs.default import get_config
+  from experiments import plot_attnres
+  from kimijax.train.loop import train
+  from kimijax.train.metrics import read_metrics
+
+  c = get_config()
+  c.model.update(dict(d_model=32, num_layers=2, num_heads=2, mlp_dim=64, residual='attnres_block',
+                      attnres_block_size=3))
+  c.train.update(dict(seq_len=32, batch_size=2, steps=2, log_every=1, eval_every=2, eval_batches=1,
+                      checkpoint_every=2, plot=False, log_attnres=True))
+  train(c, tmp_path, devices=jax.devices()[:1])
+  records = [r for r in read_metrics(tmp_path) if 'loss' in r]
+  assert [r['step'] for r in records] == [1, 2]
+  widths = [expected_carry(l, 3) for l in range(5)]            # sources of consumers 0..3, final
+  for r in records:
+    assert [len(row) for row in r['attnres_weights']] == widths == [1, 2, 2, 2, 3]
+    assert all(abs(sum(row) - 1) < 1e-5 for row in r['attnres_weights'])
+    assert len(r['attnres_input_rms']) == 5 and len(r['attnres_output_rms']) == 4
+    assert all(x > 0 for x in r['attnres_output_rms'])
+
+  stats = plot_attnres.collect_stats(tmp_path, batches=1)
+  assert stats['step'] == 2 and stats['weights'].shape == (5, 3)
+  paths = plot_attnres.plot({'run': stats}, tmp_path / 'figures')
+  assert sorted(p.name for p in paths) == ['attnres_rms.png', 'attnres_stats.json', 'attnres_weights_run.png']
+  assert all(p.stat().st_size > 5000 for p in paths if p.suffix == '.png')
+  saved = json.loads((tmp_path / 'figures' / 'attnres_stats.json').read_text())['run']
+  assert saved['weights'][0] == [1.0, None, None]             # NaN padding saved as null

@@ -1,0 +1,100 @@
+"""The Kimi Delta Attention layer (SPEC §1) against a float64 NumPy transcription, and its decode
+path (conv states + float32 state) against its parallel path, token by token."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimijax.layers.kda import KimiDeltaAttention
+
+B, T, D, H, K = 2, 13, 24, 3, 8
+
+
+def np_silu(x):
+  return x / (1 + np.exp(-x))
+
+
+def np_sigmoid(x):
+  return 1 / (1 + np.exp(-x))
+
+
+def np_conv(x, w):
+  """Causal depthwise conv over axis 1: y[t] = sum_j w[j] x[t - 3 + j]."""
+  width = w.shape[0]
+  xp = np.concatenate([np.zeros((x.shape[0], width - 1) + x.shape[2:]), x], axis=1)
+  return sum(xp[:, j: j + x.shape[1]] * w[j] for j in range(width))
+
+
+def np_kda_layer(p, x, *, short_conv, output_gate, lower_bound):
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+  q, k, v = (np.einsum('btd,dhk->bthk', x, p[f'{n}_proj']) for n in 'qkv')
+  if short_conv:
+    q, k, v = (np_conv(t, p[f'{n}_conv']['kernel']) for t, n in zip((q, k, v), 'qkv'))
+  l2 = lambda a: a / np.sqrt(np.sum(a * a, -1, keepdims=True) + 1e-6)
+  q, k, v = l2(np_silu(q)), l2(np_silu(k)), np_silu(v)
+  beta = np_sigmoid(np.einsum('btd,dh->bth', x, p['b_proj']))
+  f = np.einsum('btr,rhk->bthk', x @ p['f_a'], p['f_b']) + p['dt_bias']
+  a = np.exp(p['A_log'])[:, None]
+  g = lower_bound * np_sigmoid(a * f) if lower_bound else -a * np.log1p(np.exp(f))
+  s = np.zeros((x.shape[0], H, K, K))
+  o = np.zeros((x.shape[0], x.shape[1], H, K))
+  for t in range(x.shape[1]):       # SPEC §1: decay, delta write, read
+    s = s * np.exp(g[:, t])[..., None]
+    pred = np.einsum('bhkv,bhk->bhv', s, k[:, t])
+    s = s + np.einsum('bhk,bhv->bhkv', k[:, t], beta[:, t, :, None] * (v[:, t] - pred))
+    o[:, t] = np.einsum('bhkv,bhk->bhv', s, q[:, t] * K ** -0.5)
+  o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + 1e-5) * p['o_norm']
+  if output_gate != 'none':
+    gate = np.einsum('btr,rhk->bthk', x @ p['g_a'], p['g_b'])
+    o = o * (np_sigmoid(gate) if output_gate == 'sigmoid' else np_silu(gate))
+  return np.einsum('bthk,hkd->btd', o, p['o_proj'])
+
+
+CASES = {
+    'default': dict(short_conv=True, output_gate='sigmoid', gate_lower_bound=0.0),
+    'swish_noconv_bounded': dict(short_conv=False, output_gate='swish', gate_lower_bound=-5.0),
+    'no_gate': dict(short_conv=True, output_gate='none', gate_lower_bound=0.0),
+}
+
+
+def _setup(case, impl='chunk'):
+  layer = KimiDeltaAttention(H, K, impl=impl, init_std=0.3, **case)
+  x = jax.random.normal(jax.random.key(1), (B, T, D))
+  params = nn.unbox(layer.init(jax.random.key(0), x)['params'])
+  return layer, params, x
+
+
+@pytest.mark.parametrize('case', CASES.values(), ids=CASES.keys())
+def test_layer_matches_numpy(case):
+  layer, params, x = _setup(case)
+  y, max_logits, cache = layer.apply({'params': params}, x)
+  ref = np_kda_layer(params, np.asarray(x, np.float64), short_conv=case['short_conv'],
+                     output_gate=case['output_gate'], lower_bound=case['gate_lower_bound'])
+  assert max_logits is None and cache is None
+  np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+def test_parameter_initialisation():
+  _, params, _ = _setup(CASES['default'])
+  a = np.exp(np.asarray(params['A_log']))
+  assert params['A_log'].shape == (H,) and np.all((a >= 1) & (a <= 16))
+  dt = np.log1p(np.exp(np.asarray(params['dt_bias'], np.float64)))      # softplus(dt_bias) = dt
+  assert params['dt_bias'].shape == (H, K) and np.all((dt >= 1e-3 * 0.999) & (dt <= 1e-1 * 1.001))
+
+
+@pytest.mark.parametrize('case', CASES.values(), ids=CASES.keys())
+def test_prefill_then_decode_equals_parallel(case):
+  layer, params, x = _setup(case)
+  y_full, _, _ = layer.apply({'params': params}, x)
+  cache = KimiDeltaAttention.init_cache(B, H, K, case['short_conv'], jnp.float32)
+  prompt = 6
+  y, _, cache = layer.apply({'params': params}, x[:, :prompt], None, cache)
+  outs = [y]
+  for t in range(prompt, T):
+    y, _, cache = layer.apply({'params': params}, x[:, t:t + 1], None, cache)
+    outs.append(y)
+  assert cache['state'].dtype == jnp.float32 and cache['state'].shape == (B, H, K, K)
+  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), y_full, rtol=1e-4,
+                             atol=1e-5 * float(jnp.abs(y_full).max()))
