@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 IMPLS = ('xla', 'cudnn')
-_MASKED = -1e30  # finite, so fully masked rows give 0 weights instead of NaN
+_MASKED = -1e30  # finite: a fully masked row gives uniform weights instead of NaN
 
 
 def _check_shapes(q, k, v):
