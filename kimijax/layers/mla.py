@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from kimijax.layers.attention import apply_rope
 from kimijax.layers.norms import RMSNorm
-from kimijax.ops.attention import _MASKED, attention
+from kimijax.ops.attention import MASKED_LOGIT, attention
 
 
 def _write(buffer_bs, x_bt, start):
@@ -106,7 +106,7 @@ class MultiHeadLatentAttention(nn.Module):
       new_cache['k_rope'] = rope
       logits += jnp.einsum('bthk,bsk->bhts', q_rope, rope, preferred_element_type=jnp.float32)
     allowed = jnp.arange(latent.shape[1]) <= pos
-    probs = jax.nn.softmax(jnp.where(allowed, logits * scale, _MASKED), axis=-1)
+    probs = jax.nn.softmax(jnp.where(allowed, logits * scale, MASKED_LOGIT), axis=-1)
     o_latent = jnp.einsum('bhts,bsr->bthr', probs.astype(latent.dtype), latent)    # [B, 1, H, r]
     return jnp.einsum('bthr,rhk->bthk', o_latent, w_v), new_cache
 

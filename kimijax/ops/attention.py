@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 IMPLS = ('xla', 'cudnn')
-_MASKED = -1e30  # finite: a fully masked row gives uniform weights instead of NaN
+MASKED_LOGIT = -1e30  # finite: a fully masked row gives uniform weights instead of NaN
 
 
 def _check_shapes(q, k, v):
@@ -54,7 +54,7 @@ def _xla_attention(q, k, v, causal, scale, return_max_logits):
   logits = _grouped_logits(q, k, scale)
   mask = _causal_mask(t, s) if causal else None
   if mask is not None:
-    logits = jnp.where(mask, logits, _MASKED)
+    logits = jnp.where(mask, logits, MASKED_LOGIT)
   probs = jax.nn.softmax(logits, axis=-1)
   out = jnp.einsum('bkgts,bskd->btkgd', probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32).astype(q.dtype)
@@ -155,7 +155,7 @@ def decode_attention(q, k_cache, v_cache, length, *, scale=None):
   logits = _grouped_logits(q, k_cache, scale)                             # [B, Hkv, G, T, S]
   query_pos = length - t + jnp.arange(t)
   allowed = query_pos[:, None] >= jnp.arange(s)[None, :]
-  probs = jax.nn.softmax(jnp.where(allowed, logits, _MASKED), axis=-1)
+  probs = jax.nn.softmax(jnp.where(allowed, logits, MASKED_LOGIT), axis=-1)
   out = jnp.einsum('bkgts,bskd->btkgd', probs.astype(v_cache.dtype), v_cache,
                    preferred_element_type=jnp.float32)
   return out.reshape(b, t, h, v_cache.shape[-1]).astype(q.dtype)
