@@ -31,21 +31,6 @@ flags.DEFINE_string('out', None, 'output folder (default: the first --workdir)')
 FLAGS = flags.FLAGS
 
 
-def load_config(workdir: str | pathlib.Path):
-  """The run's config.json laid over base_config(), on a one-device mesh."""
-  from kimijax import config as config_lib
-  saved = json.loads((pathlib.Path(workdir) / 'config.json').read_text())
-  config = config_lib.base_config()
-  for group, values in saved.items():
-    if isinstance(values, dict):
-      for key, value in values.items():
-        config[group][key] = tuple(tuple(r) for r in value) if key == 'rules' else value
-    else:
-      config[group] = values
-  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
-  return config_lib.validate(config)
-
-
 def collect_stats(workdir: str | pathlib.Path, batches: int = 4) -> dict:
   """{'residual', 'input_rms' [L+1], 'output_rms' [L], 'weights' [L+1, S] (AttnRes), 'step'} as
   NumPy float64, averaged over `batches` validation batches of the latest checkpoint."""
@@ -53,29 +38,21 @@ def collect_stats(workdir: str | pathlib.Path, batches: int = 4) -> dict:
 
   from kimijax.data import eval_batches
   from kimijax.model import Transformer
-  from kimijax.optim import make_optimizer
   from kimijax.parallel import mesh as mesh_lib
-  from kimijax.train import checkpoint as ckpt_lib
-  from kimijax.train.state import state_shardings
+  from kimijax.train.checkpoint import load_run_config, restore_latest_params
   from kimijax.train.step import in_mesh
 
   workdir = pathlib.Path(workdir)
-  config = load_config(workdir)
-  devices = jax.devices()[:1]
-  mesh = mesh_lib.make_mesh(config.mesh, devices)
+  config = load_run_config(workdir)
+  mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
   model = Transformer(config.model, log_attnres=True)
-  abstract, shardings = state_shardings(model, make_optimizer(config), config, mesh)
-  checkpointer = ckpt_lib.Checkpointer(workdir / 'checkpoints', keep=config.train.keep_checkpoints)
-  step = checkpointer.latest_step()
-  if step is None:
-    raise FileNotFoundError(f'no checkpoint in {workdir / "checkpoints"}')
-  state, _ = checkpointer.restore(step, abstract, config)
-  checkpointer.close()
+  params, step = restore_latest_params(workdir, config, model, mesh)
 
   forward = jax.jit(lambda p, x: model.apply({'params': p}, x)[1]['attnres'],
-                    in_shardings=(shardings.params, mesh_lib.batch_sharding(mesh, config.mesh)))
+                    in_shardings=(jax.tree.map(lambda x: x.sharding, params),
+                                  mesh_lib.batch_sharding(mesh, config.mesh)))
   forward = in_mesh(forward, mesh, config.mesh)
-  runs = [jax.device_get(forward(state.params, b['inputs']))
+  runs = [jax.device_get(forward(params, b['inputs']))
           for b in eval_batches(config, batches, process_index=0, process_count=1)]
   stats = {'residual': config.model.residual, 'step': int(step)}
   for key in ('input_rms', 'output_rms'):     # equal-sized batches: the RMS over all of them

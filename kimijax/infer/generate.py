@@ -9,22 +9,16 @@ the context length. Prompts in a batch share one length.
 
 from __future__ import annotations
 
-import json
-import pathlib
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from kimijax.infer.cache import init_cache
 from kimijax.infer.sampling import sample
 from kimijax.model import Transformer
-from kimijax.optim import make_optimizer
 from kimijax.parallel import mesh as mesh_lib
-from kimijax.train.checkpoint import CheckpointError, Checkpointer
-from kimijax.train.state import state_shardings
+from kimijax.train.checkpoint import load_run_config, restore_latest_params
 
 
 def _step_fns(model: nn.Module):
@@ -77,18 +71,7 @@ def generate(model: nn.Module, params, prompt_bt, *, max_new_tokens: int, temper
 def load_for_generation(workdir):
   """(config, model, params) from the latest checkpoint in workdir (its config.json), laid out
   data-parallel over this host's devices."""
-  workdir = pathlib.Path(workdir)
-  config_path = workdir / 'config.json'
-  if not config_path.exists():
-    raise CheckpointError(f'{config_path} not found: --workdir must be a folder that run.py trained into')
-  config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
-  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
-  checkpointer = Checkpointer(workdir / 'checkpoints', keep=config.train.keep_checkpoints)
-  step = checkpointer.latest_step()
-  if step is None:
-    raise CheckpointError(f'no checkpoint in {workdir / "checkpoints"} to generate from')
+  config = load_run_config(workdir)
   model = Transformer(config.model)
-  abstract, _ = state_shardings(model, make_optimizer(config), config, mesh_lib.make_mesh(config.mesh))
-  state, _ = checkpointer.restore(step, abstract, config)   # optimizer state too: restore reads whole steps
-  checkpointer.close()
-  return config, model, state.params
+  params, _ = restore_latest_params(workdir, config, model, mesh_lib.make_mesh(config.mesh))
+  return config, model, params

@@ -132,3 +132,37 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+def load_run_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
+  """A trained run's DIR/config.json laid over base_config() (keys added since keep their
+  defaults), validated, with the mesh made data-parallel over this host's devices."""
+  from kimijax.config import validate
+  path = pathlib.Path(workdir) / 'config.json'
+  if not path.exists():
+    raise CheckpointError(f'{path} not found: --workdir must be a folder that run.py trained into')
+  config = base_config()
+  for group, values in json.loads(path.read_text()).items():
+    if isinstance(values, dict):
+      for key, value in values.items():
+        config[group][key] = tuple(tuple(r) for r in value) if key == 'rules' else value
+    else:
+      config[group] = values
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
+  return validate(config)
+
+
+def restore_latest_params(workdir: str | pathlib.Path, config: ml_collections.ConfigDict, model, mesh):
+  """(params laid out on `mesh`, step) of the latest checkpoint in DIR/checkpoints; the whole
+  state is read (orbax restores whole items) and checked like a resume."""
+  from kimijax.optim import make_optimizer
+  from kimijax.train.state import state_shardings
+  directory = pathlib.Path(workdir) / 'checkpoints'
+  checkpointer = Checkpointer(directory, keep=config.train.keep_checkpoints)
+  step = checkpointer.latest_step()
+  if step is None:
+    raise CheckpointError(f'no checkpoint in {directory}')
+  abstract, _ = state_shardings(model, make_optimizer(config), config, mesh)
+  state, _ = checkpointer.restore(step, abstract, config)
+  checkpointer.close()
+  return state.params, step
