@@ -12,7 +12,6 @@ import math
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from kimijax import config as config_lib
 from kimijax.config import ConfigError

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from kimijax.layers.params import kernel
 from kimijax.ops.attention import attention, decode_attention
 
 
@@ -42,16 +43,11 @@ class SelfAttention(nn.Module):
   def __call__(self, x_btd, positions_bt, cache=None):
     d = x_btd.shape[-1]
     head_dim = d // self.num_heads
-    init = nn.initializers.normal(self.init_std)
-
-    def kernel(name, shape, names):
-      return self.param(name, nn.with_logical_partitioning(init, names), shape, jnp.float32).astype(self.dtype)
-
     x_btd = x_btd.astype(self.dtype)
-    w_q = kernel('query', (d, self.num_heads, head_dim), ('embed', 'heads', 'head_dim'))
-    w_k = kernel('key', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
-    w_v = kernel('value', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
-    w_o = kernel('out', (self.num_heads, head_dim, d), ('heads', 'head_dim', 'embed'))
+    w_q = kernel(self, 'query', (d, self.num_heads, head_dim), ('embed', 'heads', 'head_dim'))
+    w_k = kernel(self, 'key', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
+    w_v = kernel(self, 'value', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
+    w_o = kernel(self, 'out', (self.num_heads, head_dim, d), ('heads', 'head_dim', 'embed'))
     if self.num_kv_heads == self.num_heads:   # one GEMM with 3x the output width
       qkv = jnp.einsum('btd,dshk->btshk', x_btd, jnp.stack([w_q, w_k, w_v], axis=1))
       q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from kimijax.layers.attention import apply_rope
 from kimijax.layers.norms import RMSNorm
+from kimijax.layers.params import kernel
 from kimijax.ops.attention import MASKED_LOGIT, attention
 
 
@@ -43,10 +44,6 @@ class MultiHeadLatentAttention(nn.Module):
   init_std: float = 0.02
   dtype: jnp.dtype = jnp.float32
 
-  def _kernel(self, name, shape, names):
-    return self.param(name, nn.with_logical_partitioning(nn.initializers.normal(self.init_std), names),
-                      shape, jnp.float32).astype(self.dtype)
-
   @nn.compact
   def __call__(self, x_btd, positions_bt, cache=None):
     h, dn, dr, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
@@ -56,21 +53,21 @@ class MultiHeadLatentAttention(nn.Module):
     scale = (dn + dr) ** -0.5
 
     if self.q_lora_rank:
-      cq = jnp.einsum('btd,dr->btr', x_btd, self._kernel('q_down', (d, self.q_lora_rank), ('embed', 'latent')))
+      cq = jnp.einsum('btd,dr->btr', x_btd, kernel(self, 'q_down', (d, self.q_lora_rank), ('embed', 'latent')))
       cq = RMSNorm(self.norm_eps, self.dtype, name='q_norm')(cq)
       q_in, q_axes = cq, ('latent', 'heads', 'head_dim')
     else:
       q_in, q_axes = x_btd, ('embed', 'heads', 'head_dim')
-    q_nope = jnp.einsum('btr,rhk->bthk', q_in, self._kernel('q_nope', (q_in.shape[-1], h, dn), q_axes))
-    c = jnp.einsum('btd,dr->btr', x_btd, self._kernel('kv_down', (d, r), ('embed', 'latent')))
+    q_nope = jnp.einsum('btr,rhk->bthk', q_in, kernel(self, 'q_nope', (q_in.shape[-1], h, dn), q_axes))
+    c = jnp.einsum('btd,dr->btr', x_btd, kernel(self, 'kv_down', (d, r), ('embed', 'latent')))
     c = RMSNorm(self.norm_eps, self.dtype, name='kv_norm')(c)                      # [B, T, r]
-    w_k_nope = self._kernel('k_nope', (r, h, dn), ('latent', 'heads', 'head_dim'))
-    w_v = self._kernel('v', (r, h, dv), ('latent', 'heads', 'head_dim'))
-    w_o = self._kernel('out', (h, dv, d), ('heads', 'head_dim', 'embed'))
+    w_k_nope = kernel(self, 'k_nope', (r, h, dn), ('latent', 'heads', 'head_dim'))
+    w_v = kernel(self, 'v', (r, h, dv), ('latent', 'heads', 'head_dim'))
+    w_o = kernel(self, 'out', (h, dv, d), ('heads', 'head_dim', 'embed'))
     if dr:
-      q_rope = jnp.einsum('btr,rhk->bthk', q_in, self._kernel('q_rope', (q_in.shape[-1], h, dr), q_axes))
+      q_rope = jnp.einsum('btr,rhk->bthk', q_in, kernel(self, 'q_rope', (q_in.shape[-1], h, dr), q_axes))
       q_rope = apply_rope(q_rope, positions_bt, self.rope_theta)
-      k_rope = jnp.einsum('btd,dk->btk', x_btd, self._kernel('k_rope', (d, dr), ('embed', 'head_dim')))
+      k_rope = jnp.einsum('btd,dk->btk', x_btd, kernel(self, 'k_rope', (d, dr), ('embed', 'head_dim')))
       k_rope = apply_rope(k_rope[:, :, None], positions_bt, self.rope_theta)[:, :, 0]  # [B, T, dr]
 
     new_cache = None

@@ -150,7 +150,7 @@ def decode_attention(q, k_cache, v_cache, length, *, scale=None):
   keys at positions <= length - T + i. Softmax in float32. Returns [B, T, H, Dv] in q's dtype.
   """
   b, t, h, d = q.shape
-  s, hkv = k_cache.shape[1], k_cache.shape[2]
+  s = k_cache.shape[1]
   scale = d ** -0.5 if scale is None else scale
   logits = _grouped_logits(q, k_cache, scale)                             # [B, Hkv, G, T, S]
   query_pos = length - t + jnp.arange(t)
