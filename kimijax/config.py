@@ -119,6 +119,7 @@ def base_config() -> ml_collections.ConfigDict:
   o.ns_dtype = 'bfloat16'       # muon: dtype of the Newton-Schulz matmuls ('float32' for exactness)
   o.rms_scale = 0.2             # muon: update = rms_scale * sqrt(max(A, B)) * NS(N), AdamW-like RMS
   o.muon_per_head = False       # muon: attention kernels as per-head matrices, not one [D, H*Dh]
+  o.muon_split_matrices = True  # muon: each device runs Newton-Schulz on its share of whole matrices
 
   c.data = default_data_config()   # source, path, val_fraction, mqar_num_pairs
 
@@ -250,7 +251,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _positive('optimizer.ns_steps', o.ns_steps)
   _one_of('optimizer.ns_dtype', o.ns_dtype, DTYPES)
   _positive('optimizer.rms_scale', o.rms_scale)
-  for key in ('nesterov', 'muon_per_head'):
+  for key in ('nesterov', 'muon_per_head', 'muon_split_matrices'):
     _one_of(f'optimizer.{key}', o[key], (True, False))
   for key in ('b1', 'b2', 'decay_fraction', 'min_lr_ratio'):
     if not 0.0 <= o[key] <= 1.0:

@@ -284,7 +284,7 @@ def sharded_config(shape):
 
 def muon_updates(config, devices, grads_seq):
   """(per-step updates as numpy, final opt_state, shardings) of the real optimizer under jit with
-  the train state's shardings on `devices`."""
+  the train state's shardings on `devices`, with the mesh set as the train step sets it."""
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   model = Transformer(config.model)
   opt = make_optimizer(config)
@@ -296,16 +296,19 @@ def muon_updates(config, devices, grads_seq):
   params, opt_state, out = state.params, state.opt_state, []
   for grads in grads_seq:
     g = jax.device_put(grads, sh.params)
-    updates, opt_state = update(g, opt_state, params)
+    with jax.set_mesh(mesh):
+      updates, opt_state = update(g, opt_state, params)
     params = apply(params, updates)
     out.append(jax.tree.map(np.asarray, updates))
   return out, opt_state, params, sh
 
 
-def test_sharded_muon_update_equals_one_device():
+@pytest.mark.parametrize('split_matrices', [True, False])
+def test_sharded_muon_update_equals_one_device(split_matrices):
   """fsdp=2 x tensor=4 (and data=2 x fsdp=2 x tensor=2): every Muon and AdamW update of 3 steps
-  equals the one-device update to rel 1e-5 (f32 NS), and the optimizer state is sharded like
-  the parameters."""
+  equals the one-device update to rel 1e-5 (f32 NS), whether each device orthogonalises a share
+  of whole matrices or XLA shards every Gram matmul, and the optimizer state is sharded like the
+  parameters."""
   rng = np.random.default_rng(3)
   ref_cfg = sharded_config((1, 1, 1))
   abstract = model_params(**{k: ref_cfg.model[k] for k in ('d_model', 'num_heads', 'num_kv_heads',
@@ -316,7 +319,9 @@ def test_sharded_muon_update_equals_one_device():
   ref_updates, _, _, _ = muon_updates(ref_cfg, jax.devices()[:1], grads_seq)
 
   for shape in ((1, 2, 4), (2, 2, 2)):
-    updates, opt_state, params, sh = muon_updates(sharded_config(shape), jax.devices(), grads_seq)
+    config = sharded_config(shape)
+    config.optimizer.muon_split_matrices = split_matrices
+    updates, opt_state, params, sh = muon_updates(config, jax.devices(), grads_seq)
     for step, (got, want) in enumerate(zip(updates, ref_updates)):
       for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
         assert rel_err(g, w) <= RTOL, (shape, step, jax.tree_util.keystr(path), rel_err(g, w))

@@ -33,14 +33,13 @@ Where this differs from optax.contrib.muon (0.2.8), and why:
     are the same idea as our MatrixView; ours have defaults derived from parameter names.
   - States are always fp32 (momentum and Adam moments), whatever the parameter dtype.
 
-Distributed: under jit with sharded parameters (fsdp/tensor), the reshapes and matmuls below
-are whole-matrix operations on global arrays; XLA's SPMD partitioner inserts the collectives
-(it shards the Gram matmuls and all-reduces their partial sums) so the result equals the
-one-device update up to summation order, and the momentum is created from the boxed parameters
-so it carries their logical axes and is sharded like them (tests/test_muon.py checks both). We
-add no explicit resharding: gathering each matrix onto every device (Moonlight's Algorithm 1)
-trades the per-iteration collectives for redundant NS compute; which is cheaper on GPUs is the
-measurement left for issue 4's GPU session.
+Distributed (SPEC §2): under jit with sharded parameters (fsdp/tensor) the momentum is created
+from the boxed parameters, so it carries their logical axes and is sharded like them. Newton-
+Schulz always sees whole matrices: orthogonalise_all stacks same-shaped matrices and splits the
+stack over the devices, so each device orthogonalises its share of whole matrices, instead of
+every rank repeating all of them as in Moonlight's Algorithm 1 (optimizer.muon_split_matrices;
+False lets XLA shard each Gram matmul instead). tests/test_muon.py checks that the sharded update
+equals the one-device update; experiments/results/muon_distributed.md has the 2-GPU cost.
 """
 
 from __future__ import annotations
@@ -58,35 +57,85 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 
 
+def _normalise(x_sab: jax.Array, dtype) -> jax.Array:
+  """x / (||x||_F + 1e-7) per matrix, the norm in fp32, cast to the Newton-Schulz dtype."""
+  x = x_sab.astype(jnp.float32)
+  norm = jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True))
+  return (x / (norm + NS_EPS)).astype(dtype)
+
+
+def _iterate(x_sab: jax.Array, steps: int) -> jax.Array:
+  """`steps` iterations of X = a X + (b G + c G G) X, G = X X^T, on wide matrices (A <= B)."""
+  a, b, c = NS_COEFFS
+  precision = jax.lax.Precision.HIGHEST if x_sab.dtype == jnp.float32 else None
+  mm = lambda p, q: jnp.matmul(p, q, precision=precision)
+  x = x_sab
+  for _ in range(steps):
+    gram = mm(x, jnp.swapaxes(x, 1, 2))
+    x = a * x + mm(b * gram + c * mm(gram, gram), x)
+  return x
+
+
+def _wide(x_sab: jax.Array) -> jax.Array:
+  """Transposes tall matrices so that the Gram matrix X X^T is the smaller one."""
+  return jnp.swapaxes(x_sab, 1, 2) if x_sab.shape[1] > x_sab.shape[2] else x_sab
+
+
 def newton_schulz(x_sab: jax.Array, steps: int = 5, dtype=jnp.bfloat16) -> jax.Array:
   """Approximate orthogonalisation (U V^T of the SVD) of each matrix of x [S, A, B], fp32 out.
 
   X = x / (||x||_F + 1e-7) per matrix (norm in fp32), cast to `dtype`; transposed when A > B
   so the Gram matrix is the smaller one; `steps` iterations of X = a X + (b G + c G G) X with
-  G = X X^T and (a, b, c) = NS_COEFFS.
+  G = X X^T and (a, b, c) = NS_COEFFS. float32 matmuls use HIGHEST precision (no TF32).
   """
-  a, b, c = NS_COEFFS
-  x = x_sab.astype(jnp.float32)
-  norm = jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True))
-  x = (x / (norm + NS_EPS)).astype(dtype)
-  tall = x.shape[1] > x.shape[2]
-  if tall:
-    x = jnp.swapaxes(x, 1, 2)
-  precision = jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-  mm = lambda p, q: jnp.matmul(p, q, precision=precision)
-  for _ in range(steps):
-    gram = mm(x, jnp.swapaxes(x, 1, 2))
-    x = a * x + mm(b * gram + c * mm(gram, gram), x)
-  if tall:
-    x = jnp.swapaxes(x, 1, 2)
-  return x.astype(jnp.float32)
+  x = _normalise(x_sab, dtype)
+  return _wide(_iterate(_wide(x), steps)).astype(jnp.float32)
 
 
-def orthogonalise(n: jax.Array, view: MatrixView, *, steps: int, dtype, rms_scale: float) -> jax.Array:
-  """rms_scale * sqrt(max(A, B)) * NS(N) for every matrix of the parameter-shaped `n`."""
-  _, rows, cols = view.sizes(n.shape)
-  o_sab = newton_schulz(view.to_matrices(n), steps, dtype)
-  return view.from_matrices(o_sab, n.shape) * (rms_scale * math.sqrt(max(rows, cols)))
+def _device_axes() -> tuple[str, ...]:
+  """Every axis of the mesh the caller runs under (jax.set_mesh), or () with none or one device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return () if mesh.empty or mesh.size == 1 else tuple(mesh.axis_names)
+
+
+def orthogonalise_all(ns: list[jax.Array], views: list[MatrixView], *, steps: int, dtype,
+                      rms_scale: float, split_matrices: bool = True) -> list[jax.Array]:
+  """rms_scale * sqrt(max(A, B)) * NS(N) for every matrix of every parameter-shaped N in `ns`.
+
+  Distributed Muon (SPEC §2) runs Newton-Schulz on whole matrices. With split_matrices and a mesh
+  of several devices (jax.set_mesh), the matrices of all parameters are grouped by shape (tall
+  ones transposed), each group is stacked, padded with zero matrices to a multiple of the device
+  count and sharded over every mesh axis along the stack: each device orthogonalises whole
+  matrices, its 1/n share of them, with no collective inside the iteration, and XLA moves the
+  bf16 matrices there and back (all-to-all). Moonlight's Algorithm 1 instead gathers every matrix
+  onto every data-parallel rank and repeats the work there. The arithmetic per matrix is the same
+  either way, so the update equals the one-device update. Without split_matrices each
+  parameter is orthogonalised in its own layout and XLA's partitioner shards the Gram matmuls
+  (collectives inside every iteration).
+  """
+  mats = [_normalise(view.to_matrices(n), dtype) for n, view in zip(ns, views)]
+  axes = _device_axes() if split_matrices else ()
+  groups: dict[tuple[int, int], list[int]] = {}
+  for i, x in enumerate(mats):
+    groups.setdefault(tuple(sorted(x.shape[1:])), []).append(i)
+  out: list[jax.Array] = [None] * len(mats)   # type: ignore[list-item]
+  for indices in groups.values():
+    stack = jnp.concatenate([_wide(mats[i]) for i in indices], axis=0)
+    total = stack.shape[0]
+    if axes:
+      n_dev = jax.sharding.get_abstract_mesh().size
+      stack = jnp.pad(stack, ((0, -total % n_dev), (0, 0), (0, 0)))
+      stack = jax.lax.with_sharding_constraint(stack, jax.sharding.PartitionSpec(axes))
+    result = _iterate(stack, steps)[:total].astype(jnp.float32)
+    offset = 0
+    for i in indices:
+      piece, offset = result[offset:offset + mats[i].shape[0]], offset + mats[i].shape[0]
+      out[i] = jnp.swapaxes(piece, 1, 2) if mats[i].shape[1] > mats[i].shape[2] else piece
+  directions = []
+  for o_sab, n, view in zip(out, ns, views):
+    _, rows, cols = view.sizes(n.shape)
+    directions.append(view.from_matrices(o_sab, n.shape) * (rms_scale * math.sqrt(max(rows, cols))))
+  return directions
 
 
 class ScaleByMuonState(NamedTuple):
@@ -95,12 +144,13 @@ class ScaleByMuonState(NamedTuple):
 
 def scale_by_muon(*, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, ns_dtype=jnp.bfloat16,
                   rms_scale: float = 0.2,
-                  view_fn: Callable[[tuple[str, ...], tuple[int, ...]], MatrixView] | None = None
-                  ) -> optax.GradientTransformation:
+                  view_fn: Callable[[tuple[str, ...], tuple[int, ...]], MatrixView] | None = None,
+                  split_matrices: bool = True) -> optax.GradientTransformation:
   """The Muon direction rms_scale sqrt(max(A, B)) NS5(N) (no lr, no wd, no sign flip).
 
-  view_fn(path_names, shape) gives each parameter's MatrixView (default: Routing().view).
-  Works on masked trees (optax.MaskedNode leaves have no state and are passed through).
+  view_fn(path_names, shape) gives each parameter's MatrixView (default: Routing().view);
+  split_matrices: see orthogonalise_all. Works on masked trees (optax.MaskedNode leaves have no
+  state and are passed through).
   """
   view_fn = view_fn or Routing().view
 
@@ -110,15 +160,13 @@ def scale_by_muon(*, momentum: float = 0.95, nesterov: bool = True, ns_steps: in
   def update(updates, state, params=None):
     del params
     new_m = jax.tree.map(lambda g, m: momentum * m + g.astype(jnp.float32), updates, state.momentum)
-
-    def direction(path, g, m):
-      g = g.astype(jnp.float32)
-      n = g + momentum * m if nesterov else m
-      return orthogonalise(n, view_fn(path_names(path), g.shape), steps=ns_steps, dtype=ns_dtype,
-                           rms_scale=rms_scale)
-
-    out = jax.tree_util.tree_map_with_path(direction, updates, new_m)
-    return out, ScaleByMuonState(new_m)
+    nesterov_input = lambda g, m: g.astype(jnp.float32) + momentum * m if nesterov else m
+    n_tree = jax.tree.map(nesterov_input, updates, new_m)
+    paths_ns, treedef = jax.tree_util.tree_flatten_with_path(n_tree)
+    views = [view_fn(path_names(path), n.shape) for path, n in paths_ns]
+    out = orthogonalise_all([n for _, n in paths_ns], views, steps=ns_steps, dtype=ns_dtype,
+                            rms_scale=rms_scale, split_matrices=split_matrices)
+    return jax.tree.unflatten(treedef, out), ScaleByMuonState(new_m)
 
   return optax.GradientTransformation(init, update)
 
@@ -131,7 +179,8 @@ def adamw_direction(b1: float, b2: float, eps: float) -> optax.GradientTransform
 def muon(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.95, nesterov: bool = True,
          ns_steps: int = 5, ns_dtype=jnp.bfloat16, rms_scale: float = 0.2, weight_decay: float = 0.0,
          adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8, muon_mask=None,
-         muon_views=None, per_head: bool = False) -> optax.GradientTransformationExtraArgs:
+         muon_views=None, per_head: bool = False, split_matrices: bool = True
+         ) -> optax.GradientTransformationExtraArgs:
   """Moonlight's Muon for hidden matrices + AdamW for the rest (module docstring).
 
   Args:
@@ -144,12 +193,15 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.95, neste
     muon_views: pytree of MatrixView / None, or callable (path_names, shape) -> MatrixView | None,
       overriding the default matrix view of Muon parameters.
     per_head: default views of head-structured 3-D kernels are per-head stacks.
+    split_matrices: under a mesh of several devices, each device runs Newton-Schulz on a share
+      of the whole matrices (orthogonalise_all); False leaves the layout to XLA.
   """
   routing = Routing(per_head=per_head, muon_mask=muon_mask, muon_views=muon_views)
   tail = lambda: (optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(learning_rate))
   return optax.partition({
       MUON: optax.chain(scale_by_muon(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                                      ns_dtype=ns_dtype, rms_scale=rms_scale, view_fn=routing.view),
+                                      ns_dtype=ns_dtype, rms_scale=rms_scale, view_fn=routing.view,
+                                      split_matrices=split_matrices),
                         *tail()),
       ADAMW: optax.chain(adamw_direction(adam_b1, adam_b2, adam_eps), *tail()),
   }, routing.labels)
