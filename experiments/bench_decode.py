@@ -10,6 +10,7 @@ of a decode step does not depend on them), and times jitted decode steps at posi
 Prints ms per token, tokens/s (batch / step time) and the cache's bytes per sequence.
 """
 
+import functools
 import time
 
 from absl import app, flags
@@ -24,52 +25,68 @@ flags.DEFINE_string('baseline_pattern', 'A', 'layer pattern of the baseline')
 FLAGS = flags.FLAGS
 
 
-def bench(config, pattern: str, context: int, batch: int, steps: int) -> dict:
+def build(config, pattern: str):
+  """(model, bf16/compute-dtype params, model config) of `config` with layer_pattern = pattern."""
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
 
   from kimijax.config import validate
-  from kimijax.infer.cache import cache_bytes, init_cache
   from kimijax.model import Transformer
 
   m = config.model
   m.layer_pattern = pattern
+  m.kda_impl = 'recurrent'   # decoding uses kda_step whatever the impl; the scan compiles fastest for init
   validate(config)
   model = Transformer(m)
-  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params'])
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))['params'])
   params = jax.tree.map(lambda p: p.astype(m.compute_dtype) if p.ndim > 1 else p, params)
-  cache = init_cache(m, batch, context)
-  cache = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype) * 0.1, cache)
+  return model, params, m
+
+
+def bench(model, params, m, context: int, batch: int, steps: int) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  from kimijax.infer.cache import cache_bytes, init_cache
+  from kimijax.model import count_params
 
   @jax.jit
+  def random_cache(key):   # as if L - 1 tokens had been seen; no zero-filled copy first
+    shapes = jax.eval_shape(lambda: init_cache(m, batch, context))
+    return jax.tree.map(lambda x: jax.random.normal(key, x.shape, x.dtype) * 0.1, shapes)
+
+  cache = random_cache(jax.random.key(1))
+
+  @functools.partial(jax.jit, donate_argnames='cache')   # as in kimijax.infer.generate: in place
   def step(params, token, cache):
     logits, aux = model.apply({'params': params}, token[:, None], jnp.full((batch, 1), context - 1),
                               cache=cache)
     return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), aux['cache']
 
   token = jnp.zeros((batch,), jnp.int32)
-  token, out_cache = step(params, token, cache)      # compile
+  token, cache = step(params, token, cache)      # compile
   jax.block_until_ready(token)
   start = time.perf_counter()
-  for _ in range(steps):   # the same position each time: a steady-state step at context L
-    token, _ = step(params, token, cache)
+  for _ in range(steps):   # rewrites position L - 1 each time: a steady-state step at context L
+    token, cache = step(params, token, cache)
   jax.block_until_ready(token)
   ms = (time.perf_counter() - start) / steps * 1e3
-  return {'ms_per_token': ms, 'tokens_per_sec': batch / ms * 1e3,
-          'cache_MiB_per_seq': cache_bytes(out_cache) / batch / 2**20}
+  return {'ms_per_token': ms, 'tokens_per_sec': batch / ms * 1e3, 'params_M': count_params(params) / 1e6,
+          'cache_MiB_per_seq': cache_bytes(cache) / batch / 2**20}
 
 
 def main(argv):
   del argv
   hybrid = FLAGS.hybrid_pattern or FLAGS.config.model.layer_pattern
-  print(f'{"context":>8} {"pattern":>8} {"ms/token":>9} {"tokens/s":>9} {"cache MiB/seq":>14}')
+  models = {p: build(FLAGS.config.copy_and_resolve_references(), p) for p in (hybrid, FLAGS.baseline_pattern)}
+  print(f'batch {FLAGS.batch}; {FLAGS.steps} timed steps; compute dtype {FLAGS.config.model.compute_dtype}')
+  print(f'{"context":>8} {"pattern":>8} {"params M":>9} {"ms/token":>9} {"tokens/s":>9} {"cache MiB/seq":>14}')
   for context in map(int, FLAGS.contexts):
     rows = {}
-    for pattern in (hybrid, FLAGS.baseline_pattern):
-      rows[pattern] = r = bench(FLAGS.config.copy_and_resolve_references(), pattern, context,
-                                FLAGS.batch, FLAGS.steps)
-      print(f'{context:>8} {pattern:>8} {r["ms_per_token"]:>9.3f} {r["tokens_per_sec"]:>9.1f} '
+    for pattern, (model, params, m) in models.items():
+      rows[pattern] = r = bench(model, params, m, context, FLAGS.batch, FLAGS.steps)
+      print(f'{context:>8} {pattern:>8} {r["params_M"]:>9.1f} {r["ms_per_token"]:>9.3f} {r["tokens_per_sec"]:>9.1f} '
             f'{r["cache_MiB_per_seq"]:>14.2f}', flush=True)
     speedup = rows[FLAGS.baseline_pattern]['ms_per_token'] / rows[hybrid]['ms_per_token']
     print(f'{context:>8} hybrid decode speed-up over {FLAGS.baseline_pattern!r}: {speedup:.2f}x')

@@ -77,6 +77,9 @@ def main(argv):
   stats = jax.devices()[0].memory_stats() or {}
   result = {
       'device': jax.devices()[0].device_kind, 'num_devices': n_dev, 'params_M': n_params / 1e6,
+      'mesh': ' '.join(f'{a}={n}' for a, n in mesh.shape.items()), 'optimizer': config.optimizer.name,
+      'muon_split_matrices': (config.optimizer.muon_split_matrices
+                              if config.optimizer.name != 'adamw' else None),
       'batch': t.batch_size, 'seq_len': t.seq_len, 'attn_impl': config.model.attn_impl,
       'remat': config.model.remat, 'residual': config.model.residual,
       'attnres_block_size': (config.model.attnres_block_size

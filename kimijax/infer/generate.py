@@ -9,6 +9,8 @@ the context length. Prompts in a batch share one length.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,11 +29,11 @@ def _step_fns(model: nn.Module):
     logits, aux = model.apply({'params': params}, tokens_bt, positions_bt, cache=cache)
     return logits[:, -1], aux['cache']
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnames='cache')   # the cache is updated in place
   def prefill(params, tokens_bt, cache):
     return run(params, tokens_bt, jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape), cache)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnames='cache')
   def decode_step(params, token_b, position, cache):
     return run(params, token_b[:, None], jnp.full((token_b.shape[0], 1), position), cache)
 
