@@ -9,7 +9,7 @@ parameters, fills every layer's cache as if L - 1 tokens had been seen (random c
 of a decode step does not depend on them), and times jitted decode steps at position L - 1.
 Prints ms per token, tokens/s (batch / step time) and the cache's bytes per sequence. The cache
 is donated, so a step updates it in place as kimijax.infer.generate does. On an H200 at ~350M,
-each (pattern, context) pair took about two minutes to set up (initialisation and compilation).
+one context (both models) took about 4.5 minutes, most of it initialisation and compilation.
 Results: experiments/results/bench_decode.md.
 """
 
@@ -57,7 +57,9 @@ def bench(model, params, m, context: int, batch: int, steps: int) -> dict:
   @jax.jit
   def random_cache(key):   # as if L - 1 tokens had been seen; no zero-filled copy first
     shapes = jax.eval_shape(lambda: init_cache(m, batch, context))
-    return jax.tree.map(lambda x: jax.random.normal(key, x.shape, x.dtype) * 0.1, shapes)
+    leaves, treedef = jax.tree.flatten(shapes)
+    keys = jax.random.split(key, len(leaves))
+    return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) * 0.1 for k, x in zip(keys, leaves)])
 
   cache = random_cache(jax.random.key(1))
 

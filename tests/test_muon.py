@@ -17,7 +17,7 @@ from kimijax import config as config_lib
 from kimijax.config import ConfigError
 from kimijax.model import Transformer
 from kimijax.optim import make_optimizer, muon
-from kimijax.optim.muon import ScaleByMuonState
+from kimijax.optim.muon import ScaleByMuonState, newton_schulz
 from kimijax.optim.routing import MatrixView, Routing
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.state import init_state, state_shardings
@@ -144,6 +144,16 @@ def test_matches_numpy_moonlight_and_adamw(nesterov, wd, scheduled):
         ref.step(grads[t][path], lr_at(t))
       want, have = ref.w - w0, got[path] - w0
     assert rel_err(have, want) <= RTOL, (path, rel_err(have, want))
+
+
+@pytest.mark.parametrize('shape', [(3, 24, 40), (3, 40, 24)])
+def test_newton_schulz_matches_numpy_wide_and_tall(shape):
+  """newton_schulz keeps each matrix's shape and equals the float64 transcription (f32 NS)."""
+  x = np.random.default_rng(5).standard_normal(shape)
+  got = newton_schulz(jnp.asarray(x, jnp.float32), 5, jnp.float32)
+  assert got.shape == shape
+  for i in range(shape[0]):
+    assert rel_err(got[i], np_ns5(x[i])) <= RTOL
 
 
 def test_per_head_stacks_are_orthogonalised_one_by_one():
@@ -283,8 +293,9 @@ def sharded_config(shape):
 
 
 def muon_updates(config, devices, grads_seq):
-  """(per-step updates as numpy, final opt_state, shardings) of the real optimizer under jit with
-  the train state's shardings on `devices`, with the mesh set as the train step sets it."""
+  """(per-step updates as numpy, final opt_state, params, shardings, the update's compiled HLO)
+  of the real optimizer under jit with the train state's shardings on `devices`, with the mesh
+  set as the train step sets it."""
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   model = Transformer(config.model)
   opt = make_optimizer(config)
@@ -300,15 +311,17 @@ def muon_updates(config, devices, grads_seq):
       updates, opt_state = update(g, opt_state, params)
     params = apply(params, updates)
     out.append(jax.tree.map(np.asarray, updates))
-  return out, opt_state, params, sh
+  with jax.set_mesh(mesh):
+    hlo = update.lower(g, opt_state, params).compile().as_text()
+  return out, opt_state, params, sh, hlo
 
 
 @pytest.mark.parametrize('split_matrices', [True, False])
 def test_sharded_muon_update_equals_one_device(split_matrices):
   """fsdp=2 x tensor=4 (and data=2 x fsdp=2 x tensor=2): every Muon and AdamW update of 3 steps
   equals the one-device update to rel 1e-5 (f32 NS), whether each device orthogonalises a share
-  of whole matrices or XLA shards every Gram matmul, and the optimizer state is sharded like the
-  parameters."""
+  of whole matrices or each parameter is orthogonalised in its own layout, and the optimizer
+  state is sharded like the parameters."""
   rng = np.random.default_rng(3)
   ref_cfg = sharded_config((1, 1, 1))
   abstract = model_params(**{k: ref_cfg.model[k] for k in ('d_model', 'num_heads', 'num_kv_heads',
@@ -316,12 +329,14 @@ def test_sharded_muon_update_equals_one_device(split_matrices):
   shapes = jax.tree.map(lambda x: x.shape, nn.unbox(abstract))
   grads_seq = [jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), shapes,
                             is_leaf=lambda s: isinstance(s, tuple)) for _ in range(3)]
-  ref_updates, _, _, _ = muon_updates(ref_cfg, jax.devices()[:1], grads_seq)
+  ref_updates, *_ = muon_updates(ref_cfg, jax.devices()[:1], grads_seq)
 
   for shape in ((1, 2, 4), (2, 2, 2)):
     config = sharded_config(shape)
     config.optimizer.muon_split_matrices = split_matrices
-    updates, opt_state, params, sh = muon_updates(config, jax.devices(), grads_seq)
+    updates, opt_state, params, sh, hlo = muon_updates(config, jax.devices(), grads_seq)
+    # Splitting moves whole matrices between devices (all-to-all); the per-parameter layout does not.
+    assert ('all-to-all(' in hlo) == split_matrices, shape
     for step, (got, want) in enumerate(zip(updates, ref_updates)):
       for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
         assert rel_err(g, w) <= RTOL, (shape, step, jax.tree_util.keystr(path), rel_err(g, w))

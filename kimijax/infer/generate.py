@@ -24,7 +24,8 @@ from kimijax.train.checkpoint import load_run_config, restore_latest_params
 
 
 def _step_fns(model: nn.Module):
-  """Jitted (prefill, decode_step) for `model`: each returns (last-position logits [B, V], cache)."""
+  """Jitted (prefill, decode_step) for `model`: each returns (last-position logits [B, V], cache).
+  Both consume (donate) the cache they are given: use the returned one."""
   def run(params, tokens_bt, positions_bt, cache):
     logits, aux = model.apply({'params': params}, tokens_bt, positions_bt, cache=cache)
     return logits[:, -1], aux['cache']

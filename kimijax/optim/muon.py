@@ -38,8 +38,9 @@ from the boxed parameters, so it carries their logical axes and is sharded like 
 Schulz always sees whole matrices: orthogonalise_all stacks same-shaped matrices and splits the
 stack over the devices, so each device orthogonalises its share of whole matrices, instead of
 every rank repeating all of them as in Moonlight's Algorithm 1 (optimizer.muon_split_matrices;
-False lets XLA shard each Gram matmul instead). tests/test_muon.py checks that the sharded update
-equals the one-device update; experiments/results/muon_distributed.md has the 2-GPU cost.
+False orthogonalises each parameter in its own layout and leaves the sharding to XLA).
+tests/test_muon.py checks that the sharded update equals the one-device update;
+experiments/results/muon_distributed.md has the 2-GPU cost.
 """
 
 from __future__ import annotations
@@ -76,9 +77,18 @@ def _iterate(x_sab: jax.Array, steps: int) -> jax.Array:
   return x
 
 
-def _wide(x_sab: jax.Array) -> jax.Array:
-  """Transposes tall matrices so that the Gram matrix X X^T is the smaller one."""
-  return jnp.swapaxes(x_sab, 1, 2) if x_sab.shape[1] > x_sab.shape[2] else x_sab
+def _tall(x_sab: jax.Array) -> bool:
+  return x_sab.shape[1] > x_sab.shape[2]
+
+
+def _transpose_if(x_sab: jax.Array, tall: bool) -> jax.Array:
+  """Tall matrices are iterated transposed, so that the Gram matrix X X^T is the smaller one."""
+  return jnp.swapaxes(x_sab, 1, 2) if tall else x_sab
+
+
+def _orthogonalise_normalised(x_sab: jax.Array, steps: int) -> jax.Array:
+  tall = _tall(x_sab)
+  return _transpose_if(_iterate(_transpose_if(x_sab, tall), steps), tall)
 
 
 def newton_schulz(x_sab: jax.Array, steps: int = 5, dtype=jnp.bfloat16) -> jax.Array:
@@ -88,14 +98,36 @@ def newton_schulz(x_sab: jax.Array, steps: int = 5, dtype=jnp.bfloat16) -> jax.A
   so the Gram matrix is the smaller one; `steps` iterations of X = a X + (b G + c G G) X with
   G = X X^T and (a, b, c) = NS_COEFFS. float32 matmuls use HIGHEST precision (no TF32).
   """
-  x = _normalise(x_sab, dtype)
-  return _wide(_iterate(_wide(x), steps)).astype(jnp.float32)
+  return _orthogonalise_normalised(_normalise(x_sab, dtype), steps).astype(jnp.float32)
 
 
 def _device_axes() -> tuple[str, ...]:
-  """Every axis of the mesh the caller runs under (jax.set_mesh), or () with none or one device."""
+  """Every axis of the mesh the caller runs under (jax.set_mesh, Auto axis types), or () with
+  none or one device."""
   mesh = jax.sharding.get_abstract_mesh()
   return () if mesh.empty or mesh.size == 1 else tuple(mesh.axis_names)
+
+
+def _split_over_devices(mats: list[jax.Array], steps: int, axes: tuple[str, ...]) -> list[jax.Array]:
+  """Newton-Schulz of normalised [S, A, B] stacks, same-shaped matrices stacked and the stacks
+  sharded over `axes` (see orthogonalise_all)."""
+  n_dev = jax.sharding.get_abstract_mesh().size
+  groups: dict[tuple[int, int], list[int]] = {}
+  for i, x in enumerate(mats):
+    groups.setdefault(tuple(sorted(x.shape[1:])), []).append(i)
+  out: list[jax.Array] = [None] * len(mats)   # type: ignore[list-item]
+  for indices in groups.values():
+    stack = jnp.concatenate([_transpose_if(mats[i], _tall(mats[i])) for i in indices], axis=0)
+    total = stack.shape[0]
+    stack = jnp.pad(stack, ((0, -total % n_dev), (0, 0), (0, 0)))
+    stack = jax.lax.with_sharding_constraint(stack, jax.sharding.PartitionSpec(axes))
+    result = _iterate(stack, steps)[:total]
+    offset = 0
+    for i in indices:
+      count = mats[i].shape[0]
+      out[i] = _transpose_if(result[offset:offset + count], _tall(mats[i]))
+      offset += count
+  return out
 
 
 def orthogonalise_all(ns: list[jax.Array], views: list[MatrixView], *, steps: int, dtype,
@@ -103,38 +135,30 @@ def orthogonalise_all(ns: list[jax.Array], views: list[MatrixView], *, steps: in
   """rms_scale * sqrt(max(A, B)) * NS(N) for every matrix of every parameter-shaped N in `ns`.
 
   Distributed Muon (SPEC §2) runs Newton-Schulz on whole matrices. With split_matrices and a mesh
-  of several devices (jax.set_mesh), the matrices of all parameters are grouped by shape (tall
-  ones transposed), each group is stacked, padded with zero matrices to a multiple of the device
-  count and sharded over every mesh axis along the stack: each device orthogonalises whole
-  matrices, its 1/n share of them, with no collective inside the iteration, and XLA moves the
-  bf16 matrices there and back (all-to-all). Moonlight's Algorithm 1 instead gathers every matrix
-  onto every data-parallel rank and repeats the work there. The arithmetic per matrix is the same
-  either way, so the update equals the one-device update. Without split_matrices each
-  parameter is orthogonalised in its own layout and XLA's partitioner shards the Gram matmuls
-  (collectives inside every iteration).
+  of several devices (jax.set_mesh with Auto axes, as the train step runs), the matrices of all
+  parameters are grouped by shape (tall ones transposed), each group is stacked, padded with zero
+  matrices to a multiple of the device count and sharded over every mesh axis along the stack:
+  each device orthogonalises whole matrices, its 1/n share of them, with no collective inside the
+  iteration, and XLA moves the matrices there and back. With parameters sharded over fsdp alone
+  that is one all-to-all each way; with tensor sharding too, XLA adds all-gathers; with
+  replicated parameters (data parallel only) it trades repeated Newton-Schulz work for the
+  collectives. Moonlight's Algorithm 1 instead gathers every matrix onto every data-parallel rank
+  and repeats the work there. Without split_matrices (or without a mesh) each parameter is
+  orthogonalised on its own in its own layout, and XLA's partitioner decides how to shard the
+  Gram matmuls. The arithmetic per matrix is the same either way, so the update equals the
+  one-device update.
   """
   mats = [_normalise(view.to_matrices(n), dtype) for n, view in zip(ns, views)]
   axes = _device_axes() if split_matrices else ()
-  groups: dict[tuple[int, int], list[int]] = {}
-  for i, x in enumerate(mats):
-    groups.setdefault(tuple(sorted(x.shape[1:])), []).append(i)
-  out: list[jax.Array] = [None] * len(mats)   # type: ignore[list-item]
-  for indices in groups.values():
-    stack = jnp.concatenate([_wide(mats[i]) for i in indices], axis=0)
-    total = stack.shape[0]
-    if axes:
-      n_dev = jax.sharding.get_abstract_mesh().size
-      stack = jnp.pad(stack, ((0, -total % n_dev), (0, 0), (0, 0)))
-      stack = jax.lax.with_sharding_constraint(stack, jax.sharding.PartitionSpec(axes))
-    result = _iterate(stack, steps)[:total].astype(jnp.float32)
-    offset = 0
-    for i in indices:
-      piece, offset = result[offset:offset + mats[i].shape[0]], offset + mats[i].shape[0]
-      out[i] = jnp.swapaxes(piece, 1, 2) if mats[i].shape[1] > mats[i].shape[2] else piece
+  if axes:
+    out = _split_over_devices(mats, steps, axes)
+  else:
+    out = [_orthogonalise_normalised(x, steps) for x in mats]
   directions = []
   for o_sab, n, view in zip(out, ns, views):
     _, rows, cols = view.sizes(n.shape)
-    directions.append(view.from_matrices(o_sab, n.shape) * (rms_scale * math.sqrt(max(rows, cols))))
+    o = view.from_matrices(o_sab.astype(jnp.float32), n.shape)
+    directions.append(o * (rms_scale * math.sqrt(max(rows, cols))))
   return directions
 
 
