@@ -301,19 +301,19 @@ def muon_updates(config, devices, grads_seq):
   opt = make_optimizer(config)
   _, sh = state_shardings(model, opt, config, mesh)
   state = init_state(model, opt, config, sh)
-  update = jax.jit(lambda g, s, p: opt.update(g, s, p, max_logits={}),
-                   in_shardings=(sh.params, sh.opt_state, sh.params), out_shardings=(sh.params, sh.opt_state))
+  grads_sh = [jax.device_put(grads, sh.params) for grads in grads_seq]
+  with jax.set_mesh(mesh):
+    update = jax.jit(lambda g, s, p: opt.update(g, s, p, max_logits={}),
+                     in_shardings=(sh.params, sh.opt_state, sh.params),
+                     out_shardings=(sh.params, sh.opt_state)).lower(grads_sh[0], state.opt_state,
+                                                                    state.params).compile()
   apply = jax.jit(lambda p, u: jax.tree.map(jnp.add, p, u), out_shardings=sh.params)
   params, opt_state, out = state.params, state.opt_state, []
-  for grads in grads_seq:
-    g = jax.device_put(grads, sh.params)
-    with jax.set_mesh(mesh):
-      updates, opt_state = update(g, opt_state, params)
+  for g in grads_sh:
+    updates, opt_state = update(g, opt_state, params)
     params = apply(params, updates)
     out.append(jax.tree.map(np.asarray, updates))
-  with jax.set_mesh(mesh):
-    hlo = update.lower(g, opt_state, params).compile().as_text()
-  return out, opt_state, params, sh, hlo
+  return out, opt_state, params, sh, update.as_text()
 
 
 @pytest.mark.parametrize('split_matrices', [True, False])

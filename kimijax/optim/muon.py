@@ -101,17 +101,9 @@ def newton_schulz(x_sab: jax.Array, steps: int = 5, dtype=jnp.bfloat16) -> jax.A
   return _orthogonalise_normalised(_normalise(x_sab, dtype), steps).astype(jnp.float32)
 
 
-def _device_axes() -> tuple[str, ...]:
-  """Every axis of the mesh the caller runs under (jax.set_mesh, Auto axis types), or () with
-  none or one device."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return () if mesh.empty or mesh.size == 1 else tuple(mesh.axis_names)
-
-
-def _split_over_devices(mats: list[jax.Array], steps: int, axes: tuple[str, ...]) -> list[jax.Array]:
+def _split_over_devices(mats: list[jax.Array], steps: int, mesh) -> list[jax.Array]:
   """Newton-Schulz of normalised [S, A, B] stacks, same-shaped matrices stacked and the stacks
-  sharded over `axes` (see orthogonalise_all)."""
-  n_dev = jax.sharding.get_abstract_mesh().size
+  sharded over every axis of `mesh` (see orthogonalise_all)."""
   groups: dict[tuple[int, int], list[int]] = {}
   for i, x in enumerate(mats):
     groups.setdefault(tuple(sorted(x.shape[1:])), []).append(i)
@@ -119,8 +111,8 @@ def _split_over_devices(mats: list[jax.Array], steps: int, axes: tuple[str, ...]
   for indices in groups.values():
     stack = jnp.concatenate([_transpose_if(mats[i], _tall(mats[i])) for i in indices], axis=0)
     total = stack.shape[0]
-    stack = jnp.pad(stack, ((0, -total % n_dev), (0, 0), (0, 0)))
-    stack = jax.lax.with_sharding_constraint(stack, jax.sharding.PartitionSpec(axes))
+    stack = jnp.pad(stack, ((0, -total % mesh.size), (0, 0), (0, 0)))
+    stack = jax.lax.with_sharding_constraint(stack, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
     result = _iterate(stack, steps)[:total]
     offset = 0
     for i in indices:
@@ -149,9 +141,9 @@ def orthogonalise_all(ns: list[jax.Array], views: list[MatrixView], *, steps: in
   one-device update.
   """
   mats = [_normalise(view.to_matrices(n), dtype) for n, view in zip(ns, views)]
-  axes = _device_axes() if split_matrices else ()
-  if axes:
-    out = _split_over_devices(mats, steps, axes)
+  mesh = jax.sharding.get_abstract_mesh()   # the one jax.set_mesh made current, if any
+  if split_matrices and not mesh.empty and mesh.size > 1:
+    out = _split_over_devices(mats, steps, mesh)
   else:
     out = [_orthogonalise_normalised(x, steps) for x in mats]
   directions = []
