@@ -16,6 +16,7 @@ from kimijax.data.pipeline import SOURCES as DATA_SOURCES, default_data_config
 # Letters accepted in model.layer_pattern: one letter per mixer sublayer kind.
 LAYER_KINDS = {'A': 'full attention (model.attention_kind)', 'K': 'Kimi Delta Attention'}
 RESIDUALS = ('standard', 'attnres_full', 'attnres_block')   # SPEC §4; kimijax/layers/residual.py
+ATTNRES_IMPLS = ('xla', 'pallas')                           # kimijax/ops/attnres.py
 OPTIMIZERS = ('adamw', 'muon', 'muonclip')   # kimijax/optim/factory.py
 SCHEDULES = ('cosine', 'wsd', 'constant')
 ATTN_IMPLS = ('xla', 'cudnn')
@@ -65,6 +66,7 @@ def base_config() -> ml_collections.ConfigDict:
   m.residual = 'standard'       # 'standard' (h + f(h)) | 'attnres_full' | 'attnres_block' (SPEC §4)
   m.attnres_block_size = 4      # attnres_block: sublayers per block (attention and MLP count one each);
                                 # the last block takes the rest when it does not divide 2 * num_layers
+  m.attnres_impl = 'xla'        # AttnRes phase 1: 'xla' | 'pallas' (fused GPU kernels; kernels_pallas/attnres.py)
   m.position = 'rope'
   m.rope_theta = 10000.0
   m.tie_embeddings = True
@@ -225,6 +227,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if not isinstance(m.attnres_block_size, int) or m.attnres_block_size < 1:
     raise ConfigError(f'model.attnres_block_size={m.attnres_block_size!r} must be a positive integer '
                       '(sublayers per block; 1 is Full AttnRes)')
+  _one_of('model.attnres_impl', m.attnres_impl, ATTNRES_IMPLS)
+  if m.attnres_impl == 'pallas' and m.d_model % 16:
+    raise ConfigError(f"model.attnres_impl='pallas' needs model.d_model divisible by 16; got {m.d_model}")
   _one_of('model.position', m.position, POSITIONS)
   _one_of('model.attn_impl', m.attn_impl, ATTN_IMPLS)
   _one_of('model.kda_impl', m.kda_impl, KDA_IMPLS)

@@ -17,6 +17,17 @@ Two forms with the same maths:
   depth_attention_list([v_0, ..., v_{N-1}], query [D])    a Python sequence of [..., D] arrays,
       so that a model can mix completed block sums and a running partial sum without stacking
       (stacking would copy every source at every consumer).
+
+Block AttnRes in two phases (what the model runs; SPEC §4's block sources). Within a block the
+completed sources (embedding and block sums) are fixed and every consumer's query is a static
+parameter, so softmax over [b_0 .. b_{n-1}, p] splits exactly into
+  phase1(block_sums, queries [S, D])  -> o_j = softmax-weighted sum of the block sums for each of
+                                         the block's S consumers, and lse_j, their logsumexp;
+  merge_partial(o_j, lse_j, p, q_j)   -> h = sigma o_j + (1 - sigma) p,
+                                         sigma = sigmoid(lse_j - q_j . p / rms(p)),
+since exp(lse_j) / (exp(lse_j) + exp(s_p)) is the total weight the full softmax gives the block
+sums. Phase 1 reads each block sum once per block instead of once per consumer; impl='pallas'
+runs it as fused GPU kernels (kernels_pallas/attnres.py). o_j is stored in the sources' dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +36,9 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+IMPLS = ('xla', 'pallas')
 
 
 def _logit(v, q_d, eps: float):
@@ -71,3 +85,66 @@ def depth_attention(sources, query, *, eps: float = 1e-6):
   if sources.ndim < 2:
     raise ValueError(f'depth_attention expects sources [N, ..., D]; got shape {sources.shape}')
   return depth_attention_list([sources[i] for i in range(sources.shape[0])], query, eps=eps)
+
+
+def _logits(v, q_sd, eps: float):
+  """[S] queries against one source: [S, ...] float32 logits q_j . rms_normalise(v)."""
+  v = v.astype(jnp.float32)
+  r = jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
+  return jnp.stack([jnp.sum(v * q_d, axis=-1) for q_d in q_sd]) * r
+
+
+def _phase1_xla(sources, queries, eps):
+  q_sd = queries.astype(jnp.float32)
+  logits = jnp.stack([_logits(v, q_sd, eps) for v in sources])       # [n, S, ...]
+  lse = jax.nn.logsumexp(logits, axis=0)
+  alpha = jnp.exp(logits - lse)
+  # All S outputs as one [..., S, D] array: one fusion reads each source once for all of them.
+  o_all = sum(jnp.moveaxis(alpha[i], 0, -1)[..., None] * v.astype(jnp.float32)[..., None, :]
+              for i, v in enumerate(sources)).astype(sources[0].dtype)
+  return tuple(o_all[..., j, :] for j in range(q_sd.shape[0])), lse
+
+
+def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: str = 'xla',
+           spec: P | None = None):
+  """Depth attention of S queries over the same n sources, for a block's S consumers at once.
+
+  sources: n >= 1 arrays [..., D] of one shape and dtype; queries: [S, D] (effective queries,
+  gains folded in). Returns (o, lse): o a tuple of S arrays [..., D] in the sources' dtype (o_j
+  = sum_i softmax_i(s_ji) v_i) and lse [S, ...] float32 (logsumexp_i s_ji), s_ji = q_j .
+  rms_normalise(v_i). impl 'pallas' runs the fused kernels (in interpret mode off the GPU);
+  under a mesh of several devices they run per shard (shard_map) with the sources laid out as
+  `spec` (their feature axis unsharded).
+  """
+  sources = tuple(sources)
+  shape = sources[0].shape if sources else None
+  if not sources or any(v.shape != shape or v.dtype != sources[0].dtype for v in sources) \
+      or queries.ndim != 2 or queries.shape[1:] != shape[-1:]:
+    raise ValueError(f'attnres phase1: sources must share one shape [..., D] and dtype, queries be '
+                     f'[S, D]; got sources {[(v.shape, str(v.dtype)) for v in sources]}, queries '
+                     f'{queries.shape}')
+  if impl == 'xla':
+    return _phase1_xla(sources, queries, eps)
+  if impl != 'pallas':
+    raise ValueError(f'attnres phase1: impl must be one of {IMPLS}; got {impl!r}')
+  from kernels_pallas.attnres import phase1 as kernel   # imports the Triton lowering
+  # Off the GPU the kernels run in Pallas interpret mode (slow: for tests on the CPU).
+  run = lambda vs, q: kernel(vs, q, eps=eps, interpret=jax.default_backend() != 'gpu')
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return run(sources, queries)
+  lead = (tuple(spec or ()) + (None,) * len(shape))[:len(shape) - 1]
+  spec, lse_spec = P(*lead, None), P(None, *lead)      # the kernels need whole feature rows
+  # check_vma=False: pallas_call outputs carry no varying-axes type.
+  return jax.shard_map(run, mesh=mesh, in_specs=((spec,) * len(sources), P()),
+                       out_specs=((spec,) * queries.shape[0], lse_spec), check_vma=False)(sources, queries)
+
+
+def merge_partial(o, lse, partial, query, *, eps: float = 1e-6):
+  """Phase 2: one consumer's input from its phase-1 output o [..., D] and lse [...] and its
+  block's partial sum p [..., D] with query [D]: sigma o + (1 - sigma) p in p's dtype, computed
+  in float32, sigma = sigmoid(lse - q . rms_normalise(p))."""
+  s_p = _logit(partial, query.astype(jnp.float32), eps)
+  sigma = jax.nn.sigmoid(lse - s_p)[..., None]
+  h = sigma * o.astype(jnp.float32) + (1 - sigma) * partial.astype(jnp.float32)
+  return h.astype(partial.dtype)

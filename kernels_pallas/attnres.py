@@ -1,0 +1,241 @@
+"""Phase 1 of Block Attention Residuals (SPEC §4) as Pallas (Triton) kernels, forward and backward.
+
+At the start of a block, the block's S consumers all attend over the same completed sources
+v_1 .. v_n (the embedding and the block sums) with their own static queries q_j. Phase 1 does it
+for all S at once, so each source is read a fixed number of times per block, not per consumer:
+
+    s_ji = (q_j . v_i) * r_i,   r_i = rsqrt(mean_d v_i^2 + eps)      (per token, float32)
+    lse_j = logsumexp_i s_ji,   o_j = sum_i exp(s_ji - lse_j) v_i
+
+Each consumer later merges o_j with its block's partial sum (kimijax.ops.attnres.merge_partial).
+
+Kernels (M tokens, D features; the sources are [M, D] in any float dtype):
+  _logits_kernel     reads each source once: s [n, S, M] and r [n, M]
+  _combine_kernel    reads each source once, writes the S outputs o_j [M, D]
+  _vdo_kernel        backward: g_ji = do_j . v_i from one read of each do_j and each source
+  _grads_kernel      backward: dv_i and per-group partial dq_j from one more read of each
+The softmax over n and the per-token backward coefficients are [n, S, M] arrays, computed in XLA
+between the kernels. The backward maths (dL/ds_ji = alpha_ji (g_ji - do_j . o_j + dlse_j),
+do_j . o_j = sum_i alpha_ji g_ji):
+    dv_i = sum_j alpha_ji do_j + r_i sum_j ds_ji q_j - (r_i^2 / D) (sum_j ds_ji s_ji) v_i
+    dq_j = sum_tokens sum_i ds_ji r_i v_i
+Every product is an elementwise multiply and a sum in float32 (no Triton dot, which would need
+16-row operands and could run in TF32).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MAX_QUERIES = 16              # queries per kernel call; more run in groups
+
+
+def feature_chunk(d: int, target: int = 64) -> int:
+  """The largest power of two <= target dividing d (at least 16)."""
+  c = target
+  while c >= 16:
+    if d % c == 0:
+      return c
+    c //= 2
+  raise ValueError(f'the Pallas AttnRes kernels need d_model divisible by 16; got {d}')
+
+
+def _params(num_warps, num_stages=2):
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _logits_kernel(*refs, n, s, dc, eps):
+  src, (q_ref,), (s_ref, r_ref) = refs[:n], refs[n:n + 1], refs[n + 1:]
+  bt, d = src[0].shape
+  for i in range(n):
+    def body(c, carry):
+      cols = pl.ds(c * dc, dc)
+      v = src[i][:, cols].astype(jnp.float32)                          # [bt, dc]
+      sumsq, dots = carry
+      return sumsq + jnp.sum(v * v, axis=1), tuple(
+          dots[j] + jnp.sum(v * q_ref[j, cols][None, :], axis=1) for j in range(s))
+    zero = jnp.zeros((bt,), jnp.float32)
+    sumsq, dots = jax.lax.fori_loop(0, d // dc, body, (zero, (zero,) * s))
+    r = jax.lax.rsqrt(sumsq / d + eps)
+    r_ref[i, :] = r
+    for j in range(s):
+      s_ref[i, j, :] = dots[j] * r
+
+
+def _combine_kernel(*refs, n, s):
+  src, (alpha_ref,), outs = refs[:n], refs[n:n + 1], refs[n + 1:]
+  acc = [None] * s
+  for i in range(n):
+    v = src[i][...].astype(jnp.float32)                               # [bt, dc]
+    for j in range(s):
+      term = alpha_ref[i, j, :][:, None] * v
+      acc[j] = term if acc[j] is None else acc[j] + term
+  for j in range(s):
+    outs[j][...] = acc[j].astype(outs[j].dtype)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _vdo_kernel(*refs, n, s, dc):
+  do, src, (g_ref,) = refs[:s], refs[s:s + n], refs[s + n:]
+  bt, d = src[0].shape
+
+  def body(c, acc):
+    cols = pl.ds(c * dc, dc)
+    dos = [do[j][:, cols].astype(jnp.float32) for j in range(s)]
+    out = []
+    for i in range(n):
+      v = src[i][:, cols].astype(jnp.float32)
+      out += [acc[i * s + j] + jnp.sum(dos[j] * v, axis=1) for j in range(s)]
+    return tuple(out)
+
+  acc = jax.lax.fori_loop(0, d // dc, body, (jnp.zeros((bt,), jnp.float32),) * (n * s))
+  for i in range(n):
+    for j in range(s):
+      g_ref[i, j, :] = acc[i * s + j]
+
+
+def _grads_kernel(*refs, n, s, bt, groups_per_cta):
+  do, src = refs[:s], refs[s:s + n]
+  alpha_ref, b_ref, c_ref, q_ref = refs[s + n:s + n + 4]
+  dv, (dq_ref,) = refs[s + n + 4:s + 2 * n + 4], refs[s + 2 * n + 4:]
+  q = [q_ref[j, :][None, :] for j in range(s)]                       # [1, dc] each
+
+  def body(t, dq):
+    rows = pl.ds(t * bt, bt)
+    dos = [do[j][rows, :].astype(jnp.float32) for j in range(s)]       # [bt, dc] each
+    dq = list(dq)
+    for i in range(n):
+      v = src[i][rows, :].astype(jnp.float32)
+      grad = c_ref[i, rows][:, None] * v
+      for j in range(s):
+        b = b_ref[i, j, rows][:, None]                                # ds_ji r_i, [bt, 1]
+        grad += alpha_ref[i, j, rows][:, None] * dos[j] + b * q[j]
+        dq[j] += b * v                  # summed over rows once, after the loop
+      dv[i][rows, :] = grad.astype(dv[i].dtype)
+    return tuple(dq)
+
+  dc = q_ref.shape[1]
+  dq = jax.lax.fori_loop(0, groups_per_cta, body, (jnp.zeros((bt, dc), jnp.float32),) * s)
+  for j in range(s):
+    dq_ref[j, :] = jnp.sum(dq[j], axis=0)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _pad_rows(x, m_pad):
+  return x if x.shape[0] == m_pad else jnp.pad(x, ((0, m_pad - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _phase1(sources, queries, eps, tiles, interpret):
+  return _phase1_fwd(sources, queries, eps, tiles, interpret)[0]
+
+
+def _phase1_fwd(sources, queries, eps, tiles, interpret):
+  n, (m, d), s = len(sources), sources[0].shape, queries.shape[0]
+  bt, dc = tiles['bt'], feature_chunk(d, tiles['dc'])
+  queries = queries.astype(jnp.float32)
+  logits, r = pl.pallas_call(
+      functools.partial(_logits_kernel, n=n, s=s, dc=feature_chunk(d, tiles['dc_rows']), eps=eps),
+      grid=(m // tiles['bt_rows'],),
+      in_specs=[pl.BlockSpec((tiles['bt_rows'], d), lambda t: (t, 0))] * n
+               + [pl.BlockSpec((s, d), lambda t: (0, 0))],
+      out_specs=[pl.BlockSpec((n, s, tiles['bt_rows']), lambda t: (0, 0, t)),
+                 pl.BlockSpec((n, tiles['bt_rows']), lambda t: (0, t))],
+      out_shape=[jax.ShapeDtypeStruct((n, s, m), jnp.float32), jax.ShapeDtypeStruct((n, m), jnp.float32)],
+      compiler_params=_params(tiles['warps_rows']), interpret=interpret, name='attnres_phase1_logits',
+  )(*sources, queries)
+  lse = jax.nn.logsumexp(logits, axis=0)                             # [S, M]
+  alpha = jnp.exp(logits - lse)                                      # [n, S, M]
+  tile_spec = pl.BlockSpec((bt, dc), lambda t, c: (t, c))
+  outs = pl.pallas_call(
+      functools.partial(_combine_kernel, n=n, s=s),
+      grid=(m // bt, d // dc),
+      in_specs=[tile_spec] * n + [pl.BlockSpec((n, s, bt), lambda t, c: (0, 0, t))],
+      out_specs=[tile_spec] * s,
+      out_shape=[jax.ShapeDtypeStruct((m, d), sources[0].dtype)] * s,
+      compiler_params=_params(tiles['warps']), interpret=interpret, name='attnres_phase1_combine',
+  )(*sources, alpha)
+  return (tuple(outs), lse), (sources, queries, logits, r, lse)
+
+
+def _phase1_bwd(eps, tiles, interpret, res, cotangents):
+  del eps
+  sources, queries, logits, r, lse = res
+  d_outs, d_lse = cotangents
+  n, (m, d), s = len(sources), sources[0].shape, lse.shape[0]
+  bt, dc, g = tiles['bt'], feature_chunk(d, tiles['dc_grads']), tiles['groups']
+  d_outs = [x.astype(sources[0].dtype) for x in d_outs]
+  rows_bt = tiles['bt_rows']
+  vdo = pl.pallas_call(
+      functools.partial(_vdo_kernel, n=n, s=s, dc=feature_chunk(d, tiles['dc_rows'])),
+      grid=(m // rows_bt,),
+      in_specs=[pl.BlockSpec((rows_bt, d), lambda t: (t, 0))] * (s + n),
+      out_specs=pl.BlockSpec((n, s, rows_bt), lambda t: (0, 0, t)),
+      out_shape=jax.ShapeDtypeStruct((n, s, m), jnp.float32),
+      compiler_params=_params(tiles['warps_rows']), interpret=interpret, name='attnres_phase1_vdo',
+  )(*d_outs, *sources)
+  alpha = jnp.exp(logits - lse)                                      # [n, S, M]
+  d_logits = alpha * (vdo - jnp.sum(alpha * vdo, axis=0) + d_lse)
+  b = d_logits * r[:, None]
+  c = -(r * r / d) * jnp.sum(d_logits * logits, axis=1)               # [n, M]
+  rows = bt * g
+  tile_spec = pl.BlockSpec((rows, dc), lambda k, t: (t, k))
+  *d_sources, dq_parts = pl.pallas_call(
+      functools.partial(_grads_kernel, n=n, s=s, bt=bt, groups_per_cta=g),
+      grid=(d // dc, m // rows),
+      in_specs=[tile_spec] * (s + n) + [pl.BlockSpec((n, s, rows), lambda k, t: (0, 0, t))] * 2
+               + [pl.BlockSpec((n, rows), lambda k, t: (0, t)), pl.BlockSpec((s, dc), lambda k, t: (0, k))],
+      out_specs=[tile_spec] * n + [pl.BlockSpec((None, s, dc), lambda k, t: (t, 0, k))],
+      out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype) for x in sources]
+                + [jax.ShapeDtypeStruct((m // rows, s, d), jnp.float32)],
+      compiler_params=_params(tiles['warps']), interpret=interpret, name='attnres_phase1_grads',
+  )(*d_outs, *sources, alpha, b, c, queries)
+  return tuple(d_sources), jnp.sum(dq_parts, axis=0)
+
+
+_phase1.defvjp(_phase1_fwd, _phase1_bwd)
+
+# bt x dc tiles for the combine kernel, bt x dc_grads for the grads kernel (`groups` row tiles
+# per program), and bt_rows whole rows, dc_rows features at a time, for the logits and vdo kernels.
+DEFAULT_TILES = {'bt': 16, 'dc': 128, 'dc_grads': 64, 'warps': 4, 'groups': 8, 'bt_rows': 32,
+                 'dc_rows': 128, 'warps_rows': 8}
+
+
+def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool = False):
+  """sources: n >= 1 arrays [..., D] of one shape and dtype; queries [S, D].
+  Returns (o: S arrays [..., D] in the sources' dtype, lse [S, ...] float32). Differentiable
+  in sources and queries."""
+  sources = tuple(sources)
+  shape, s = sources[0].shape, queries.shape[0]
+  if s < 1 or queries.shape[1:] != shape[-1:]:
+    raise ValueError(f'attnres phase1: queries must be [S, {shape[-1]}]; got {queries.shape}')
+  if s > MAX_QUERIES:
+    parts = [phase1(sources, queries[k:k + MAX_QUERIES], eps=eps, tiles=tiles, interpret=interpret)
+             for k in range(0, s, MAX_QUERIES)]
+    return sum((o for o, _ in parts), ()), jnp.concatenate([lse for _, lse in parts])
+  tiles = dict(DEFAULT_TILES, **(tiles or {}))
+  d, m = shape[-1], math.prod(shape[:-1])
+  quantum = math.lcm(tiles['bt'] * tiles['groups'], tiles['bt_rows'])
+  m_pad = -(-m // quantum) * quantum
+  flat = tuple(_pad_rows(v.reshape(m, d), m_pad) for v in sources)
+  outs, lse = _phase1(flat, queries, eps, _Frozen(tiles), interpret)
+  return (tuple(o[:m].reshape(shape) for o in outs), lse[:, :m].reshape((s,) + shape[:-1]))
+
+
+class _Frozen(dict):
+  """A hashable dict of tile sizes (a static argument of the custom VJP)."""
+  def __hash__(self):
+    return hash(tuple(sorted(self.items())))
