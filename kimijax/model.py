@@ -100,7 +100,7 @@ class Layer(nn.Module):
     stats = {'weights': [], 'input_rms': [], 'output_rms': []}
 
     def sublayer(state, offset: int, name: str, fn):
-      h_btd, w_n = res.read(state, name)
+      h_btd, w_n, state = res.read(state, 2 * self.index + offset)
       y_btd, extra = fn(RMSNorm(cfg.norm_eps, dtype, name=f'{name}_norm')(h_btd))
       if self.log:
         stats['weights'].append(w_n)
@@ -149,7 +149,7 @@ class Transformer(nn.Module):
       stats.append(s)
       if m is not None:
         max_logits[f'layer_{i}'] = m
-    h_btd, w_n = res.read(state, 'final')   # AttnRes: the final aggregator ('final_attnres')
+    h_btd, w_n, _ = res.read(state, residual_lib.num_sublayers(cfg))   # AttnRes: the final aggregator
 
     x_btd = RMSNorm(cfg.norm_eps, dtype, name='final_norm')(h_btd)
     if cfg.tie_embeddings:

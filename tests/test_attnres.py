@@ -20,7 +20,7 @@ import test_sharding as ts
 from kimijax import config as config_lib
 from kimijax.layers import residual as residual_lib
 from kimijax.model import Transformer
-from kimijax.ops.attnres import depth_attention, depth_attention_list
+from kimijax.ops.attnres import depth_attention, depth_attention_list, merge_partial, phase1
 
 
 @pytest.fixture(autouse=True)
@@ -77,6 +77,102 @@ def test_depth_attention_matches_numpy():
   assert got16.dtype == jnp.bfloat16 and tm.rel_err(got16, ref16) <= 2 ** -8
 
 
+def random_block(n, s, b=B, t=T, d=16, seed=0):
+  """n sources of very different scales, a partial sum and S queries, float32 NumPy."""
+  rng = np.random.default_rng(seed)
+  scales = np.geomspace(1e-2, 30.0, n + 1)
+  arrays = [(rng.standard_normal((b, t, d)) * c).astype(np.float32) for c in scales]
+  return arrays[:n], arrays[n], (0.5 * rng.standard_normal((s, d))).astype(np.float32)
+
+
+@pytest.mark.parametrize('impl', ['xla', 'pallas'])
+def test_two_phases_equal_one_softmax_over_all_sources(impl):
+  """Phase 1 over the block sums, merged with each consumer's partial sum, is the float64 depth
+  attention over [block sums, partial] for every query (impl 'pallas' runs interpreted here);
+  lse is the logsumexp of the block-sum logits."""
+  sources, partial, queries = random_block(n=3, s=4)
+  outs, lse = phase1([jnp.asarray(v) for v in sources], jnp.asarray(queries), impl=impl)
+  assert len(outs) == 4 and lse.shape == (4, B, T)
+  for j, q in enumerate(queries.astype(np.float64)):
+    want, _ = np_depth_attention(sources, q, 1.0, 1e-6)
+    assert tm.rel_err(outs[j], want) <= 1e-5
+    v = np.stack(sources).astype(np.float64)
+    logits = (v / np.sqrt(np.mean(v * v, -1, keepdims=True) + 1e-6)) @ q
+    np.testing.assert_allclose(lse[j], np.log(np.exp(logits).sum(0)), rtol=1e-5, atol=1e-5)
+    merged = merge_partial(outs[j], lse[j], jnp.asarray(partial), jnp.asarray(q, jnp.float32))
+    want, _ = np_depth_attention(sources + [partial], q, 1.0, 1e-6)
+    assert tm.rel_err(merged, want) <= 1e-5
+
+
+def phase1_loss(impl, shape, s, seed=3):
+  """A random projection of phase 1's outputs and lse: a scalar whose gradient reaches all inputs."""
+  rng = np.random.default_rng(seed)
+  w_outs = jnp.asarray(rng.standard_normal((s,) + shape), jnp.float32)
+  w_lse = jnp.asarray(rng.standard_normal((s,) + shape[:-1]), jnp.float32)
+
+  def loss(sources, queries):
+    outs, lse = phase1(sources, queries, impl=impl)
+    return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, w_outs)) + jnp.sum(lse * w_lse)
+  return loss
+
+
+def test_pallas_phase1_gradients_match_autodiff_of_xla():
+  """The Pallas kernels' hand-written backward (interpreted) against jax.grad of the plain-XLA
+  phase 1, with 5 * 7 = 35 tokens (not a multiple of the kernels' tiles) and S = 3."""
+  sources, _, queries = random_block(n=4, s=3, b=5, t=7, d=48)
+  args = ([jnp.asarray(v) for v in sources], jnp.asarray(queries))
+  want = jax.grad(phase1_loss('xla', (5, 7, 48), 3), argnums=(0, 1))(*args)
+  got = jax.grad(phase1_loss('pallas', (5, 7, 48), 3), argnums=(0, 1))(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5
+
+
+def test_pallas_phase1_bf16_and_many_queries():
+  """bf16 sources give bf16 outputs within one bf16 rounding of the float32 result; more than
+  16 queries run in groups of 16."""
+  from kernels_pallas.attnres import MAX_QUERIES
+  sources, _, queries = random_block(n=2, s=MAX_QUERIES + 2, b=1, t=8, d=32)
+  sources16 = [jnp.asarray(v, jnp.bfloat16) for v in sources]
+  got, lse = phase1(sources16, jnp.asarray(queries), impl='pallas')
+  want, want_lse = phase1(sources16, jnp.asarray(queries), impl='xla')
+  assert len(got) == MAX_QUERIES + 2 and all(o.dtype == jnp.bfloat16 for o in got)
+  for o, w in zip(got, want):
+    assert tm.rel_err(o, np.asarray(w.astype(jnp.float32), np.float64)) <= 2 ** -8
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_phase1_under_a_mesh_runs_per_shard():
+  """8 devices, tokens sharded over the batch: the shard_map path gives the one-device outputs
+  and gradients (the queries' gradient summed over shards)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))
+  sources, _, queries = random_block(n=3, s=2, b=8, t=4, d=32)
+  args = ([jnp.asarray(v) for v in sources], jnp.asarray(queries))
+  loss = phase1_loss('pallas', (8, 4, 32), 2)
+  want = jax.value_and_grad(loss, argnums=(0, 1))(*args)
+  spec = P('data', None, None)
+  sharded = ([jax.device_put(v, NamedSharding(mesh, spec)) for v in args[0]], args[1])
+  run = jax.jit(jax.value_and_grad(
+      lambda vs, q: phase1_loss_sharded(loss, vs, q, spec), argnums=(0, 1)))
+  with jax.set_mesh(mesh):
+    got = run(*sharded)
+    hlo = run.lower(*sharded).as_text()
+  assert 'shard_map' in hlo or 'sdy.manual_computation' in hlo
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def phase1_loss_sharded(loss, sources, queries, spec):
+  """`loss` with phase 1 told the sources' layout (as the model does from its logical rules)."""
+  import kimijax.ops.attnres as ops
+  original = ops.phase1
+  try:
+    ops.phase1 = lambda v, q, **kw: original(v, q, **dict(kw, spec=spec))
+    return loss(sources, queries)
+  finally:
+    ops.phase1 = original
+
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -113,17 +209,17 @@ def np_attnres_forward(cfg, params, tokens):
 
   for i in range(cfg.num_layers):
     lp = p[f'layer_{i}']
-    h = consume(2 * i, lp.get('mixer_attnres'))
+    h = consume(2 * i, p['attnres'].get(f'layer_{i}_mixer'))
     y, _ = tm.np_attention_block(tm.np_rmsnorm(h, lp['mixer_norm']['scale'], cfg.norm_eps),
                                  lp['attention'], positions, cfg)
     outputs.append(y)
-    h = consume(2 * i + 1, lp['mlp_attnres'])
+    h = consume(2 * i + 1, p['attnres'][f'layer_{i}_mlp'])
     x = tm.np_rmsnorm(h, lp['mlp_norm']['scale'], cfg.norm_eps)
     mlp = lp['mlp']
     outputs.append((tm.np_silu(x @ tm.kernel(mlp['wi_gate'])) * (x @ tm.kernel(mlp['wi_up'])))
                    @ tm.kernel(mlp['wo']))
   out_rms = [np.sqrt(np.mean(y * y)) for y in outputs]
-  h = consume(2 * cfg.num_layers, p['final_attnres'])
+  h = consume(2 * cfg.num_layers, p['attnres']['final'])
   x = tm.np_rmsnorm(h, p['final_norm']['scale'], cfg.norm_eps)
   head = p['embed'].T if cfg.tie_embeddings else p['head']
   return x @ head, weights, np.array(in_rms), np.array(out_rms)
@@ -140,14 +236,15 @@ def forward(cfg, params, tokens, log=False):
   return _FORWARDS[key]({'params': params}, tokens)
 
 
-@pytest.mark.parametrize('residual,block', [('attnres_full', 4), ('attnres_block', 3),
-                                            ('attnres_block', 2)])
-def test_forward_matches_numpy_reference(residual, block):
+@pytest.mark.parametrize('residual,block,impl', [('attnres_full', 4, 'xla'), ('attnres_block', 3, 'xla'),
+                                                 ('attnres_block', 2, 'xla'), ('attnres_block', 2, 'pallas')])
+def test_forward_matches_numpy_reference(residual, block, impl):
   """Random non-zero pseudo-queries and key gains (tm.init_params draws every leaf), 2 layers;
-  block 3 does not divide the 4 sublayers (last block of 1), block 2 does."""
-  cfg = cfg_for(residual, attnres_block_size=block)
+  block 3 does not divide the 4 sublayers (last block of 1), block 2 does; phase 1 by XLA or by
+  the Pallas kernels (interpreted on the CPU)."""
+  cfg = cfg_for(residual, attnres_block_size=block, attnres_impl=impl)
   params = tm.init_params(cfg)
-  assert np.abs(params['layer_1']['mlp_attnres']['attnres_query']).min() > 0
+  assert np.abs(params['attnres']['layer_1_mlp']['attnres_query']).min() > 0
   tokens = tm.random_tokens(cfg)
   logits, aux = forward(cfg, params, tokens, log=True)
   ref_logits, ref_w, ref_in, ref_out = np_attnres_forward(cfg, params, tokens)
@@ -205,7 +302,7 @@ def test_zero_queries_equal_standard_model(residual):
     np.testing.assert_allclose(aux['max_logits'][name], m, rtol=1e-5)
   # ...and only because the queries are zero: one non-zero pseudo-query changes the logits.
   moved = jax.tree.map(lambda x: x, params)
-  moved['layer_1']['mlp_attnres']['attnres_query'] = jnp.full((cfg.d_model,), 0.3)
+  moved['attnres']['layer_1_mlp']['attnres_query'] = jnp.full((cfg.d_model,), 0.3)
   assert tm.rel_err(forward(cfg, moved, tokens)[0], np.asarray(ref_logits, np.float64)) > 1e-3
 
 
@@ -244,14 +341,25 @@ def test_block_size_one_is_full_and_gradients_reach_every_query():
 # ----------------------------------------------------------------------------- carried state
 
 
-def expected_carry(sublayers_done: int, s: int) -> int:
-  """Arrays in the block state after `sublayers_done` sublayers: b_0, completed blocks, partial."""
+def sources_after(sublayers_done: int, s: int) -> int:
+  """Sources of the block state after `sublayers_done` sublayers: b_0, completed blocks, partial."""
   return 1 + sublayers_done // s + (sublayers_done % s != 0)
+
+
+def expected_carry(sublayers_done: int, s: int, num_sublayers: int) -> int:
+  """[B, T, D] arrays in the block state after `sublayers_done` sublayers: the sources and,
+  inside a block after its first read, the block's phase-1 outputs (one per consumer of the
+  block: S, fewer in the last block)."""
+  sources = sources_after(sublayers_done, s)
+  start = sublayers_done - sublayers_done % s
+  in_block = start >= s and sublayers_done % s != 0
+  return sources + (min(s, num_sublayers + 1 - start) if in_block else 0)
 
 
 def test_block_state_holds_n_plus_one_arrays():
   """Traced model with remat: each layer's checkpointed call takes the residual state as its
-  carry; count its [B, T, D] inputs (no parameter has that shape) and outputs."""
+  carry; count its [B, T, D] inputs (no parameter has that shape) and outputs. Block AttnRes
+  carries at most N + 1 sources and the current block's S phase-1 outputs: O(N + S), not O(L)."""
   layers, s = 4, 3                        # L = 8 sublayers, N = ceil(8 / 3) = 3 blocks
   counts = {}
   for residual in ('attnres_block', 'attnres_full', 'standard'):
@@ -263,10 +371,13 @@ def test_block_state_holds_n_plus_one_arrays():
     assert len(calls) == layers, [e.primitive.name for e in jaxpr.jaxpr.eqns]
     btd = lambda vs: sum(v.aval.shape == (B, T, cfg.d_model) for v in vs)
     counts[residual] = [btd(e.invars) for e in calls] + [btd(calls[-1].outvars)]
-  # Block: at most N + 1 = 4 arrays (not L + 1 = 9), the final aggregator's source count.
-  assert counts['attnres_block'] == [expected_carry(2 * i, s) for i in range(layers + 1)] == [1, 2, 3, 3, 4]
+  # Block: sources 1, 2, 3, 3, 4 (at most N + 1 = 4, not L + 1 = 9); blocks 1 and 2 were entered
+  # by layers 1 and 3 (sublayers 3 and 6), so layers 2's input and the output carry 3 outputs.
+  assert counts['attnres_block'] == [expected_carry(2 * i, s, 8) for i in range(layers + 1)] \
+      == [1, 2, 3 + 3, 3, 4 + 3]
   assert residual_lib.num_sources(cfg_for('attnres_block', num_layers=layers, attnres_block_size=s)) == 4
-  assert counts['attnres_full'] == [expected_carry(2 * i, 1) for i in range(layers + 1)] == [1, 3, 5, 7, 9]
+  # Full: every read is its own block, closed by the next write: sources only.
+  assert counts['attnres_full'] == [expected_carry(2 * i, 1, 8) for i in range(layers + 1)] == [1, 3, 5, 7, 9]
   assert counts['standard'] == [1] * (layers + 1)
 
 
@@ -314,7 +425,7 @@ def test_attnres_parameters_are_vectors_routed_to_adamw():
   for suffix in ('attnres_query', 'attnres_key_scale'):
     leaves = attnres_leaves(params, suffix)
     assert len(leaves) == 2 * cfg.num_layers          # all consumers but sublayer 0
-    assert "['layer_0']['mixer_attnres']" not in ''.join(leaves)
+    assert "['attnres']['layer_0_mixer']" not in ''.join(leaves)
     assert all(v.shape == (cfg.d_model,) for v in leaves.values())
     assert all(tuple(s) == ('norm',) for s in attnres_leaves(specs, suffix).values())
   extra = sum(v.size for k, v in jax.tree.leaves_with_path(params)
@@ -330,9 +441,11 @@ def test_attnres_parameters_are_vectors_routed_to_adamw():
 
 
 @pytest.mark.parametrize('key,value', [('residual', 'attnres'), ('attnres_block_size', 0),
-                                       ('attnres_block_size', -2)])
+                                       ('attnres_block_size', -2), ('attnres_impl', 'triton'),
+                                       ('attnres_impl', 'pallas')])
 def test_config_rejects_bad_values(key, value):
   c = config_lib.base_config()
+  c.model.d_model = 40                    # the Pallas kernels need d_model divisible by 16
   c.model[key] = value
   with pytest.raises(config_lib.ConfigError, match=f'model.{key}'):
     config_lib.validate(c)
@@ -358,7 +471,7 @@ def test_training_logs_depth_statistics_and_plot_script_draws_them(tmp_path):
   train(c, tmp_path, devices=jax.devices()[:1])
   records = [r for r in read_metrics(tmp_path) if 'loss' in r]
   assert [r['step'] for r in records] == [1, 2]
-  widths = [expected_carry(l, 3) for l in range(5)]            # sources of consumers 0..3, final
+  widths = [sources_after(l, 3) for l in range(5)]            # sources of consumers 0..3, final
   for r in records:
     assert [len(row) for row in r['attnres_weights']] == widths == [1, 2, 2, 2, 3]
     assert all(abs(sum(row) - 1) < 1e-5 for row in r['attnres_weights'])

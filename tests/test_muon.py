@@ -246,15 +246,15 @@ def test_default_routing_of_kda_mla_and_attnres_names():
       'o_proj': S((4, 16, 64), f32), 'f_a': S((64, 16), f32), 'f_b': S((16, 4, 16), f32),
       'q_conv': {'kernel': S((4, 4, 16), f32)}, 'o_norm': S((16,), f32)},
       'mla': {'q_nope': S((64, 4, 16), f32), 'k_rope': S((64, 8), f32), 'v': S((32, 4, 16), f32),
-              'kv_norm': {'scale': S((32,), f32)}},
-      'mixer_attnres': {'query': S((64,), f32)}}}
+              'kv_norm': {'scale': S((32,), f32)}}},
+      'attnres': {'layer_0_mlp': {'attnres_query': S((64,), f32)}}}
   routes = leaves_by_path(Routing().routes(params))
   rule = {p: r.rule for p, r in routes.items()}
   for name in ('A_log', 'dt_bias', 'o_norm'):
     assert rule[('layer_0', 'kda', name)] == 'adamw', name
   assert rule[('layer_0', 'kda', 'q_conv', 'kernel')] == 'adamw'
   assert rule[('layer_0', 'mla', 'kv_norm', 'scale')] == 'adamw'
-  assert rule[('layer_0', 'mixer_attnres', 'query')] == 'adamw'
+  assert rule[('attnres', 'layer_0_mlp', 'attnres_query')] == 'adamw'
   sizes = {p: r.view.sizes(params_shape) for p, r in routes.items() if r.rule == 'muon'
            for params_shape in [leaves_by_path(params)[p].shape]}
   assert sizes[('layer_0', 'kda', 'q_proj')] == (1, 64, 64)

@@ -1,30 +1,36 @@
 """Residual strategies: how each sublayer's input is formed from what came before it.
 
-The model numbers its sublayers 0 .. L-1 (layer i: mixer 2i, MLP 2i+1) and drives a strategy
-with four calls; sublayers (attention, KDA, MLA, MLP) only ever see the h_btd it hands them:
+The model numbers its consumers 0 .. L (sublayer l = 0 .. L-1: layer i's mixer 2i and MLP 2i+1;
+consumer L: the final aggregator before the final norm) and drives a strategy with three calls;
+sublayers (attention, KDA, MLA, MLP) only ever see the h_btd it hands them:
 
-    state = res.start(x_btd)              token embedding -> residual state (a pytree of [B, T, D])
-    h_btd, w = res.read(state, 'mixer')   the next sublayer's input, before its own pre-norm
-    state = res.write(state, y_btd, l)    add sublayer l's output
-    h_btd, w = res.read(state, 'final')   after the last sublayer: the final norm's input
+    state = res.start(x_btd)                token embedding -> residual state (a pytree)
+    h_btd, w, state = res.read(state, l)    consumer l's input, before its own pre-norm
+    state = res.write(state, y_btd, l)      add sublayer l's output
 
-`read` must run inside a Flax module's compact method: an AttnRes read creates that consumer's
-parameters there, in a child '<name>_attnres' with 'attnres_query' (w, init 0) and
-'attnres_key_scale' (g, init 1), both [D] float32 and replicated (logical axis 'norm'). The very
-first sublayer sees only the embedding (its softmax is over one source), so it has none: an
-AttnRes model has 2d parameters for each of the other L - 1 sublayers and the final aggregator.
-`w` is the consumer's depth-attention weights averaged over batch and tokens ([sources] float32)
-when the strategy logs (`log=True`), else None.
+`start` must run inside the model's compact method: an AttnRes start creates every consumer's
+parameters there, in a child 'attnres' holding, per consumer '<name>' ('layer_<i>_mixer',
+'layer_<i>_mlp', 'final'), 'attnres_query' (w, init 0) and 'attnres_key_scale' (g, init 1), both
+[D] float32 and replicated (logical axis 'norm'). Sublayer 0 sees only the embedding (its softmax
+is over one source), so it has none: 2d parameters for each of the other L - 1 sublayers and the
+final aggregator. `w` is the consumer's depth-attention weights averaged over batch and tokens
+([sources] float32) when the strategy logs (`log=True`), else None.
 
   standard        state h; read -> h; write -> h + y (the usual pre-norm residual stream).
-  attnres_full    state (v_0, v_1, ..., v_l): the embedding and every sublayer output so far;
-                  read -> depth attention over all of them (SPEC §4, Full AttnRes).
-  attnres_block   state (b_0, ..., b_{n-1}; p): the embedding b_0, the sums b_k of the completed
-                  blocks of S = model.attnres_block_size sublayers, and the partial sum p of the
+  attnres_block   sources b_0 .. b_{n-1} (the embedding b_0, then the sums of the completed
+                  blocks of S = model.attnres_block_size sublayers) and p, the partial sum of the
                   current block (absent right after a block closes); read -> depth attention over
-                  [b_0 .. b_{n-1}, p]. At most N + 1 arrays live, N = ceil(L / S); when S does
-                  not divide L the last block holds the remaining L mod S sublayers. S = 1 is
-                  Full AttnRes exactly.
+                  [b_0 .. b_{n-1}, p]. At most N + 1 sources live, N = ceil(L / S); when S does
+                  not divide L the last block holds the remaining L mod S sublayers. Computed in
+                  two phases (kimijax.ops.attnres): the first read of a block runs phase 1 for all
+                  of the block's consumers at once over the fixed block sums (model.attnres_impl:
+                  'xla' or the fused 'pallas' kernels) and the state holds its S outputs until the
+                  block closes; each read then merges its consumer's output with p. In block 0
+                  (sources b_0 and p), and with 'xla' in a block of one consumer, a read is one
+                  direct depth attention.
+  attnres_full    S = 1: every sublayer output is a source (SPEC §4, Full AttnRes). With 'pallas'
+                  each read is phase 1 for one consumer, a kernel set compiled per source count
+                  (up to L + 1 sources, unrolled): slow to compile for deep models.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from kimijax.ops.attnres import depth_attention_list
+from kimijax.ops.attnres import depth_attention_list, merge_partial, phase1
 
 ACT_BTD = ('act_batch', 'act_length', 'act_embed')
 
@@ -61,6 +67,26 @@ class AttnResQuery(nn.Module):
     return w * g
 
 
+def consumer_name(consumer: int, num_sublayers: int) -> str:
+  """'layer_<i>_mixer' / 'layer_<i>_mlp' for sublayer 2i / 2i+1, 'final' for the aggregator."""
+  if consumer == num_sublayers:
+    return 'final'
+  return f"layer_{consumer // 2}_{'mlp' if consumer % 2 else 'mixer'}"
+
+
+class AttnResQueries(nn.Module):
+  """Every consumer's AttnResQuery -> [L + 1, D] effective queries (row 0, sublayer 0: zeros)."""
+  num_sublayers: int
+  dim: int
+
+  @nn.compact
+  def __call__(self):
+    rows = [jnp.zeros((self.dim,), jnp.float32)]
+    rows += [AttnResQuery(self.dim, name=consumer_name(l, self.num_sublayers))()
+             for l in range(1, self.num_sublayers + 1)]
+    return jnp.stack(rows)
+
+
 @dataclasses.dataclass(frozen=True)
 class StandardResidual:
   """h_{l+1} = h_l + f_l(Norm(h_l)); the state is h [B, T, D] in the residual dtype."""
@@ -69,9 +95,9 @@ class StandardResidual:
   def start(self, x_btd):
     return _constrain(x_btd)
 
-  def read(self, h_btd, name: str):
-    del name
-    return h_btd, None
+  def read(self, h_btd, consumer: int):
+    del consumer
+    return h_btd, None, h_btd
 
   def write(self, h_btd, y_btd, sublayer: int):
     del sublayer
@@ -80,40 +106,61 @@ class StandardResidual:
 
 @flax.struct.dataclass
 class AttnResState:
+  queries: Any               # [L + 1, D] float32: consumer l's effective query w_l * g_l
   blocks: tuple[Any, ...]    # b_0 (embedding), then one [B, T, D] sum per completed block
   partial: Any               # [B, T, D] sum of the current block so far, or None
+  inter: Any                 # phase 1 of the current block: (S' outputs [B, T, D], lse [S', B, T]),
+                             # or None (block 0, or no read in this block yet)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttnResidual:
-  """Block Attention Residuals with `block_size` sublayers per block (1: Full AttnRes)."""
+  """Block Attention Residuals with `block_size` sublayers per block (1: Full AttnRes) over
+  `num_sublayers` sublayers; phase 1 by `impl` ('xla' | 'pallas')."""
   block_size: int
+  num_sublayers: int
   eps: float = 1e-6
+  impl: str = 'xla'
   log: bool = False
 
   def start(self, x_btd):
-    return AttnResState(blocks=(_constrain(x_btd),), partial=None)
+    queries = AttnResQueries(self.num_sublayers, x_btd.shape[-1], name='attnres')()
+    return AttnResState(queries=queries, blocks=(_constrain(x_btd),), partial=None, inter=None)
 
   @staticmethod
   def sources(state: AttnResState) -> tuple:
     return state.blocks + (() if state.partial is None else (state.partial,))
 
-  def read(self, state: AttnResState, name: str):
+  def read(self, state: AttnResState, consumer: int):
     sources = self.sources(state)
-    if len(sources) == 1:        # the first sublayer: the embedding alone, weight 1, no parameters
-      h_btd = sources[0]
-      return h_btd, (jnp.ones((1,), jnp.float32) if self.log else None)
-    query_d = AttnResQuery(sources[0].shape[-1], name=f'{name}_attnres')()
-    h_btd, alpha_nbt = depth_attention_list(sources, query_d, eps=self.eps, return_weights=True)
-    mean_n = jnp.mean(alpha_nbt, axis=tuple(range(1, alpha_nbt.ndim))) if self.log else None
-    return _constrain(h_btd), mean_n
+    if len(sources) == 1:        # sublayer 0: the embedding alone, weight 1, no parameters
+      return sources[0], (jnp.ones((1,), jnp.float32) if self.log else None), state
+    query_d = state.queries[consumer]
+    count = min(self.block_size, self.num_sublayers + 1 - consumer)   # consumers left in the block
+    if len(state.blocks) == 1 or (state.inter is None and count == 1 and self.impl == 'xla'):
+      # Block 0 ([b_0, p]), or a block of one consumer in XLA: one direct depth attention.
+      h_btd = depth_attention_list(sources, query_d, eps=self.eps)
+    else:
+      if state.inter is None:    # the block's first read: phase 1 for all its consumers
+        inter = phase1(state.blocks, state.queries[consumer:consumer + count], eps=self.eps,
+                       impl=self.impl, spec=nn.logical_to_mesh_axes(ACT_BTD))
+        state = state.replace(inter=inter)
+      outs, lse = state.inter
+      j = consumer % self.block_size
+      h_btd = outs[j] if state.partial is None else merge_partial(
+          outs[j], lse[j], state.partial, query_d, eps=self.eps)
+    mean_n = None
+    if self.log:
+      alpha_nbt = depth_attention_list(sources, query_d, eps=self.eps, return_weights=True)[1]
+      mean_n = jnp.mean(alpha_nbt, axis=tuple(range(1, alpha_nbt.ndim)))
+    return _constrain(h_btd), mean_n, state
 
   def write(self, state: AttnResState, y_btd, sublayer: int):
     y_btd = y_btd.astype(state.blocks[0].dtype)
     partial = _constrain(y_btd if state.partial is None else state.partial + y_btd)
     if (sublayer + 1) % self.block_size == 0:      # sublayer closes its block
-      return AttnResState(blocks=state.blocks + (partial,), partial=None)
-    return AttnResState(blocks=state.blocks, partial=partial)
+      return state.replace(blocks=state.blocks + (partial,), partial=None, inter=None)
+    return state.replace(partial=partial)
 
 
 def num_sublayers(cfg: ml_collections.ConfigDict) -> int:
@@ -138,7 +185,8 @@ def make_residual(cfg: ml_collections.ConfigDict, *, log: bool = False):
   if cfg.residual == 'standard':
     return StandardResidual(log=log)
   if cfg.residual in ('attnres_full', 'attnres_block'):
-    return AttnResidual(block_size(cfg), eps=cfg.norm_eps, log=log)
+    return AttnResidual(block_size(cfg), num_sublayers(cfg), eps=cfg.norm_eps, impl=cfg.attnres_impl,
+                        log=log)
   raise ValueError(f'model.residual={cfg.residual!r} is unknown')
 
 
