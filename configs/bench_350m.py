@@ -2,11 +2,13 @@
 
 Run:      python experiments/bench_train.py --config=configs/bench_350m.py
 Expected: one H200, 2026-11-30: 392 ms/step, 167k tokens/s, 44.9% MFU, 73.5 GiB peak
-          (table and breakdown in experiments/results/bench_train.md); :attnres_block 513 ms,
-          :attnres_full 1053 ms (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over
-          AdamW (muon_distributed.md).
+          (table and breakdown in experiments/results/bench_train.md); :attnres_block 440 ms
+          (+10% over a 400 ms standard run the same day; 512 ms with :attnres_xla), :attnres_full
+          1053 ms (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
+          (muon_distributed.md).
 Variants: :remat (rematerialise each layer), :xla (attn_impl='xla'), :attnres_full,
-          :attnres_block (8 blocks of 6 of the 48 sublayers); combine with commas (:attnres_block,remat).
+          :attnres_block (8 blocks of 6 of the 48 sublayers, with the Pallas phase-1 kernels),
+          :attnres_xla (phase 1 in XLA); combine with commas (:attnres_block,remat).
 """
 
 from kimijax.config import base_config
@@ -33,11 +35,13 @@ def get_config(arg: str | None = None):
       m.remat = True
     elif variant == 'xla':
       m.attn_impl = 'xla'
-    elif variant == 'attnres_full':
+    elif variant == 'attnres_full':     # XLA: Pallas compiles a kernel set per source count (2..49)
       m.residual = 'attnres_full'
-    elif variant == 'attnres_block':
-      m.residual, m.attnres_block_size = 'attnres_block', 6   # 2 * 24 sublayers / 6 = 8 blocks
+    elif variant == 'attnres_block':      # 2 * 24 sublayers / 6 = 8 blocks
+      m.residual, m.attnres_block_size, m.attnres_impl = 'attnres_block', 6, 'pallas'
+    elif variant == 'attnres_xla':        # AttnRes phase 1 in plain XLA instead of the Pallas kernels
+      m.attnres_impl = 'xla'
     else:
       raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'remat', 'xla', "
-                       "'attnres_full', 'attnres_block'")
+                       "'attnres_full', 'attnres_block', 'attnres_xla'")
   return c

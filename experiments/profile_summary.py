@@ -29,8 +29,8 @@ FLAGS = flags.FLAGS
 KINDS = (
     ('collective', ('nccl', 'all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective')),
     ('attention', ('cudnn', 'flash', 'fmha', 'attention')),
-    ('matmul', ('gemm', 'cublas', 'matmul', 'dot', 'xmma', 'cutlass', 'wgmma')),
-    ('custom call', ('custom-call', 'custom_call', 'triton', 'pallas')),
+    ('matmul', ('gemm', 'cublas', 'nvjet', 'matmul', 'dot', 'xmma', 'cutlass', 'wgmma')),
+    ('custom call', ('custom-call', 'custom_call', 'triton', 'pallas', 'attnres_phase1')),
 )
 
 

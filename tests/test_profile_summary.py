@@ -14,7 +14,7 @@ def trace():
   return {'traceEvents': [
       meta(1, '/host:CPU'), meta(2, '/device:GPU:0'),
       x(1, 'python step', 9e6),                         # host: ignored
-      x(2, 'sm90_xmma_gemm_bf16', 3000.0), x(2, 'sm90_xmma_gemm_bf16', 3000.0),
+      x(2, 'sm90_xmma_gemm_bf16', 3000.0), x(2, 'nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT', 3000.0),
       x(2, 'cudnn_flash_fprop', 1500.0), x(2, 'loop_add_fusion', 600.0),
       x(2, 'nccl_all_gather', 300.0), x(2, 'triton_max_logits', 900.0)]}
 
@@ -24,9 +24,10 @@ def test_summary_by_kind_and_name():
   # 6000 us of gemm over 3 steps = 2 ms per step, and so on; the host event is not counted.
   assert by_kind == pytest.approx({'matmul': 2.0, 'attention': 0.5, 'custom call': 0.3,
                                    'other fusion or kernel': 0.2, 'collective': 0.1})
-  assert by_name[0] == ('sm90_xmma_gemm_bf16', pytest.approx(2.0))
-  assert [n for n, _ in by_name] == ['sm90_xmma_gemm_bf16', 'cudnn_flash_fprop', 'triton_max_logits',
-                                     'loop_add_fusion', 'nccl_all_gather']
+  assert by_name[0] == ('sm90_xmma_gemm_bf16', pytest.approx(1.0))
+  assert [n for n, _ in by_name] == ['sm90_xmma_gemm_bf16', 'nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT',
+                                     'cudnn_flash_fprop', 'triton_max_logits', 'loop_add_fusion',
+                                     'nccl_all_gather']
 
 
 def test_cli_reads_newest_trace_and_refuses_cpu_traces(tmp_path, capsys):

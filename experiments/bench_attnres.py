@@ -1,0 +1,137 @@
+"""Block AttnRes op timings: phase 1 (kimijax.ops.attnres.phase1) and phase 2 (merge_partial).
+
+    python experiments/bench_attnres.py                                  # GPU: the bench_350m shape
+    python experiments/bench_attnres.py --batch=1 --seq_len=256 --sources=2   # CPU (pallas interpreted)
+
+Phase 1 of one block: S queries over n block sums (random bf16 sources [B, T, D] of different
+scales, random queries), forward (the S outputs and lse) and forward+backward (gradients of a
+random projection of the outputs and lse with respect to the sources and queries), for each impl
+and each n in --sources. Also phase 2 for one consumer. For scale, the time of one pass over a
+[B, T, D] array (from chained scale-and-copies, a read and a write each), so each figure can be
+read as passes; the figures include each call's launch overhead, the pass time does not.
+Before timing, each impl's outputs and gradients are checked against impl 'xla' in float32.
+Each figure is the median of --repeats timed calls after --warmup calls; prints a Markdown table.
+"""
+
+import datetime
+import platform
+import statistics
+import time
+
+from absl import app, flags
+
+flags.DEFINE_integer('batch', 16, 'B')
+flags.DEFINE_integer('seq_len', 4096, 'T')
+flags.DEFINE_integer('d_model', 1024, 'D')
+flags.DEFINE_integer('queries', 6, 'S, consumers per block')
+flags.DEFINE_list('sources', ['2', '5', '9'], 'n, block sums seen by the block')
+flags.DEFINE_list('impls', ['xla', 'pallas'], 'phase-1 impls to time')
+flags.DEFINE_string('dtype', 'bfloat16', 'source dtype')
+flags.DEFINE_list('pallas_tiles', [], "extra Pallas tile settings to time, each 'key=value/key=value' "
+                  "over kernels_pallas.attnres.DEFAULT_TILES' keys (e.g. bt=32/warps=8)")
+flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
+flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
+FLAGS = flags.FLAGS
+
+
+def _time(fn, *args):
+  import jax
+  for _ in range(FLAGS.warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(FLAGS.repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times)
+
+
+def _inputs(n, s, dtype, key=0):
+  import jax
+  keys = jax.random.split(jax.random.key(key), n + 3)
+  shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.d_model)
+  sources = tuple((jax.random.normal(keys[i], shape) * (1 + i)).astype(dtype) for i in range(n))
+  queries = 0.05 * jax.random.normal(keys[n], (s, FLAGS.d_model))
+  return sources, queries, keys[n + 1], keys[n + 2]
+
+
+def _phase1_fns(impl, n, s):
+  """impl: 'xla', 'pallas', or 'pallas:<tiles>' (the kernels with those tiles)."""
+  import jax
+  import jax.numpy as jnp
+  from kimijax.ops.attnres import phase1 as ops_phase1
+
+  def phase1(v, q, impl):
+    if ':' not in impl:
+      return ops_phase1(v, q, impl=impl)
+    from kernels_pallas.attnres import phase1 as kernel
+    tiles = {k: int(x) for k, x in (kv.split('=') for kv in impl.split(':')[1].split('/'))}
+    return kernel(v, q, tiles=tiles, interpret=jax.default_backend() != 'gpu')
+
+  def loss(sources, queries, w_outs, w_lse):
+    outs, lse = phase1(sources, queries, impl=impl)
+    return sum(jnp.sum(o.astype(jnp.float32) * w_outs) for o in outs) + jnp.sum(lse * w_lse)
+
+  forward = jax.jit(lambda v, q: phase1(v, q, impl=impl))
+  backward = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  return forward, backward
+
+
+def _check(impl, n, s):
+  """Max relative error of impl against 'xla' at float32, forward and gradients."""
+  import jax
+  import jax.numpy as jnp
+  sources, queries, k1, k2 = _inputs(n, s, jnp.float32, key=1)
+  shape = sources[0].shape
+  w_outs, w_lse = jax.random.normal(k1, shape), jax.random.normal(k2, (s,) + shape[:-1])
+  with jax.default_matmul_precision('highest'):
+    got = [f(sources, queries) if i == 0 else f(sources, queries, w_outs, w_lse)
+           for i, f in enumerate(_phase1_fns(impl, n, s))]
+    want = [f(sources, queries) if i == 0 else f(sources, queries, w_outs, w_lse)
+            for i, f in enumerate(_phase1_fns('xla', n, s))]
+  errs = [float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+  return max(errs)
+
+
+def main(_):
+  import jax
+  import jax.numpy as jnp
+  from kimijax.ops.attnres import merge_partial
+
+  dtype = jnp.dtype(FLAGS.dtype)
+  s = FLAGS.queries
+  shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.d_model)
+  print(f'# AttnRes phase 1 / phase 2, {datetime.date.today()}, {jax.devices()[0].device_kind}, '
+        f'jax {jax.__version__}, {platform.python_version()}')
+  print(f'B={FLAGS.batch} T={FLAGS.seq_len} D={FLAGS.d_model} S={s} {FLAGS.dtype}\n')
+  x = jnp.ones(shape, dtype)
+  scales = 20        # in one call, so that the launch overhead does not count
+  loop_ms = _time(jax.jit(lambda a: jax.lax.fori_loop(0, scales, lambda i, y: y * 1.5, a)), x)
+  pass_ms = loop_ms / (2 * scales)
+  print(f'one pass over [B, T, D] ({x.nbytes / 2**20:.0f} MiB): {pass_ms:.3f} ms '
+        f'(from {scales} chained scale-and-copies in {loop_ms:.2f} ms)\n')
+  print('| op | impl | n | check (max rel err vs xla, f32) | forward ms (passes) | fwd+bwd ms (passes) |')
+  print('|---|---|---|---|---|---|')
+  for n in map(int, FLAGS.sources):
+    for impl in FLAGS.impls + [f'pallas:{t}' for t in FLAGS.pallas_tiles]:
+      err = _check(impl, n, s) if impl != 'xla' else 0.0
+      sources, queries, k1, k2 = _inputs(n, s, dtype)
+      forward, backward = _phase1_fns(impl, n, s)
+      w_outs, w_lse = jax.random.normal(k1, shape), jax.random.normal(k2, (s,) + shape[:-1])
+      f_ms = _time(forward, sources, queries)
+      b_ms = _time(backward, sources, queries, w_outs, w_lse)
+      print(f'| phase1 | {impl} | {n} | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
+            f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |', flush=True)
+  o, p = (jax.random.normal(jax.random.key(i), shape).astype(dtype) for i in (5, 6))
+  lse = jax.random.normal(jax.random.key(7), shape[:-1])
+  q = 0.05 * jax.random.normal(jax.random.key(8), shape[-1:])
+  w = jax.random.normal(jax.random.key(9), shape)
+  merged = lambda o, lse, p, q, w: jnp.sum(merge_partial(o, lse, p, q).astype(jnp.float32) * w)
+  f_ms = _time(jax.jit(merge_partial), o, lse, p, q)
+  b_ms = _time(jax.jit(jax.grad(merged, argnums=(0, 1, 2, 3))), o, lse, p, q, w)
+  print(f'| merge_partial | xla | - | - | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
+        f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |')
+
+if __name__ == '__main__':
+  app.run(main)
