@@ -40,8 +40,10 @@ def get_config(arg: str | None = None):
     elif variant == 'attnres_block':      # 2 * 24 sublayers / 6 = 8 blocks
       m.residual, m.attnres_block_size, m.attnres_impl = 'attnres_block', 6, 'pallas'
     elif variant == 'attnres_xla':        # AttnRes phase 1 in plain XLA instead of the Pallas kernels
-      m.attnres_impl = 'xla'
+      pass                                # applied after the loop, so that order does not matter
     else:
       raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'remat', 'xla', "
                        "'attnres_full', 'attnres_block', 'attnres_xla'")
+  if 'attnres_xla' in (arg or '').split(','):
+    m.attnres_impl = 'xla'
   return c

@@ -55,7 +55,7 @@ def _inputs(n, s, dtype, key=0):
   return sources, queries, keys[n + 1], keys[n + 2]
 
 
-def _phase1_fns(impl, n, s):
+def _phase1_fns(impl):
   """impl: 'xla', 'pallas', or 'pallas:<tiles>' (the kernels with those tiles)."""
   import jax
   import jax.numpy as jnp
@@ -86,9 +86,9 @@ def _check(impl, n, s):
   w_outs, w_lse = jax.random.normal(k1, shape), jax.random.normal(k2, (s,) + shape[:-1])
   with jax.default_matmul_precision('highest'):
     got = [f(sources, queries) if i == 0 else f(sources, queries, w_outs, w_lse)
-           for i, f in enumerate(_phase1_fns(impl, n, s))]
+           for i, f in enumerate(_phase1_fns(impl))]
     want = [f(sources, queries) if i == 0 else f(sources, queries, w_outs, w_lse)
-            for i, f in enumerate(_phase1_fns('xla', n, s))]
+            for i, f in enumerate(_phase1_fns('xla'))]
   errs = [float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
           for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
   return max(errs)
@@ -117,7 +117,7 @@ def main(_):
     for impl in FLAGS.impls + [f'pallas:{t}' for t in FLAGS.pallas_tiles]:
       err = _check(impl, n, s) if impl != 'xla' else 0.0
       sources, queries, k1, k2 = _inputs(n, s, dtype)
-      forward, backward = _phase1_fns(impl, n, s)
+      forward, backward = _phase1_fns(impl)
       w_outs, w_lse = jax.random.normal(k1, shape), jax.random.normal(k2, (s,) + shape[:-1])
       f_ms = _time(forward, sources, queries)
       b_ms = _time(backward, sources, queries, w_outs, w_lse)

@@ -135,7 +135,10 @@ def _grads_kernel(*refs, n, s, bt, groups_per_cta):
 
 
 def _pad_rows(x, m_pad):
-  return x if x.shape[0] == m_pad else jnp.pad(x, ((0, m_pad - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
+  """Pads with ones: a zero row would give r = rsqrt(eps), infinite for eps = 0. The padded rows'
+  outputs are dropped, so their cotangents, and their share of every gradient, are zero."""
+  pad = ((0, m_pad - x.shape[0]),) + ((0, 0),) * (x.ndim - 1)
+  return x if x.shape[0] == m_pad else jnp.pad(x, pad, constant_values=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -146,7 +149,6 @@ def _phase1(sources, queries, eps, tiles, interpret):
 def _phase1_fwd(sources, queries, eps, tiles, interpret):
   n, (m, d), s = len(sources), sources[0].shape, queries.shape[0]
   bt, dc = tiles['bt'], feature_chunk(d, tiles['dc'])
-  queries = queries.astype(jnp.float32)
   logits, r = pl.pallas_call(
       functools.partial(_logits_kernel, n=n, s=s, dc=feature_chunk(d, tiles['dc_rows']), eps=eps),
       grid=(m // tiles['bt_rows'],),
@@ -231,7 +233,8 @@ def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool =
   quantum = math.lcm(tiles['bt'] * tiles['groups'], tiles['bt_rows'])
   m_pad = -(-m // quantum) * quantum
   flat = tuple(_pad_rows(v.reshape(m, d), m_pad) for v in sources)
-  outs, lse = _phase1(flat, queries, eps, _Frozen(tiles), interpret)
+  # float32 queries into the custom VJP: the cast's transpose gives dq the queries' own dtype.
+  outs, lse = _phase1(flat, queries.astype(jnp.float32), eps, _Frozen(tiles), interpret)
   return (tuple(o[:m].reshape(shape) for o in outs), lse[:, :m].reshape((s,) + shape[:-1]))
 
 

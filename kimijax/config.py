@@ -228,7 +228,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f'model.attnres_block_size={m.attnres_block_size!r} must be a positive integer '
                       '(sublayers per block; 1 is Full AttnRes)')
   _one_of('model.attnres_impl', m.attnres_impl, ATTNRES_IMPLS)
-  if m.attnres_impl == 'pallas' and m.d_model % 16:
+  if m.residual != 'standard' and m.attnres_impl == 'pallas' and m.d_model % 16:
     raise ConfigError(f"model.attnres_impl='pallas' needs model.d_model divisible by 16; got {m.d_model}")
   _one_of('model.position', m.position, POSITIONS)
   _one_of('model.attn_impl', m.attn_impl, ATTN_IMPLS)

@@ -42,9 +42,10 @@ def _model(cfg):
   model = Transformer(cfg)
   tokens = jax.random.randint(jax.random.key(3), (B, T), 0, cfg.vocab_size)
   params = nn.unbox(model.init(jax.random.key(0), tokens)['params'])
-  if cfg.residual != 'standard':   # non-zero pseudo-queries, so depth attention is not uniform
+  if cfg.residual != 'standard':   # distinct non-zero pseudo-queries: depth attention not uniform
+    keys = iter(jax.random.split(jax.random.key(7), 4 * cfg.num_layers))
     params = jax.tree_util.tree_map_with_path(
-        lambda p, x: jax.random.normal(jax.random.key(7), x.shape) if 'attnres_query' in jax.tree_util.keystr(p) else x,
+        lambda p, x: jax.random.normal(next(keys), x.shape) if 'attnres_query' in jax.tree_util.keystr(p) else x,
         params)
   return model, params, tokens
 

@@ -41,13 +41,19 @@ from jax.sharding import PartitionSpec as P
 IMPLS = ('xla', 'pallas')
 
 
-def _logit(v, q_d, eps: float):
-  """q . rms_normalise(v) over the last axis, float32: one pass over v for both reductions."""
+def _logits(v, q_sd, eps: float):
+  """Queries q_sd [S, D] against one source v [..., D]: [S, ...] float32 logits
+  q_j . rms_normalise(v), one pass over v for every reduction."""
   v = v.astype(jnp.float32)
-  mean_sq = jnp.mean(v * v, axis=-1)
-  # An elementwise product and a sum rather than a dot, so that no backend lowers it to a
+  r = jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
+  # Elementwise products and sums rather than a dot, so that no backend lowers them to a
   # reduced-precision (e.g. TF32) matmul.
-  return jnp.sum(v * q_d, axis=-1) * jax.lax.rsqrt(mean_sq + eps)
+  return jnp.stack([jnp.sum(v * q_d, axis=-1) for q_d in q_sd]) * r
+
+
+def _logit(v, q_d, eps: float):
+  """One query q_d [D]: [...] float32 logits."""
+  return _logits(v, q_d[None], eps)[0]
 
 
 def depth_attention_list(sources: Sequence[jax.Array], query, *, eps: float = 1e-6,
@@ -87,13 +93,6 @@ def depth_attention(sources, query, *, eps: float = 1e-6):
   return depth_attention_list([sources[i] for i in range(sources.shape[0])], query, eps=eps)
 
 
-def _logits(v, q_sd, eps: float):
-  """[S] queries against one source: [S, ...] float32 logits q_j . rms_normalise(v)."""
-  v = v.astype(jnp.float32)
-  r = jax.lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
-  return jnp.stack([jnp.sum(v * q_d, axis=-1) for q_d in q_sd]) * r
-
-
 def _phase1_xla(sources, queries, eps):
   q_sd = queries.astype(jnp.float32)
   logits = jnp.stack([_logits(v, q_sd, eps) for v in sources])       # [n, S, ...]
@@ -113,8 +112,8 @@ def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: st
   gains folded in). Returns (o, lse): o a tuple of S arrays [..., D] in the sources' dtype (o_j
   = sum_i softmax_i(s_ji) v_i) and lse [S, ...] float32 (logsumexp_i s_ji), s_ji = q_j .
   rms_normalise(v_i). impl 'pallas' runs the fused kernels (in interpret mode off the GPU);
-  under a mesh of several devices they run per shard (shard_map) with the sources laid out as
-  `spec` (their feature axis unsharded).
+  under a mesh of several devices made current by jax.set_mesh (as the train step does) they
+  run per shard (shard_map) with the sources laid out as `spec` (their feature axis unsharded).
   """
   sources = tuple(sources)
   shape = sources[0].shape if sources else None
