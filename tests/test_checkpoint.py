@@ -270,3 +270,30 @@ def test_mismatched_config_stops_before_training(reference, tmp_path):
   message = expect_refusal(workdir, {**RESUMABLE, 'train.steps': 12, 'model.d_model': 32},
                            str(workdir / 'checkpoints' / '8'), 'model.d_model')
   assert '64' in message and '32' in message
+
+
+# ------------------------------------------------------- 5. generation from a trained run
+
+
+def test_generation_loads_a_gpu_run_on_the_cpu(reference, tmp_path):
+  """run.py --mode=generate's loader on a run whose config.json says cuDNN attention, Pallas
+  AttnRes and remat, as a GPU run's would: on the CPU it switches to 'xla' and restores the
+  checkpoint anyway (implementation keys need not match the checkpoint's config); the params are
+  the saved arrays bit for bit and greedy generation gives what the run's own config gives."""
+  from kimijax.infer.generate import generate, load_for_generation
+  workdir = tmp_path / 'w'
+  shutil.copytree(reference, workdir)
+  saved = json.loads((workdir / 'config.json').read_text())
+  saved['model'].update(attn_impl='cudnn', attnres_impl='pallas', remat=True)
+  (workdir / 'config.json').write_text(json.dumps(saved))
+
+  config, model, params = load_for_generation(workdir)
+  assert (config.model.attn_impl, config.model.attnres_impl, config.model.remat) == ('xla', 'xla', True)
+  on_disk = saved_arrays(workdir, 8)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    np.testing.assert_array_equal(np.asarray(leaf), on_disk["['params']" + jax.tree_util.keystr(path)])
+
+  _, ref_model, ref_params = load_for_generation(reference)
+  prompt = np.array([[5, 9, 2, 7]], np.int32)
+  greedy = lambda m, p: generate(m, p, prompt, max_new_tokens=6, temperature=0.0)
+  np.testing.assert_array_equal(greedy(model, params), greedy(ref_model, ref_params))

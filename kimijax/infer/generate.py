@@ -73,8 +73,13 @@ def generate(model: nn.Module, params, prompt_bt, *, max_new_tokens: int, temper
 
 def load_for_generation(workdir):
   """(config, model, params) from the latest checkpoint in workdir (its config.json), laid out
-  data-parallel over this host's devices."""
+  data-parallel over this host's devices. Off a GPU, GPU-only implementation choices of the run
+  (attn_impl 'cudnn', attnres_impl 'pallas') become 'xla', so a GPU run generates on a CPU."""
   config = load_run_config(workdir)
+  if jax.default_backend() != 'gpu':
+    m = config.model
+    m.attn_impl = 'xla' if m.attn_impl == 'cudnn' else m.attn_impl
+    m.attnres_impl = 'xla'
   model = Transformer(config.model)
   params, _ = restore_latest_params(workdir, config, model, mesh_lib.make_mesh(config.mesh))
   return config, model, params

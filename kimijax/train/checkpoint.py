@@ -24,6 +24,9 @@ from kimijax.config import base_config
 # Config groups that must match to restore: they decide parameter shapes and meaning.
 # mesh, train and data may change between runs (resharding onto another mesh is supported).
 MUST_MATCH = ('model',)
+# Keys inside MUST_MATCH that choose how to compute, not what: a checkpoint restores under any of
+# their values (e.g. trained with cuDNN attention on a GPU, evaluated with 'xla' on a CPU).
+MAY_DIFFER = ('model.attn_impl', 'model.kda_impl', 'model.attnres_impl', 'model.remat')
 
 
 class CheckpointError(RuntimeError):
@@ -41,12 +44,13 @@ def _flatten(d, prefix=''):
 
 
 def config_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
-  """Keys under MUST_MATCH whose saved value differs from `config`, as 'key: saved -> now'. A key
-  the saved config lacks (added to the schema after it was written) matches its default."""
+  """Keys under MUST_MATCH (less MAY_DIFFER) whose saved value differs from `config`, as
+  'key: saved -> now'. A key the saved config lacks (added to the schema after it was written)
+  matches its default."""
   now = _flatten(json.loads(config.to_json()))
   before = _flatten(saved)
   defaults = _flatten(json.loads(base_config().to_json()))
-  keys = sorted(k for k in set(now) | set(before) if k.split('.')[0] in MUST_MATCH)
+  keys = sorted(k for k in set(now) | set(before) if k.split('.')[0] in MUST_MATCH and k not in MAY_DIFFER)
   return [f'{k}: {before.get(k)!r} -> {now.get(k)!r}' for k in keys
           if before.get(k, defaults.get(k)) != now.get(k)]
 
