@@ -12,15 +12,16 @@ from typing import Any
 import ml_collections
 
 from kimijax.data.pipeline import SOURCES as DATA_SOURCES, default_data_config
+from kimijax.ops import attention as attention_ops, attnres as attnres_ops, kda as kda_ops
 
 # Letters accepted in model.layer_pattern: one letter per mixer sublayer kind.
 LAYER_KINDS = {'A': 'full attention (model.attention_kind)', 'K': 'Kimi Delta Attention'}
 RESIDUALS = ('standard', 'attnres_full', 'attnres_block')   # SPEC §4; kimijax/layers/residual.py
-ATTNRES_IMPLS = ('xla', 'pallas')                           # kimijax/ops/attnres.py
 OPTIMIZERS = ('adamw', 'muon', 'muonclip')   # kimijax/optim/factory.py
 SCHEDULES = ('cosine', 'wsd', 'constant')
-ATTN_IMPLS = ('xla', 'cudnn')
-KDA_IMPLS = ('recurrent', 'chunk', 'pallas')
+ATTN_IMPLS = attention_ops.IMPLS     # each op module lists the implementations it dispatches to
+KDA_IMPLS = kda_ops.IMPLS
+ATTNRES_IMPLS = attnres_ops.IMPLS
 ATTENTION_KINDS = ('mha', 'gqa', 'mla')
 KDA_OUTPUT_GATES = ('sigmoid', 'swish', 'none')
 POSITIONS = ('rope', 'nope')
