@@ -30,7 +30,8 @@ def get_config(arg: str | None = None):
   c.train.seq_len = 4096
   c.optimizer.learning_rate = 3e-4
   c.optimizer.warmup_steps = 100
-  for variant in filter(None, (arg or '').split(',')):
+  variants = [v for v in (arg or '').split(',') if v]
+  for variant in variants:
     if variant == 'remat':
       m.remat = True
     elif variant == 'xla':
@@ -44,6 +45,6 @@ def get_config(arg: str | None = None):
     else:
       raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'remat', 'xla', "
                        "'attnres_full', 'attnres_block', 'attnres_xla'")
-  if 'attnres_xla' in (arg or '').split(','):
+  if 'attnres_xla' in variants:
     m.attnres_impl = 'xla'
   return c

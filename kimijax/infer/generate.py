@@ -77,9 +77,7 @@ def load_for_generation(workdir):
   (attn_impl 'cudnn', attnres_impl 'pallas') become 'xla', so a GPU run generates on a CPU."""
   config = load_run_config(workdir)
   if jax.default_backend() != 'gpu':
-    m = config.model
-    m.attn_impl = 'xla' if m.attn_impl == 'cudnn' else m.attn_impl
-    m.attnres_impl = 'xla'
+    config.model.attn_impl = config.model.attnres_impl = 'xla'
   model = Transformer(config.model)
   params, _ = restore_latest_params(workdir, config, model, mesh_lib.make_mesh(config.mesh))
   return config, model, params
