@@ -1,12 +1,15 @@
-"""Block AttnRes op timings: phase 1 (kimijax.ops.attnres.phase1) and phase 2 (merge_partial).
+"""Block AttnRes op timings: phase 1 (kimijax.ops.attnres.phase1) and phase 2 with the consumer's
+pre-norm (merge_partial then RMSNorm in XLA, or fused: kimijax.ops.attnres.merge_norm).
 
     python experiments/bench_attnres.py                                  # GPU: the bench_350m shape
     python experiments/bench_attnres.py --batch=1 --seq_len=256 --sources=2   # CPU (pallas interpreted)
 
 Phase 1 of one block: S queries over n block sums (random bf16 sources [B, T, D] of different
 scales, random queries), forward (the S outputs and lse) and forward+backward (gradients of a
-random projection of the outputs and lse with respect to the sources and queries), for each impl
-and each n in --sources. Also phase 2 for one consumer. For scale, the time of one pass over a
+random projection of the outputs, lse and the passed-through sources with respect to the
+sources and queries), for each impl
+and each n in --sources. Also phase 2 and the pre-norm of one consumer, unfused ('xla') and
+fused ('pallas', and the --merge_tiles variants). For scale, the time of one pass over a
 [B, T, D] array (from chained scale-and-copies, a read and a write each), so each figure can be
 read as passes; the figures include each call's launch overhead, the pass time does not.
 Before timing, each impl's outputs and gradients are checked against impl 'xla' in float32.
@@ -29,6 +32,8 @@ flags.DEFINE_list('impls', ['xla', 'pallas'], 'phase-1 impls to time')
 flags.DEFINE_string('dtype', 'bfloat16', 'source dtype')
 flags.DEFINE_list('pallas_tiles', [], "extra Pallas tile settings to time, each 'key=value/key=value' "
                   "over kernels_pallas.attnres.DEFAULT_TILES' keys (e.g. bt=32/warps=8)")
+flags.DEFINE_list('merge_tiles', [], "extra tile settings of the fused phase-2 kernels to time "
+                  "(kernels_pallas.attnres_merge.DEFAULT_TILES' keys)")
 flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
 flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
 FLAGS = flags.FLAGS
@@ -55,6 +60,11 @@ def _inputs(n, s, dtype, key=0):
   return sources, queries, keys[n + 1], keys[n + 2]
 
 
+def _tiles(impl):
+  """'pallas:bt=32/warps=8' -> {'bt': 32, 'warps': 8}."""
+  return {k: int(x) for k, x in (kv.split('=') for kv in impl.split(':')[1].split('/'))}
+
+
 def _phase1_fns(impl):
   """impl: 'xla', 'pallas', or 'pallas:<tiles>' (the kernels with those tiles)."""
   import jax
@@ -65,12 +75,13 @@ def _phase1_fns(impl):
     if ':' not in impl:
       return ops_phase1(v, q, impl=impl)
     from kernels_pallas.attnres import phase1 as kernel
-    tiles = {k: int(x) for k, x in (kv.split('=') for kv in impl.split(':')[1].split('/'))}
-    return kernel(v, q, tiles=tiles, interpret=jax.default_backend() != 'gpu')
+    return kernel(v, q, tiles=_tiles(impl), interpret=jax.default_backend() != 'gpu')
 
   def loss(sources, queries, w_outs, w_lse):
-    outs, lse = phase1(sources, queries, impl=impl)
-    return sum(jnp.sum(o.astype(jnp.float32) * w_outs) for o in outs) + jnp.sum(lse * w_lse)
+    # The sources as passed through count too: in the model, later blocks use them.
+    outs, lse, sources = phase1(sources, queries, impl=impl)
+    return (sum(jnp.sum(o.astype(jnp.float32) * w_outs) for o in outs + sources)
+            + jnp.sum(lse * w_lse))
 
   forward = jax.jit(lambda v, q: phase1(v, q, impl=impl))
   backward = jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -94,11 +105,59 @@ def _check(impl, n, s):
   return max(errs)
 
 
+def _merge_inputs(dtype, key=5):
+  """Phase-2 inputs (o, lse, p, q, RMSNorm gain) and a random cotangent for the normalised input."""
+  import jax
+  shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.d_model)
+  k = jax.random.split(jax.random.key(key), 6)
+  o, p = (jax.random.normal(k[i], shape).astype(dtype) for i in (0, 1))
+  lse = jax.random.normal(k[2], shape[:-1])
+  q = 0.05 * jax.random.normal(k[3], shape[-1:])
+  scale = 1 + 0.1 * jax.random.normal(k[4], shape[-1:])
+  return (o, lse, p, q, scale), jax.random.normal(k[5], shape)
+
+
+def _merge_fns(impl):
+  """Phase 2 and the consumer's pre-norm: 'xla' unfused (merge_partial, then the RMSNorm
+  formula), 'pallas' the fused kernels (kimijax.ops.attnres.merge_norm), 'pallas:<tiles>' them
+  with those tiles. Forward, and the gradient of a random projection of the normalised input
+  plus the partial sum (its next use in the model; the projection's read counts too)."""
+  import jax
+  import jax.numpy as jnp
+  from kimijax.layers.norms import rms_normalise
+  from kimijax.ops.attnres import merge_norm, merge_partial
+
+  def fn(o, lse, p, q, scale):
+    """-> (normalised input, the partial sum for its next use)."""
+    if impl == 'xla':
+      return (rms_normalise(merge_partial(o, lse, p, q), 1e-6) * scale).astype(o.dtype), p
+    if impl == 'pallas':
+      return merge_norm(o, lse, p, q, scale, dtype=o.dtype)
+    from kernels_pallas.attnres_merge import merge_norm as kernel
+    return kernel(o, lse, p, q, scale, eps=1e-6, norm_eps=1e-6, dtype=o.dtype, tiles=_tiles(impl),
+                  interpret=jax.default_backend() != 'gpu')
+
+  def loss(*args):
+    x, p = fn(*args[:5])
+    return jnp.sum((x.astype(jnp.float32) + p.astype(jnp.float32)) * args[5])
+  return jax.jit(fn), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def _check_merge(impl):
+  """Max relative error of a fused phase 2 against 'xla' at float32, forward and gradients."""
+  import jax
+  import jax.numpy as jnp
+  args, w = _merge_inputs(jnp.float32, key=1)
+  with jax.default_matmul_precision('highest'):
+    got = [f(*args) if i == 0 else f(*args, w) for i, f in enumerate(_merge_fns(impl))]
+    want = [f(*args) if i == 0 else f(*args, w) for i, f in enumerate(_merge_fns('xla'))]
+  return max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
 def main(_):
   import jax
   import jax.numpy as jnp
-  from kimijax.ops.attnres import merge_partial
-
   dtype = jnp.dtype(FLAGS.dtype)
   s = FLAGS.queries
   shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.d_model)
@@ -123,15 +182,15 @@ def main(_):
       b_ms = _time(backward, sources, queries, w_outs, w_lse)
       print(f'| phase1 | {impl} | {n} | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
             f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |', flush=True)
-  o, p = (jax.random.normal(jax.random.key(i), shape).astype(dtype) for i in (5, 6))
-  lse = jax.random.normal(jax.random.key(7), shape[:-1])
-  q = 0.05 * jax.random.normal(jax.random.key(8), shape[-1:])
-  w = jax.random.normal(jax.random.key(9), shape)
-  merged = lambda o, lse, p, q, w: jnp.sum(merge_partial(o, lse, p, q).astype(jnp.float32) * w)
-  f_ms = _time(jax.jit(merge_partial), o, lse, p, q)
-  b_ms = _time(jax.jit(jax.grad(merged, argnums=(0, 1, 2, 3))), o, lse, p, q, w)
-  print(f'| merge_partial | xla | - | - | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
-        f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |')
+  for impl in ['xla', 'pallas'] + [f'pallas:{t}' for t in FLAGS.merge_tiles]:
+    err = _check_merge(impl) if impl != 'xla' else 0.0
+    args, w = _merge_inputs(dtype)
+    forward, backward = _merge_fns(impl)
+    f_ms = _time(forward, *args)
+    b_ms = _time(backward, *args, w)
+    print(f'| phase 2 + pre-norm | {impl} | - | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
+          f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |', flush=True)
+
 
 if __name__ == '__main__':
   app.run(main)

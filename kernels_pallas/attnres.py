@@ -13,7 +13,8 @@ Kernels (M tokens, D features; the sources are [M, D] in any float dtype):
   _logits_kernel     reads each source once: s [n, S, M] and r [n, M]
   _combine_kernel    reads each source once, writes the S outputs o_j [M, D]
   _vdo_kernel        backward: g_ji = do_j . v_i from one read of each do_j and each source
-  _grads_kernel      backward: dv_i and per-group partial dq_j from one more read of each
+  _grads_kernel      backward: dv_i (plus the gradient of the sources' later uses, which the
+                     op passes through) and per-group partial dq_j from one more read of each
 The softmax over n and the per-token backward coefficients are [n, S, M] arrays, computed in XLA
 between the kernels. The backward maths (dL/ds_ji = alpha_ji (g_ji - do_j . o_j + dlse_j),
 do_j . o_j = sum_i alpha_ji g_ji):
@@ -46,7 +47,7 @@ def feature_chunk(d: int, target: int = 64) -> int:
   raise ValueError(f'the Pallas AttnRes kernels need d_model divisible by 16; got {d}')
 
 
-def _params(num_warps, num_stages=2):
+def triton_params(num_warps, num_stages=2):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -106,9 +107,9 @@ def _vdo_kernel(*refs, n, s, dc):
 
 
 def _grads_kernel(*refs, n, s, bt, groups_per_cta):
-  do, src = refs[:s], refs[s:s + n]
-  alpha_ref, b_ref, c_ref, q_ref = refs[s + n:s + n + 4]
-  dv, (dq_ref,) = refs[s + n + 4:s + 2 * n + 4], refs[s + 2 * n + 4:]
+  do, src, dv_in = refs[:s], refs[s:s + n], refs[s + n:s + 2 * n]
+  alpha_ref, b_ref, c_ref, q_ref = refs[s + 2 * n:s + 2 * n + 4]
+  dv, (dq_ref,) = refs[s + 2 * n + 4:s + 3 * n + 4], refs[s + 3 * n + 4:]
   q = [q_ref[j, :][None, :] for j in range(s)]                       # [1, dc] each
 
   def body(t, dq):
@@ -117,7 +118,7 @@ def _grads_kernel(*refs, n, s, bt, groups_per_cta):
     dq = list(dq)
     for i in range(n):
       v = src[i][rows, :].astype(jnp.float32)
-      grad = c_ref[i, rows][:, None] * v
+      grad = dv_in[i][rows, :].astype(jnp.float32) + c_ref[i, rows][:, None] * v
       for j in range(s):
         b = b_ref[i, j, rows][:, None]                                # ds_ji r_i, [bt, 1]
         grad += alpha_ref[i, j, rows][:, None] * dos[j] + b * q[j]
@@ -134,7 +135,7 @@ def _grads_kernel(*refs, n, s, bt, groups_per_cta):
 # ----------------------------------------------------------------------------- wrapper
 
 
-def _pad_rows(x, m_pad):
+def pad_rows(x, m_pad):
   """Pads with ones: a zero row would give r = rsqrt(eps), infinite for eps = 0. The padded rows'
   outputs are dropped, so their cotangents, and their share of every gradient, are zero."""
   pad = ((0, m_pad - x.shape[0]),) + ((0, 0),) * (x.ndim - 1)
@@ -157,7 +158,7 @@ def _phase1_fwd(sources, queries, eps, tiles, interpret):
       out_specs=[pl.BlockSpec((n, s, tiles['bt_rows']), lambda t: (0, 0, t)),
                  pl.BlockSpec((n, tiles['bt_rows']), lambda t: (0, t))],
       out_shape=[jax.ShapeDtypeStruct((n, s, m), jnp.float32), jax.ShapeDtypeStruct((n, m), jnp.float32)],
-      compiler_params=_params(tiles['warps_rows']), interpret=interpret, name='attnres_phase1_logits',
+      compiler_params=triton_params(tiles['warps_rows']), interpret=interpret, name='attnres_phase1_logits',
   )(*sources, queries)
   lse = jax.nn.logsumexp(logits, axis=0)                             # [S, M]
   alpha = jnp.exp(logits - lse)                                      # [n, S, M]
@@ -168,15 +169,15 @@ def _phase1_fwd(sources, queries, eps, tiles, interpret):
       in_specs=[tile_spec] * n + [pl.BlockSpec((n, s, bt), lambda t, c: (0, 0, t))],
       out_specs=[tile_spec] * s,
       out_shape=[jax.ShapeDtypeStruct((m, d), sources[0].dtype)] * s,
-      compiler_params=_params(tiles['warps']), interpret=interpret, name='attnres_phase1_combine',
+      compiler_params=triton_params(tiles['warps']), interpret=interpret, name='attnres_phase1_combine',
   )(*sources, alpha)
-  return (tuple(outs), lse), (sources, queries, logits, r, lse)
+  return (tuple(outs), lse, sources), (sources, queries, logits, r, lse)
 
 
 def _phase1_bwd(eps, tiles, interpret, res, cotangents):
   del eps
   sources, queries, logits, r, lse = res
-  d_outs, d_lse = cotangents
+  d_outs, d_lse, d_sources_in = cotangents
   n, (m, d), s = len(sources), sources[0].shape, lse.shape[0]
   bt, dc, g = tiles['bt'], feature_chunk(d, tiles['dc_grads']), tiles['groups']
   d_outs = [x.astype(sources[0].dtype) for x in d_outs]
@@ -187,7 +188,7 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
       in_specs=[pl.BlockSpec((rows_bt, d), lambda t: (t, 0))] * (s + n),
       out_specs=pl.BlockSpec((n, s, rows_bt), lambda t: (0, 0, t)),
       out_shape=jax.ShapeDtypeStruct((n, s, m), jnp.float32),
-      compiler_params=_params(tiles['warps_rows']), interpret=interpret, name='attnres_phase1_vdo',
+      compiler_params=triton_params(tiles['warps_rows']), interpret=interpret, name='attnres_phase1_vdo',
   )(*d_outs, *sources)
   alpha = jnp.exp(logits - lse)                                      # [n, S, M]
   d_logits = alpha * (vdo - jnp.sum(alpha * vdo, axis=0) + d_lse)
@@ -198,13 +199,14 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
   *d_sources, dq_parts = pl.pallas_call(
       functools.partial(_grads_kernel, n=n, s=s, bt=bt, groups_per_cta=g),
       grid=(d // dc, m // rows),
-      in_specs=[tile_spec] * (s + n) + [pl.BlockSpec((n, s, rows), lambda k, t: (0, 0, t))] * 2
+      in_specs=[tile_spec] * (s + 2 * n) + [pl.BlockSpec((n, s, rows), lambda k, t: (0, 0, t))] * 2
                + [pl.BlockSpec((n, rows), lambda k, t: (0, t)), pl.BlockSpec((s, dc), lambda k, t: (0, k))],
       out_specs=[tile_spec] * n + [pl.BlockSpec((None, s, dc), lambda k, t: (t, 0, k))],
       out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype) for x in sources]
                 + [jax.ShapeDtypeStruct((m // rows, s, d), jnp.float32)],
-      compiler_params=_params(tiles['warps']), interpret=interpret, name='attnres_phase1_grads',
-  )(*d_outs, *sources, alpha, b, c, queries)
+      compiler_params=triton_params(tiles['warps']), interpret=interpret, name='attnres_phase1_grads',
+  )(*d_outs, *sources, *(x.astype(v.dtype) for x, v in zip(d_sources_in, sources)), alpha, b, c,
+    queries)
   return tuple(d_sources), jnp.sum(dq_parts, axis=0)
 
 
@@ -218,27 +220,33 @@ DEFAULT_TILES = {'bt': 16, 'dc': 128, 'dc_grads': 64, 'warps': 4, 'groups': 8, '
 
 def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool = False):
   """sources: n >= 1 arrays [..., D] of one shape and dtype; queries [S, D].
-  Returns (o: S arrays [..., D] in the sources' dtype, lse [S, ...] float32). Differentiable
-  in sources and queries."""
+  Returns (o: S arrays [..., D] in the sources' dtype, lse [S, ...] float32, the sources again).
+  Take later uses of the sources from the third output: their gradient then reaches the
+  backward `grads` kernel, which adds it to its own in the same pass (else XLA adds the two
+  separately). Differentiable in sources and queries."""
   sources = tuple(sources)
   shape, s = sources[0].shape, queries.shape[0]
   if s < 1 or queries.shape[1:] != shape[-1:]:
     raise ValueError(f'attnres phase1: queries must be [S, {shape[-1]}]; got {queries.shape}')
   if s > MAX_QUERIES:
-    parts = [phase1(sources, queries[k:k + MAX_QUERIES], eps=eps, tiles=tiles, interpret=interpret)
-             for k in range(0, s, MAX_QUERIES)]
-    return sum((o for o, _ in parts), ()), jnp.concatenate([lse for _, lse in parts])
+    outs, lses = (), []
+    for k in range(0, s, MAX_QUERIES):
+      o, lse, sources = phase1(sources, queries[k:k + MAX_QUERIES], eps=eps, tiles=tiles,
+                               interpret=interpret)
+      outs, lses = outs + o, lses + [lse]
+    return outs, jnp.concatenate(lses), sources
   tiles = dict(DEFAULT_TILES, **(tiles or {}))
   d, m = shape[-1], math.prod(shape[:-1])
   quantum = math.lcm(tiles['bt'] * tiles['groups'], tiles['bt_rows'])
   m_pad = -(-m // quantum) * quantum
-  flat = tuple(_pad_rows(v.reshape(m, d), m_pad) for v in sources)
+  flat = tuple(pad_rows(v.reshape(m, d), m_pad) for v in sources)
   # float32 queries into the custom VJP: the cast's transpose gives dq the queries' own dtype.
-  outs, lse = _phase1(flat, queries.astype(jnp.float32), eps, _Frozen(tiles), interpret)
-  return (tuple(o[:m].reshape(shape) for o in outs), lse[:, :m].reshape((s,) + shape[:-1]))
+  outs, lse, flat = _phase1(flat, queries.astype(jnp.float32), eps, FrozenTiles(tiles), interpret)
+  unflat = lambda x: x[:m].reshape(shape)
+  return (tuple(map(unflat, outs)), lse[:, :m].reshape((s,) + shape[:-1]), tuple(map(unflat, flat)))
 
 
-class _Frozen(dict):
+class FrozenTiles(dict):
   """A hashable dict of tile sizes (a static argument of the custom VJP)."""
   def __hash__(self):
     return hash(tuple(sorted(self.items())))

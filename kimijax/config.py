@@ -67,7 +67,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.residual = 'standard'       # 'standard' (h + f(h)) | 'attnres_full' | 'attnres_block' (SPEC §4)
   m.attnres_block_size = 4      # attnres_block: sublayers per block (attention and MLP count one each);
                                 # the last block takes the rest when it does not divide 2 * num_layers
-  m.attnres_impl = 'xla'        # AttnRes phase 1: 'xla' | 'pallas' (fused GPU kernels; kernels_pallas/attnres.py)
+  m.attnres_impl = 'xla'        # AttnRes: 'xla' | 'pallas' (GPU kernels: phase 1 in kernels_pallas/attnres.py,
+                                # phase 2 fused with the pre-norm in kernels_pallas/attnres_merge.py)
   m.position = 'rope'
   m.rope_theta = 10000.0
   m.tie_embeddings = True

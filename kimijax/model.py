@@ -100,8 +100,9 @@ class Layer(nn.Module):
     stats = {'weights': [], 'input_rms': [], 'output_rms': []}
 
     def sublayer(state, offset: int, name: str, fn):
-      h_btd, w_n, state = res.read(state, 2 * self.index + offset)
-      y_btd, extra = fn(RMSNorm(cfg.norm_eps, dtype, name=f'{name}_norm')(h_btd))
+      norm = RMSNorm(cfg.norm_eps, dtype, name=f'{name}_norm')
+      x_btd, h_btd, w_n, state = res.read(state, 2 * self.index + offset, norm)
+      y_btd, extra = fn(x_btd)
       if self.log:
         stats['weights'].append(w_n)
         stats['input_rms'].append(residual_lib.rms(h_btd))
@@ -149,9 +150,9 @@ class Transformer(nn.Module):
       stats.append(s)
       if m is not None:
         max_logits[f'layer_{i}'] = m
-    h_btd, w_n, _ = res.read(state, residual_lib.num_sublayers(cfg))   # AttnRes: the final aggregator
-
-    x_btd = RMSNorm(cfg.norm_eps, dtype, name='final_norm')(h_btd)
+    # The final norm's input (AttnRes: the final aggregator's).
+    x_btd, h_btd, w_n, _ = res.read(state, residual_lib.num_sublayers(cfg),
+                                    RMSNorm(cfg.norm_eps, dtype, name='final_norm'))
     if cfg.tie_embeddings:
       head_dv = embed.T
     else:

@@ -21,7 +21,8 @@ import test_sharding as ts
 from kimijax import config as config_lib
 from kimijax.layers import residual as residual_lib
 from kimijax.model import Transformer
-from kimijax.ops.attnres import depth_attention, depth_attention_list, merge_partial, phase1
+from kimijax.ops.attnres import (depth_attention, depth_attention_list, merge_norm, merge_partial,
+                                 phase1)
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +93,9 @@ def test_two_phases_equal_one_softmax_over_all_sources(impl):
   attention over [block sums, partial] for every query (impl 'pallas' runs interpreted here);
   lse is the logsumexp of the block-sum logits."""
   sources, partial, queries = random_block(n=3, s=4)
-  outs, lse = phase1([jnp.asarray(v) for v in sources], jnp.asarray(queries), impl=impl)
+  outs, lse, passed = phase1([jnp.asarray(v) for v in sources], jnp.asarray(queries), impl=impl)
+  for v, p in zip(sources, passed):
+    np.testing.assert_array_equal(p, v)
   assert len(outs) == 4 and lse.shape == (4, B, T)
   for j, q in enumerate(queries.astype(np.float64)):
     want, _ = np_depth_attention(sources, q, 1.0, 1e-6)
@@ -106,14 +109,18 @@ def test_two_phases_equal_one_softmax_over_all_sources(impl):
 
 
 def phase1_loss(impl, shape, s, seed=3, spec=None):
-  """A random projection of phase 1's outputs and lse: a scalar whose gradient reaches all inputs."""
+  """A random projection of phase 1's outputs and lse, and of the sources as passed through (as
+  the model's later blocks use them, so the kernels add that gradient in): a scalar whose
+  gradient reaches all inputs."""
   rng = np.random.default_rng(seed)
   w_outs = jnp.asarray(rng.standard_normal((s,) + shape), jnp.float32)
   w_lse = jnp.asarray(rng.standard_normal((s,) + shape[:-1]), jnp.float32)
+  w_src = jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
   def loss(sources, queries):
-    outs, lse = phase1(sources, queries, impl=impl, spec=spec)
-    return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, w_outs)) + jnp.sum(lse * w_lse)
+    outs, lse, sources = phase1(sources, queries, impl=impl, spec=spec)
+    return (sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, w_outs)) + jnp.sum(lse * w_lse)
+            + sum(jnp.sum(v.astype(jnp.float32) * w_src) * (i + 1) for i, v in enumerate(sources)))
   return loss
 
 
@@ -140,8 +147,8 @@ def test_pallas_phase1_bf16_and_many_queries():
   s = MAX_QUERIES + 2
   sources, _, queries = random_block(n=2, s=s, b=1, t=8, d=32)
   sources16 = [jnp.asarray(v, jnp.bfloat16) for v in sources]
-  got, lse = phase1(sources16, jnp.asarray(queries), impl='pallas')
-  want, want_lse = phase1(sources16, jnp.asarray(queries), impl='xla')
+  got, lse, _ = phase1(sources16, jnp.asarray(queries), impl='pallas')
+  want, want_lse, _ = phase1(sources16, jnp.asarray(queries), impl='xla')
   assert len(got) == s and all(o.dtype == jnp.bfloat16 for o in got)
   for o, w in zip(got, want):
     assert tm.rel_err(o, np.asarray(w.astype(jnp.float32), np.float64)) <= 2 ** -8
@@ -153,27 +160,94 @@ def test_pallas_phase1_bf16_and_many_queries():
     assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5
 
 
-def test_pallas_phase1_under_a_mesh_runs_per_shard():
+def np_merge_norm(o, lse, partial, q, scale, eps, norm_eps):
+  """float64 SPEC §4 phase 2 then RMSNorm: the softmax over [block sums (their logsumexp lse),
+  partial] as a two-way gate, the merged input normalised with gain `scale`."""
+  o, lse, p = (np.asarray(a, np.float64) for a in (o, lse, partial))
+  s_p = (p / np.sqrt(np.mean(p * p, -1, keepdims=True) + eps)) @ q
+  sigma = (1 / (1 + np.exp(s_p - lse)))[..., None]
+  h = sigma * o + (1 - sigma) * p
+  return scale * h / np.sqrt(np.mean(h * h, -1, keepdims=True) + norm_eps)
+
+
+def random_merge(shape, seed=5, dtype=jnp.float32):
+  """Phase-2 inputs (o, lse, partial, query, scale) with gates spread over (0, 1)."""
+  rng = np.random.default_rng(seed)
+  o = rng.standard_normal(shape) * 2
+  partial = rng.standard_normal(shape) * 0.3
+  lse = rng.standard_normal(shape[:-1]) * 2
+  q, scale = 0.5 * rng.standard_normal(shape[-1:]), 1 + 0.3 * rng.standard_normal(shape[-1:])
+  return (jnp.asarray(o, dtype), jnp.asarray(lse, jnp.float32), jnp.asarray(partial, dtype),
+          jnp.asarray(q, jnp.float32), jnp.asarray(scale, jnp.float32))
+
+
+def merge_norm_loss(fused, shape, spec=None, seed=6):
+  """Random projections of the normalised input and of the partial sum's later use: by
+  merge_norm (the kernels; the partial sum taken from its output, so that its gradient is added
+  in the backward kernel) or, unfused, by merge_partial and the model's RMSNorm formula."""
+  from kimijax.layers.norms import rms_normalise
+  rng = np.random.default_rng(seed)
+  w, w_p = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
+
+  def loss(o, lse, partial, q, scale):
+    if fused:
+      x, partial = merge_norm(o, lse, partial, q, scale, eps=1e-6, norm_eps=1e-5, spec=spec)
+    else:
+      x = rms_normalise(merge_partial(o, lse, partial, q, eps=1e-6), 1e-5) * scale
+    return jnp.sum(x * w) + jnp.sum(partial * w_p)
+  return loss
+
+
+def test_merge_norm_matches_numpy_and_autodiff():
+  """Phase 2 fused with the pre-norm (the kernels, interpreted): the output against the float64
+  formula, and the hand-written backward (with the partial sum's later gradient added in)
+  against jax.grad of the unfused XLA form, at 5 * 60 =
+  300 tokens (padded to the backward's 128-row programs, two of them) and D = 48 (feature chunks
+  of 16). bf16 inputs give a bf16 output within one bf16 rounding."""
+  shape = (5, 60, 48)
+  args = random_merge(shape)
+  want = np_merge_norm(*args, 1e-6, 1e-5)
+  got, partial = merge_norm(*args, eps=1e-6, norm_eps=1e-5)
+  assert got.dtype == jnp.float32 and tm.rel_err(got, want) <= 1e-5
+  np.testing.assert_array_equal(partial, args[2])
+  grads = jax.grad(merge_norm_loss(True, shape), argnums=tuple(range(5)))(*args)
+  wants = jax.grad(merge_norm_loss(False, shape), argnums=tuple(range(5)))(*args)
+  for name, g, w in zip(('o', 'lse', 'partial', 'query', 'scale'), grads, wants):
+    assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5, name
+
+  args16 = random_merge(shape, dtype=jnp.bfloat16)
+  got16 = merge_norm(*args16, eps=1e-6, norm_eps=1e-5, dtype=jnp.bfloat16)[0]
+  assert got16.dtype == jnp.bfloat16
+  assert tm.rel_err(got16, np_merge_norm(*args16, 1e-6, 1e-5)) <= 2 ** -8
+
+
+def test_pallas_kernels_under_a_mesh_run_per_shard():
   """8 devices, tokens sharded over the batch: the shard_map path (each device runs the kernels
-  on its 1 of 8 batch rows) gives the one-device outputs and gradients (the queries' gradient
-  summed over shards)."""
+  on its 1 of 8 batch rows) gives the one-device outputs and gradients, for phase 1 and for the
+  fused phase 2 (the gradients of the replicated queries and gain summed over shards)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))
+  shape, spec = (8, 4, 32), P('data', None, None)
+  shard = lambda a: jax.device_put(a, NamedSharding(mesh, P(*spec[:a.ndim])))
   sources, _, queries = random_block(n=3, s=2, b=8, t=4, d=32)
-  args = ([jnp.asarray(v) for v in sources], jnp.asarray(queries))
-  want = jax.value_and_grad(phase1_loss('pallas', (8, 4, 32), 2), argnums=(0, 1))(*args)
-  spec = P('data', None, None)
-  sharded = ([jax.device_put(v, NamedSharding(mesh, spec)) for v in args[0]], args[1])
-  run = jax.jit(jax.value_and_grad(phase1_loss('pallas', (8, 4, 32), 2, spec=spec), argnums=(0, 1)))
-  with jax.set_mesh(mesh):
-    got = run(*sharded)
-    hlo = run.lower(*sharded).as_text()
-  # Inside the shard_map (sdy.manual_computation) each source is a [1, 4, 32] shard.
-  body = hlo[hlo.index('sdy.manual_computation'):]
-  assert re.search(r'manual_axes=\{"data"\} \(%arg\d+: tensor<1x4x32xf32>', body), \
-      'phase 1 should run on per-device shards'
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  merge_args = random_merge(shape)
+  cases = [(phase1_loss('pallas', shape, 2), phase1_loss('pallas', shape, 2, spec=spec),
+            ([jnp.asarray(v) for v in sources], jnp.asarray(queries)), (0, 1)),
+           (merge_norm_loss(True, shape), merge_norm_loss(True, shape, spec=spec),
+            merge_args, tuple(range(5)))]
+  for loss, sharded_loss, args, argnums in cases:
+    want = jax.value_and_grad(loss, argnums=argnums)(*args)
+    sharded = jax.tree.map(lambda a: shard(a) if a.shape[:2] == shape[:2] else a, args)   # not q
+    run = jax.jit(jax.value_and_grad(sharded_loss, argnums=argnums))
+    with jax.set_mesh(mesh):
+      got = run(*sharded)
+      hlo = run.lower(*sharded).as_text()
+    # Inside the shard_map (sdy.manual_computation) the [8, 4, 32] inputs are [1, 4, 32] shards.
+    body = hlo[hlo.index('sdy.manual_computation'):]
+    assert re.search(r'manual_axes=\{"data"\} \(%arg\d+: tensor<1x4x32xf32>', body), \
+        'the kernels should run on per-device shards'
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -240,11 +314,12 @@ def forward(cfg, params, tokens, log=False):
 
 
 @pytest.mark.parametrize('residual,block,impl', [('attnres_full', 4, 'xla'), ('attnres_block', 3, 'xla'),
-                                                 ('attnres_block', 2, 'xla'), ('attnres_block', 2, 'pallas')])
+                                                 ('attnres_block', 2, 'xla'), ('attnres_block', 3, 'pallas')])
 def test_forward_matches_numpy_reference(residual, block, impl):
   """Random non-zero pseudo-queries and key gains (tm.init_params draws every leaf), 2 layers;
   block 3 does not divide the 4 sublayers (last block of 1), block 2 does; phase 1 by XLA or by
-  the Pallas kernels (interpreted on the CPU)."""
+  the Pallas kernels (interpreted on the CPU). With 'pallas' and no logging, phase 2 and the
+  pre-norm run fused (merge_norm), the final aggregator's too (block 3 leaves it a partial sum)."""
   cfg = cfg_for(residual, attnres_block_size=block, attnres_impl=impl)
   params = tm.init_params(cfg)
   assert np.abs(params['attnres']['layer_1_mlp']['attnres_query']).min() > 0
@@ -252,6 +327,13 @@ def test_forward_matches_numpy_reference(residual, block, impl):
   logits, aux = forward(cfg, params, tokens, log=True)
   ref_logits, ref_w, ref_in, ref_out = np_attnres_forward(cfg, params, tokens)
   assert tm.rel_err(logits, ref_logits) <= 1e-5
+  if impl == 'pallas':
+    assert tm.rel_err(forward(cfg, params, tokens)[0], ref_logits) <= 1e-5
+    # The kernels' backward through the whole model: jax.grad of the same model in plain XLA.
+    grads = jax.jit(jax.grad(loss_fn(cfg)))(params)
+    want = jax.jit(jax.grad(loss_fn(cfg_for(residual, attnres_block_size=block))))(params)
+    for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want)):
+      assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5, jax.tree_util.keystr(path)
 
   # aux['attnres']: weights padded with NaN to the widest row; RMS per sublayer and consumer.
   st = aux['attnres']
@@ -352,10 +434,11 @@ def sources_after(sublayers_done: int, s: int) -> int:
 def expected_carry(sublayers_done: int, s: int, num_sublayers: int) -> int:
   """[B, T, D] arrays in the block state after `sublayers_done` sublayers: the sources and,
   inside a block after its first read, the block's phase-1 outputs (one per consumer of the
-  block: S, fewer in the last block)."""
+  block: S, fewer in the last block). Block 0's first read is sublayer 1's (sublayer 0 sees the
+  embedding alone), and its phase-1 outputs are the embedding itself (one source)."""
   sources = sources_after(sublayers_done, s)
   start = sublayers_done - sublayers_done % s
-  in_block = start >= s and sublayers_done % s != 0
+  in_block = sublayers_done % s != 0 and sublayers_done > 1
   return sources + (min(s, num_sublayers + 1 - start) if in_block else 0)
 
 
@@ -374,10 +457,11 @@ def test_block_state_holds_n_plus_one_sources():
     assert len(calls) == layers, [e.primitive.name for e in jaxpr.jaxpr.eqns]
     btd = lambda vs: sum(v.aval.shape == (B, T, cfg.d_model) for v in vs)
     counts[residual] = [btd(e.invars) for e in calls] + [btd(calls[-1].outvars)]
-  # Block: sources 1, 2, 3, 3, 4 (at most N + 1 = 4, not L + 1 = 9); blocks 1 and 2 were entered
-  # by layers 1 and 3 (sublayers 3 and 6), so layers 2's input and the output carry 3 outputs.
+  # Block: sources 1, 2, 3, 3, 4 (at most N + 1 = 4, not L + 1 = 9); blocks 0, 1 and 2 were
+  # entered by layers 0, 1 and 3 (sublayers 1, 3 and 6), so layer 1's and 2's inputs and the
+  # output carry 3 phase-1 outputs (in block 0: the embedding, three times).
   assert counts['attnres_block'] == [expected_carry(2 * i, s, 8) for i in range(layers + 1)] \
-      == [1, 2, 3 + 3, 3, 4 + 3]
+      == [1, 2 + 3, 3 + 3, 3, 4 + 3]
   assert residual_lib.num_sources(cfg_for('attnres_block', num_layers=layers, attnres_block_size=s)) == 4
   # Full: every read is its own block, closed by the next write: sources only.
   assert counts['attnres_full'] == [expected_carry(2 * i, 1, 8) for i in range(layers + 1)] == [1, 3, 5, 7, 9]

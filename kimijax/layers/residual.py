@@ -2,11 +2,15 @@
 
 The model numbers its consumers 0 .. L (sublayer l = 0 .. L-1: layer i's mixer 2i and MLP 2i+1;
 consumer L: the final aggregator before the final norm) and drives a strategy with three calls;
-sublayers (attention, KDA, MLA, MLP) only ever see the h_btd it hands them:
+sublayers (attention, KDA, MLA, MLP) only ever see the normalised input x_btd it hands them:
 
-    state = res.start(x_btd)                token embedding -> residual state (a pytree)
-    h_btd, w, state = res.read(state, l)    consumer l's input, before its own pre-norm
-    state = res.write(state, y_btd, l)      add sublayer l's output
+    state = res.start(x_btd)                          token embedding -> residual state (a pytree)
+    x_btd, h_btd, w, state = res.read(state, l, norm)  consumer l's input h, normalised by its
+                                                      pre-norm `norm` (an RMSNorm module)
+    state = res.write(state, y_btd, l)                add sublayer l's output
+
+The strategy applies the norm so that it can fuse it with how h is formed; where it does, h_btd
+is None (never when it logs, `log=True`: the per-sublayer statistics need h).
 
 `start` must run inside the model's compact method: an AttnRes start creates every consumer's
 parameters there, in a child 'attnres' holding, per consumer '<name>' ('layer_<i>_mixer',
@@ -25,9 +29,9 @@ final aggregator. `w` is the consumer's depth-attention weights averaged over ba
                   two phases (kimijax.ops.attnres): the first read of a block runs phase 1 for all
                   of the block's consumers at once over the fixed block sums (model.attnres_impl:
                   'xla' or the fused 'pallas' kernels) and the state holds its S outputs until the
-                  block closes; each read then merges its consumer's output with p. In block 0
-                  (sources b_0 and p), and with 'xla' in a block of one consumer, a read is one
-                  direct depth attention.
+                  block closes; each read then merges its consumer's output with p (phase 2;
+                  with 'pallas' fused with the pre-norm: kimijax.ops.attnres.merge_norm, h never
+                  written). Block 0's phase 1, over b_0 alone, is b_0 and its logits.
   attnres_full    S = 1: every sublayer output is a source (SPEC §4, Full AttnRes). With 'pallas'
                   each read is phase 1 for one consumer, a kernel set compiled per source count
                   (up to L + 1 sources, unrolled): slow to compile for deep models.
@@ -44,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from kimijax.ops.attnres import depth_attention_list, merge_partial, phase1
+from kimijax.ops.attnres import depth_attention_list, merge_norm, merge_partial, phase1
 
 ACT_BTD = ('act_batch', 'act_length', 'act_embed')
 
@@ -95,9 +99,9 @@ class StandardResidual:
   def start(self, x_btd):
     return _constrain(x_btd)
 
-  def read(self, h_btd, consumer: int):
+  def read(self, h_btd, consumer: int, norm):
     del consumer
-    return h_btd, None, h_btd
+    return norm(h_btd), h_btd, None, h_btd
 
   def write(self, h_btd, y_btd, sublayer: int):
     del sublayer
@@ -131,29 +135,42 @@ class AttnResidual:
   def sources(state: AttnResState) -> tuple:
     return state.blocks + (() if state.partial is None else (state.partial,))
 
-  def read(self, state: AttnResState, consumer: int):
+  def read(self, state: AttnResState, consumer: int, norm):
     sources = self.sources(state)
+    w_n = self._mean_weights(sources, state.queries[consumer]) if self.log else None
     if len(sources) == 1:        # sublayer 0: the embedding alone, weight 1, no parameters
-      return sources[0], (jnp.ones((1,), jnp.float32) if self.log else None), state
+      return norm(sources[0]), sources[0], w_n, state
     query_d = state.queries[consumer]
-    count = min(self.block_size, self.num_sublayers + 1 - consumer)   # consumers left in the block
-    if len(state.blocks) == 1 or (state.inter is None and count == 1 and self.impl == 'xla'):
-      # Block 0 ([b_0, p]), or a block of one consumer in XLA: one direct depth attention.
-      h_btd = depth_attention_list(sources, query_d, eps=self.eps)
+    start = consumer - consumer % self.block_size      # the block's first consumer
+    if state.inter is None:      # the block's first read: phase 1 for all its consumers
+      stop = min(start + self.block_size, self.num_sublayers + 1)
+      outs, lse, blocks = phase1(state.blocks, state.queries[start:stop], eps=self.eps,
+                                 impl=self.impl, spec=nn.logical_to_mesh_axes(ACT_BTD))
+      # Later blocks take the block sums from phase 1's output: with 'pallas' their gradient
+      # is then summed inside its backward kernel.
+      state = state.replace(blocks=blocks, inter=(outs, lse))
+    outs, lse = state.inter
+    o_btd, lse_bt = outs[consumer - start], lse[consumer - start]
+    if state.partial is None:
+      h_btd = o_btd
+    elif self.impl == 'pallas' and not self.log:    # phase 2 fused with the pre-norm
+      fused = lambda scale, eps, dtype: merge_norm(
+          o_btd, lse_bt, state.partial, query_d, scale, eps=self.eps, norm_eps=eps, dtype=dtype,
+          spec=nn.logical_to_mesh_axes(ACT_BTD))
+      x_btd, partial = norm(o_btd, fused=fused)
+      # The next partial sum takes p from merge_norm, which then adds its gradient in-kernel.
+      return _constrain(x_btd), None, w_n, state.replace(partial=partial)
     else:
-      if state.inter is None:    # the block's first read: phase 1 for all its consumers
-        inter = phase1(state.blocks, state.queries[consumer:consumer + count], eps=self.eps,
-                       impl=self.impl, spec=nn.logical_to_mesh_axes(ACT_BTD))
-        state = state.replace(inter=inter)
-      outs, lse = state.inter
-      j = consumer % self.block_size
-      h_btd = outs[j] if state.partial is None else merge_partial(
-          outs[j], lse[j], state.partial, query_d, eps=self.eps)
-    mean_n = None
-    if self.log:
-      alpha_nbt = depth_attention_list(sources, query_d, eps=self.eps, return_weights=True)[1]
-      mean_n = jnp.mean(alpha_nbt, axis=tuple(range(1, alpha_nbt.ndim)))
-    return _constrain(h_btd), mean_n, state
+      h_btd = merge_partial(o_btd, lse_bt, state.partial, query_d, eps=self.eps)
+    h_btd = _constrain(h_btd)
+    return norm(h_btd), h_btd, w_n, state
+
+  def _mean_weights(self, sources, query_d):
+    """The depth-attention weights [sources] averaged over batch and tokens (for logging)."""
+    if len(sources) == 1:
+      return jnp.ones((1,), jnp.float32)
+    alpha_nbt = depth_attention_list(sources, query_d, eps=self.eps, return_weights=True)[1]
+    return jnp.mean(alpha_nbt, axis=tuple(range(1, alpha_nbt.ndim)))
 
   def write(self, state: AttnResState, y_btd, sublayer: int):
     y_btd = y_btd.astype(state.blocks[0].dtype)

@@ -28,6 +28,8 @@ parameter, so softmax over [b_0 .. b_{n-1}, p] splits exactly into
 since exp(lse_j) / (exp(lse_j) + exp(s_p)) is the total weight the full softmax gives the block
 sums. Phase 1 reads each block sum once per block instead of once per consumer; impl='pallas'
 runs it as fused GPU kernels (kernels_pallas/attnres.py). o_j is stored in the sources' dtype.
+With 'pallas' the model also runs phase 2 fused with the consumer's pre-norm, merge_norm
+(kernels_pallas/attnres_merge.py), so that h is never written.
 """
 
 from __future__ import annotations
@@ -104,16 +106,39 @@ def _phase1_xla(sources, queries, eps):
   return tuple(o_all[..., j, :] for j in range(q_sd.shape[0])), lse
 
 
+def _lead_spec(spec: P | None, ndim: int) -> tuple:
+  """The mesh axes of the leading (token) axes of an array [..., D] laid out as `spec`."""
+  return (tuple(spec or ()) + (None,) * ndim)[:ndim - 1]
+
+
+def _per_shard(run, args, in_specs, out_specs):
+  """run(*args); under a current mesh of several devices (jax.set_mesh, as the train step does),
+  run per shard through shard_map. The kernels need whole feature rows, so the specs leave the
+  feature axis unsharded; check_vma=False because pallas_call outputs carry no varying-axes type."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return run(*args)
+  return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+
+
+def _interpret() -> bool:
+  """The Pallas kernels run in interpret mode off the GPU (slow: for tests on the CPU)."""
+  return jax.default_backend() != 'gpu'
+
+
 def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: str = 'xla',
            spec: P | None = None):
   """Depth attention of S queries over the same n sources, for a block's S consumers at once.
 
   sources: n >= 1 arrays [..., D] of one shape and dtype; queries: [S, D] (effective queries,
-  gains folded in). Returns (o, lse): o a tuple of S arrays [..., D] in the sources' dtype (o_j
-  = sum_i softmax_i(s_ji) v_i) and lse [S, ...] float32 (logsumexp_i s_ji), s_ji = q_j .
-  rms_normalise(v_i). impl 'pallas' runs the fused kernels (in interpret mode off the GPU);
+  gains folded in). Returns (o, lse, sources): o a tuple of S arrays [..., D] in the sources'
+  dtype (o_j = sum_i softmax_i(s_ji) v_i), lse [S, ...] float32 (logsumexp_i s_ji), s_ji = q_j .
+  rms_normalise(v_i), and the sources unchanged: take their later uses from here, so that with
+  'pallas' their gradient is added inside the backward kernel rather than in separate XLA adds.
+  impl 'pallas' runs the fused kernels (in interpret mode off the GPU);
   under a mesh of several devices made current by jax.set_mesh (as the train step does) they
   run per shard (shard_map) with the sources laid out as `spec` (their feature axis unsharded).
+  One source (block 0) needs no kernel: o_j is that source and lse_j its logit.
   """
   sources = tuple(sources)
   shape = sources[0].shape if sources else None
@@ -122,21 +147,19 @@ def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: st
     raise ValueError(f'attnres phase1: sources must share one shape [..., D] and dtype, queries be '
                      f'[S, D]; got sources {[(v.shape, str(v.dtype)) for v in sources]}, queries '
                      f'{queries.shape}')
-  if impl == 'xla':
-    return _phase1_xla(sources, queries, eps)
-  if impl != 'pallas':
+  if impl not in IMPLS:
     raise ValueError(f'attnres phase1: impl must be one of {IMPLS}; got {impl!r}')
+  if len(sources) == 1:
+    return ((sources[0],) * queries.shape[0], _logits(sources[0], queries.astype(jnp.float32), eps),
+            sources)
+  if impl == 'xla':
+    return _phase1_xla(sources, queries, eps) + (sources,)
   from kernels_pallas.attnres import phase1 as kernel   # imports the Triton lowering
-  # Off the GPU the kernels run in Pallas interpret mode (slow: for tests on the CPU).
-  run = lambda vs, q: kernel(vs, q, eps=eps, interpret=jax.default_backend() != 'gpu')
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return run(sources, queries)
-  lead = (tuple(spec or ()) + (None,) * len(shape))[:len(shape) - 1]
-  spec, lse_spec = P(*lead, None), P(None, *lead)      # the kernels need whole feature rows
-  # check_vma=False: pallas_call outputs carry no varying-axes type.
-  return jax.shard_map(run, mesh=mesh, in_specs=((spec,) * len(sources), P()),
-                       out_specs=((spec,) * queries.shape[0], lse_spec), check_vma=False)(sources, queries)
+  run = lambda vs, q: kernel(vs, q, eps=eps, interpret=_interpret())
+  lead = _lead_spec(spec, len(shape))
+  return _per_shard(run, (sources, queries), in_specs=((P(*lead, None),) * len(sources), P()),
+                    out_specs=((P(*lead, None),) * queries.shape[0], P(None, *lead),
+                               (P(*lead, None),) * len(sources)))
 
 
 def merge_partial(o, lse, partial, query, *, eps: float = 1e-6):
@@ -147,3 +170,21 @@ def merge_partial(o, lse, partial, query, *, eps: float = 1e-6):
   sigma = jax.nn.sigmoid(lse - s_p)[..., None]
   h = sigma * o.astype(jnp.float32) + (1 - sigma) * partial.astype(jnp.float32)
   return h.astype(partial.dtype)
+
+
+def merge_norm(o, lse, partial, query, scale, *, eps: float = 1e-6, norm_eps: float = 1e-6,
+               dtype=jnp.float32, spec: P | None = None):
+  """Phase 2 fused with the consumer's pre-norm, in the Pallas kernels of
+  kernels_pallas/attnres_merge.py (interpreted off the GPU), without ever writing the merged
+  input. o, partial [..., D]; lse [...]; query, scale [D]. Returns (x, partial): x = scale *
+  rms_normalise(merge_partial(o, lse, partial, query), norm_eps) in `dtype`, and the partial
+  sum unchanged, for the caller's later uses of it: their gradient is then added inside the
+  backward kernel. Under a mesh it runs per shard, as phase1 does (the gradients of query and
+  scale summed over shards)."""
+  from kernels_pallas.attnres_merge import merge_norm as kernel
+  run = lambda o, lse, p, q, g: kernel(o, lse, p, q, g, eps=eps, norm_eps=norm_eps, dtype=dtype,
+                                       interpret=_interpret())
+  lead = _lead_spec(spec, partial.ndim)
+  rows = P(*lead, None)
+  return _per_shard(run, (o, lse, partial, query, scale), in_specs=(rows, P(*lead), rows, P(), P()),
+                    out_specs=(rows, rows))

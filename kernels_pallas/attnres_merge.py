@@ -1,0 +1,196 @@
+"""Phase 2 of Block Attention Residuals (SPEC §4) fused with the consumer's pre-norm, as Pallas
+(Triton) kernels, forward and backward.
+
+Per token, a consumer merges its phase-1 output o (and logsumexp lse) with its block's partial
+sum p, using its effective query q, and its sublayer normalises the result with gain gamma:
+
+    r_p = rsqrt(mean_d p^2 + eps),     s_p = (q . p) r_p,     sigma = sigmoid(lse - s_p)
+    h = sigma o + (1 - sigma) p,       r_h = rsqrt(mean_d h^2 + eps_norm),    x = gamma h r_h
+
+The kernels never write h. Forward: read o and p, write x (and three floats per token). Unfused,
+XLA writes h, reads it back for the norm, and its backward goes through h again.
+
+The op also returns p itself, so that the caller's next use of p (the next partial sum) takes it
+from here and dp_next, that use's gradient, reaches the backward kernel, which adds it in.
+
+Backward, with g = dx * gamma (per token, sums over the D features):
+    dgamma = sum_tokens dx h r_h
+    dh     = r_h g - r_h^3 (g . h / D) h
+    dsigma = dh . (o - p) = r_h g . (o - p) - r_h^3 (g . h / D) h . (o - p)
+    dlse   = dsigma sigma (1 - sigma),    ds_p = -dlse
+    do     = sigma dh
+    dp     = dp_next + (1 - sigma) dh + ds_p r_p (q - (s_p r_p / D) p)
+    dq     = sum_tokens ds_p r_p p
+Each kernel holds a tile of whole rows in registers: every input is read once and every output
+written once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas.attnres import FrozenTiles, feature_chunk, pad_rows, triton_params
+
+F32 = jnp.float32
+
+
+def _sigmoid(z):
+  return 1.0 / (1.0 + jnp.exp(-z))
+
+
+def _rowsum(*terms):
+  """Per-row sum over the feature chunks of the elementwise product of the chunk lists."""
+  total = None
+  for parts in zip(*terms):
+    prod = parts[0]
+    for x in parts[1:]:
+      prod = prod * x
+    total = jnp.sum(prod, axis=1) if total is None else total + jnp.sum(prod, axis=1)
+  return total
+
+
+def _load(ref, rows, chunks):
+  """A tile's whole rows as a list of float32 [bt, dc] feature chunks (held in registers)."""
+  return [ref[rows, c].astype(F32) for c in chunks]
+
+
+def _vector(ref, chunks):
+  return [ref[c][None, :] for c in chunks]
+
+
+def _fwd_kernel(o_ref, p_ref, lse_ref, q_ref, gamma_ref, x_ref, stats_ref, *, dc, eps, norm_eps):
+  bt, d = p_ref.shape
+  chunks = [pl.ds(c, dc) for c in range(0, d, dc)]
+  rows = pl.ds(0, bt)
+  o, p = _load(o_ref, rows, chunks), _load(p_ref, rows, chunks)
+  r_p = jax.lax.rsqrt(_rowsum(p, p) / d + eps)
+  s_p = _rowsum(p, _vector(q_ref, chunks)) * r_p
+  sig = _sigmoid(lse_ref[...] - s_p)[:, None]
+  h = [sig * oc + (1 - sig) * pc for oc, pc in zip(o, p)]
+  r_h = jax.lax.rsqrt(_rowsum(h, h) / d + norm_eps)
+  for c, hc, gc in zip(chunks, h, _vector(gamma_ref, chunks)):
+    x_ref[:, c] = (hc * r_h[:, None] * gc).astype(x_ref.dtype)
+  stats_ref[0, :] = s_p
+  stats_ref[1, :] = r_p
+  stats_ref[2, :] = r_h
+
+
+def _bwd_kernel(dx_ref, dp_in_ref, o_ref, p_ref, lse_ref, stats_ref, q_ref, gamma_ref,
+                do_ref, dp_ref, dlse_ref, dq_ref, dgamma_ref, *, bt, tiles_per_program, dc):
+  """`tiles_per_program` tiles of bt rows; dq and dgamma accumulate per row in registers and are
+  summed over rows once, at the end (this program's partials, summed over programs after)."""
+  d = p_ref.shape[1]
+  chunks = [pl.ds(c, dc) for c in range(0, d, dc)]
+  q, gamma = _vector(q_ref, chunks), _vector(gamma_ref, chunks)
+
+  def tile(t, acc):
+    rows = pl.ds(t * bt, bt)
+    s_p, r_p, r_h = stats_ref[0, rows], stats_ref[1, rows], stats_ref[2, rows]
+    sigma = _sigmoid(lse_ref[rows] - s_p)
+    sig = sigma[:, None]
+    o, p, dx = _load(o_ref, rows, chunks), _load(p_ref, rows, chunks), _load(dx_ref, rows, chunks)
+    dp_in = _load(dp_in_ref, rows, chunks)
+    h = [sig * oc + (1 - sig) * pc for oc, pc in zip(o, p)]
+    g = [xc * gc for xc, gc in zip(dx, gamma)]
+    diff = [oc - pc for oc, pc in zip(o, p)]
+    k = r_h * r_h * r_h * _rowsum(g, h) / d               # dh = r_h g - k h
+    dlse = (r_h * _rowsum(g, diff) - k * _rowsum(h, diff)) * sigma * (1 - sigma)
+    dlse_ref[rows] = dlse
+    coef = (-dlse * r_p)[:, None]                          # ds_p r_p
+    shrink = (s_p * r_p / d)[:, None]
+    k, r_h = k[:, None], r_h[:, None]
+    dq_acc, dgamma_acc = [], []
+    for i, c in enumerate(chunks):
+      dh = r_h * g[i] - k * h[i]
+      do_ref[rows, c] = (sig * dh).astype(do_ref.dtype)
+      dp = dp_in[i] + (1 - sig) * dh + coef * (q[i] - shrink * p[i])
+      dp_ref[rows, c] = dp.astype(dp_ref.dtype)
+      dq_acc.append(acc[0][i] + coef * p[i])
+      dgamma_acc.append(acc[1][i] + dx[i] * h[i] * r_h)
+    return tuple(dq_acc), tuple(dgamma_acc)
+
+  zero = tuple(jnp.zeros((bt, dc), F32) for _ in chunks)
+  dq_acc, dgamma_acc = jax.lax.fori_loop(0, tiles_per_program, tile, (zero, zero))
+  for c, dq_c, dg_c in zip(chunks, dq_acc, dgamma_acc):
+    dq_ref[c] = jnp.sum(dq_c, axis=0)
+    dgamma_ref[c] = jnp.sum(dg_c, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _merge_norm(o, lse, p, q, gamma, eps, norm_eps, dtype, tiles, interpret):
+  return _merge_norm_fwd(o, lse, p, q, gamma, eps, norm_eps, dtype, tiles, interpret)[0]
+
+
+def _merge_norm_fwd(o, lse, p, q, gamma, eps, norm_eps, dtype, tiles, interpret):
+  m, d = p.shape
+  bt = tiles['bt']
+  rows = pl.BlockSpec((bt, d), lambda t: (t, 0))
+  vector = pl.BlockSpec((d,), lambda t: (0,))
+  x, stats = pl.pallas_call(
+      functools.partial(_fwd_kernel, dc=feature_chunk(d, tiles['dc']), eps=eps, norm_eps=norm_eps),
+      grid=(m // bt,),
+      in_specs=[rows, rows, pl.BlockSpec((bt,), lambda t: (t,)), vector, vector],
+      out_specs=[rows, pl.BlockSpec((3, bt), lambda t: (0, t))],
+      out_shape=[jax.ShapeDtypeStruct((m, d), dtype), jax.ShapeDtypeStruct((3, m), F32)],
+      compiler_params=triton_params(tiles['warps']), interpret=interpret, name='attnres_merge_norm',
+  )(o, p, lse, q, gamma)
+  return (x, p), (o, lse, p, q, gamma, stats)
+
+
+def _merge_norm_bwd(eps, norm_eps, dtype, tiles, interpret, res, cotangents):
+  del eps, norm_eps, dtype
+  dx, dp_in = cotangents
+  o, lse, p, q, gamma, stats = res
+  m, d = p.shape
+  bt, g = tiles['bt'], tiles['groups']
+  rows = pl.BlockSpec((bt * g, d), lambda t: (t, 0))
+  vector = pl.BlockSpec((d,), lambda t: (0,))
+  partial = pl.BlockSpec((None, d), lambda t: (t, 0))
+  programs = m // (bt * g)
+  do, dp, dlse, dq_parts, dgamma_parts = pl.pallas_call(
+      functools.partial(_bwd_kernel, bt=bt, tiles_per_program=g, dc=feature_chunk(d, tiles['dc'])),
+      grid=(programs,),
+      in_specs=[rows, rows, rows, rows, pl.BlockSpec((bt * g,), lambda t: (t,)),
+                pl.BlockSpec((3, bt * g), lambda t: (0, t)), vector, vector],
+      out_specs=[rows, rows, pl.BlockSpec((bt * g,), lambda t: (t,)), partial, partial],
+      out_shape=[jax.ShapeDtypeStruct((m, d), o.dtype), jax.ShapeDtypeStruct((m, d), p.dtype),
+                 jax.ShapeDtypeStruct((m,), F32)] + [jax.ShapeDtypeStruct((programs, d), F32)] * 2,
+      compiler_params=triton_params(tiles['warps']), interpret=interpret, name='attnres_merge_norm_bwd',
+  )(dx, dp_in.astype(p.dtype), o, p, lse, stats, q, gamma)
+  return do, dlse, dp, jnp.sum(dq_parts, axis=0), jnp.sum(dgamma_parts, axis=0)
+
+
+_merge_norm.defvjp(_merge_norm_fwd, _merge_norm_bwd)
+
+# bt rows per tile, held in registers as feature chunks of dc (D itself when D is a power of two
+# <= dc; the chunk loads must be powers of two); `groups` tiles per backward program.
+DEFAULT_TILES = {'bt': 4, 'dc': 1024, 'warps': 8, 'groups': 8}
+
+
+def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dtype,
+               tiles=None, interpret: bool = False):
+  """o, partial [..., D] (one dtype), lse [...], query and scale [D] -> (x [..., D] in `dtype`,
+  partial): x = scale * rms_normalise(h, norm_eps), h = sigma o + (1 - sigma) partial (see the
+  module docstring). The partial sum comes back unchanged so that the caller's later uses of it
+  (the next partial sum) go through this op: the backward kernel then adds their gradient to its
+  own, where otherwise XLA would add the two in a separate pass. Differentiable in o, lse,
+  partial, query and scale."""
+  shape = partial.shape
+  if o.shape != shape or o.dtype != partial.dtype or lse.shape != shape[:-1] \
+      or query.shape != shape[-1:] or scale.shape != shape[-1:]:
+    raise ValueError(f'attnres merge_norm: o and partial must be [..., D] of one dtype, lse [...], '
+                     f'query and scale [D]; got o {o.shape} {o.dtype}, partial {shape} {partial.dtype}, '
+                     f'lse {lse.shape}, query {query.shape}, scale {scale.shape}')
+  tiles = dict(DEFAULT_TILES, **(tiles or {}))
+  d, m = shape[-1], math.prod(shape[:-1])
+  m_pad = -(-m // (tiles['bt'] * tiles['groups'])) * tiles['bt'] * tiles['groups']
+  flat = lambda a: pad_rows(a.reshape(m, d), m_pad)
+  lse = jnp.pad(lse.reshape(m).astype(F32), (0, m_pad - m))
+  x, p = _merge_norm(flat(o), lse, flat(partial), query.astype(F32), scale.astype(F32), eps,
+                     norm_eps, jnp.dtype(dtype), FrozenTiles(tiles), interpret)
+  return x[:m].reshape(shape), p[:m].reshape(shape)
