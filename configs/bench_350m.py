@@ -1,14 +1,14 @@
 """~350M-parameter full-attention LM at sequence length 4096, for GPU throughput benchmarks.
 
 Run:      python experiments/bench_train.py --config=configs/bench_350m.py
-Expected: one H200, 2026-11-30: 392 ms/step, 167k tokens/s, 44.9% MFU, 73.5 GiB peak
-          (table and breakdown in experiments/results/bench_train.md); :attnres_block 440 ms
-          (+10% over a 400 ms standard run the same day; 512 ms with :attnres_xla), :attnres_full
-          1053 ms (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
+Expected: one H200, 2026-11-30: 392-411 ms/step, 167k tokens/s, 44.9% MFU, 73.5 GiB peak
+          (table and breakdown in experiments/results/bench_train.md); :attnres_block 435 ms
+          (+5.9% to +6.7% over standard runs beside it, 79.1 GiB), :attnres_full 1053 ms
+          (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
           (muon_distributed.md).
 Variants: :remat (rematerialise each layer), :xla (attn_impl='xla'), :attnres_full,
-          :attnres_block (8 blocks of 6 of the 48 sublayers, with the Pallas phase-1 kernels),
-          :attnres_xla (phase 1 in XLA); combine with commas (:attnres_block,remat).
+          :attnres_block (8 blocks of 6 of the 48 sublayers, with the Pallas kernels),
+          :attnres_xla (AttnRes in plain XLA); combine with commas (:attnres_block,remat).
 """
 
 from kimijax.config import base_config
