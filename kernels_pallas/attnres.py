@@ -7,7 +7,8 @@ for all S at once, so each source is read a fixed number of times per block, not
     s_ji = (q_j . v_i) * r_i,   r_i = rsqrt(mean_d v_i^2 + eps)      (per token, float32)
     lse_j = logsumexp_i s_ji,   o_j = sum_i exp(s_ji - lse_j) v_i
 
-Each consumer later merges o_j with its block's partial sum (kimijax.ops.attnres.merge_partial).
+Each consumer later merges o_j with its block's partial sum (kimijax.ops.attnres.merge_partial,
+or with its pre-norm fused, merge_norm in kernels_pallas/attnres_merge.py).
 
 Kernels (M tokens, D features; the sources are [M, D] in any float dtype):
   _logits_kernel     reads each source once: s [n, S, M] and r [n, M]
@@ -32,6 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from jax.experimental.pallas import triton as plgpu
 
 MAX_QUERIES = 16              # queries per kernel call; more run in groups
@@ -106,10 +108,12 @@ def _vdo_kernel(*refs, n, s, dc):
       g_ref[i, j, :] = acc[i * s + j]
 
 
-def _grads_kernel(*refs, n, s, bt, groups_per_cta):
-  do, src, dv_in = refs[:s], refs[s:s + n], refs[s + n:s + 2 * n]
-  alpha_ref, b_ref, c_ref, q_ref = refs[s + 2 * n:s + 2 * n + 4]
-  dv, (dq_ref,) = refs[s + 2 * n + 4:s + 3 * n + 4], refs[s + 3 * n + 4:]
+def _grads_kernel(*refs, n, s, bt, groups_per_cta, accumulate):
+  """accumulate: dv_in refs (the gradient of the sources' later uses) follow the sources."""
+  k = n if accumulate else 0
+  do, src, dv_in = refs[:s], refs[s:s + n], refs[s + n:s + n + k]
+  alpha_ref, b_ref, c_ref, q_ref = refs[s + n + k:s + n + k + 4]
+  dv, (dq_ref,) = refs[s + n + k + 4:s + 2 * n + k + 4], refs[s + 2 * n + k + 4:]
   q = [q_ref[j, :][None, :] for j in range(s)]                       # [1, dc] each
 
   def body(t, dq):
@@ -118,7 +122,9 @@ def _grads_kernel(*refs, n, s, bt, groups_per_cta):
     dq = list(dq)
     for i in range(n):
       v = src[i][rows, :].astype(jnp.float32)
-      grad = dv_in[i][rows, :].astype(jnp.float32) + c_ref[i, rows][:, None] * v
+      grad = c_ref[i, rows][:, None] * v
+      if accumulate:
+        grad += dv_in[i][rows, :].astype(jnp.float32)
       for j in range(s):
         b = b_ref[i, j, rows][:, None]                                # ds_ji r_i, [bt, 1]
         grad += alpha_ref[i, j, rows][:, None] * dos[j] + b * q[j]
@@ -133,6 +139,11 @@ def _grads_kernel(*refs, n, s, bt, groups_per_cta):
 
 
 # ----------------------------------------------------------------------------- wrapper
+
+
+def dense(cotangent, shape, dtype):
+  """A custom VJP's cotangent (symbolic zeros passed) as an array: zeros if symbolic."""
+  return jnp.zeros(shape, dtype) if isinstance(cotangent, SymbolicZero) else cotangent
 
 
 def pad_rows(x, m_pad):
@@ -180,7 +191,12 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
   d_outs, d_lse, d_sources_in = cotangents
   n, (m, d), s = len(sources), sources[0].shape, lse.shape[0]
   bt, dc, g = tiles['bt'], feature_chunk(d, tiles['dc_grads']), tiles['groups']
-  d_outs = [x.astype(sources[0].dtype) for x in d_outs]
+  d_outs = [dense(x, (m, d), sources[0].dtype).astype(sources[0].dtype) for x in d_outs]
+  d_lse = dense(d_lse, lse.shape, jnp.float32)
+  # Sources whose pass-through is unused (the last block's) need no gradient added: a kernel
+  # without those inputs, rather than reading n arrays of zeros.
+  accumulate = not all(isinstance(x, SymbolicZero) for x in d_sources_in)
+  d_sources_in = [dense(x, v.shape, v.dtype) for x, v in zip(d_sources_in, sources)] if accumulate else []
   rows_bt = tiles['bt_rows']
   vdo = pl.pallas_call(
       functools.partial(_vdo_kernel, n=n, s=s, dc=feature_chunk(d, tiles['dc_rows'])),
@@ -197,20 +213,21 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
   rows = bt * g
   tile_spec = pl.BlockSpec((rows, dc), lambda k, t: (t, k))
   *d_sources, dq_parts = pl.pallas_call(
-      functools.partial(_grads_kernel, n=n, s=s, bt=bt, groups_per_cta=g),
+      functools.partial(_grads_kernel, n=n, s=s, bt=bt, groups_per_cta=g, accumulate=accumulate),
       grid=(d // dc, m // rows),
-      in_specs=[tile_spec] * (s + 2 * n) + [pl.BlockSpec((n, s, rows), lambda k, t: (0, 0, t))] * 2
+      in_specs=[tile_spec] * (s + n + len(d_sources_in))
+               + [pl.BlockSpec((n, s, rows), lambda k, t: (0, 0, t))] * 2
                + [pl.BlockSpec((n, rows), lambda k, t: (0, t)), pl.BlockSpec((s, dc), lambda k, t: (0, k))],
       out_specs=[tile_spec] * n + [pl.BlockSpec((None, s, dc), lambda k, t: (t, 0, k))],
       out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype) for x in sources]
                 + [jax.ShapeDtypeStruct((m // rows, s, d), jnp.float32)],
       compiler_params=triton_params(tiles['warps']), interpret=interpret, name='attnres_phase1_grads',
-  )(*d_outs, *sources, *(x.astype(v.dtype) for x, v in zip(d_sources_in, sources)), alpha, b, c,
-    queries)
+  )(*d_outs, *sources, *d_sources_in, alpha, b, c, queries)
   return tuple(d_sources), jnp.sum(dq_parts, axis=0)
 
 
-_phase1.defvjp(_phase1_fwd, _phase1_bwd)
+_phase1.defvjp(lambda sources, queries, *static: _phase1_fwd(
+    *custom_vjp_primal_tree_values((sources, queries)), *static), _phase1_bwd, symbolic_zeros=True)
 
 # bt x dc tiles for the combine kernel, bt x dc_grads for the grads kernel (`groups` row tiles
 # per program), and bt_rows whole rows, dc_rows features at a time, for the logits and vdo kernels.

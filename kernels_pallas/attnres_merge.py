@@ -32,9 +32,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from jax.experimental import pallas as pl
 
-from kernels_pallas.attnres import FrozenTiles, feature_chunk, pad_rows, triton_params
+from kernels_pallas.attnres import FrozenTiles, dense, feature_chunk, pad_rows, triton_params
 
 F32 = jnp.float32
 
@@ -80,10 +81,13 @@ def _fwd_kernel(o_ref, p_ref, lse_ref, q_ref, gamma_ref, x_ref, stats_ref, *, dc
   stats_ref[2, :] = r_h
 
 
-def _bwd_kernel(dx_ref, dp_in_ref, o_ref, p_ref, lse_ref, stats_ref, q_ref, gamma_ref,
-                do_ref, dp_ref, dlse_ref, dq_ref, dgamma_ref, *, bt, tiles_per_program, dc):
+def _bwd_kernel(*refs, bt, tiles_per_program, dc, accumulate):
   """`tiles_per_program` tiles of bt rows; dq and dgamma accumulate per row in registers and are
-  summed over rows once, at the end (this program's partials, summed over programs after)."""
+  summed over rows once, at the end (this program's partials, summed over programs after).
+  accumulate: a dp_next ref follows dx."""
+  dx_ref, dp_in_ref = refs[0], (refs[1] if accumulate else None)
+  (o_ref, p_ref, lse_ref, stats_ref, q_ref, gamma_ref, do_ref, dp_ref, dlse_ref, dq_ref,
+   dgamma_ref) = refs[1 + accumulate:]
   d = p_ref.shape[1]
   chunks = [pl.ds(c, dc) for c in range(0, d, dc)]
   q, gamma = _vector(q_ref, chunks), _vector(gamma_ref, chunks)
@@ -94,7 +98,6 @@ def _bwd_kernel(dx_ref, dp_in_ref, o_ref, p_ref, lse_ref, stats_ref, q_ref, gamm
     sigma = _sigmoid(lse_ref[rows] - s_p)
     sig = sigma[:, None]
     o, p, dx = _load(o_ref, rows, chunks), _load(p_ref, rows, chunks), _load(dx_ref, rows, chunks)
-    dp_in = _load(dp_in_ref, rows, chunks)
     h = [sig * oc + (1 - sig) * pc for oc, pc in zip(o, p)]
     g = [xc * gc for xc, gc in zip(dx, gamma)]
     diff = [oc - pc for oc, pc in zip(o, p)]
@@ -108,7 +111,9 @@ def _bwd_kernel(dx_ref, dp_in_ref, o_ref, p_ref, lse_ref, stats_ref, q_ref, gamm
     for i, c in enumerate(chunks):
       dh = r_h * g[i] - k * h[i]
       do_ref[rows, c] = (sig * dh).astype(do_ref.dtype)
-      dp = dp_in[i] + (1 - sig) * dh + coef * (q[i] - shrink * p[i])
+      dp = (1 - sig) * dh + coef * (q[i] - shrink * p[i])
+      if accumulate:
+        dp += dp_in_ref[rows, c].astype(F32)
       dp_ref[rows, c] = dp.astype(dp_ref.dtype)
       dq_acc.append(acc[0][i] + coef * p[i])
       dgamma_acc.append(acc[1][i] + dx[i] * h[i] * r_h)
@@ -143,29 +148,33 @@ def _merge_norm_fwd(o, lse, p, q, gamma, eps, norm_eps, dtype, tiles, interpret)
 
 
 def _merge_norm_bwd(eps, norm_eps, dtype, tiles, interpret, res, cotangents):
-  del eps, norm_eps, dtype
-  dx, dp_in = cotangents
+  del eps, norm_eps
   o, lse, p, q, gamma, stats = res
   m, d = p.shape
+  dx, dp_in = dense(cotangents[0], (m, d), dtype), cotangents[1]
+  # No later use of the partial sum (the last consumer's): nothing to add, no zeros to read.
+  dp_in = [] if isinstance(dp_in, SymbolicZero) else [dp_in]
   bt, g = tiles['bt'], tiles['groups']
   rows = pl.BlockSpec((bt * g, d), lambda t: (t, 0))
   vector = pl.BlockSpec((d,), lambda t: (0,))
   partial = pl.BlockSpec((None, d), lambda t: (t, 0))
   programs = m // (bt * g)
   do, dp, dlse, dq_parts, dgamma_parts = pl.pallas_call(
-      functools.partial(_bwd_kernel, bt=bt, tiles_per_program=g, dc=feature_chunk(d, tiles['dc'])),
+      functools.partial(_bwd_kernel, bt=bt, tiles_per_program=g, dc=feature_chunk(d, tiles['dc']),
+                        accumulate=bool(dp_in)),
       grid=(programs,),
-      in_specs=[rows, rows, rows, rows, pl.BlockSpec((bt * g,), lambda t: (t,)),
+      in_specs=[rows] * (3 + len(dp_in)) + [pl.BlockSpec((bt * g,), lambda t: (t,)),
                 pl.BlockSpec((3, bt * g), lambda t: (0, t)), vector, vector],
       out_specs=[rows, rows, pl.BlockSpec((bt * g,), lambda t: (t,)), partial, partial],
       out_shape=[jax.ShapeDtypeStruct((m, d), o.dtype), jax.ShapeDtypeStruct((m, d), p.dtype),
                  jax.ShapeDtypeStruct((m,), F32)] + [jax.ShapeDtypeStruct((programs, d), F32)] * 2,
       compiler_params=triton_params(tiles['warps']), interpret=interpret, name='attnres_merge_norm_bwd',
-  )(dx, dp_in.astype(p.dtype), o, p, lse, stats, q, gamma)
+  )(dx, *dp_in, o, p, lse, stats, q, gamma)
   return do, dlse, dp, jnp.sum(dq_parts, axis=0), jnp.sum(dgamma_parts, axis=0)
 
 
-_merge_norm.defvjp(_merge_norm_fwd, _merge_norm_bwd)
+_merge_norm.defvjp(lambda *args: _merge_norm_fwd(*custom_vjp_primal_tree_values(args[:5]), *args[5:]),
+                   _merge_norm_bwd, symbolic_zeros=True)
 
 # bt rows per tile, held in registers as feature chunks of dc (D itself when D is a power of two
 # <= dc; the chunk loads must be powers of two); `groups` tiles per backward program.

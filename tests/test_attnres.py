@@ -108,10 +108,10 @@ def test_two_phases_equal_one_softmax_over_all_sources(impl):
     assert tm.rel_err(merged, want) <= 1e-5
 
 
-def phase1_loss(impl, shape, s, seed=3, spec=None):
-  """A random projection of phase 1's outputs and lse, and of the sources as passed through (as
-  the model's later blocks use them, so the kernels add that gradient in): a scalar whose
-  gradient reaches all inputs."""
+def phase1_loss(impl, shape, s, seed=3, spec=None, later_use=True):
+  """A random projection of phase 1's outputs and lse, and (later_use) of the sources as passed
+  through (as the model's later blocks use them, so the kernels add that gradient in): a scalar
+  whose gradient reaches all inputs."""
   rng = np.random.default_rng(seed)
   w_outs = jnp.asarray(rng.standard_normal((s,) + shape), jnp.float32)
   w_lse = jnp.asarray(rng.standard_normal((s,) + shape[:-1]), jnp.float32)
@@ -120,7 +120,8 @@ def phase1_loss(impl, shape, s, seed=3, spec=None):
   def loss(sources, queries):
     outs, lse, sources = phase1(sources, queries, impl=impl, spec=spec)
     return (sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, w_outs)) + jnp.sum(lse * w_lse)
-            + sum(jnp.sum(v.astype(jnp.float32) * w_src) * (i + 1) for i, v in enumerate(sources)))
+            + later_use * sum(jnp.sum(v.astype(jnp.float32) * w_src) * (i + 1)
+                              for i, v in enumerate(sources)))
   return loss
 
 
@@ -130,10 +131,11 @@ def test_pallas_phase1_gradients_match_autodiff_of_xla():
   kernel's 128-row programs, whose query-gradient partials are summed) and S = 3."""
   sources, _, queries = random_block(n=4, s=3, b=5, t=60, d=48)
   args = ([jnp.asarray(v) for v in sources], jnp.asarray(queries))
-  want = jax.grad(phase1_loss('xla', (5, 60, 48), 3), argnums=(0, 1))(*args)
-  got = jax.grad(phase1_loss('pallas', (5, 60, 48), 3), argnums=(0, 1))(*args)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5
+  for later_use in (True, False):     # without a later use the kernel adds no gradient of it
+    want = jax.grad(phase1_loss('xla', (5, 60, 48), 3, later_use=later_use), argnums=(0, 1))(*args)
+    got = jax.grad(phase1_loss('pallas', (5, 60, 48), 3, later_use=later_use), argnums=(0, 1))(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5
   # eps = 0 stays finite: the 300 tokens are padded to 384 inside, with rows that are not zero.
   from kernels_pallas.attnres import phase1 as kernel
   dq = jax.grad(lambda q: jnp.sum(kernel(args[0], q, eps=0.0, interpret=True)[1]))(args[1])
@@ -181,10 +183,10 @@ def random_merge(shape, seed=5, dtype=jnp.float32):
           jnp.asarray(q, jnp.float32), jnp.asarray(scale, jnp.float32))
 
 
-def merge_norm_loss(fused, shape, spec=None, seed=6):
-  """Random projections of the normalised input and of the partial sum's later use: by
-  merge_norm (the kernels; the partial sum taken from its output, so that its gradient is added
-  in the backward kernel) or, unfused, by merge_partial and the model's RMSNorm formula."""
+def merge_norm_loss(fused, shape, spec=None, seed=6, later_use=True):
+  """Random projections of the normalised input and (later_use) of the partial sum's later use:
+  by merge_norm (the kernels; the partial sum taken from its output, so that its gradient is
+  added in the backward kernel) or, unfused, by merge_partial and the model's RMSNorm formula."""
   from kimijax.layers.norms import rms_normalise
   rng = np.random.default_rng(seed)
   w, w_p = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
@@ -194,7 +196,7 @@ def merge_norm_loss(fused, shape, spec=None, seed=6):
       x, partial = merge_norm(o, lse, partial, q, scale, eps=1e-6, norm_eps=1e-5, spec=spec)
     else:
       x = rms_normalise(merge_partial(o, lse, partial, q, eps=1e-6), 1e-5) * scale
-    return jnp.sum(x * w) + jnp.sum(partial * w_p)
+    return jnp.sum(x * w) + (jnp.sum(partial * w_p) if later_use else 0.0)
   return loss
 
 
@@ -202,23 +204,31 @@ def test_merge_norm_matches_numpy_and_autodiff():
   """Phase 2 fused with the pre-norm (the kernels, interpreted): the output against the float64
   formula, and the hand-written backward (with the partial sum's later gradient added in)
   against jax.grad of the unfused XLA form, at 5 * 60 =
-  300 tokens (padded to the backward's 128-row programs, two of them) and D = 48 (feature chunks
-  of 16). bf16 inputs give a bf16 output within one bf16 rounding."""
+  300 tokens (padded to 320: ten backward programs of 8 tiles of 4 rows) and D = 48 (feature
+  chunks of 16). bf16 inputs give a bf16 output within one bf16 rounding, and gradients within
+  a few bf16 roundings of the float32 ones."""
   shape = (5, 60, 48)
   args = random_merge(shape)
   want = np_merge_norm(*args, 1e-6, 1e-5)
   got, partial = merge_norm(*args, eps=1e-6, norm_eps=1e-5)
   assert got.dtype == jnp.float32 and tm.rel_err(got, want) <= 1e-5
   np.testing.assert_array_equal(partial, args[2])
-  grads = jax.grad(merge_norm_loss(True, shape), argnums=tuple(range(5)))(*args)
-  wants = jax.grad(merge_norm_loss(False, shape), argnums=tuple(range(5)))(*args)
-  for name, g, w in zip(('o', 'lse', 'partial', 'query', 'scale'), grads, wants):
-    assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5, name
+  for later_use in (True, False):     # without a later use the kernel adds no gradient of it
+    grads = jax.grad(merge_norm_loss(True, shape, later_use=later_use), argnums=tuple(range(5)))(*args)
+    wants = jax.grad(merge_norm_loss(False, shape, later_use=later_use), argnums=tuple(range(5)))(*args)
+    for name, g, w in zip(('o', 'lse', 'partial', 'query', 'scale'), grads, wants):
+      assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5, (name, later_use)
 
   args16 = random_merge(shape, dtype=jnp.bfloat16)
   got16 = merge_norm(*args16, eps=1e-6, norm_eps=1e-5, dtype=jnp.bfloat16)[0]
   assert got16.dtype == jnp.bfloat16
   assert tm.rel_err(got16, np_merge_norm(*args16, 1e-6, 1e-5)) <= 2 ** -8
+  grads16 = jax.grad(merge_norm_loss(True, shape), argnums=tuple(range(5)))(*args16)
+  wants16 = jax.grad(merge_norm_loss(False, shape), argnums=tuple(range(5)))(
+      *(a.astype(jnp.float32) for a in args16))
+  for name, g, w in zip(('o', 'lse', 'partial', 'query', 'scale'), grads16, wants16):
+    assert g.dtype == args16[('o', 'lse', 'partial', 'query', 'scale').index(name)].dtype
+    assert tm.rel_err(g, np.asarray(w, np.float64)) <= 2 ** -7, name
 
 
 def test_pallas_kernels_under_a_mesh_run_per_shard():
@@ -313,14 +323,17 @@ def forward(cfg, params, tokens, log=False):
   return _FORWARDS[key]({'params': params}, tokens)
 
 
-@pytest.mark.parametrize('residual,block,impl', [('attnres_full', 4, 'xla'), ('attnres_block', 3, 'xla'),
-                                                 ('attnres_block', 2, 'xla'), ('attnres_block', 3, 'pallas')])
-def test_forward_matches_numpy_reference(residual, block, impl):
+@pytest.mark.parametrize('residual,block,impl,remat', [
+    ('attnres_full', 4, 'xla', False), ('attnres_block', 3, 'xla', False),
+    ('attnres_block', 2, 'xla', False), ('attnres_block', 3, 'pallas', False),
+    ('attnres_block', 2, 'pallas', True), ('attnres_full', 4, 'pallas', False)])
+def test_forward_matches_numpy_reference(residual, block, impl, remat):
   """Random non-zero pseudo-queries and key gains (tm.init_params draws every leaf), 2 layers;
   block 3 does not divide the 4 sublayers (last block of 1), block 2 does; phase 1 by XLA or by
-  the Pallas kernels (interpreted on the CPU). With 'pallas' and no logging, phase 2 and the
-  pre-norm run fused (merge_norm), the final aggregator's too (block 3 leaves it a partial sum)."""
-  cfg = cfg_for(residual, attnres_block_size=block, attnres_impl=impl)
+  the Pallas kernels (interpreted on the CPU). With 'pallas' phase 2 and the pre-norm run fused
+  (merge_norm), the final aggregator's too under block 3 (it is left a partial sum); the
+  gradients then equal those of the XLA model, also under remat."""
+  cfg = cfg_for(residual, attnres_block_size=block, attnres_impl=impl, remat=remat)
   params = tm.init_params(cfg)
   assert np.abs(params['attnres']['layer_1_mlp']['attnres_query']).min() > 0
   tokens = tm.random_tokens(cfg)
@@ -331,7 +344,7 @@ def test_forward_matches_numpy_reference(residual, block, impl):
     assert tm.rel_err(forward(cfg, params, tokens)[0], ref_logits) <= 1e-5
     # The kernels' backward through the whole model: jax.grad of the same model in plain XLA.
     grads = jax.jit(jax.grad(loss_fn(cfg)))(params)
-    want = jax.jit(jax.grad(loss_fn(cfg_for(residual, attnres_block_size=block))))(params)
+    want = jax.jit(jax.grad(loss_fn(cfg_for(residual, attnres_block_size=block, remat=remat))))(params)
     for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want)):
       assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5, jax.tree_util.keystr(path)
 

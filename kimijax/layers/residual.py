@@ -10,7 +10,8 @@ sublayers (attention, KDA, MLA, MLP) only ever see the normalised input x_btd it
     state = res.write(state, y_btd, l)                add sublayer l's output
 
 The strategy applies the norm so that it can fuse it with how h is formed; where it does, h_btd
-is None (never when it logs, `log=True`: the per-sublayer statistics need h).
+is None, unless the strategy logs (`log=True`): then h is also formed on its own, outside the
+gradient, for the per-sublayer statistics.
 
 `start` must run inside the model's compact method: an AttnRes start creates every consumer's
 parameters there, in a child 'attnres' holding, per consumer '<name>' ('layer_<i>_mixer',
@@ -114,7 +115,7 @@ class AttnResState:
   blocks: tuple[Any, ...]    # b_0 (embedding), then one [B, T, D] sum per completed block
   partial: Any               # [B, T, D] sum of the current block so far, or None
   inter: Any                 # phase 1 of the current block: (S' outputs [B, T, D], lse [S', B, T]),
-                             # or None (block 0, or no read in this block yet)
+                             # or None (no read in this block yet; block 0's first is sublayer 1's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +137,10 @@ class AttnResidual:
     return state.blocks + (() if state.partial is None else (state.partial,))
 
   def read(self, state: AttnResState, consumer: int, norm):
-    sources = self.sources(state)
-    w_n = self._mean_weights(sources, state.queries[consumer]) if self.log else None
+    sources, query_d = self.sources(state), state.queries[consumer]
+    w_n = self._mean_weights(sources, query_d) if self.log else None
     if len(sources) == 1:        # sublayer 0: the embedding alone, weight 1, no parameters
       return norm(sources[0]), sources[0], w_n, state
-    query_d = state.queries[consumer]
     start = consumer - consumer % self.block_size      # the block's first consumer
     if state.inter is None:      # the block's first read: phase 1 for all its consumers
       stop = min(start + self.block_size, self.num_sublayers + 1)
@@ -153,13 +153,17 @@ class AttnResidual:
     o_btd, lse_bt = outs[consumer - start], lse[consumer - start]
     if state.partial is None:
       h_btd = o_btd
-    elif self.impl == 'pallas' and not self.log:    # phase 2 fused with the pre-norm
+    elif self.impl == 'pallas':  # phase 2 fused with the pre-norm
       fused = lambda scale, eps, dtype: merge_norm(
           o_btd, lse_bt, state.partial, query_d, scale, eps=self.eps, norm_eps=eps, dtype=dtype,
           spec=nn.logical_to_mesh_axes(ACT_BTD))
       x_btd, partial = norm(o_btd, fused=fused)
+      h_btd = None
+      if self.log:               # for the statistics only: training does not change with logging
+        h_btd = jax.lax.stop_gradient(_constrain(
+            merge_partial(o_btd, lse_bt, state.partial, query_d, eps=self.eps)))
       # The next partial sum takes p from merge_norm, which then adds its gradient in-kernel.
-      return _constrain(x_btd), None, w_n, state.replace(partial=partial)
+      return _constrain(x_btd), h_btd, w_n, state.replace(partial=partial)
     else:
       h_btd = merge_partial(o_btd, lse_bt, state.partial, query_d, eps=self.eps)
     h_btd = _constrain(h_btd)
