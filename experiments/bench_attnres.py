@@ -7,11 +7,11 @@ pre-norm (merge_partial then RMSNorm in XLA, or fused: kimijax.ops.attnres.merge
 Phase 1 of one block: S queries over n block sums (random bf16 sources [B, T, D] of different
 scales, random queries), forward (the S outputs and lse) and forward+backward (gradients of a
 random projection of the outputs, lse and the passed-through sources with respect to the
-sources and queries), for each impl
-and each n in --sources. Also phase 2 and the pre-norm of one consumer, unfused ('xla') and
-fused ('pallas', and the --merge_tiles variants). For scale, the time of one pass over a
-[B, T, D] array (from chained scale-and-copies, a read and a write each), so each figure can be
-read as passes; the figures include each call's launch overhead, the pass time does not.
+sources and queries), for each impl and each n in --sources. Also phase 2 and the pre-norm of
+one consumer, unfused ('xla') and fused ('pallas', and the --merge_tiles variants). For scale,
+the time of one pass over a [B, T, D] array (from chained scale-and-copies, a read and a write
+each), so each figure can be read as passes; the figures include each call's launch overhead,
+the pass time does not.
 Before timing, each impl's outputs and gradients are checked against impl 'xla' in float32.
 Each figure is the median of --repeats timed calls after --warmup calls; prints a Markdown table.
 """
@@ -100,9 +100,15 @@ def _check(impl, n, s):
            for i, f in enumerate(_phase1_fns(impl))]
     want = [f(sources, queries) if i == 0 else f(sources, queries, w_outs, w_lse)
             for i, f in enumerate(_phase1_fns('xla'))]
-  errs = [float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
-          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
-  return max(errs)
+  return _max_rel_err(got, want)
+
+
+def _max_rel_err(got, want):
+  """The largest max-abs error relative to the reference's max-abs, over the pytrees' leaves."""
+  import jax
+  import jax.numpy as jnp
+  return max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
 def _merge_inputs(dtype, key=5):
@@ -151,8 +157,7 @@ def _check_merge(impl):
   with jax.default_matmul_precision('highest'):
     got = [f(*args) if i == 0 else f(*args, w) for i, f in enumerate(_merge_fns(impl))]
     want = [f(*args) if i == 0 else f(*args, w) for i, f in enumerate(_merge_fns('xla'))]
-  return max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
-             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+  return _max_rel_err(got, want)
 
 
 def main(_):
