@@ -141,6 +141,14 @@ def _grads_kernel(*refs, n, s, bt, groups_per_cta, accumulate):
 # ----------------------------------------------------------------------------- wrapper
 
 
+def defvjp_with_symbolic_zeros(fn, fwd, bwd, num_diff_args: int):
+  """fn.defvjp(fwd, bwd) where bwd sees a SymbolicZero for each output that nothing uses (to
+  skip work on it; `dense` makes one an array) and fwd gets plain values, not the wrapped
+  primals, for fn's first num_diff_args arguments (the differentiable ones)."""
+  fn.defvjp(lambda *args: fwd(*custom_vjp_primal_tree_values(args[:num_diff_args]),
+                              *args[num_diff_args:]), bwd, symbolic_zeros=True)
+
+
 def dense(cotangent, shape, dtype):
   """A custom VJP's cotangent (symbolic zeros passed) as an array: zeros if symbolic."""
   return jnp.zeros(shape, dtype) if isinstance(cotangent, SymbolicZero) else cotangent
@@ -226,8 +234,7 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
   return tuple(d_sources), jnp.sum(dq_parts, axis=0)
 
 
-_phase1.defvjp(lambda sources, queries, *static: _phase1_fwd(
-    *custom_vjp_primal_tree_values((sources, queries)), *static), _phase1_bwd, symbolic_zeros=True)
+defvjp_with_symbolic_zeros(_phase1, _phase1_fwd, _phase1_bwd, num_diff_args=2)
 
 # bt x dc tiles for the combine kernel, bt x dc_grads for the grads kernel (`groups` row tiles
 # per program), and bt_rows whole rows, dc_rows features at a time, for the logits and vdo kernels.

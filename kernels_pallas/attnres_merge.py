@@ -32,10 +32,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 
-from kernels_pallas.attnres import FrozenTiles, dense, feature_chunk, pad_rows, triton_params
+from kernels_pallas.attnres import (FrozenTiles, defvjp_with_symbolic_zeros, dense, feature_chunk,
+                                    pad_rows, triton_params)
 
 F32 = jnp.float32
 
@@ -173,8 +174,7 @@ def _merge_norm_bwd(eps, norm_eps, dtype, tiles, interpret, res, cotangents):
   return do, dlse, dp, jnp.sum(dq_parts, axis=0), jnp.sum(dgamma_parts, axis=0)
 
 
-_merge_norm.defvjp(lambda *args: _merge_norm_fwd(*custom_vjp_primal_tree_values(args[:5]), *args[5:]),
-                   _merge_norm_bwd, symbolic_zeros=True)
+defvjp_with_symbolic_zeros(_merge_norm, _merge_norm_fwd, _merge_norm_bwd, num_diff_args=5)
 
 # bt rows per tile, held in registers as feature chunks of dc (D itself when D is a power of two
 # <= dc; the chunk loads must be powers of two); `groups` tiles per backward program.

@@ -172,6 +172,9 @@ def np_merge_norm(o, lse, partial, q, scale, eps, norm_eps):
   return scale * h / np.sqrt(np.mean(h * h, -1, keepdims=True) + norm_eps)
 
 
+MERGE_ARGS = ('o', 'lse', 'partial', 'query', 'scale')
+
+
 def random_merge(shape, seed=5, dtype=jnp.float32):
   """Phase-2 inputs (o, lse, partial, query, scale) with gates spread over (0, 1)."""
   rng = np.random.default_rng(seed)
@@ -216,7 +219,7 @@ def test_merge_norm_matches_numpy_and_autodiff():
   for later_use in (True, False):     # without a later use the kernel adds no gradient of it
     grads = jax.grad(merge_norm_loss(True, shape, later_use=later_use), argnums=tuple(range(5)))(*args)
     wants = jax.grad(merge_norm_loss(False, shape, later_use=later_use), argnums=tuple(range(5)))(*args)
-    for name, g, w in zip(('o', 'lse', 'partial', 'query', 'scale'), grads, wants):
+    for name, g, w in zip(MERGE_ARGS, grads, wants):
       assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5, (name, later_use)
 
   args16 = random_merge(shape, dtype=jnp.bfloat16)
@@ -226,9 +229,8 @@ def test_merge_norm_matches_numpy_and_autodiff():
   grads16 = jax.grad(merge_norm_loss(True, shape), argnums=tuple(range(5)))(*args16)
   wants16 = jax.grad(merge_norm_loss(False, shape), argnums=tuple(range(5)))(
       *(a.astype(jnp.float32) for a in args16))
-  for name, g, w in zip(('o', 'lse', 'partial', 'query', 'scale'), grads16, wants16):
-    assert g.dtype == args16[('o', 'lse', 'partial', 'query', 'scale').index(name)].dtype
-    assert tm.rel_err(g, np.asarray(w, np.float64)) <= 2 ** -7, name
+  for name, a, g, w in zip(MERGE_ARGS, args16, grads16, wants16):
+    assert g.dtype == a.dtype and tm.rel_err(g, np.asarray(w, np.float64)) <= 2 ** -7, name
 
 
 def test_pallas_kernels_under_a_mesh_run_per_shard():

@@ -21,7 +21,8 @@ is over one source), so it has none: 2d parameters for each of the other L - 1 s
 final aggregator. `w` is the consumer's depth-attention weights averaged over batch and tokens
 ([sources] float32) when the strategy logs (`log=True`), else None.
 
-  standard        state h; read -> h; write -> h + y (the usual pre-norm residual stream).
+  standard        state h; read -> Norm(h) (and h); write -> h + y (the usual pre-norm residual
+                  stream).
   attnres_block   sources b_0 .. b_{n-1} (the embedding b_0, then the sums of the completed
                   blocks of S = model.attnres_block_size sublayers) and p, the partial sum of the
                   current block (absent right after a block closes); read -> depth attention over
@@ -142,10 +143,11 @@ class AttnResidual:
     if len(sources) == 1:        # sublayer 0: the embedding alone, weight 1, no parameters
       return norm(sources[0]), sources[0], w_n, state
     start = consumer - consumer % self.block_size      # the block's first consumer
+    spec = nn.logical_to_mesh_axes(ACT_BTD)            # the kernels' layout under a mesh
     if state.inter is None:      # the block's first read: phase 1 for all its consumers
       stop = min(start + self.block_size, self.num_sublayers + 1)
       outs, lse, blocks = phase1(state.blocks, state.queries[start:stop], eps=self.eps,
-                                 impl=self.impl, spec=nn.logical_to_mesh_axes(ACT_BTD))
+                                 impl=self.impl, spec=spec)
       # Later blocks take the block sums from phase 1's output: with 'pallas' their gradient
       # is then summed inside its backward kernel.
       state = state.replace(blocks=blocks, inter=(outs, lse))
@@ -156,7 +158,7 @@ class AttnResidual:
     elif self.impl == 'pallas':  # phase 2 fused with the pre-norm
       fused = lambda scale, eps, dtype: merge_norm(
           o_btd, lse_bt, state.partial, query_d, scale, eps=self.eps, norm_eps=eps, dtype=dtype,
-          spec=nn.logical_to_mesh_axes(ACT_BTD))
+          spec=spec)
       x_btd, partial = norm(o_btd, fused=fused)
       h_btd = None
       if self.log:               # for the statistics only: training does not change with logging
