@@ -34,6 +34,8 @@ flags.DEFINE_list('pallas_tiles', [], "extra Pallas tile settings to time, each 
                   "over kernels_pallas.attnres.DEFAULT_TILES' keys (e.g. bt=32/warps=8)")
 flags.DEFINE_list('merge_tiles', [], "extra tile settings of the fused phase-2 kernels to time "
                   "(kernels_pallas.attnres_merge.DEFAULT_TILES' keys)")
+flags.DEFINE_bool('per_kernel', False, "also print each kernel's device time per forward+backward call "
+                  '(from a profiler trace; GPU only)')
 flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
 flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
 FLAGS = flags.FLAGS
@@ -49,6 +51,33 @@ def _time(fn, *args):
     jax.block_until_ready(fn(*args))
     times.append((time.perf_counter() - start) * 1e3)
   return statistics.median(times)
+
+
+def _kernel_ms(fn, *args, calls=5):
+  """[(kernel name, device ms per call)], longest first, from a profiler trace of `calls` calls."""
+  import gzip
+  import json
+  import tempfile
+  import jax
+  from profile_summary import device_events, newest_trace, summarise   # experiments/
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+    with gzip.open(newest_trace(trace_dir)) as f:
+      return summarise(device_events(json.load(f)), calls)[1]
+
+
+def _print_kernels(label, fn, *args, pass_ms):
+  """The attnres kernels' device time in one forward+backward call, and the rest summed."""
+  if not FLAGS.per_kernel:
+    return
+  times = _kernel_ms(fn, *args)
+  ours = [(name, ms) for name, ms in times if name.startswith('attnres')]
+  rest = sum(ms for name, ms in times if not name.startswith('attnres'))
+  print(f'|   {label}: ' + ', '.join(f'{name} {ms:.3f} ({ms / pass_ms:.1f})' for name, ms in ours)
+        + f'; other ops {rest:.3f} |', flush=True)
 
 
 def _inputs(n, s, dtype, key=0):
@@ -187,6 +216,7 @@ def main(_):
       b_ms = _time(backward, sources, queries, w_outs, w_lse)
       print(f'| phase1 | {impl} | {n} | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
             f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |', flush=True)
+      _print_kernels(f'{impl} n={n}', backward, sources, queries, w_outs, w_lse, pass_ms=pass_ms)
   for impl in ['xla', 'pallas'] + [f'pallas:{t}' for t in FLAGS.merge_tiles]:
     err = _check_merge(impl) if impl != 'xla' else 0.0
     args, w = _merge_inputs(dtype)
@@ -195,6 +225,7 @@ def main(_):
     b_ms = _time(backward, *args, w)
     print(f'| phase 2 + pre-norm | {impl} | - | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
           f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |', flush=True)
+    _print_kernels(impl, backward, *args, w, pass_ms=pass_ms)
 
 
 if __name__ == '__main__':

@@ -11,18 +11,21 @@ Each consumer later merges o_j with its block's partial sum (kimijax.ops.attnres
 or with its pre-norm fused, merge_norm in kernels_pallas/attnres_merge.py).
 
 Kernels (M tokens, D features; the sources are [M, D] in any float dtype):
-  _logits_kernel     reads each source once: s [n, S, M] and r [n, M]
+  _logits_kernel     reads each source once: the dots q_j . v_i [n, M, N] and r [n, M]
   _combine_kernel    reads each source once, writes the S outputs o_j [M, D]
   _vdo_kernel        backward: g_ji = do_j . v_i from one read of each do_j and each source
   _grads_kernel      backward: dv_i (plus the gradient of the sources' later uses, which the
-                     op passes through) and per-group partial dq_j from one more read of each
+                     op passes through) and per-program partial dq_j from one more read of each
 The softmax over n and the per-token backward coefficients are [n, S, M] arrays, computed in XLA
 between the kernels. The backward maths (dL/ds_ji = alpha_ji (g_ji - do_j . o_j + dlse_j),
 do_j . o_j = sum_i alpha_ji g_ji):
     dv_i = sum_j alpha_ji do_j + r_i sum_j ds_ji q_j - (r_i^2 / D) (sum_j ds_ji s_ji) v_i
     dq_j = sum_tokens sum_i ds_ji r_i v_i
-Every product is an elementwise multiply and a sum in float32 (no Triton dot, which would need
-16-row operands and could run in TF32).
+The two sums over features that are matrix products, q_j . v_i (over D) and dq_j (over tokens),
+run on the tensor cores: bf16 operands, float32 accumulation. The float32 operand (the queries,
+the coefficients ds_ji r_i; also the sources when they are not bf16) enters as three bf16 terms
+whose sum is exactly that float32 value (_bf16_parts), so the products are those of float32.
+Everything else is an elementwise multiply and sum in float32.
 """
 
 from __future__ import annotations
@@ -56,22 +59,60 @@ def triton_params(num_warps, num_stages=2):
 # ----------------------------------------------------------------------------- forward
 
 
-def _logits_kernel(*refs, n, s, dc, eps):
+def _bf16_parts(x, parts):
+  """float32 x as `parts` bfloat16 terms, each x's leading 8 significant bits left over by the
+  terms before it (masked off, not rounded: a mask is exact, and no compiler folds it away as it
+  may fold a float32 -> bfloat16 -> float32 round trip). Three terms hold a float32 exactly."""
+  out = []
+  for _ in range(parts):
+    top = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)
+    out.append(top.astype(jnp.bfloat16))
+    x = x - top
+  return out
+
+
+def _logits_kernel(*refs, n, dc, eps, source_parts):
+  """Per source: sum of squares by elementwise products, the S query dots on the tensor cores
+  (bf16 operands, float32 accumulation) against the queries' three bf16 parts side by side."""
   src, (q_ref,), (s_ref, r_ref) = refs[:n], refs[n:n + 1], refs[n + 1:]
   bt, d = src[0].shape
   for i in range(n):
     def body(c, carry):
       cols = pl.ds(c * dc, dc)
-      v = src[i][:, cols].astype(jnp.float32)                          # [bt, dc]
+      v = src[i][:, cols]                                              # [bt, dc]
+      v32 = v.astype(jnp.float32)
       sumsq, dots = carry
-      return sumsq + jnp.sum(v * v, axis=1), tuple(
-          dots[j] + jnp.sum(v * q_ref[j, cols][None, :], axis=1) for j in range(s))
-    zero = jnp.zeros((bt,), jnp.float32)
-    sumsq, dots = jax.lax.fori_loop(0, d // dc, body, (zero, (zero,) * s))
+      parts = [v] if source_parts == 1 else _bf16_parts(v32, source_parts)
+      for part in parts:
+        dots += jnp.dot(part, q_ref[cols, :], preferred_element_type=jnp.float32)
+      return sumsq + jnp.sum(v32 * v32, axis=1), dots
+    carry = (jnp.zeros((bt,), jnp.float32), jnp.zeros((bt, q_ref.shape[1]), jnp.float32))
+    sumsq, dots = jax.lax.fori_loop(0, d // dc, body, carry)
     r = jax.lax.rsqrt(sumsq / d + eps)
     r_ref[i, :] = r
-    for j in range(s):
-      s_ref[i, j, :] = dots[j] * r
+    s_ref[i, :, :] = dots * r[:, None]
+
+
+QUERY_PARTS = 3        # bfloat16 terms per float32 query in the logits kernel's dots
+
+
+def _query_parts(queries):
+  """[S, D] float32 -> [D, N] bfloat16: the queries' QUERY_PARTS bf16 terms side by side (column
+  k * S + j holds term k of query j), zero-padded to N, a power of two >= 16 (a dot's least)."""
+  s = queries.shape[0]
+  cols = jnp.concatenate(_bf16_parts(queries.astype(jnp.float32), QUERY_PARTS), axis=0).T
+  return jnp.pad(cols, ((0, 0), (0, _dot_width(s) - QUERY_PARTS * s)))
+
+
+def _source_parts(sources):
+  """bf16 terms per source element in the tensor-core dots: bf16 sources are exact in one."""
+  return 1 if sources[0].dtype == jnp.bfloat16 else QUERY_PARTS
+
+
+def _dot_width(s):
+  """Columns for QUERY_PARTS terms of S queries: a power of two >= 16 (a dot's least)."""
+  return max(16, 1 << (QUERY_PARTS * s - 1).bit_length())
 
 
 def _combine_kernel(*refs, n, s):
@@ -108,34 +149,33 @@ def _vdo_kernel(*refs, n, s, dc):
       g_ref[i, j, :] = acc[i * s + j]
 
 
-def _grads_kernel(*refs, n, s, bt, groups_per_cta, accumulate):
-  """accumulate: dv_in refs (the gradient of the sources' later uses) follow the sources."""
+def _grads_kernel(*refs, n, s, bt, groups_per_cta, accumulate, source_parts):
+  """accumulate: dv_in refs (the gradient of the sources' later uses) follow the sources.
+  dq: this program's partial sum_rows b_ji v_i, one tensor-core dot per source and row tile of
+  b's bf16 terms [N, bt] (b_parts) against v [bt, dc], accumulated over the `groups_per_cta` tiles."""
   k = n if accumulate else 0
   do, src, dv_in = refs[:s], refs[s:s + n], refs[s + n:s + n + k]
-  alpha_ref, b_ref, c_ref, q_ref = refs[s + n + k:s + n + k + 4]
-  dv, (dq_ref,) = refs[s + n + k + 4:s + 2 * n + k + 4], refs[s + 2 * n + k + 4:]
+  alpha_ref, b_ref, c_ref, q_ref, b_parts_ref = refs[s + n + k:s + n + k + 5]
+  dv, (dq_ref,) = refs[s + n + k + 5:s + 2 * n + k + 5], refs[s + 2 * n + k + 5:]
   q = [q_ref[j, :][None, :] for j in range(s)]                       # [1, dc] each
 
   def body(t, dq):
     rows = pl.ds(t * bt, bt)
     dos = [do[j][rows, :].astype(jnp.float32) for j in range(s)]       # [bt, dc] each
-    dq = list(dq)
     for i in range(n):
-      v = src[i][rows, :].astype(jnp.float32)
+      x = src[i][rows, :]
+      v = x.astype(jnp.float32)
       grad = c_ref[i, rows][:, None] * v
       if accumulate:
         grad += dv_in[i][rows, :].astype(jnp.float32)
       for j in range(s):
-        b = b_ref[i, j, rows][:, None]                                # ds_ji r_i, [bt, 1]
-        grad += alpha_ref[i, j, rows][:, None] * dos[j] + b * q[j]
-        dq[j] += b * v                  # summed over rows once, after the loop
+        grad += alpha_ref[i, j, rows][:, None] * dos[j] + b_ref[i, j, rows][:, None] * q[j]
       dv[i][rows, :] = grad.astype(dv[i].dtype)
-    return tuple(dq)
+      for part in [x] if source_parts == 1 else _bf16_parts(v, source_parts):
+        dq += jnp.dot(b_parts_ref[i, :, rows], part, preferred_element_type=jnp.float32)
+    return dq
 
-  dc = q_ref.shape[1]
-  dq = jax.lax.fori_loop(0, groups_per_cta, body, (jnp.zeros((bt, dc), jnp.float32),) * s)
-  for j in range(s):
-    dq_ref[j, :] = jnp.sum(dq[j], axis=0)
+  dq_ref[...] = jax.lax.fori_loop(0, groups_per_cta, body, jnp.zeros(dq_ref.shape, jnp.float32))
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -169,16 +209,22 @@ def _phase1(sources, queries, eps, tiles, interpret):
 def _phase1_fwd(sources, queries, eps, tiles, interpret):
   n, (m, d), s = len(sources), sources[0].shape, queries.shape[0]
   bt, dc = tiles['bt'], feature_chunk(d, tiles['dc'])
-  logits, r = pl.pallas_call(
-      functools.partial(_logits_kernel, n=n, s=s, dc=feature_chunk(d, tiles['dc_rows']), eps=eps),
-      grid=(m // tiles['bt_rows'],),
-      in_specs=[pl.BlockSpec((tiles['bt_rows'], d), lambda t: (t, 0))] * n
-               + [pl.BlockSpec((s, d), lambda t: (0, 0))],
-      out_specs=[pl.BlockSpec((n, s, tiles['bt_rows']), lambda t: (0, 0, t)),
-                 pl.BlockSpec((n, tiles['bt_rows']), lambda t: (0, t))],
-      out_shape=[jax.ShapeDtypeStruct((n, s, m), jnp.float32), jax.ShapeDtypeStruct((n, m), jnp.float32)],
-      compiler_params=triton_params(tiles['warps_rows']), interpret=interpret, name='attnres_phase1_logits',
-  )(*sources, queries)
+  q_parts = _query_parts(queries)
+  rows = tiles['bt_logits']
+  dots, r = pl.pallas_call(
+      functools.partial(_logits_kernel, n=n, dc=feature_chunk(d, tiles['dc_logits']), eps=eps,
+                        source_parts=_source_parts(sources)),
+      grid=(m // rows,),
+      in_specs=[pl.BlockSpec((rows, d), lambda t: (t, 0))] * n
+               + [pl.BlockSpec(q_parts.shape, lambda t: (0, 0))],
+      out_specs=[pl.BlockSpec((n, rows, q_parts.shape[1]), lambda t: (0, t, 0)),
+                 pl.BlockSpec((n, rows), lambda t: (0, t))],
+      out_shape=[jax.ShapeDtypeStruct((n, m, q_parts.shape[1]), jnp.float32),
+                 jax.ShapeDtypeStruct((n, m), jnp.float32)],
+      compiler_params=triton_params(tiles['warps_logits']), interpret=interpret,
+      name='attnres_phase1_logits',
+  )(*sources, q_parts)
+  logits = sum(dots[..., k * s:(k + 1) * s] for k in range(QUERY_PARTS)).transpose(0, 2, 1)
   lse = jax.nn.logsumexp(logits, axis=0)                             # [S, M]
   alpha = jnp.exp(logits - lse)                                      # [n, S, M]
   tile_spec = pl.BlockSpec((bt, dc), lambda t, c: (t, c))
@@ -198,48 +244,59 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
   sources, queries, logits, r, lse = res
   d_outs, d_lse, d_sources_in = cotangents
   n, (m, d), s = len(sources), sources[0].shape, lse.shape[0]
-  bt, dc, g = tiles['bt'], feature_chunk(d, tiles['dc_grads']), tiles['groups']
+  bt, dc, g = tiles['bt_grads'], feature_chunk(d, tiles['dc_grads']), tiles['groups']
   d_outs = [dense(x, (m, d), sources[0].dtype).astype(sources[0].dtype) for x in d_outs]
   d_lse = dense(d_lse, lse.shape, jnp.float32)
   # Sources whose pass-through is unused (the last block's) need no gradient added: a kernel
   # without those inputs, rather than reading n arrays of zeros.
   accumulate = not all(isinstance(x, SymbolicZero) for x in d_sources_in)
   d_sources_in = [dense(x, v.shape, v.dtype) for x, v in zip(d_sources_in, sources)] if accumulate else []
-  rows_bt = tiles['bt_rows']
+  rows_bt = tiles['bt_vdo']
   vdo = pl.pallas_call(
-      functools.partial(_vdo_kernel, n=n, s=s, dc=feature_chunk(d, tiles['dc_rows'])),
+      functools.partial(_vdo_kernel, n=n, s=s, dc=feature_chunk(d, tiles['dc_vdo'])),
       grid=(m // rows_bt,),
       in_specs=[pl.BlockSpec((rows_bt, d), lambda t: (t, 0))] * (s + n),
       out_specs=pl.BlockSpec((n, s, rows_bt), lambda t: (0, 0, t)),
       out_shape=jax.ShapeDtypeStruct((n, s, m), jnp.float32),
-      compiler_params=triton_params(tiles['warps_rows']), interpret=interpret, name='attnres_phase1_vdo',
+      compiler_params=triton_params(tiles['warps_vdo']), interpret=interpret, name='attnres_phase1_vdo',
   )(*d_outs, *sources)
   alpha = jnp.exp(logits - lse)                                      # [n, S, M]
   d_logits = alpha * (vdo - jnp.sum(alpha * vdo, axis=0) + d_lse)
   b = d_logits * r[:, None]
   c = -(r * r / d) * jnp.sum(d_logits * logits, axis=1)               # [n, M]
+  # [n, N, M]: b's bf16 terms, term k of query j in row k * S + j, for the dq dots.
+  b_parts = jnp.concatenate(_bf16_parts(b, QUERY_PARTS), axis=1)
+  width = _dot_width(s)
+  b_parts = jnp.pad(b_parts, ((0, 0), (0, width - QUERY_PARTS * s), (0, 0)))
   rows = bt * g
   tile_spec = pl.BlockSpec((rows, dc), lambda k, t: (t, k))
   *d_sources, dq_parts = pl.pallas_call(
-      functools.partial(_grads_kernel, n=n, s=s, bt=bt, groups_per_cta=g, accumulate=accumulate),
+      functools.partial(_grads_kernel, n=n, s=s, bt=bt, groups_per_cta=g, accumulate=accumulate,
+                        source_parts=_source_parts(sources)),
       grid=(d // dc, m // rows),
       in_specs=[tile_spec] * (s + n + len(d_sources_in))
                + [pl.BlockSpec((n, s, rows), lambda k, t: (0, 0, t))] * 2
-               + [pl.BlockSpec((n, rows), lambda k, t: (0, t)), pl.BlockSpec((s, dc), lambda k, t: (0, k))],
-      out_specs=[tile_spec] * n + [pl.BlockSpec((None, s, dc), lambda k, t: (t, 0, k))],
+               + [pl.BlockSpec((n, rows), lambda k, t: (0, t)), pl.BlockSpec((s, dc), lambda k, t: (0, k)),
+                  pl.BlockSpec((n, width, rows), lambda k, t: (0, 0, t))],
+      out_specs=[tile_spec] * n + [pl.BlockSpec((None, width, dc), lambda k, t: (t, 0, k))],
       out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype) for x in sources]
-                + [jax.ShapeDtypeStruct((m // rows, s, d), jnp.float32)],
-      compiler_params=triton_params(tiles['warps']), interpret=interpret, name='attnres_phase1_grads',
-  )(*d_outs, *sources, *d_sources_in, alpha, b, c, queries)
-  return tuple(d_sources), jnp.sum(dq_parts, axis=0)
+                + [jax.ShapeDtypeStruct((m // rows, width, d), jnp.float32)],
+      compiler_params=triton_params(tiles['warps_grads']), interpret=interpret, name='attnres_phase1_grads',
+  )(*d_outs, *sources, *d_sources_in, alpha, b, c, queries, b_parts)
+  dq = jnp.sum(dq_parts, axis=0)
+  return tuple(d_sources), sum(dq[k * s:(k + 1) * s] for k in range(QUERY_PARTS))
 
 
 defvjp_with_symbolic_zeros(_phase1, _phase1_fwd, _phase1_bwd, num_diff_args=2)
 
-# bt x dc tiles for the combine kernel, bt x dc_grads for the grads kernel (`groups` row tiles
-# per program), and bt_rows whole rows, dc_rows features at a time, for the logits and vdo kernels.
-DEFAULT_TILES = {'bt': 16, 'dc': 128, 'dc_grads': 64, 'warps': 4, 'groups': 8, 'bt_rows': 32,
-                 'dc_rows': 128, 'warps_rows': 8}
+# Per kernel: rows per program (bt), features per chunk (dc) and warps. The grads kernel runs
+# `groups` row tiles per program; the logits and vdo kernels hold whole rows, dc features at a time.
+# Measured on an H200 at n = 8, S = 6 (experiments/results/bench_attnres.md). bt_grads and
+# bt_logits are a dot's dimension: at least 16.
+DEFAULT_TILES = {'bt': 16, 'dc': 128, 'warps': 4,                              # combine
+                 'bt_grads': 16, 'dc_grads': 128, 'warps_grads': 4, 'groups': 8,
+                 'bt_vdo': 16, 'dc_vdo': 64, 'warps_vdo': 4,
+                 'bt_logits': 64, 'dc_logits': 128, 'warps_logits': 4}
 
 
 def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool = False):
@@ -261,7 +318,7 @@ def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool =
     return outs, jnp.concatenate(lses), sources
   tiles = dict(DEFAULT_TILES, **(tiles or {}))
   d, m = shape[-1], math.prod(shape[:-1])
-  quantum = math.lcm(tiles['bt'] * tiles['groups'], tiles['bt_rows'])
+  quantum = math.lcm(tiles['bt'], tiles['bt_grads'] * tiles['groups'], tiles['bt_vdo'], tiles['bt_logits'])
   m_pad = -(-m // quantum) * quantum
   flat = tuple(pad_rows(v.reshape(m, d), m_pad) for v in sources)
   # float32 queries into the custom VJP: the cast's transpose gives dq the queries' own dtype.

@@ -178,7 +178,7 @@ defvjp_with_symbolic_zeros(_merge_norm, _merge_norm_fwd, _merge_norm_bwd, num_di
 
 # bt rows per tile, held in registers as feature chunks of dc (D itself when D is a power of two
 # <= dc; the chunk loads must be powers of two); `groups` tiles per backward program.
-DEFAULT_TILES = {'bt': 4, 'dc': 1024, 'warps': 8, 'groups': 8}
+DEFAULT_TILES = {'bt': 2, 'dc': 1024, 'warps': 4, 'groups': 8}
 
 
 def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dtype,
