@@ -69,15 +69,18 @@ def _kernel_ms(fn, *args, calls=5):
       return summarise(device_events(json.load(f)), calls)[1]
 
 
-def _print_kernels(label, fn, *args, pass_ms):
-  """The attnres kernels' device time in one forward+backward call, and the rest summed."""
+def _print_kernels(label, forward, backward, args, backward_args, pass_ms):
+  """The attnres kernels' device time per forward call and per forward+backward call (whose
+  gradient needs no phase-1 outputs, so the combine kernel shows in the forward only), and the
+  other ops' summed."""
   if not FLAGS.per_kernel:
     return
-  times = _kernel_ms(fn, *args)
-  ours = [(name, ms) for name, ms in times if name.startswith('attnres')]
-  rest = sum(ms for name, ms in times if not name.startswith('attnres'))
-  print(f'|   {label}: ' + ', '.join(f'{name} {ms:.3f} ({ms / pass_ms:.1f})' for name, ms in ours)
-        + f'; other ops {rest:.3f} |', flush=True)
+  for kind, fn, fn_args in (('fwd', forward, args), ('fwd+bwd', backward, backward_args)):
+    times = _kernel_ms(fn, *fn_args)
+    ours = [(name, ms) for name, ms in times if name.startswith('attnres')]
+    rest = sum(ms for name, ms in times if not name.startswith('attnres'))
+    print(f'|   {label} {kind}: ' + ', '.join(f'{name} {ms:.3f} ({ms / pass_ms:.1f})' for name, ms in ours)
+          + f'; other ops {rest:.3f} |', flush=True)
 
 
 def _inputs(n, s, dtype, key=0):
@@ -91,7 +94,8 @@ def _inputs(n, s, dtype, key=0):
 
 def _tiles(impl):
   """'pallas:bt=32/warps=8' -> {'bt': 32, 'warps': 8}."""
-  return {k: int(x) for k, x in (kv.split('=') for kv in impl.split(':')[1].split('/'))}
+  from kernels_pallas.attnres import parse_tiles
+  return parse_tiles(impl.split(':')[1])
 
 
 def _phase1_fns(impl):
@@ -216,7 +220,8 @@ def main(_):
       b_ms = _time(backward, sources, queries, w_outs, w_lse)
       print(f'| phase1 | {impl} | {n} | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
             f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |', flush=True)
-      _print_kernels(f'{impl} n={n}', backward, sources, queries, w_outs, w_lse, pass_ms=pass_ms)
+      _print_kernels(f'{impl} n={n}', forward, backward, (sources, queries),
+                     (sources, queries, w_outs, w_lse), pass_ms)
   for impl in ['xla', 'pallas'] + [f'pallas:{t}' for t in FLAGS.merge_tiles]:
     err = _check_merge(impl) if impl != 'xla' else 0.0
     args, w = _merge_inputs(dtype)
@@ -225,7 +230,7 @@ def main(_):
     b_ms = _time(backward, *args, w)
     print(f'| phase 2 + pre-norm | {impl} | - | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
           f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |', flush=True)
-    _print_kernels(impl, backward, *args, w, pass_ms=pass_ms)
+    _print_kernels(impl, forward, backward, args, (*args, w), pass_ms)
 
 
 if __name__ == '__main__':

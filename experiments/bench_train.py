@@ -22,6 +22,10 @@ flags.DEFINE_integer('warmup', 3, 'untimed steps (the first compiles)')
 flags.DEFINE_float('peak_tflops', 989.0, 'dense bf16 peak of one device, TFLOP/s')
 flags.DEFINE_string('json_out', None, 'also write the figures to this JSON file')
 flags.DEFINE_string('profile_dir', None, 'write a profiler trace (perfetto JSON too) of 3 extra steps here')
+flags.DEFINE_string('phase1_tiles', '', "AttnRes phase-1 kernel tiles for this run, 'key=int/key=int' over "
+                    'kernels_pallas.attnres.DEFAULT_TILES (for step-level tile sweeps)')
+flags.DEFINE_string('merge_tiles', '', 'the same for the fused phase-2 kernels '
+                    '(kernels_pallas.attnres_merge.DEFAULT_TILES)')
 flags.mark_flags_as_required(['config'])
 FLAGS = flags.FLAGS
 
@@ -32,6 +36,20 @@ def model_flops_per_token(config, n_params: int) -> float:
   n_matmul = n_params if m.tie_embeddings else n_params - m.vocab_size * m.d_model
   n_attn = layer_kinds(m).count('A')
   return 6.0 * n_matmul + 6.0 * n_attn * config.train.seq_len * m.d_model
+
+
+def _set_attnres_tiles() -> dict:
+  """Applies --phase1_tiles / --merge_tiles to the kernels' defaults (checked before any compile)
+  and returns the overrides, for the results."""
+  tiles = {}
+  if FLAGS.phase1_tiles or FLAGS.merge_tiles:
+    from kernels_pallas import attnres, attnres_merge
+    for flag, module, op in ((FLAGS.phase1_tiles, attnres, 'phase1'),
+                             (FLAGS.merge_tiles, attnres_merge, 'merge_norm')):
+      if flag:
+        module.DEFAULT_TILES = attnres.with_defaults(attnres.parse_tiles(flag), module.DEFAULT_TILES, op)
+        tiles[op] = flag
+  return tiles
 
 
 def main(argv):
@@ -45,6 +63,7 @@ def main(argv):
   from kimijax.train.step import build_training
 
   config = validate(FLAGS.config)
+  tiles = _set_attnres_tiles()
   t = config.train
   mesh = mesh_lib.make_mesh(config.mesh)
   run = build_training(config, mesh)
@@ -84,7 +103,7 @@ def main(argv):
       'remat': config.model.remat, 'residual': config.model.residual,
       'attnres_block_size': (config.model.attnres_block_size
                              if config.model.residual == 'attnres_block' else None),
-      'residual_dtype': config.model.residual_dtype,
+      'residual_dtype': config.model.residual_dtype, 'attnres_tiles': tiles,
       'step_ms': step_s * 1e3, 'tokens_per_sec': tokens_per_step / step_s,
       'model_tflops_per_device': tflops_per_dev, 'mfu': tflops_per_dev / FLAGS.peak_tflops,
       'peak_memory_GiB': stats.get('peak_bytes_in_use', 0) / 2**30, 'loss': float(metrics['loss']),

@@ -52,8 +52,9 @@ def feature_chunk(d: int, target: int = 64) -> int:
   raise ValueError(f'the Pallas AttnRes kernels need d_model divisible by 16; got {d}')
 
 
-def triton_params(num_warps, num_stages=2):
-  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+def triton_params(tiles, kernel=''):
+  """Triton settings of one kernel from its tile keys: warps{kernel} and stages{kernel}."""
+  return plgpu.CompilerParams(num_warps=tiles['warps' + kernel], num_stages=tiles['stages' + kernel])
 
 
 # ----------------------------------------------------------------------------- forward
@@ -94,25 +95,25 @@ def _logits_kernel(*refs, n, dc, eps, source_parts):
     s_ref[i, :, :] = dots * r[:, None]
 
 
-QUERY_PARTS = 3        # bfloat16 terms per float32 query in the logits kernel's dots
+BF16_TERMS = 3         # bfloat16 terms that hold a float32 value exactly (_bf16_parts)
 
 
 def _query_parts(queries):
-  """[S, D] float32 -> [D, N] bfloat16: the queries' QUERY_PARTS bf16 terms side by side (column
+  """[S, D] float32 -> [D, N] bfloat16: the queries' BF16_TERMS bf16 terms side by side (column
   k * S + j holds term k of query j), zero-padded to N, a power of two >= 16 (a dot's least)."""
   s = queries.shape[0]
-  cols = jnp.concatenate(_bf16_parts(queries.astype(jnp.float32), QUERY_PARTS), axis=0).T
-  return jnp.pad(cols, ((0, 0), (0, _dot_width(s) - QUERY_PARTS * s)))
+  cols = jnp.concatenate(_bf16_parts(queries.astype(jnp.float32), BF16_TERMS), axis=0).T
+  return jnp.pad(cols, ((0, 0), (0, _dot_width(s) - BF16_TERMS * s)))
 
 
 def _source_parts(sources):
   """bf16 terms per source element in the tensor-core dots: bf16 sources are exact in one."""
-  return 1 if sources[0].dtype == jnp.bfloat16 else QUERY_PARTS
+  return 1 if sources[0].dtype == jnp.bfloat16 else BF16_TERMS
 
 
 def _dot_width(s):
-  """Columns for QUERY_PARTS terms of S queries: a power of two >= 16 (a dot's least)."""
-  return max(16, 1 << (QUERY_PARTS * s - 1).bit_length())
+  """Columns for BF16_TERMS terms of S queries: a power of two >= 16 (a dot's least)."""
+  return max(16, 1 << (BF16_TERMS * s - 1).bit_length())
 
 
 def _combine_kernel(*refs, n, s):
@@ -221,10 +222,10 @@ def _phase1_fwd(sources, queries, eps, tiles, interpret):
                  pl.BlockSpec((n, rows), lambda t: (0, t))],
       out_shape=[jax.ShapeDtypeStruct((n, m, q_parts.shape[1]), jnp.float32),
                  jax.ShapeDtypeStruct((n, m), jnp.float32)],
-      compiler_params=triton_params(tiles['warps_logits']), interpret=interpret,
+      compiler_params=triton_params(tiles, '_logits'), interpret=interpret,
       name='attnres_phase1_logits',
   )(*sources, q_parts)
-  logits = sum(dots[..., k * s:(k + 1) * s] for k in range(QUERY_PARTS)).transpose(0, 2, 1)
+  logits = sum(dots[..., k * s:(k + 1) * s] for k in range(BF16_TERMS)).transpose(0, 2, 1)
   lse = jax.nn.logsumexp(logits, axis=0)                             # [S, M]
   alpha = jnp.exp(logits - lse)                                      # [n, S, M]
   tile_spec = pl.BlockSpec((bt, dc), lambda t, c: (t, c))
@@ -234,7 +235,7 @@ def _phase1_fwd(sources, queries, eps, tiles, interpret):
       in_specs=[tile_spec] * n + [pl.BlockSpec((n, s, bt), lambda t, c: (0, 0, t))],
       out_specs=[tile_spec] * s,
       out_shape=[jax.ShapeDtypeStruct((m, d), sources[0].dtype)] * s,
-      compiler_params=triton_params(tiles['warps']), interpret=interpret, name='attnres_phase1_combine',
+      compiler_params=triton_params(tiles), interpret=interpret, name='attnres_phase1_combine',
   )(*sources, alpha)
   return (tuple(outs), lse, sources), (sources, queries, logits, r, lse)
 
@@ -258,16 +259,16 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
       in_specs=[pl.BlockSpec((rows_bt, d), lambda t: (t, 0))] * (s + n),
       out_specs=pl.BlockSpec((n, s, rows_bt), lambda t: (0, 0, t)),
       out_shape=jax.ShapeDtypeStruct((n, s, m), jnp.float32),
-      compiler_params=triton_params(tiles['warps_vdo']), interpret=interpret, name='attnres_phase1_vdo',
+      compiler_params=triton_params(tiles, '_vdo'), interpret=interpret, name='attnres_phase1_vdo',
   )(*d_outs, *sources)
   alpha = jnp.exp(logits - lse)                                      # [n, S, M]
   d_logits = alpha * (vdo - jnp.sum(alpha * vdo, axis=0) + d_lse)
   b = d_logits * r[:, None]
   c = -(r * r / d) * jnp.sum(d_logits * logits, axis=1)               # [n, M]
   # [n, N, M]: b's bf16 terms, term k of query j in row k * S + j, for the dq dots.
-  b_parts = jnp.concatenate(_bf16_parts(b, QUERY_PARTS), axis=1)
+  b_parts = jnp.concatenate(_bf16_parts(b, BF16_TERMS), axis=1)
   width = _dot_width(s)
-  b_parts = jnp.pad(b_parts, ((0, 0), (0, width - QUERY_PARTS * s), (0, 0)))
+  b_parts = jnp.pad(b_parts, ((0, 0), (0, width - BF16_TERMS * s), (0, 0)))
   rows = bt * g
   tile_spec = pl.BlockSpec((rows, dc), lambda k, t: (t, k))
   *d_sources, dq_parts = pl.pallas_call(
@@ -281,22 +282,23 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
       out_specs=[tile_spec] * n + [pl.BlockSpec((None, width, dc), lambda k, t: (t, 0, k))],
       out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype) for x in sources]
                 + [jax.ShapeDtypeStruct((m // rows, width, d), jnp.float32)],
-      compiler_params=triton_params(tiles['warps_grads']), interpret=interpret, name='attnres_phase1_grads',
+      compiler_params=triton_params(tiles, '_grads'), interpret=interpret, name='attnres_phase1_grads',
   )(*d_outs, *sources, *d_sources_in, alpha, b, c, queries, b_parts)
   dq = jnp.sum(dq_parts, axis=0)
-  return tuple(d_sources), sum(dq[k * s:(k + 1) * s] for k in range(QUERY_PARTS))
+  return tuple(d_sources), sum(dq[k * s:(k + 1) * s] for k in range(BF16_TERMS))
 
 
 defvjp_with_symbolic_zeros(_phase1, _phase1_fwd, _phase1_bwd, num_diff_args=2)
 
-# Per kernel: rows per program (bt), features per chunk (dc) and warps. The grads kernel runs
-# `groups` row tiles per program; the logits and vdo kernels hold whole rows, dc features at a time.
+# Per kernel: rows per program (bt), features per chunk (dc), warps and Triton pipeline stages.
+# The grads kernel runs `groups` row tiles per program; the logits and vdo kernels hold whole
+# rows, dc features at a time.
 # Measured on an H200 at n = 8, S = 6 (experiments/results/bench_attnres.md). bt_grads and
 # bt_logits are a dot's dimension: at least 16.
-DEFAULT_TILES = {'bt': 16, 'dc': 128, 'warps': 4,                              # combine
-                 'bt_grads': 16, 'dc_grads': 128, 'warps_grads': 4, 'groups': 8,
-                 'bt_vdo': 16, 'dc_vdo': 64, 'warps_vdo': 4,
-                 'bt_logits': 64, 'dc_logits': 128, 'warps_logits': 4}
+DEFAULT_TILES = {'bt': 16, 'dc': 128, 'warps': 4, 'stages': 2,                 # combine
+                 'bt_grads': 16, 'dc_grads': 128, 'warps_grads': 4, 'stages_grads': 2, 'groups': 8,
+                 'bt_vdo': 16, 'dc_vdo': 64, 'warps_vdo': 4, 'stages_vdo': 2,
+                 'bt_logits': 64, 'dc_logits': 128, 'warps_logits': 4, 'stages_logits': 2}
 
 
 def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool = False):
@@ -316,7 +318,7 @@ def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool =
                                interpret=interpret)
       outs, lses = outs + o, lses + [lse]
     return outs, jnp.concatenate(lses), sources
-  tiles = dict(DEFAULT_TILES, **(tiles or {}))
+  tiles = with_defaults(tiles, DEFAULT_TILES, 'phase1')
   d, m = shape[-1], math.prod(shape[:-1])
   quantum = math.lcm(tiles['bt'], tiles['bt_grads'] * tiles['groups'], tiles['bt_vdo'], tiles['bt_logits'])
   m_pad = -(-m // quantum) * quantum
@@ -325,6 +327,22 @@ def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool =
   outs, lse, flat = _phase1(flat, queries.astype(jnp.float32), eps, FrozenTiles(tiles), interpret)
   unflat = lambda x: x[:m].reshape(shape)
   return (tuple(map(unflat, outs)), lse[:, :m].reshape((s,) + shape[:-1]), tuple(map(unflat, flat)))
+
+
+def with_defaults(tiles, defaults, op: str) -> dict:
+  """defaults updated with tiles (None: none), refusing keys that defaults does not have."""
+  unknown = sorted(set(tiles or {}) - set(defaults))
+  if unknown:
+    raise ValueError(f'attnres {op}: unknown tile keys {unknown}; allowed: {sorted(defaults)}')
+  return dict(defaults, **(tiles or {}))
+
+
+def parse_tiles(text: str) -> dict:
+  """'bt=32/warps=8' -> {'bt': 32, 'warps': 8} ('' -> {}), for the benchmarks' tile flags."""
+  try:
+    return {k: int(v) for k, v in (kv.split('=') for kv in text.split('/') if kv)}
+  except ValueError:
+    raise ValueError(f"attnres tiles: expected 'key=int/key=int', got {text!r}") from None
 
 
 class FrozenTiles(dict):

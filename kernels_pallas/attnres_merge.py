@@ -36,7 +36,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 
 from kernels_pallas.attnres import (FrozenTiles, defvjp_with_symbolic_zeros, dense, feature_chunk,
-                                    pad_rows, triton_params)
+                                    pad_rows, triton_params, with_defaults)
 
 F32 = jnp.float32
 
@@ -143,7 +143,7 @@ def _merge_norm_fwd(o, lse, p, q, gamma, eps, norm_eps, dtype, tiles, interpret)
       in_specs=[rows, rows, pl.BlockSpec((bt,), lambda t: (t,)), vector, vector],
       out_specs=[rows, pl.BlockSpec((3, bt), lambda t: (0, t))],
       out_shape=[jax.ShapeDtypeStruct((m, d), dtype), jax.ShapeDtypeStruct((3, m), F32)],
-      compiler_params=triton_params(tiles['warps']), interpret=interpret, name='attnres_merge_norm',
+      compiler_params=triton_params(tiles), interpret=interpret, name='attnres_merge_norm',
   )(o, p, lse, q, gamma)
   return (x, p), (o, lse, p, q, gamma, stats)
 
@@ -169,7 +169,7 @@ def _merge_norm_bwd(eps, norm_eps, dtype, tiles, interpret, res, cotangents):
       out_specs=[rows, rows, pl.BlockSpec((bt * g,), lambda t: (t,)), partial, partial],
       out_shape=[jax.ShapeDtypeStruct((m, d), o.dtype), jax.ShapeDtypeStruct((m, d), p.dtype),
                  jax.ShapeDtypeStruct((m,), F32)] + [jax.ShapeDtypeStruct((programs, d), F32)] * 2,
-      compiler_params=triton_params(tiles['warps']), interpret=interpret, name='attnres_merge_norm_bwd',
+      compiler_params=triton_params(tiles), interpret=interpret, name='attnres_merge_norm_bwd',
   )(dx, *dp_in, o, p, lse, stats, q, gamma)
   return do, dlse, dp, jnp.sum(dq_parts, axis=0), jnp.sum(dgamma_parts, axis=0)
 
@@ -177,8 +177,9 @@ def _merge_norm_bwd(eps, norm_eps, dtype, tiles, interpret, res, cotangents):
 defvjp_with_symbolic_zeros(_merge_norm, _merge_norm_fwd, _merge_norm_bwd, num_diff_args=5)
 
 # bt rows per tile, held in registers as feature chunks of dc (D itself when D is a power of two
-# <= dc; the chunk loads must be powers of two); `groups` tiles per backward program.
-DEFAULT_TILES = {'bt': 2, 'dc': 1024, 'warps': 4, 'groups': 8}
+# <= dc; the chunk loads must be powers of two); `groups` tiles per backward program; warps and
+# Triton pipeline stages. Measured on an H200 (experiments/results/bench_attnres.md).
+DEFAULT_TILES = {'bt': 2, 'dc': 1024, 'warps': 4, 'stages': 2, 'groups': 8}
 
 
 def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dtype,
@@ -195,7 +196,7 @@ def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dt
     raise ValueError(f'attnres merge_norm: o and partial must be [..., D] of one dtype, lse [...], '
                      f'query and scale [D]; got o {o.shape} {o.dtype}, partial {shape} {partial.dtype}, '
                      f'lse {lse.shape}, query {query.shape}, scale {scale.shape}')
-  tiles = dict(DEFAULT_TILES, **(tiles or {}))
+  tiles = with_defaults(tiles, DEFAULT_TILES, 'merge_norm')
   d, m = shape[-1], math.prod(shape[:-1])
   m_pad = -(-m // (tiles['bt'] * tiles['groups'])) * tiles['bt'] * tiles['groups']
   flat = lambda a: pad_rows(a.reshape(m, d), m_pad)

@@ -162,6 +162,21 @@ def test_pallas_phase1_bf16_and_many_queries():
     assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5
 
 
+def test_kernel_tiles_reject_unknown_keys():
+  """A mistyped tile key is an error naming it, not silently the default."""
+  from kernels_pallas.attnres import parse_tiles, phase1 as kernel
+  from kernels_pallas.attnres_merge import merge_norm as merge_kernel
+  sources, _, queries = random_block(n=2, s=2, b=1, t=8, d=32)
+  with pytest.raises(ValueError, match="unknown tile keys \\['bt_grad'\\]"):
+    kernel([jnp.asarray(v) for v in sources], jnp.asarray(queries), tiles={'bt_grad': 32}, interpret=True)
+  args = random_merge((1, 8, 32))
+  with pytest.raises(ValueError, match="unknown tile keys \\['wraps'\\]"):
+    merge_kernel(*args, eps=1e-6, norm_eps=1e-6, dtype=jnp.float32, tiles={'wraps': 4}, interpret=True)
+  assert parse_tiles('bt=32/warps=8') == {'bt': 32, 'warps': 8}
+  with pytest.raises(ValueError, match='key=int'):
+    parse_tiles('bt')
+
+
 def np_merge_norm(o, lse, partial, q, scale, eps, norm_eps):
   """float64 SPEC §4 phase 2 then RMSNorm: the softmax over [block sums (their logsumexp lse),
   partial] as a two-way gate, the merged input normalised with gain `scale`."""
