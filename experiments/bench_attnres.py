@@ -8,7 +8,8 @@ Phase 1 of one block: S queries over n block sums (random bf16 sources [B, T, D]
 scales, random queries), forward (the S outputs and lse) and forward+backward (gradients of a
 random projection of the outputs, lse and the passed-through sources with respect to the
 sources and queries), for each impl and each n in --sources. Also phase 2 and the pre-norm of
-one consumer, unfused ('xla') and fused ('pallas', and the --merge_tiles variants). For scale,
+one consumer, unfused ('xla') and fused ('pallas', and the --merge_tiles variants), by default
+after adding the previous sublayer's output to the partial sum (--merge_add). For scale,
 the time of one pass over a [B, T, D] array (from chained scale-and-copies, a read and a write
 each), so each figure can be read as passes; the figures include each call's launch overhead,
 the pass time does not.
@@ -34,6 +35,8 @@ flags.DEFINE_list('pallas_tiles', [], "extra Pallas tile settings to time, each 
                   "over kernels_pallas.attnres.DEFAULT_TILES' keys (e.g. bt=32/warps=8)")
 flags.DEFINE_list('merge_tiles', [], "extra tile settings of the fused phase-2 kernels to time "
                   "(kernels_pallas.attnres_merge.DEFAULT_TILES' keys)")
+flags.DEFINE_bool('merge_add', True, 'phase 2 also adds the previous sublayer output to the partial '
+                  'sum first, as the model does with the Pallas kernels and no remat')
 flags.DEFINE_bool('per_kernel', False, "also print each kernel's device time per forward+backward call "
                   '(from a profiler trace; GPU only)')
 flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
@@ -145,41 +148,44 @@ def _max_rel_err(got, want):
 
 
 def _merge_inputs(dtype, key=5):
-  """Phase-2 inputs (o, lse, p, q, RMSNorm gain) and a random cotangent for the normalised input."""
+  """Phase-2 inputs (o, lse, p, q, RMSNorm gain, and with --merge_add the sublayer output y to add
+  to p first) and a random cotangent for the normalised input."""
   import jax
   shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.d_model)
-  k = jax.random.split(jax.random.key(key), 6)
-  o, p = (jax.random.normal(k[i], shape).astype(dtype) for i in (0, 1))
+  k = jax.random.split(jax.random.key(key), 7)
+  o, p, y = (jax.random.normal(k[i], shape).astype(dtype) for i in (0, 1, 6))
   lse = jax.random.normal(k[2], shape[:-1])
   q = 0.05 * jax.random.normal(k[3], shape[-1:])
   scale = 1 + 0.1 * jax.random.normal(k[4], shape[-1:])
-  return (o, lse, p, q, scale), jax.random.normal(k[5], shape)
+  return (o, lse, p, q, scale) + ((y,) if FLAGS.merge_add else ()), jax.random.normal(k[5], shape)
 
 
 def _merge_fns(impl):
   """Phase 2 and the consumer's pre-norm: 'xla' unfused (merge_partial, then the RMSNorm
   formula), 'pallas' the fused kernels (kimijax.ops.attnres.merge_norm), 'pallas:<tiles>' them
-  with those tiles. Forward, and the gradient of a random projection of the normalised input
-  plus the partial sum (its next use in the model; the projection's read counts too)."""
+  with those tiles; with --merge_add, after adding y to p (an XLA add, or in the kernel). Forward,
+  and the gradient of a random projection of the normalised input plus the partial sum (its next
+  use in the model; the projection's read counts too)."""
   import jax
   import jax.numpy as jnp
   from kimijax.layers.norms import rms_normalise
   from kimijax.ops.attnres import merge_norm, merge_partial
 
-  def fn(o, lse, p, q, scale):
+  def fn(o, lse, p, q, scale, y=None):
     """-> (normalised input, the partial sum for its next use)."""
     if impl == 'xla':
+      p = p if y is None else p + y
       return (rms_normalise(merge_partial(o, lse, p, q), 1e-6) * scale).astype(o.dtype), p
     if impl == 'pallas':
-      return merge_norm(o, lse, p, q, scale, dtype=o.dtype)
+      return merge_norm(o, lse, p, q, scale, dtype=o.dtype, addend=y)
     from kernels_pallas.attnres_merge import merge_norm as kernel
-    return kernel(o, lse, p, q, scale, eps=1e-6, norm_eps=1e-6, dtype=o.dtype, tiles=_tiles(impl),
-                  interpret=jax.default_backend() != 'gpu')
+    return kernel(o, lse, p, q, scale, eps=1e-6, norm_eps=1e-6, dtype=o.dtype, addend=y,
+                  tiles=_tiles(impl), interpret=jax.default_backend() != 'gpu')
 
   def loss(*args):
-    x, p = fn(*args[:5])
-    return jnp.sum((x.astype(jnp.float32) + p.astype(jnp.float32)) * args[5])
-  return jax.jit(fn), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    x, p = fn(*args[:-1])
+    return jnp.sum((x.astype(jnp.float32) + p.astype(jnp.float32)) * args[-1])
+  return jax.jit(fn), jax.jit(jax.grad(loss, argnums=tuple(range(6 if FLAGS.merge_add else 5))))
 
 
 def _check_merge(impl):

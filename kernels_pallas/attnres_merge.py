@@ -12,6 +12,9 @@ XLA writes h, reads it back for the norm, and its backward goes through h again.
 
 The op also returns p itself, so that the caller's next use of p (the next partial sum) takes it
 from here and dp_next, that use's gradient, reaches the backward kernel, which adds it in.
+Given the previous sublayer's output y as well, the forward forms p = p_prev + y itself (reads
+p_prev and y, writes p): one pass fewer than an XLA add that writes p and a kernel that reads it
+back. p_prev and y then both get dp.
 
 Backward, with g = dx * gamma (per token, sums over the D features):
     dgamma = sum_tokens dx h r_h
@@ -65,11 +68,22 @@ def _vector(ref, chunks):
   return [ref[c][None, :] for c in chunks]
 
 
-def _fwd_kernel(o_ref, p_ref, lse_ref, q_ref, gamma_ref, x_ref, stats_ref, *, dc, eps, norm_eps):
+def _fwd_kernel(*refs, dc, eps, norm_eps, add):
+  """add: p arrives as two refs, the previous partial sum and the sublayer output y to add to it,
+  and the sum p (rounded to their dtype, as an XLA add would store it) is written out too."""
+  o_ref, p_ref = refs[:2]
+  y_ref = refs[2] if add else None
+  lse_ref, q_ref, gamma_ref, x_ref, stats_ref = refs[2 + add:7 + add]
   bt, d = p_ref.shape
   chunks = [pl.ds(c, dc) for c in range(0, d, dc)]
   rows = pl.ds(0, bt)
   o, p = _load(o_ref, rows, chunks), _load(p_ref, rows, chunks)
+  if add:
+    p_out = refs[7 + add]
+    p = [(pc + yc).astype(p_out.dtype) for pc, yc in zip(p, _load(y_ref, rows, chunks))]
+    for c, pc in zip(chunks, p):
+      p_out[:, c] = pc
+    p = [pc.astype(F32) for pc in p]
   r_p = jax.lax.rsqrt(_rowsum(p, p) / d + eps)
   s_p = _rowsum(p, _vector(q_ref, chunks)) * r_p
   sig = _sigmoid(lse_ref[...] - s_p)[:, None]
@@ -127,30 +141,34 @@ def _bwd_kernel(*refs, bt, tiles_per_program, dc, accumulate):
     dgamma_ref[c] = jnp.sum(dg_c, axis=0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _merge_norm(o, lse, p, q, gamma, eps, norm_eps, dtype, tiles, interpret):
-  return _merge_norm_fwd(o, lse, p, q, gamma, eps, norm_eps, dtype, tiles, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _merge_norm(o, lse, p, addends, q, gamma, eps, norm_eps, dtype, tiles, interpret):
+  return _merge_norm_fwd(o, lse, p, addends, q, gamma, eps, norm_eps, dtype, tiles, interpret)[0]
 
 
-def _merge_norm_fwd(o, lse, p, q, gamma, eps, norm_eps, dtype, tiles, interpret):
+def _merge_norm_fwd(o, lse, p, addends, q, gamma, eps, norm_eps, dtype, tiles, interpret):
+  """addends: () or (y,), y to be added to p first (then the partial sum returned is p + y)."""
   m, d = p.shape
-  bt = tiles['bt']
+  bt, add = tiles['bt'], len(addends)
   rows = pl.BlockSpec((bt, d), lambda t: (t, 0))
   vector = pl.BlockSpec((d,), lambda t: (0,))
-  x, stats = pl.pallas_call(
-      functools.partial(_fwd_kernel, dc=feature_chunk(d, tiles['dc']), eps=eps, norm_eps=norm_eps),
+  x, stats, *p_sum = pl.pallas_call(
+      functools.partial(_fwd_kernel, dc=feature_chunk(d, tiles['dc']), eps=eps, norm_eps=norm_eps,
+                        add=add),
       grid=(m // bt,),
-      in_specs=[rows, rows, pl.BlockSpec((bt,), lambda t: (t,)), vector, vector],
-      out_specs=[rows, pl.BlockSpec((3, bt), lambda t: (0, t))],
-      out_shape=[jax.ShapeDtypeStruct((m, d), dtype), jax.ShapeDtypeStruct((3, m), F32)],
+      in_specs=[rows] * (2 + add) + [pl.BlockSpec((bt,), lambda t: (t,)), vector, vector],
+      out_specs=[rows, pl.BlockSpec((3, bt), lambda t: (0, t))] + [rows] * add,
+      out_shape=[jax.ShapeDtypeStruct((m, d), dtype), jax.ShapeDtypeStruct((3, m), F32)]
+                + [jax.ShapeDtypeStruct((m, d), p.dtype)] * add,
       compiler_params=triton_params(tiles), interpret=interpret, name='attnres_merge_norm',
-  )(o, p, lse, q, gamma)
-  return (x, p), (o, lse, p, q, gamma, stats)
+  )(o, p, *addends, lse, q, gamma)
+  p = p_sum[0] if add else p
+  return (x, p), (o, lse, p, q, gamma, stats, (None,) * add)
 
 
 def _merge_norm_bwd(eps, norm_eps, dtype, tiles, interpret, res, cotangents):
   del eps, norm_eps
-  o, lse, p, q, gamma, stats = res
+  o, lse, p, q, gamma, stats, addends = res
   m, d = p.shape
   dx, dp_in = dense(cotangents[0], (m, d), dtype), cotangents[1]
   # No later use of the partial sum (the last consumer's): nothing to add, no zeros to read.
@@ -171,10 +189,12 @@ def _merge_norm_bwd(eps, norm_eps, dtype, tiles, interpret, res, cotangents):
                  jax.ShapeDtypeStruct((m,), F32)] + [jax.ShapeDtypeStruct((programs, d), F32)] * 2,
       compiler_params=triton_params(tiles), interpret=interpret, name='attnres_merge_norm_bwd',
   )(dx, *dp_in, o, p, lse, stats, q, gamma)
-  return do, dlse, dp, jnp.sum(dq_parts, axis=0), jnp.sum(dgamma_parts, axis=0)
+  # p = p_prev + y: both get p's gradient.
+  return (do, dlse, dp, tuple(dp for _ in addends), jnp.sum(dq_parts, axis=0),
+          jnp.sum(dgamma_parts, axis=0))
 
 
-defvjp_with_symbolic_zeros(_merge_norm, _merge_norm_fwd, _merge_norm_bwd, num_diff_args=5)
+defvjp_with_symbolic_zeros(_merge_norm, _merge_norm_fwd, _merge_norm_bwd, num_diff_args=6)
 
 # bt rows per tile, held in registers as feature chunks of dc (D itself when D is a power of two
 # <= dc; the chunk loads must be powers of two); `groups` tiles per backward program; warps and
@@ -183,24 +203,29 @@ DEFAULT_TILES = {'bt': 2, 'dc': 1024, 'warps': 4, 'stages': 2, 'groups': 8}
 
 
 def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dtype,
-               tiles=None, interpret: bool = False):
+               addend=None, tiles=None, interpret: bool = False):
   """o, partial [..., D] (one dtype), lse [...], query and scale [D] -> (x [..., D] in `dtype`,
   partial): x = scale * rms_normalise(h, norm_eps), h = sigma o + (1 - sigma) partial (see the
-  module docstring). The partial sum comes back unchanged so that the caller's later uses of it
-  (the next partial sum) go through this op: the backward kernel then adds their gradient to its
-  own, where otherwise XLA would add the two in a separate pass. Differentiable in o, lse,
-  partial, query and scale."""
+  module docstring). With `addend` y (like partial), the partial sum is partial + y, formed in
+  the kernel (rounded to partial's dtype) instead of by a separate XLA add that writes it and
+  the kernel reads it back. The partial sum comes back (partial, or partial + y) so that the
+  caller's later uses of it (the next partial sum) go through this op: the backward kernel then
+  adds their gradient to its own, where otherwise XLA would add the two in a separate pass.
+  Differentiable in o, lse, partial, addend, query and scale."""
   shape = partial.shape
   if o.shape != shape or o.dtype != partial.dtype or lse.shape != shape[:-1] \
-      or query.shape != shape[-1:] or scale.shape != shape[-1:]:
-    raise ValueError(f'attnres merge_norm: o and partial must be [..., D] of one dtype, lse [...], '
-                     f'query and scale [D]; got o {o.shape} {o.dtype}, partial {shape} {partial.dtype}, '
+      or query.shape != shape[-1:] or scale.shape != shape[-1:] \
+      or (addend is not None and (addend.shape, addend.dtype) != (shape, partial.dtype)):
+    raise ValueError(f'attnres merge_norm: o, partial (and addend) must be [..., D] of one dtype, '
+                     f'lse [...], query and scale [D]; got o {o.shape} {o.dtype}, partial {shape} '
+                     f'{partial.dtype}, addend {None if addend is None else (addend.shape, addend.dtype)}, '
                      f'lse {lse.shape}, query {query.shape}, scale {scale.shape}')
   tiles = with_defaults(tiles, DEFAULT_TILES, 'merge_norm')
   d, m = shape[-1], math.prod(shape[:-1])
   m_pad = -(-m // (tiles['bt'] * tiles['groups'])) * tiles['bt'] * tiles['groups']
   flat = lambda a: pad_rows(a.reshape(m, d), m_pad)
   lse = jnp.pad(lse.reshape(m).astype(F32), (0, m_pad - m))
-  x, p = _merge_norm(flat(o), lse, flat(partial), query.astype(F32), scale.astype(F32), eps,
-                     norm_eps, jnp.dtype(dtype), FrozenTiles(tiles), interpret)
+  addends = () if addend is None else (flat(addend),)
+  x, p = _merge_norm(flat(o), lse, flat(partial), addends, query.astype(F32), scale.astype(F32),
+                     eps, norm_eps, jnp.dtype(dtype), FrozenTiles(tiles), interpret)
   return x[:m].reshape(shape), p[:m].reshape(shape)

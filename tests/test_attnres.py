@@ -201,18 +201,20 @@ def random_merge(shape, seed=5, dtype=jnp.float32):
           jnp.asarray(q, jnp.float32), jnp.asarray(scale, jnp.float32))
 
 
-def merge_norm_loss(fused, shape, spec=None, seed=6, later_use=True):
+def merge_norm_loss(fused, shape, spec=None, seed=6, later_use=True, addend=False):
   """Random projections of the normalised input and (later_use) of the partial sum's later use:
   by merge_norm (the kernels; the partial sum taken from its output, so that its gradient is
-  added in the backward kernel) or, unfused, by merge_partial and the model's RMSNorm formula."""
+  added in the backward kernel) or, unfused, by merge_partial and the model's RMSNorm formula.
+  addend: a sixth argument y, added to the partial sum first (in the kernel when fused)."""
   from kimijax.layers.norms import rms_normalise
   rng = np.random.default_rng(seed)
   w, w_p = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
 
-  def loss(o, lse, partial, q, scale):
+  def loss(o, lse, partial, q, scale, y=None):
     if fused:
-      x, partial = merge_norm(o, lse, partial, q, scale, eps=1e-6, norm_eps=1e-5, spec=spec)
+      x, partial = merge_norm(o, lse, partial, q, scale, eps=1e-6, norm_eps=1e-5, addend=y, spec=spec)
     else:
+      partial = partial if y is None else partial + y
       x = rms_normalise(merge_partial(o, lse, partial, q, eps=1e-6), 1e-5) * scale
     return jnp.sum(x * w) + (jnp.sum(partial * w_p) if later_use else 0.0)
   return loss
@@ -248,10 +250,37 @@ def test_merge_norm_matches_numpy_and_autodiff():
     assert g.dtype == a.dtype and tm.rel_err(g, np.asarray(w, np.float64)) <= 2 ** -7, name
 
 
+def test_merge_norm_adds_the_sublayer_output_in_the_kernel():
+  """With an addend y, merge_norm forms the partial sum p + y itself: the same normalised input as
+  merge_norm of the XLA sum, p + y back (rounded like an XLA add, also in bf16), and gradients of
+  p and y both equal to the unfused form's gradient of the sum, with and without a later use."""
+  shape = (5, 60, 48)
+  args = random_merge(shape)
+  y = jnp.asarray(np.random.default_rng(7).standard_normal(shape) * 0.3, jnp.float32)
+  want_x, want_p = merge_norm(*args[:2], args[2] + y, *args[3:], eps=1e-6, norm_eps=1e-5)
+  got_x, got_p = merge_norm(*args, eps=1e-6, norm_eps=1e-5, addend=y)
+  np.testing.assert_array_equal(got_p, want_p)
+  assert tm.rel_err(got_x, np.asarray(want_x, np.float64)) <= 1e-6
+  for later_use in (True, False):
+    grads = jax.grad(merge_norm_loss(True, shape, later_use=later_use, addend=True),
+                     argnums=tuple(range(6)))(*args, y)
+    wants = jax.grad(merge_norm_loss(False, shape, later_use=later_use, addend=True),
+                     argnums=tuple(range(6)))(*args, y)
+    for name, g, w in zip(MERGE_ARGS + ('addend',), grads, wants):
+      assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5, (name, later_use)
+  args16, y16 = random_merge(shape, dtype=jnp.bfloat16), y.astype(jnp.bfloat16)
+  got16 = merge_norm(*args16, eps=1e-6, norm_eps=1e-5, dtype=jnp.bfloat16, addend=y16)
+  want16 = merge_norm(*args16[:2], args16[2] + y16, *args16[3:], eps=1e-6, norm_eps=1e-5,
+                      dtype=jnp.bfloat16)
+  for g, w in zip(got16, want16):
+    np.testing.assert_array_equal(g, w)
+
+
 def test_pallas_kernels_under_a_mesh_run_per_shard():
   """8 devices, tokens sharded over the batch: the shard_map path (each device runs the kernels
   on its 1 of 8 batch rows) gives the one-device outputs and gradients, for phase 1 and for the
-  fused phase 2 (the gradients of the replicated queries and gain summed over shards)."""
+  fused phase 2, with and without an addend (the gradients of the replicated queries and gain
+  summed over shards)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))
   shape, spec = (8, 4, 32), P('data', None, None)
@@ -261,7 +290,9 @@ def test_pallas_kernels_under_a_mesh_run_per_shard():
   cases = [(phase1_loss('pallas', shape, 2), phase1_loss('pallas', shape, 2, spec=spec),
             ([jnp.asarray(v) for v in sources], jnp.asarray(queries)), (0, 1)),
            (merge_norm_loss(True, shape), merge_norm_loss(True, shape, spec=spec),
-            merge_args, tuple(range(5)))]
+            merge_args, tuple(range(5))),
+           (merge_norm_loss(True, shape, addend=True), merge_norm_loss(True, shape, spec=spec, addend=True),
+            merge_args + (merge_args[2] * 0.5,), tuple(range(6)))]
   for loss, sharded_loss, args, argnums in cases:
     want = jax.value_and_grad(loss, argnums=argnums)(*args)
     sharded = jax.tree.map(lambda a: shard(a) if a.shape[:2] == shape[:2] else a, args)   # not q

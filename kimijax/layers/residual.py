@@ -33,7 +33,9 @@ final aggregator. `w` is the consumer's depth-attention weights averaged over ba
                   'xla' or the fused 'pallas' kernels) and the state holds its S outputs until the
                   block closes; each read then merges its consumer's output with p (phase 2;
                   with 'pallas' fused with the pre-norm: kimijax.ops.attnres.merge_norm, h never
-                  written). Block 0's phase 1, over b_0 alone, is b_0 and its logits.
+                  written; without remat that kernel also adds the previous sublayer's output to
+                  p, which the write leaves pending). Block 0's phase 1, over b_0 alone, is b_0
+                  and its logits.
   attnres_full    S = 1: every sublayer output is a source (SPEC §4, Full AttnRes). With 'pallas'
                   each read is phase 1 for one consumer, a kernel set compiled per source count
                   (up to L + 1 sources, unrolled): slow to compile for deep models.
@@ -115,6 +117,8 @@ class AttnResState:
   queries: Any               # [L + 1, D] float32: consumer l's effective query w_l * g_l
   blocks: tuple[Any, ...]    # b_0 (embedding), then one [B, T, D] sum per completed block
   partial: Any               # [B, T, D] sum of the current block so far, or None
+  pending: Any               # [B, T, D] the last sublayer's output, still to be added to
+                             # `partial` (by the next read's kernel), or None
   inter: Any                 # phase 1 of the current block: (S' outputs [B, T, D], lse [S', B, T]),
                              # or None (no read in this block yet; block 0's first is sublayer 1's)
 
@@ -122,22 +126,39 @@ class AttnResState:
 @dataclasses.dataclass(frozen=True)
 class AttnResidual:
   """Block Attention Residuals with `block_size` sublayers per block (1: Full AttnRes) over
-  `num_sublayers` sublayers; phase 1 by `impl` ('xla' | 'pallas')."""
+  `num_sublayers` sublayers; phase 1 by `impl` ('xla' | 'pallas'). defer_add: a write within a
+  block leaves its output pending, and the next read's merge_norm kernel adds it to the partial
+  sum (with 'pallas'; one pass fewer than an XLA add; not under remat, where the pending output
+  would be one more tensor in each layer's saved carry)."""
   block_size: int
   num_sublayers: int
   eps: float = 1e-6
   impl: str = 'xla'
   log: bool = False
+  defer_add: bool = False
 
   def start(self, x_btd):
     queries = AttnResQueries(self.num_sublayers, x_btd.shape[-1], name='attnres')()
-    return AttnResState(queries=queries, blocks=(_constrain(x_btd),), partial=None, inter=None)
+    return AttnResState(queries=queries, blocks=(_constrain(x_btd),), partial=None, pending=None,
+                        inter=None)
+
+  @staticmethod
+  def settle(state: AttnResState) -> AttnResState:
+    """The state with its pending sublayer output added to the partial sum (by XLA)."""
+    if state.pending is None:
+      return state
+    return state.replace(partial=_constrain(state.partial + state.pending), pending=None)
 
   @staticmethod
   def sources(state: AttnResState) -> tuple:
+    """b_0 .. b_{n-1} and the partial sum, if any (of a settled state)."""
+    assert state.pending is None, 'settle the state first'
     return state.blocks + (() if state.partial is None else (state.partial,))
 
   def read(self, state: AttnResState, consumer: int, norm):
+    # With 'pallas' (and no statistics to form) merge_norm adds a pending output in its kernel.
+    pending = state.pending if self.impl == 'pallas' and not self.log else None
+    state = self.settle(state) if pending is None else state.replace(pending=None)
     sources, query_d = self.sources(state), state.queries[consumer]
     w_n = self._mean_weights(sources, query_d) if self.log else None
     if len(sources) == 1:        # sublayer 0: the embedding alone, weight 1, no parameters
@@ -158,7 +179,7 @@ class AttnResidual:
     elif self.impl == 'pallas':  # phase 2 fused with the pre-norm
       fused = lambda scale, eps, dtype: merge_norm(
           o_btd, lse_bt, state.partial, query_d, scale, eps=self.eps, norm_eps=eps, dtype=dtype,
-          spec=spec)
+          addend=pending, spec=spec)
       x_btd, partial = norm(o_btd, fused=fused)
       h_btd = None
       if self.log:               # for the statistics only: training does not change with logging
@@ -179,9 +200,13 @@ class AttnResidual:
     return jnp.mean(alpha_nbt, axis=tuple(range(1, alpha_nbt.ndim)))
 
   def write(self, state: AttnResState, y_btd, sublayer: int):
-    y_btd = y_btd.astype(state.blocks[0].dtype)
+    y_btd = _constrain(y_btd.astype(state.blocks[0].dtype))
+    state = self.settle(state)      # a no-op: each read takes up the write before it
+    closes = (sublayer + 1) % self.block_size == 0
+    if self.defer_add and state.partial is not None and not closes:
+      return state.replace(pending=y_btd)
     partial = _constrain(y_btd if state.partial is None else state.partial + y_btd)
-    if (sublayer + 1) % self.block_size == 0:      # sublayer closes its block
+    if closes:
       return state.replace(blocks=state.blocks + (partial,), partial=None, inter=None)
     return state.replace(partial=partial)
 
@@ -209,7 +234,7 @@ def make_residual(cfg: ml_collections.ConfigDict, *, log: bool = False):
     return StandardResidual(log=log)
   if cfg.residual in ('attnres_full', 'attnres_block'):
     return AttnResidual(block_size(cfg), num_sublayers(cfg), eps=cfg.norm_eps, impl=cfg.attnres_impl,
-                        log=log)
+                        log=log, defer_add=cfg.attnres_impl == 'pallas' and not cfg.remat)
   raise ValueError(f'model.residual={cfg.residual!r} is unknown')
 
 

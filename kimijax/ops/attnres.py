@@ -173,18 +173,20 @@ def merge_partial(o, lse, partial, query, *, eps: float = 1e-6):
 
 
 def merge_norm(o, lse, partial, query, scale, *, eps: float = 1e-6, norm_eps: float = 1e-6,
-               dtype=jnp.float32, spec: P | None = None):
+               dtype=jnp.float32, addend=None, spec: P | None = None):
   """Phase 2 fused with the consumer's pre-norm, in the Pallas kernels of
   kernels_pallas/attnres_merge.py (interpreted off the GPU), without ever writing the merged
-  input. o, partial [..., D]; lse [...]; query, scale [D]. Returns (x, partial): x = scale *
-  rms_normalise(merge_partial(o, lse, partial, query), norm_eps) in `dtype`, and the partial
-  sum unchanged, for the caller's later uses of it: their gradient is then added inside the
-  backward kernel. Under a mesh it runs per shard, as phase1 does (the gradients of query and
-  scale summed over shards)."""
+  input. o, partial [..., D]; lse [...]; query, scale [D]; addend: None, or a sublayer output
+  [..., D] not yet added to the partial sum. Returns (x, partial): x = scale *
+  rms_normalise(merge_partial(o, lse, p, query), norm_eps) in `dtype` with p = partial (+
+  addend, added in the kernel), and p, for the caller's later uses of it: their gradient is
+  then added inside the backward kernel. Under a mesh it runs per shard, as phase1 does (the
+  gradients of query and scale summed over shards)."""
   from kernels_pallas.attnres_merge import merge_norm as kernel
-  run = lambda o, lse, p, q, g: kernel(o, lse, p, q, g, eps=eps, norm_eps=norm_eps, dtype=dtype,
-                                       interpret=_interpret())
+  run = lambda o, lse, p, y, q, g: kernel(o, lse, p, q, g, eps=eps, norm_eps=norm_eps, dtype=dtype,
+                                          addend=y, interpret=_interpret())
   lead = _lead_spec(spec, partial.ndim)
   rows = P(*lead, None)
-  return _per_shard(run, (o, lse, partial, query, scale), in_specs=(rows, P(*lead), rows, P(), P()),
+  return _per_shard(run, (o, lse, partial, addend, query, scale),
+                    in_specs=(rows, P(*lead), rows, None if addend is None else rows, P(), P()),
                     out_specs=(rows, rows))
