@@ -37,8 +37,8 @@ flags.DEFINE_list('merge_tiles', [], "extra tile settings of the fused phase-2 k
                   "(kernels_pallas.attnres_merge.DEFAULT_TILES' keys)")
 flags.DEFINE_bool('merge_add', True, 'phase 2 also adds the previous sublayer output to the partial '
                   'sum first, as the model does with the Pallas kernels and no remat')
-flags.DEFINE_bool('per_kernel', False, "also print each kernel's device time per forward+backward call "
-                  '(from a profiler trace; GPU only)')
+flags.DEFINE_bool('per_kernel', False, "also print each kernel's device time per forward call and per "
+                  'forward+backward call (from profiler traces; GPU only: the CPU has none)')
 flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
 flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
 FLAGS = flags.FLAGS
@@ -73,9 +73,9 @@ def _kernel_ms(fn, *args, calls=5):
 
 
 def _print_kernels(label, forward, backward, args, backward_args, pass_ms):
-  """The attnres kernels' device time per forward call and per forward+backward call (whose
-  gradient needs no phase-1 outputs, so the combine kernel shows in the forward only), and the
-  other ops' summed."""
+  """The attnres kernels' device time per forward call and per forward+backward call, and the
+  other ops' summed. (The phase-1 gradient needs no phase-1 outputs, so its combine kernel shows
+  in the forward only.)"""
   if not FLAGS.per_kernel:
     return
   for kind, fn, fn_args in (('fwd', forward, args), ('fwd+bwd', backward, backward_args)):
@@ -226,7 +226,7 @@ def main(_):
       b_ms = _time(backward, sources, queries, w_outs, w_lse)
       print(f'| phase1 | {impl} | {n} | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
             f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |', flush=True)
-      _print_kernels(f'{impl} n={n}', forward, backward, (sources, queries),
+      _print_kernels(f'phase 1 {impl} n={n}', forward, backward, (sources, queries),
                      (sources, queries, w_outs, w_lse), pass_ms)
   for impl in ['xla', 'pallas'] + [f'pallas:{t}' for t in FLAGS.merge_tiles]:
     err = _check_merge(impl) if impl != 'xla' else 0.0
@@ -236,7 +236,7 @@ def main(_):
     b_ms = _time(backward, *args, w)
     print(f'| phase 2 + pre-norm | {impl} | - | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
           f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |', flush=True)
-    _print_kernels(impl, forward, backward, args, (*args, w), pass_ms)
+    _print_kernels(f'phase 2 {impl}', forward, backward, args, (*args, w), pass_ms)
 
 
 if __name__ == '__main__':

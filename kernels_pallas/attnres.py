@@ -11,7 +11,8 @@ Each consumer later merges o_j with its block's partial sum (kimijax.ops.attnres
 or with its pre-norm fused, merge_norm in kernels_pallas/attnres_merge.py).
 
 Kernels (M tokens, D features; the sources are [M, D] in any float dtype):
-  _logits_kernel     reads each source once: the dots q_j . v_i [n, M, N] and r [n, M]
+  _logits_kernel     reads each source once: r [n, M] and the query dots (q_j . v_i) r_i, as
+                     [n, M, BF16_TERMS * S padded] (terms summed after the kernel)
   _combine_kernel    reads each source once, writes the S outputs o_j [M, D]
   _vdo_kernel        backward: g_ji = do_j . v_i from one read of each do_j and each source
   _grads_kernel      backward: dv_i (plus the gradient of the sources' later uses, which the
@@ -44,7 +45,7 @@ MAX_QUERIES = 16              # queries per kernel call; more run in groups
 
 def feature_chunk(d: int, target: int = 64) -> int:
   """The largest power of two <= target dividing d (at least 16)."""
-  c = target
+  c = 1 << (target.bit_length() - 1)
   while c >= 16:
     if d % c == 0:
       return c
@@ -63,7 +64,8 @@ def triton_params(tiles, kernel=''):
 def _bf16_parts(x, parts):
   """float32 x as `parts` bfloat16 terms, each x's leading 8 significant bits left over by the
   terms before it (masked off, not rounded: a mask is exact, and no compiler folds it away as it
-  may fold a float32 -> bfloat16 -> float32 round trip). Three terms hold a float32 exactly."""
+  may fold a float32 -> bfloat16 -> float32 round trip). Three terms hold a float32 exactly, for
+  |x| above about 2^-110 (below, remainders are subnormal and may flush to zero; inf gives nan)."""
   out = []
   for _ in range(parts):
     top = jax.lax.bitcast_convert_type(
@@ -74,9 +76,10 @@ def _bf16_parts(x, parts):
 
 
 def _logits_kernel(*refs, n, dc, eps, source_parts):
-  """Per source: sum of squares by elementwise products, the S query dots on the tensor cores
-  (bf16 operands, float32 accumulation) against the queries' three bf16 parts side by side."""
-  src, (q_ref,), (s_ref, r_ref) = refs[:n], refs[n:n + 1], refs[n + 1:]
+  """Per source: sum of squares by elementwise products, and the dots with the queries' bf16
+  terms (_terms_side_by_side) on the tensor cores (bf16 operands, float32 accumulation); writes
+  r and the dots times r, whose BF16_TERMS groups of S columns sum to the logits."""
+  src, (q_ref,), (terms_ref, r_ref) = refs[:n], refs[n:n + 1], refs[n + 1:]
   bt, d = src[0].shape
   for i in range(n):
     def body(c, carry):
@@ -92,18 +95,26 @@ def _logits_kernel(*refs, n, dc, eps, source_parts):
     sumsq, dots = jax.lax.fori_loop(0, d // dc, body, carry)
     r = jax.lax.rsqrt(sumsq / d + eps)
     r_ref[i, :] = r
-    s_ref[i, :, :] = dots * r[:, None]
+    terms_ref[i, :, :] = dots * r[:, None]
 
 
 BF16_TERMS = 3         # bfloat16 terms that hold a float32 value exactly (_bf16_parts)
 
 
-def _query_parts(queries):
-  """[S, D] float32 -> [D, N] bfloat16: the queries' BF16_TERMS bf16 terms side by side (column
-  k * S + j holds term k of query j), zero-padded to N, a power of two >= 16 (a dot's least)."""
-  s = queries.shape[0]
-  cols = jnp.concatenate(_bf16_parts(queries.astype(jnp.float32), BF16_TERMS), axis=0).T
-  return jnp.pad(cols, ((0, 0), (0, _dot_width(s) - BF16_TERMS * s)))
+def _terms_side_by_side(x, axis):
+  """float32 x with S rows along `axis` -> bf16, its BF16_TERMS terms concatenated along `axis`
+  (row k * S + j holds term k of row j) and zero-padded to _dot_width(S) rows: one operand of a
+  dot whose result _sum_terms turns back into S float32 rows."""
+  s = x.shape[axis]
+  stacked = jnp.concatenate(_bf16_parts(x.astype(jnp.float32), BF16_TERMS), axis=axis)
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, _dot_width(s) - BF16_TERMS * s)
+  return jnp.pad(stacked, pad)
+
+
+def _sum_terms(x, s, axis):
+  """The sum of the BF16_TERMS groups of S rows along `axis` of a dot with such an operand."""
+  return sum(jax.lax.slice_in_dim(x, k * s, (k + 1) * s, axis=axis) for k in range(BF16_TERMS))
 
 
 def _source_parts(sources):
@@ -210,9 +221,9 @@ def _phase1(sources, queries, eps, tiles, interpret):
 def _phase1_fwd(sources, queries, eps, tiles, interpret):
   n, (m, d), s = len(sources), sources[0].shape, queries.shape[0]
   bt, dc = tiles['bt'], feature_chunk(d, tiles['dc'])
-  q_parts = _query_parts(queries)
+  q_parts = _terms_side_by_side(queries.T, axis=1)                   # [D, N]
   rows = tiles['bt_logits']
-  dots, r = pl.pallas_call(
+  terms, r = pl.pallas_call(
       functools.partial(_logits_kernel, n=n, dc=feature_chunk(d, tiles['dc_logits']), eps=eps,
                         source_parts=_source_parts(sources)),
       grid=(m // rows,),
@@ -225,7 +236,7 @@ def _phase1_fwd(sources, queries, eps, tiles, interpret):
       compiler_params=triton_params(tiles, '_logits'), interpret=interpret,
       name='attnres_phase1_logits',
   )(*sources, q_parts)
-  logits = sum(dots[..., k * s:(k + 1) * s] for k in range(BF16_TERMS)).transpose(0, 2, 1)
+  logits = _sum_terms(terms, s, axis=2).transpose(0, 2, 1)          # [n, S, M]
   lse = jax.nn.logsumexp(logits, axis=0)                             # [S, M]
   alpha = jnp.exp(logits - lse)                                      # [n, S, M]
   tile_spec = pl.BlockSpec((bt, dc), lambda t, c: (t, c))
@@ -265,10 +276,8 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
   d_logits = alpha * (vdo - jnp.sum(alpha * vdo, axis=0) + d_lse)
   b = d_logits * r[:, None]
   c = -(r * r / d) * jnp.sum(d_logits * logits, axis=1)               # [n, M]
-  # [n, N, M]: b's bf16 terms, term k of query j in row k * S + j, for the dq dots.
-  b_parts = jnp.concatenate(_bf16_parts(b, BF16_TERMS), axis=1)
-  width = _dot_width(s)
-  b_parts = jnp.pad(b_parts, ((0, 0), (0, width - BF16_TERMS * s), (0, 0)))
+  b_parts = _terms_side_by_side(b, axis=1)                           # [n, N, M], for the dq dots
+  width = b_parts.shape[1]
   rows = bt * g
   tile_spec = pl.BlockSpec((rows, dc), lambda k, t: (t, k))
   *d_sources, dq_parts = pl.pallas_call(
@@ -284,17 +293,15 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
                 + [jax.ShapeDtypeStruct((m // rows, width, d), jnp.float32)],
       compiler_params=triton_params(tiles, '_grads'), interpret=interpret, name='attnres_phase1_grads',
   )(*d_outs, *sources, *d_sources_in, alpha, b, c, queries, b_parts)
-  dq = jnp.sum(dq_parts, axis=0)
-  return tuple(d_sources), sum(dq[k * s:(k + 1) * s] for k in range(BF16_TERMS))
+  return tuple(d_sources), _sum_terms(jnp.sum(dq_parts, axis=0), s, axis=0)
 
 
 defvjp_with_symbolic_zeros(_phase1, _phase1_fwd, _phase1_bwd, num_diff_args=2)
 
-# Per kernel: rows per program (bt), features per chunk (dc), warps and Triton pipeline stages.
-# The grads kernel runs `groups` row tiles per program; the logits and vdo kernels hold whole
-# rows, dc features at a time.
-# Measured on an H200 at n = 8, S = 6 (experiments/results/bench_attnres.md). bt_grads and
-# bt_logits are a dot's dimension: at least 16.
+# Per kernel: rows per tile (bt), features per chunk (dc, a power of two), warps and Triton
+# pipeline stages. A grads program runs `groups` row tiles (bt_grads * groups rows); the logits
+# and vdo kernels hold whole rows, dc features at a time. Measured on an H200 at n = 8, S = 6
+# (experiments/results/bench_attnres.md). bt_grads and bt_logits are a dot's dimension: >= 16.
 DEFAULT_TILES = {'bt': 16, 'dc': 128, 'warps': 4, 'stages': 2,                 # combine
                  'bt_grads': 16, 'dc_grads': 128, 'warps_grads': 4, 'stages_grads': 2, 'groups': 8,
                  'bt_vdo': 16, 'dc_vdo': 64, 'warps_vdo': 4, 'stages_vdo': 2,
@@ -319,6 +326,9 @@ def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool =
       outs, lses = outs + o, lses + [lse]
     return outs, jnp.concatenate(lses), sources
   tiles = with_defaults(tiles, DEFAULT_TILES, 'phase1')
+  if min(tiles['bt_grads'], tiles['bt_logits']) < 16:
+    raise ValueError(f"attnres phase1: tiles bt_grads and bt_logits are a dot's dimension and must "
+                     f"be >= 16; got {tiles['bt_grads']} and {tiles['bt_logits']}")
   d, m = shape[-1], math.prod(shape[:-1])
   quantum = math.lcm(tiles['bt'], tiles['bt_grads'] * tiles['groups'], tiles['bt_vdo'], tiles['bt_logits'])
   m_pad = -(-m // quantum) * quantum

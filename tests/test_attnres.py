@@ -162,13 +162,17 @@ def test_pallas_phase1_bf16_and_many_queries():
     assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5
 
 
-def test_kernel_tiles_reject_unknown_keys():
-  """A mistyped tile key is an error naming it, not silently the default."""
-  from kernels_pallas.attnres import parse_tiles, phase1 as kernel
+def test_kernel_tiles_are_checked():
+  """A mistyped tile key is an error naming it, not silently the default; so is a dot's row tile
+  under 16; a feature chunk is a power of two whatever the target."""
+  from kernels_pallas.attnres import feature_chunk, parse_tiles, phase1 as kernel
   from kernels_pallas.attnres_merge import merge_norm as merge_kernel
   sources, _, queries = random_block(n=2, s=2, b=1, t=8, d=32)
   with pytest.raises(ValueError, match="unknown tile keys \\['bt_grad'\\]"):
     kernel([jnp.asarray(v) for v in sources], jnp.asarray(queries), tiles={'bt_grad': 32}, interpret=True)
+  with pytest.raises(ValueError, match='bt_grads and bt_logits .* >= 16; got 8 and 64'):
+    kernel([jnp.asarray(v) for v in sources], jnp.asarray(queries), tiles={'bt_grads': 8}, interpret=True)
+  assert feature_chunk(96, 48) == 32 and feature_chunk(1024, 1024) == 1024
   args = random_merge((1, 8, 32))
   with pytest.raises(ValueError, match="unknown tile keys \\['wraps'\\]"):
     merge_kernel(*args, eps=1e-6, norm_eps=1e-6, dtype=jnp.float32, tiles={'wraps': 4}, interpret=True)

@@ -129,7 +129,8 @@ class AttnResidual:
   `num_sublayers` sublayers; phase 1 by `impl` ('xla' | 'pallas'). defer_add: a write within a
   block leaves its output pending, and the next read's merge_norm kernel adds it to the partial
   sum (with 'pallas'; one pass fewer than an XLA add; not under remat, where the pending output
-  would be one more tensor in each layer's saved carry)."""
+  would be one more tensor in each layer's saved carry). A read that logs statistics (log=True)
+  settles the pending output with an XLA add instead: the same sum."""
   block_size: int
   num_sublayers: int
   eps: float = 1e-6
@@ -201,7 +202,7 @@ class AttnResidual:
 
   def write(self, state: AttnResState, y_btd, sublayer: int):
     y_btd = _constrain(y_btd.astype(state.blocks[0].dtype))
-    state = self.settle(state)      # a no-op: each read takes up the write before it
+    state = self.settle(state)      # a safeguard: the model reads between writes, which settles
     closes = (sublayer + 1) % self.block_size == 0
     if self.defer_add and state.partial is not None and not closes:
       return state.replace(pending=y_btd)
