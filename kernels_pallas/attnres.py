@@ -87,8 +87,7 @@ def _logits_kernel(*refs, n, dc, eps, source_parts):
       v = src[i][:, cols]                                              # [bt, dc]
       v32 = v.astype(jnp.float32)
       sumsq, dots = carry
-      parts = [v] if source_parts == 1 else _bf16_parts(v32, source_parts)
-      for part in parts:
+      for part in _source_terms(v, source_parts):
         dots += jnp.dot(part, q_ref[cols, :], preferred_element_type=jnp.float32)
       return sumsq + jnp.sum(v32 * v32, axis=1), dots
     carry = (jnp.zeros((bt,), jnp.float32), jnp.zeros((bt, q_ref.shape[1]), jnp.float32))
@@ -120,6 +119,11 @@ def _sum_terms(x, s, axis):
 def _source_parts(sources):
   """bf16 terms per source element in the tensor-core dots: bf16 sources are exact in one."""
   return 1 if sources[0].dtype == jnp.bfloat16 else BF16_TERMS
+
+
+def _source_terms(x, parts):
+  """A source tile as the bf16 operands of its dots: x itself (bf16, parts = 1) or its terms."""
+  return [x] if parts == 1 else _bf16_parts(x.astype(jnp.float32), parts)
 
 
 def _dot_width(s):
@@ -183,7 +187,7 @@ def _grads_kernel(*refs, n, s, bt, groups_per_cta, accumulate, source_parts):
       for j in range(s):
         grad += alpha_ref[i, j, rows][:, None] * dos[j] + b_ref[i, j, rows][:, None] * q[j]
       dv[i][rows, :] = grad.astype(dv[i].dtype)
-      for part in [x] if source_parts == 1 else _bf16_parts(v, source_parts):
+      for part in _source_terms(x, source_parts):
         dq += jnp.dot(b_parts_ref[i, :, rows], part, preferred_element_type=jnp.float32)
     return dq
 
