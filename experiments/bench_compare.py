@@ -1,0 +1,107 @@
+"""Step-time overhead of one training setup over another, from alternating runs on one device.
+
+    python experiments/bench_compare.py --base='--config=configs/bench_350m.py' \
+        --other='--config=configs/bench_350m.py:attnres_block' [--rounds=3] [--steps=20]
+    # a step-level tile sweep: --other='--config=...:attnres_block --phase1_tiles=dc_grads=64'
+
+--base and --other are each an argument string for experiments/bench_train.py. They run in
+fresh processes on this process's devices (CUDA_VISIBLE_DEVICES), `rounds` times each, in the
+order base, other, other, base, base, other, ... so that a slow drift of the device's speed
+falls on both alike. All runs share one persistent XLA compilation cache (--cache_dir), so only
+the first run of each setup compiles (on an H200 about 2 minutes for bench_350m; later runs
+take about 30 s). Prints a Markdown table of the runs and the overhead of the medians.
+
+Why one device: two H200s of one host differed by 1.5% in step time for the same program
+(experiments/results/bench_attnres.md, 2026-11-30), more than the effects being measured, so
+pairs that run one setup per GPU side by side mislead. To use two GPUs, run two instances,
+one per GPU, and read each table on its own.
+"""
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from absl import app, flags
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """The command line (defined only when run as a script, so that tests can import the module
+  next to others that define flags of the same names)."""
+  flags.DEFINE_string('base', None, 'bench_train.py arguments of the reference setup')
+  flags.DEFINE_string('other', None, 'bench_train.py arguments of the setup measured against it')
+  flags.DEFINE_integer('rounds', 3, 'runs of each setup')
+  flags.DEFINE_integer('steps', 20, 'timed steps per run')
+  flags.DEFINE_integer('warmup', 3, 'untimed steps per run (the first run of a setup also compiles)')
+  flags.DEFINE_string('cache_dir', str(ROOT / 'runs/xla_cache'), 'persistent XLA compilation cache')
+  flags.DEFINE_string('json_out', None, 'also write the runs and the summary to this JSON file')
+  flags.mark_flags_as_required(['base', 'other'])
+
+
+def run_order(rounds: int) -> list[str]:
+  """base, other, other, base, ...: each setup `rounds` times, alternating which goes first."""
+  order = []
+  for r in range(rounds):
+    order += ['base', 'other'] if r % 2 == 0 else ['other', 'base']
+  return order
+
+
+def bench_once(args: str, out: pathlib.Path) -> dict:
+  """One experiments/bench_train.py process; its JSON figures. A failed run is an error that
+  shows the end of its output."""
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=FLAGS.cache_dir,
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')])))
+  cmd = [sys.executable, str(ROOT / 'experiments/bench_train.py'), f'--steps={FLAGS.steps}',
+         f'--warmup={FLAGS.warmup}', f'--json_out={out}', *shlex.split(args)]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+  if proc.returncode != 0:
+    tail = '\n'.join((proc.stdout + proc.stderr).splitlines()[-15:])
+    raise RuntimeError(f'bench_compare: this run failed (exit {proc.returncode}):\n  '
+                       f'{shlex.join(cmd)}\n{tail}')
+  return json.loads(out.read_text())
+
+
+def main(argv):
+  del argv
+  if FLAGS.rounds < 1:
+    raise app.UsageError(f'--rounds must be >= 1; got {FLAGS.rounds}')
+  for name in ('base', 'other'):
+    if '--config' not in getattr(FLAGS, name):
+      raise app.UsageError(f"--{name} must give bench_train.py a --config; got {getattr(FLAGS, name)!r}")
+  pathlib.Path(FLAGS.cache_dir).mkdir(parents=True, exist_ok=True)
+  runs = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for k, setup in enumerate(run_order(FLAGS.rounds)):
+      result = bench_once(getattr(FLAGS, setup), pathlib.Path(tmp) / f'{k}.json')
+      runs.append({'setup': setup, **result})
+      print(f"run {k + 1}: {setup} {result['step_ms']:.1f} ms", flush=True)
+
+  median = {s: statistics.median(r['step_ms'] for r in runs if r['setup'] == s) for s in ('base', 'other')}
+  overhead = median['other'] / median['base'] - 1
+  print(f"\n{datetime.date.today()}, {runs[0]['device']} x {runs[0]['num_devices']}, "
+        f"host {platform.node()}; {FLAGS.steps} timed steps per run\n")
+  print(f'- base: `{FLAGS.base}`\n- other: `{FLAGS.other}`\n')
+  print('| run | setup | step ms | peak GiB | loss |\n|---|---|---|---|---|')
+  for k, r in enumerate(runs):
+    print(f"| {k + 1} | {r['setup']} | {r['step_ms']:.1f} | {r['peak_memory_GiB']:.1f} | {r['loss']:.4f} |")
+  print(f"\nmedian step: base {median['base']:.1f} ms, other {median['other']:.1f} ms; "
+        f'other over base: **{overhead:+.1%}**')
+  if FLAGS.json_out:
+    summary = {'base': FLAGS.base, 'other': FLAGS.other, 'median_step_ms': median, 'overhead': overhead}
+    pathlib.Path(FLAGS.json_out).write_text(json.dumps({'summary': summary, 'runs': runs}, indent=1))
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
