@@ -1,0 +1,122 @@
+"""Diagnostic: what the phase-1 `grads` kernel of Block AttnRes spends its time on (GPU only).
+
+    python experiments/ablate_attnres_grads.py [--sources=8] [--queries=6]
+
+Times copies of kernels_pallas.attnres._grads_kernel with parts of its work left out, on the
+bench_350m shape (16 x 4096 tokens, D = 1024, bf16 sources), with random inputs and the default
+tiles. The copies' outputs are wrong on purpose; only their times mean something. Each figure is
+the median wall time of 20 jitted calls (the launch included), so compare them with each other:
+    dv_i = c_i v_i + dv_in_i + sum_j alpha_ji do_j + sum_j b_ji q_j,   dq += b_parts_i^T v_i
+Results: experiments/results/bench_attnres.md.
+"""
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from jax.experimental import pallas as pl
+
+from kernels_pallas import attnres
+
+flags.DEFINE_integer('sources', 8, 'n, block sums')
+flags.DEFINE_integer('queries', 6, 'S, consumers per block')
+flags.DEFINE_integer('tokens', 16 * 4096, 'M')
+flags.DEFINE_integer('d_model', 1024, 'D')
+FLAGS = flags.FLAGS
+
+VARIANTS = {                     # name: the terms kept
+    'the kernel as it is': dict(),
+    'without sum_j alpha_ji do_j (nor the do reads)': dict(alpha_do=False),
+    'without sum_j b_ji q_j': dict(b_q=False),
+    'without the dq dot': dict(dq=False),
+    'without dv_in (nor its reads)': dict(dv_in=False),
+    'dv_i = c_i v_i + dv_in_i + sum_j do_j, no dq: the memory traffic alone': dict(weights=False, dq=False),
+}
+
+
+def make_kernel(n, s, bt, groups, alpha_do=True, b_q=True, dq=True, dv_in=True, weights=True):
+  """_grads_kernel (bf16 sources) with the named terms left out; weights=False sums the do_j
+  unweighted (their reads stay, the alpha and b reads go)."""
+  def kernel(*refs):
+    k = n if dv_in else 0
+    do, src, dv_prev = refs[:s], refs[s:s + n], refs[s + n:s + n + k]
+    alpha_ref, b_ref, c_ref, q_ref, parts_ref = refs[s + n + k:s + n + k + 5]
+    dv, (dq_ref,) = refs[s + n + k + 5:s + 2 * n + k + 5], refs[s + 2 * n + k + 5:]
+    q = [q_ref[j, :][None, :] for j in range(s)]
+
+    def body(t, acc):
+      rows = pl.ds(t * bt, bt)
+      dos = [do[j][rows, :].astype(jnp.float32) for j in range(s)] if alpha_do else []
+      for i in range(n):
+        x = src[i][rows, :]
+        grad = c_ref[i, rows][:, None] * x.astype(jnp.float32)
+        if dv_in:
+          grad += dv_prev[i][rows, :].astype(jnp.float32)
+        for j in range(s):
+          if alpha_do:
+            grad += (alpha_ref[i, j, rows][:, None] * dos[j]) if weights else dos[j]
+          if b_q and weights:
+            grad += b_ref[i, j, rows][:, None] * q[j]
+        dv[i][rows, :] = grad.astype(dv[i].dtype)
+        if dq:
+          acc += jnp.dot(parts_ref[i, :, rows], x, preferred_element_type=jnp.float32)
+      return acc
+
+    dq_ref[...] = jax.lax.fori_loop(0, groups, body, jnp.zeros(dq_ref.shape, jnp.float32))
+  return kernel
+
+
+def grads_call(kernel, args, *, n, s, m, d, dv_in):
+  """The pallas_call of kernels_pallas.attnres._phase1_bwd's grads kernel, default tiles."""
+  tiles = attnres.DEFAULT_TILES
+  rows, dc = tiles['bt_grads'] * tiles['groups'], tiles['dc_grads']
+  width = attnres._dot_width(s)
+  tile = pl.BlockSpec((rows, dc), lambda k, t: (t, k))
+  inputs = s + n + (n if dv_in else 0)
+  return pl.pallas_call(
+      kernel, grid=(d // dc, m // rows),
+      in_specs=[tile] * inputs + [pl.BlockSpec((n, s, rows), lambda k, t: (0, 0, t))] * 2
+               + [pl.BlockSpec((n, rows), lambda k, t: (0, t)), pl.BlockSpec((s, dc), lambda k, t: (0, k)),
+                  pl.BlockSpec((n, width, rows), lambda k, t: (0, 0, t))],
+      out_specs=[tile] * n + [pl.BlockSpec((None, width, dc), lambda k, t: (t, 0, k))],
+      out_shape=[jax.ShapeDtypeStruct((m, d), jnp.bfloat16)] * n
+                + [jax.ShapeDtypeStruct((m // rows, width, d), jnp.float32)],
+      compiler_params=attnres.triton_params(tiles, '_grads'), name='attnres_grads_ablation',
+  )(*args[:inputs], *args[s + 2 * n:])
+
+
+def median_ms(fn, args, calls=20, warmup=3):
+  for _ in range(warmup):
+    jax.block_until_ready(fn(args))
+  times = []
+  for _ in range(calls):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times)
+
+
+def main(argv):
+  del argv
+  if jax.default_backend() != 'gpu':
+    raise SystemExit('ablate_attnres_grads.py times compiled Triton kernels: it needs a GPU')
+  n, s, m, d = FLAGS.sources, FLAGS.queries, FLAGS.tokens, FLAGS.d_model
+  keys = iter(jax.random.split(jax.random.key(0), 3 * n + s + 8))
+  rand = lambda shape, dtype=jnp.bfloat16: jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)
+  args = ([rand((m, d)) for _ in range(s + 2 * n)]                      # do, sources, dv_in
+          + [rand((n, s, m), jnp.float32), rand((n, s, m), jnp.float32), rand((n, m), jnp.float32),
+             rand((s, d), jnp.float32), rand((n, attnres._dot_width(s), m))])
+  tiles = attnres.DEFAULT_TILES
+  print(f"| grads kernel, n = {n}, S = {s}, M = {m}, D = {d}, bf16, {jax.devices()[0].device_kind} | ms per call |")
+  print('|---|---|')
+  for name, parts in VARIANTS.items():
+    kernel = make_kernel(n, s, tiles['bt_grads'], tiles['groups'], **parts)
+    fn = jax.jit(functools.partial(grads_call, kernel, n=n, s=s, m=m, d=d, dv_in=parts.get('dv_in', True)))
+    print(f'| {name} | {median_ms(fn, args):.2f} |', flush=True)
+
+
+if __name__ == '__main__':
+  app.run(main)
