@@ -11,7 +11,7 @@ falls on both alike. All runs share one persistent XLA compilation cache (--cach
 the first run of each setup compiles (on an H200 about 2 minutes for bench_350m; later runs
 take about 30 s). Prints a Markdown table of the runs and the overhead of the medians.
 
-Why one device: two H200s of one host differed by 1.5% in step time for the same program
+Why one device: two H200s of one host differed by 1.3% in step time for the same program
 (experiments/results/bench_attnres.md, 2026-11-30), more than the effects being measured, so
 pairs that run one setup per GPU side by side mislead. To use two GPUs, run two instances,
 one per GPU, and read each table on its own.
