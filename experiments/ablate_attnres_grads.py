@@ -2,15 +2,14 @@
 
     python experiments/ablate_attnres_grads.py [--sources=8] [--queries=6]
 
-Times copies of kernels_pallas.attnres._grads_kernel with parts of its work left out, on the
-bench_350m shape (16 x 4096 tokens, D = 1024, bf16 sources), with random inputs and the default
-tiles. The copies' outputs are wrong on purpose; only their times mean something. Each figure is
+Times copies of kernels_pallas.attnres._grads_kernel with parts of its work left out, through
+the kernel's own pallas_call (kernels_pallas.attnres.grads_call), on the bench_350m shape
+(16 x 4096 tokens, D = 1024, bf16 sources), with random inputs and the default tiles. The copies' outputs are wrong on purpose; only their times mean something. Each figure is
 the median wall time of 20 jitted calls (the launch included), so compare them with each other:
     dv_i = c_i v_i + dv_in_i + sum_j alpha_ji do_j + sum_j b_ji q_j,   dq += b_parts_i^T v_i
 Results: experiments/results/bench_attnres.md.
 """
 
-import functools
 import statistics
 import time
 
@@ -69,32 +68,13 @@ def make_kernel(n, s, bt, groups, alpha_do=True, b_q=True, dq=True, dv_in=True, 
   return kernel
 
 
-def grads_call(kernel, args, *, n, s, m, d, dv_in):
-  """The pallas_call of kernels_pallas.attnres._phase1_bwd's grads kernel, default tiles."""
-  tiles = attnres.DEFAULT_TILES
-  rows, dc = tiles['bt_grads'] * tiles['groups'], tiles['dc_grads']
-  width = attnres._dot_width(s)
-  tile = pl.BlockSpec((rows, dc), lambda k, t: (t, k))
-  inputs = s + n + (n if dv_in else 0)
-  return pl.pallas_call(
-      kernel, grid=(d // dc, m // rows),
-      in_specs=[tile] * inputs + [pl.BlockSpec((n, s, rows), lambda k, t: (0, 0, t))] * 2
-               + [pl.BlockSpec((n, rows), lambda k, t: (0, t)), pl.BlockSpec((s, dc), lambda k, t: (0, k)),
-                  pl.BlockSpec((n, width, rows), lambda k, t: (0, 0, t))],
-      out_specs=[tile] * n + [pl.BlockSpec((None, width, dc), lambda k, t: (t, 0, k))],
-      out_shape=[jax.ShapeDtypeStruct((m, d), jnp.bfloat16)] * n
-                + [jax.ShapeDtypeStruct((m // rows, width, d), jnp.float32)],
-      compiler_params=attnres.triton_params(tiles, '_grads'), name='attnres_grads_ablation',
-  )(*args[:inputs], *args[s + 2 * n:])
-
-
 def median_ms(fn, args, calls=20, warmup=3):
   for _ in range(warmup):
-    jax.block_until_ready(fn(args))
+    jax.block_until_ready(fn(*args))
   times = []
   for _ in range(calls):
     start = time.perf_counter()
-    jax.block_until_ready(fn(args))
+    jax.block_until_ready(fn(*args))
     times.append((time.perf_counter() - start) * 1e3)
   return statistics.median(times)
 
@@ -106,16 +86,18 @@ def main(argv):
   n, s, m, d = FLAGS.sources, FLAGS.queries, FLAGS.tokens, FLAGS.d_model
   keys = iter(jax.random.split(jax.random.key(0), 3 * n + s + 8))
   rand = lambda shape, dtype=jnp.bfloat16: jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)
-  args = ([rand((m, d)) for _ in range(s + 2 * n)]                      # do, sources, dv_in
-          + [rand((n, s, m), jnp.float32), rand((n, s, m), jnp.float32), rand((n, m), jnp.float32),
-             rand((s, d), jnp.float32), rand((n, attnres._dot_width(s), m))])
+  width = attnres._dot_width(s)
+  d_outs, sources, d_sources_in = ([rand((m, d)) for _ in range(k)] for k in (s, n, n))
+  coefficients = (rand((n, s, m), jnp.float32), rand((n, s, m), jnp.float32), rand((n, m), jnp.float32),
+                  rand((s, d), jnp.float32), rand((n, width, m)))
   tiles = attnres.DEFAULT_TILES
   print(f"| grads kernel, n = {n}, S = {s}, M = {m}, D = {d}, bf16, {jax.devices()[0].device_kind} | ms per call |")
   print('|---|---|')
   for name, parts in VARIANTS.items():
     kernel = make_kernel(n, s, tiles['bt_grads'], tiles['groups'], **parts)
-    fn = jax.jit(functools.partial(grads_call, kernel, n=n, s=s, m=m, d=d, dv_in=parts.get('dv_in', True)))
-    print(f'| {name} | {median_ms(fn, args):.2f} |', flush=True)
+    accumulated = d_sources_in if parts.get('dv_in', True) else []
+    fn = jax.jit(lambda a, b, c, e, kernel=kernel: attnres.grads_call(kernel, a, b, c, e, tiles))
+    print(f'| {name} | {median_ms(fn, (d_outs, sources, accumulated, coefficients)):.2f} |', flush=True)
 
 
 if __name__ == '__main__':

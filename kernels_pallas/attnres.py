@@ -260,7 +260,6 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
   sources, queries, logits, r, lse = res
   d_outs, d_lse, d_sources_in = cotangents
   n, (m, d), s = len(sources), sources[0].shape, lse.shape[0]
-  bt, dc, g = tiles['bt_grads'], feature_chunk(d, tiles['dc_grads']), tiles['groups']
   d_outs = [dense(x, (m, d), sources[0].dtype).astype(sources[0].dtype) for x in d_outs]
   d_lse = dense(d_lse, lse.shape, jnp.float32)
   # Sources whose pass-through is unused (the last block's) need no gradient added: a kernel
@@ -281,12 +280,24 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
   b = d_logits * r[:, None]
   c = -(r * r / d) * jnp.sum(d_logits * logits, axis=1)               # [n, M]
   b_parts = _terms_side_by_side(b, axis=1)                           # [n, N, M], for the dq dots
-  width = b_parts.shape[1]
-  rows = bt * g
+  kernel = functools.partial(_grads_kernel, n=n, s=s, bt=tiles['bt_grads'], groups_per_cta=tiles['groups'],
+                             accumulate=accumulate, source_parts=_source_parts(sources))
+  d_sources, dq_parts = grads_call(kernel, d_outs, sources, d_sources_in, (alpha, b, c, queries, b_parts),
+                                   tiles, interpret)
+  return tuple(d_sources), _sum_terms(jnp.sum(dq_parts, axis=0), s, axis=0)
+
+
+def grads_call(kernel, d_outs, sources, d_sources_in, coefficients, tiles, interpret=False):
+  """The grads kernel's pallas_call (also run by experiments/ablate_attnres_grads.py with copies
+  of the kernel): d_outs S and sources n arrays [M, D], d_sources_in n or none, coefficients
+  (alpha [n, S, M], b [n, S, M], c [n, M], queries [S, D], b_parts [n, width, M]).
+  Returns (n source gradients, per-program dq partials [programs, width, D])."""
+  n, (m, d), s = len(sources), sources[0].shape, len(d_outs)
+  rows, dc = tiles['bt_grads'] * tiles['groups'], feature_chunk(d, tiles['dc_grads'])
+  width = coefficients[-1].shape[1]
   tile_spec = pl.BlockSpec((rows, dc), lambda k, t: (t, k))
   *d_sources, dq_parts = pl.pallas_call(
-      functools.partial(_grads_kernel, n=n, s=s, bt=bt, groups_per_cta=g, accumulate=accumulate,
-                        source_parts=_source_parts(sources)),
+      kernel,
       grid=(d // dc, m // rows),
       in_specs=[tile_spec] * (s + n + len(d_sources_in))
                + [pl.BlockSpec((n, s, rows), lambda k, t: (0, 0, t))] * 2
@@ -296,8 +307,8 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
       out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype) for x in sources]
                 + [jax.ShapeDtypeStruct((m // rows, width, d), jnp.float32)],
       compiler_params=triton_params(tiles, '_grads'), interpret=interpret, name='attnres_phase1_grads',
-  )(*d_outs, *sources, *d_sources_in, alpha, b, c, queries, b_parts)
-  return tuple(d_sources), _sum_terms(jnp.sum(dq_parts, axis=0), s, axis=0)
+  )(*d_outs, *sources, *d_sources_in, *coefficients)
+  return d_sources, dq_parts
 
 
 defvjp_with_symbolic_zeros(_phase1, _phase1_fwd, _phase1_bwd, num_diff_args=2)
