@@ -105,13 +105,13 @@ def _phase1_fns(impl):
   """impl: 'xla', 'pallas', or 'pallas:<tiles>' (the kernels with those tiles)."""
   import jax
   import jax.numpy as jnp
-  from kimijax.ops.attnres import phase1 as ops_phase1
+  from kimijax.ops.attnres import kernels_interpreted, phase1 as ops_phase1
 
   def phase1(v, q, impl):
     if ':' not in impl:
       return ops_phase1(v, q, impl=impl)
     from kernels_pallas.attnres import phase1 as kernel
-    return kernel(v, q, tiles=_tiles(impl), interpret=jax.default_backend() != 'gpu')
+    return kernel(v, q, tiles=_tiles(impl), interpret=kernels_interpreted())
 
   def loss(sources, queries, w_outs, w_lse):
     # The sources as passed through count too: in the model, later blocks use them.
@@ -169,7 +169,7 @@ def _merge_fns(impl):
   import jax
   import jax.numpy as jnp
   from kimijax.layers.norms import rms_normalise
-  from kimijax.ops.attnres import merge_norm, merge_partial
+  from kimijax.ops.attnres import kernels_interpreted, merge_norm, merge_partial
 
   def fn(o, lse, p, q, scale, y=None):
     """-> (normalised input, the partial sum for its next use)."""
@@ -180,7 +180,7 @@ def _merge_fns(impl):
       return merge_norm(o, lse, p, q, scale, dtype=o.dtype, addend=y)
     from kernels_pallas.attnres_merge import merge_norm as kernel
     return kernel(o, lse, p, q, scale, eps=1e-6, norm_eps=1e-6, dtype=o.dtype, addend=y,
-                  tiles=_tiles(impl), interpret=jax.default_backend() != 'gpu')
+                  tiles=_tiles(impl), interpret=kernels_interpreted())
 
   def loss(*args):
     x, p = fn(*args[:-1])

@@ -121,8 +121,8 @@ def _per_shard(run, args, in_specs, out_specs):
   return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
-def _interpret() -> bool:
-  """The Pallas kernels run in interpret mode off the GPU (slow: for tests on the CPU)."""
+def kernels_interpreted() -> bool:
+  """Whether the Pallas kernels run in interpret mode: off the GPU (slow: for tests on the CPU)."""
   return jax.default_backend() != 'gpu'
 
 
@@ -155,7 +155,7 @@ def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: st
   if impl == 'xla':
     return _phase1_xla(sources, queries, eps) + (sources,)
   from kernels_pallas.attnres import phase1 as kernel   # imports the Triton lowering
-  run = lambda vs, q: kernel(vs, q, eps=eps, interpret=_interpret())
+  run = lambda vs, q: kernel(vs, q, eps=eps, interpret=kernels_interpreted())
   lead = _lead_spec(spec, len(shape))
   return _per_shard(run, (sources, queries), in_specs=((P(*lead, None),) * len(sources), P()),
                     out_specs=((P(*lead, None),) * queries.shape[0], P(None, *lead),
@@ -184,7 +184,7 @@ def merge_norm(o, lse, partial, query, scale, *, eps: float = 1e-6, norm_eps: fl
   gradients of query and scale summed over shards)."""
   from kernels_pallas.attnres_merge import merge_norm as kernel
   run = lambda o, lse, p, y, q, g: kernel(o, lse, p, q, g, eps=eps, norm_eps=norm_eps, dtype=dtype,
-                                          addend=y, interpret=_interpret())
+                                          addend=y, interpret=kernels_interpreted())
   lead = _lead_spec(spec, partial.ndim)
   rows = P(*lead, None)
   return _per_shard(run, (o, lse, partial, addend, query, scale),
