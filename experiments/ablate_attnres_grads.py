@@ -36,7 +36,7 @@ VARIANTS = {                     # name: the terms kept
 }
 
 
-def make_kernel(n, s, bt, groups, alpha_do=True, b_q=True, dq=True, dv_in=True, weights=True):
+def make_kernel(n, s, bt, alpha_do=True, b_q=True, dq=True, dv_in=True, weights=True):
   """_grads_kernel (bf16 sources) with the named terms left out; weights=False sums the do_j
   unweighted (their reads stay, the alpha and b reads go)."""
   def kernel(*refs):
@@ -46,25 +46,30 @@ def make_kernel(n, s, bt, groups, alpha_do=True, b_q=True, dq=True, dv_in=True, 
     dv, (dq_ref,) = refs[s + n + k + 5:s + 2 * n + k + 5], refs[s + 2 * n + k + 5:]
     q = [q_ref[j, :][None, :] for j in range(s)]
 
-    def body(t, acc):
+    def step(t, carry):
       rows = pl.ds(t * bt, bt)
       dos = [do[j][rows, :].astype(jnp.float32) for j in range(s)] if alpha_do else []
+      grads = []
       for i in range(n):
-        x = src[i][rows, :]
-        grad = c_ref[i, rows][:, None] * x.astype(jnp.float32)
+        grad = c_ref[i, rows][:, None] * src[i][rows, :].astype(jnp.float32)
         if dv_in:
-          grad += dv_prev[i][rows, :].astype(jnp.float32)
+          grad = grad + dv_prev[i][rows, :].astype(jnp.float32)
         for j in range(s):
           if alpha_do:
-            grad += (alpha_ref[i, j, rows][:, None] * dos[j]) if weights else dos[j]
+            grad = grad + (alpha_ref[i, j, rows][:, None] * dos[j] if weights else dos[j])
           if b_q and weights:
-            grad += b_ref[i, j, rows][:, None] * q[j]
-        dv[i][rows, :] = grad.astype(dv[i].dtype)
-        if dq:
-          acc += jnp.dot(parts_ref[i, :, rows], x, preferred_element_type=jnp.float32)
-      return acc
+            grad = grad + b_ref[i, j, rows][:, None] * q[j]
+        grads.append(grad.astype(dv[i].dtype))
+      for i in range(n):
+        dv[i][rows, :] = grads[i]
+      return carry
 
-    dq_ref[...] = jax.lax.fori_loop(0, groups, body, jnp.zeros(dq_ref.shape, jnp.float32))
+    jax.lax.fori_loop(0, src[0].shape[0] // bt, step, 0)
+    acc = jnp.zeros(dq_ref.shape, jnp.float32)
+    if dq:
+      for i in range(n):
+        acc += jnp.dot(parts_ref[i], src[i][...], preferred_element_type=jnp.float32)
+    dq_ref[...] = acc
   return kernel
 
 
@@ -94,7 +99,7 @@ def main(argv):
   print(f"| grads kernel, n = {n}, S = {s}, M = {m}, D = {d}, bf16, {jax.devices()[0].device_kind} | ms per call |")
   print('|---|---|')
   for name, parts in VARIANTS.items():
-    kernel = make_kernel(n, s, tiles['bt_grads'], tiles['groups'], **parts)
+    kernel = make_kernel(n, s, tiles['bt_grads'], **parts)
     accumulated = d_sources_in if parts.get('dv_in', True) else []
     fn = jax.jit(lambda a, b, c, e, kernel=kernel: attnres.grads_call(kernel, a, b, c, e, tiles))
     print(f'| {name} | {median_ms(fn, (d_outs, sources, accumulated, coefficients)):.2f} |', flush=True)

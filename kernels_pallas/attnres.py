@@ -165,33 +165,51 @@ def _vdo_kernel(*refs, n, s, dc):
       g_ref[i, j, :] = acc[i * s + j]
 
 
-def _grads_kernel(*refs, n, s, bt, groups_per_cta, accumulate, source_parts):
-  """accumulate: dv_in refs (the gradient of the sources' later uses) follow the sources.
-  dq: this program's partial sum_rows b_ji v_i, one tensor-core dot per source and row tile of
-  b's bf16 terms [N, bt] (b_parts) against v [bt, dc], accumulated over the `groups_per_cta` tiles."""
+def _grads_kernel(*refs, n, s, bt, accumulate, source_parts):
+  """One program: a block of rows (rows_grads) by dc features, in steps of bt rows.
+  accumulate: dv_in refs (the gradient of the sources' later uses) follow the sources.
+  A step stores its n dv tiles only after all of its loads: the compiler cannot tell the outputs
+  from the inputs, so no load moves above an earlier store, and a store per source made each
+  source wait for its own loads (H200, n = 8: 2.7 ms per call against 2.1). The sums are chains
+  of multiply-adds (grad + alpha do, then + b q): one fused instruction per term.
+  dq: this program's partial sum_rows b_ji v_i, after the steps: one tensor-core dot per source
+  (and bf16 term of the source) of b's bf16 terms [N, rows] (b_parts) against v [rows, dc]."""
   k = n if accumulate else 0
   do, src, dv_in = refs[:s], refs[s:s + n], refs[s + n:s + n + k]
   alpha_ref, b_ref, c_ref, q_ref, b_parts_ref = refs[s + n + k:s + n + k + 5]
   dv, (dq_ref,) = refs[s + n + k + 5:s + 2 * n + k + 5], refs[s + 2 * n + k + 5:]
   q = [q_ref[j, :][None, :] for j in range(s)]                       # [1, dc] each
 
-  def body(t, dq):
+  def step(t, carry):
     rows = pl.ds(t * bt, bt)
     dos = [do[j][rows, :].astype(jnp.float32) for j in range(s)]       # [bt, dc] each
+    grads = []
     for i in range(n):
-      x = src[i][rows, :]
-      v = x.astype(jnp.float32)
-      grad = c_ref[i, rows][:, None] * v
+      grad = c_ref[i, rows][:, None] * src[i][rows, :].astype(jnp.float32)
       if accumulate:
-        grad += dv_in[i][rows, :].astype(jnp.float32)
+        grad = grad + dv_in[i][rows, :].astype(jnp.float32)
       for j in range(s):
-        grad += alpha_ref[i, j, rows][:, None] * dos[j] + b_ref[i, j, rows][:, None] * q[j]
-      dv[i][rows, :] = grad.astype(dv[i].dtype)
-      for part in _source_terms(x, source_parts):
-        dq += jnp.dot(b_parts_ref[i, :, rows], part, preferred_element_type=jnp.float32)
+        grad = grad + alpha_ref[i, j, rows][:, None] * dos[j]
+        grad = grad + b_ref[i, j, rows][:, None] * q[j]
+      grads.append(grad.astype(dv[i].dtype))
+    for i in range(n):
+      dv[i][rows, :] = grads[i]
+    return carry
+
+  rows = src[0].shape[0]
+  jax.lax.fori_loop(0, rows // bt, step, 0)
+  # float32 sources enter the dots as three bf16 terms each: K = 32 rows at a time keeps those in
+  # registers (the whole block spills them).
+  k_rows = rows if source_parts == 1 else min(rows, 32)
+
+  def dots(t, dq):
+    ks = pl.ds(t * k_rows, k_rows)
+    for i in range(n):
+      for part in _source_terms(src[i][ks, :], source_parts):
+        dq += jnp.dot(b_parts_ref[i, :, ks], part, preferred_element_type=jnp.float32)
     return dq
 
-  dq_ref[...] = jax.lax.fori_loop(0, groups_per_cta, body, jnp.zeros(dq_ref.shape, jnp.float32))
+  dq_ref[...] = jax.lax.fori_loop(0, rows // k_rows, dots, jnp.zeros(dq_ref.shape, jnp.float32))
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -280,8 +298,8 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
   b = d_logits * r[:, None]
   c = -(r * r / d) * jnp.sum(d_logits * logits, axis=1)               # [n, M]
   b_parts = _terms_side_by_side(b, axis=1)                           # [n, N, M], for the dq dots
-  kernel = functools.partial(_grads_kernel, n=n, s=s, bt=tiles['bt_grads'], groups_per_cta=tiles['groups'],
-                             accumulate=accumulate, source_parts=_source_parts(sources))
+  kernel = functools.partial(_grads_kernel, n=n, s=s, bt=tiles['bt_grads'], accumulate=accumulate,
+                             source_parts=_source_parts(sources))
   d_sources, dq_parts = grads_call(kernel, d_outs, sources, d_sources_in, (alpha, b, c, queries, b_parts),
                                    tiles, interpret)
   return tuple(d_sources), _sum_terms(jnp.sum(dq_parts, axis=0), s, axis=0)
@@ -293,7 +311,7 @@ def grads_call(kernel, d_outs, sources, d_sources_in, coefficients, tiles, inter
   (alpha [n, S, M], b [n, S, M], c [n, M], queries [S, D], b_parts [n, width, M]).
   Returns (n source gradients, per-program dq partials [programs, width, D])."""
   n, (m, d), s = len(sources), sources[0].shape, len(d_outs)
-  rows, dc = tiles['bt_grads'] * tiles['groups'], feature_chunk(d, tiles['dc_grads'])
+  rows, dc = tiles['rows_grads'], feature_chunk(d, tiles['dc_grads'])
   width = coefficients[-1].shape[1]
   tile_spec = pl.BlockSpec((rows, dc), lambda k, t: (t, k))
   *d_sources, dq_parts = pl.pallas_call(
@@ -314,11 +332,11 @@ def grads_call(kernel, d_outs, sources, d_sources_in, coefficients, tiles, inter
 defvjp_with_symbolic_zeros(_phase1, _phase1_fwd, _phase1_bwd, num_diff_args=2)
 
 # Per kernel: rows per tile (bt), features per chunk (dc, a power of two), warps and Triton
-# pipeline stages. A grads program runs `groups` row tiles (bt_grads * groups rows); the logits
-# and vdo kernels hold whole rows, dc features at a time. Measured on an H200 at n = 8, S = 6
-# (experiments/results/bench_attnres.md). bt_grads and bt_logits are a dot's dimension: >= 16.
+# pipeline stages. A grads program covers rows_grads rows in steps of bt_grads; the logits and
+# vdo kernels hold whole rows, dc features at a time. Measured on an H200 at n = 3..9, S = 6
+# (experiments/results/bench_attnres.md). rows_grads and bt_logits are a dot's dimension: >= 16.
 DEFAULT_TILES = {'bt': 16, 'dc': 128, 'warps': 4, 'stages': 2,                 # combine
-                 'bt_grads': 16, 'dc_grads': 128, 'warps_grads': 4, 'stages_grads': 2, 'groups': 8,
+                 'bt_grads': 8, 'rows_grads': 128, 'dc_grads': 128, 'warps_grads': 4, 'stages_grads': 2,
                  'bt_vdo': 16, 'dc_vdo': 64, 'warps_vdo': 4, 'stages_vdo': 2,
                  'bt_logits': 64, 'dc_logits': 128, 'warps_logits': 4, 'stages_logits': 2}
 
@@ -341,11 +359,14 @@ def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool =
       outs, lses = outs + o, lses + [lse]
     return outs, jnp.concatenate(lses), sources
   tiles = with_defaults(tiles, DEFAULT_TILES, 'phase1')
-  if min(tiles['bt_grads'], tiles['bt_logits']) < 16:
-    raise ValueError(f"attnres phase1: tiles bt_grads and bt_logits are a dot's dimension and must "
-                     f"be >= 16; got {tiles['bt_grads']} and {tiles['bt_logits']}")
+  if min(tiles['rows_grads'], tiles['bt_logits']) < 16:
+    raise ValueError(f"attnres phase1: tiles rows_grads and bt_logits are a dot's dimension and must "
+                     f"be >= 16; got {tiles['rows_grads']} and {tiles['bt_logits']}")
+  if tiles['rows_grads'] % tiles['bt_grads']:
+    raise ValueError(f"attnres phase1: tile bt_grads ({tiles['bt_grads']}) must divide rows_grads "
+                     f"({tiles['rows_grads']})")
   d, m = shape[-1], math.prod(shape[:-1])
-  quantum = math.lcm(tiles['bt'], tiles['bt_grads'] * tiles['groups'], tiles['bt_vdo'], tiles['bt_logits'])
+  quantum = math.lcm(tiles['bt'], tiles['rows_grads'], tiles['bt_vdo'], tiles['bt_logits'])
   m_pad = -(-m // quantum) * quantum
   flat = tuple(pad_rows(v.reshape(m, d), m_pad) for v in sources)
   # float32 queries into the custom VJP: the cast's transpose gives dq the queries' own dtype.

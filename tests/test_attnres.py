@@ -170,8 +170,10 @@ def test_kernel_tiles_are_checked():
   sources, _, queries = random_block(n=2, s=2, b=1, t=8, d=32)
   with pytest.raises(ValueError, match="unknown tile keys \\['bt_grad'\\]"):
     kernel([jnp.asarray(v) for v in sources], jnp.asarray(queries), tiles={'bt_grad': 32}, interpret=True)
-  with pytest.raises(ValueError, match='bt_grads and bt_logits .* >= 16; got 8 and 64'):
-    kernel([jnp.asarray(v) for v in sources], jnp.asarray(queries), tiles={'bt_grads': 8}, interpret=True)
+  with pytest.raises(ValueError, match='rows_grads and bt_logits .* >= 16; got 8 and 64'):
+    kernel([jnp.asarray(v) for v in sources], jnp.asarray(queries), tiles={'rows_grads': 8}, interpret=True)
+  with pytest.raises(ValueError, match='bt_grads \\(48\\) must divide rows_grads \\(128\\)'):
+    kernel([jnp.asarray(v) for v in sources], jnp.asarray(queries), tiles={'bt_grads': 48}, interpret=True)
   assert feature_chunk(96, 48) == 32 and feature_chunk(1024, 1024) == 1024
   args = random_merge((1, 8, 32))
   with pytest.raises(ValueError, match="unknown tile keys \\['wraps'\\]"):
