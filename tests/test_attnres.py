@@ -183,37 +183,15 @@ def test_kernel_tiles_are_checked():
     parse_tiles('bt')
 
 
-def lower_for_h200(fn, *args) -> str:
-  """fn's jitted module lowered for an H200 on this machine, GPU or not: the Pallas kernels go
-  through the Triton lowering, which rejects what it cannot express (a shape that is not a
-  power of two, an op without a Triton rule) before any GPU time is spent."""
-  from jax import export
-  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-  h200 = AbstractMesh((1,), ('x',), abstract_device=AbstractDevice('NVIDIA H200', 132, 'gpu'))
-  triton = export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')
-  with use_abstract_mesh(h200):
-    return export.export(jax.jit(fn), platforms=['cuda'], disabled_checks=[triton])(*args).mlir_module()
-
-
 @pytest.mark.parametrize('dtype,n,s', [(jnp.bfloat16, 9, 6), (jnp.float32, 1, 16), (jnp.bfloat16, 3, 1)])
 def test_pallas_kernels_lower_to_triton_for_an_h200(dtype, n, s):
   """Forward and backward of phase 1 and of merge_norm (with the addend and a later use of the
-  partial sum) at the bench model's width, in the dtypes and query counts training uses."""
-  from kernels_pallas.attnres import phase1 as kernel
-  from kernels_pallas.attnres_merge import merge_norm as merge_kernel
-  m, d = 4096, 1024
-  sources = [jax.ShapeDtypeStruct((m, d), dtype)] * n
-  vector = jax.ShapeDtypeStruct((d,), jnp.float32)
-
-  def step(sources, queries, partial, y, scale):
-    outs, lse, passed = kernel(sources, queries)
-    x, p = merge_kernel(outs[0], lse[0], partial, queries[0], scale, eps=1e-6, norm_eps=1e-6,
-                        dtype=jnp.bfloat16, addend=y)
-    return (jnp.sum(x.astype(jnp.float32)) + jnp.sum(p.astype(jnp.float32) ** 2)
-            + sum(jnp.sum(v.astype(jnp.float32) ** 2) for v in passed))
-
-  module = lower_for_h200(jax.value_and_grad(step, argnums=(0, 1, 2, 3, 4)), sources,
-                          jax.ShapeDtypeStruct((s, d), jnp.float32), sources[0], sources[0], vector)
+  partial sum) at the bench model's width, in the dtypes and query counts training uses, lowered
+  for an H200 on this machine: the Triton lowering rejects what it cannot express (a shape that is
+  not a power of two, an op without a Triton rule) before any GPU time is spent."""
+  from experiments.triton_report import attnres_block, lower_for_h200
+  fn, args = attnres_block(n, s, 4096, 1024, dtype)
+  module = lower_for_h200(fn, *args)
   for name in ('phase1_logits', 'phase1_combine', 'phase1_vdo', 'phase1_grads', 'merge_norm',
                'merge_norm_bwd'):
     assert f'"attnres_{name}"' in module, name
