@@ -160,6 +160,15 @@ def test_pallas_phase1_bf16_and_many_queries():
   got = jax.grad(phase1_loss('pallas', (1, 8, 32), s), argnums=(0, 1))(*args)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert tm.rel_err(g, np.asarray(w, np.float64)) <= 1e-5
+  # bf16 sources (the kernels' bf16 path: one dot per source for dq), gradients against the
+  # float32 gradients of the same values: bf16 cotangents and a bf16 result, a few roundings.
+  args16 = (sources16, jnp.asarray(queries))
+  got16 = jax.grad(phase1_loss('pallas', (1, 8, 32), s), argnums=(0, 1))(*args16)
+  want16 = jax.grad(phase1_loss('xla', (1, 8, 32), s), argnums=(0, 1))(
+      [v.astype(jnp.float32) for v in sources16], args16[1])
+  for g, w in zip(jax.tree.leaves(got16), jax.tree.leaves(want16)):
+    assert tm.rel_err(g, np.asarray(w, np.float64)) <= 2 ** -7
+  assert all(g.dtype == jnp.bfloat16 for g in got16[0])
 
 
 def test_kernel_tiles_are_checked():
