@@ -333,8 +333,9 @@ defvjp_with_symbolic_zeros(_phase1, _phase1_fwd, _phase1_bwd, num_diff_args=2)
 
 # Per kernel: rows per tile (bt), features per chunk (dc, a power of two), warps and Triton
 # pipeline stages. A grads program covers rows_grads rows in steps of bt_grads; the logits and
-# vdo kernels hold whole rows, dc features at a time. Measured on an H200 at n = 3..9, S = 6
-# (experiments/results/bench_attnres.md). rows_grads and bt_logits are a dot's dimension: >= 16.
+# vdo kernels hold whole rows, dc features at a time. Measured on an H200 at S = 6 and n = 8, the
+# grads kernel also at n = 3, 4, 5 (experiments/results/bench_attnres.md). rows_grads and
+# bt_logits are a dot's dimension: >= 16.
 DEFAULT_TILES = {'bt': 16, 'dc': 128, 'warps': 4, 'stages': 2,                 # combine
                  'bt_grads': 8, 'rows_grads': 128, 'dc_grads': 128, 'warps_grads': 4, 'stages_grads': 2,
                  'bt_vdo': 16, 'dc_vdo': 64, 'warps_vdo': 4, 'stages_vdo': 2,
