@@ -10,6 +10,9 @@ order base, other, other, base, base, other, ... so that a slow drift of the dev
 falls on both alike. All runs share one persistent XLA compilation cache (--cache_dir), so only
 the first run of each setup compiles (on an H200 about 2 minutes for bench_350m; later runs
 take about 30 s). Prints a Markdown table of the runs and the overhead of the medians.
+--time_budget_s=S starts no run that would end past S seconds, judged by the last run of its
+setup, and reports the runs done: inside a time-limited call, a cut-short comparison still
+gives its table and JSON.
 
 Why one device: two H200s of one host differed by 1.3% in step time for the same program
 (experiments/results/bench_attnres.md, 2026-11-30), more than the effects being measured, so
@@ -27,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 from absl import app, flags
 
@@ -45,6 +49,9 @@ def define_flags():
   flags.DEFINE_integer('warmup', 3, 'untimed steps per run (the first run of a setup also compiles)')
   flags.DEFINE_string('cache_dir', str(ROOT / 'runs/xla_cache'), 'persistent XLA compilation cache')
   flags.DEFINE_string('json_out', None, 'also write the runs and the summary to this JSON file')
+  flags.DEFINE_float('time_budget_s', None, 'start no run that would end past this many seconds, '
+                     'judged by the last run of its setup (the first run of each setup always '
+                     'runs); the report then covers the runs done')
   flags.mark_flags_as_required(['base', 'other'])
 
 
@@ -54,6 +61,12 @@ def run_order(rounds: int) -> list[str]:
   for r in range(rounds):
     order += ['base', 'other'] if r % 2 == 0 else ['other', 'base']
   return order
+
+
+def fits_budget(elapsed_s: float, last_s: float | None, budget_s: float | None) -> bool:
+  """Whether to start a run: always without a budget or a previous run of its setup to judge
+  by (so each setup runs at least once), else if one more such run ends within the budget."""
+  return budget_s is None or last_s is None or elapsed_s + last_s <= budget_s
 
 
 def bench_once(args: str, out: pathlib.Path) -> dict:
@@ -80,17 +93,24 @@ def main(argv):
     if '--config' not in getattr(FLAGS, name):
       raise app.UsageError(f"--{name} must give bench_train.py a --config; got {getattr(FLAGS, name)!r}")
   pathlib.Path(FLAGS.cache_dir).mkdir(parents=True, exist_ok=True)
-  runs = []
+  runs, order, last_s, start = [], run_order(FLAGS.rounds), {}, time.monotonic()
   with tempfile.TemporaryDirectory() as tmp:
-    for k, setup in enumerate(run_order(FLAGS.rounds)):
+    for k, setup in enumerate(order):
+      if not fits_budget(time.monotonic() - start, last_s.get(setup), FLAGS.time_budget_s):
+        print(f'stopping before run {k + 1} of {len(order)}: by its setup\'s last run '
+              f'({last_s[setup]:.0f} s) it would end past the {FLAGS.time_budget_s:.0f} s budget', flush=True)
+        break
+      began = time.monotonic()
       result = bench_once(getattr(FLAGS, setup), pathlib.Path(tmp) / f'{k}.json')
+      last_s[setup] = time.monotonic() - began
       runs.append({'setup': setup, **result})
       print(f"run {k + 1}: {setup} {result['step_ms']:.1f} ms", flush=True)
 
   median = {s: statistics.median(r['step_ms'] for r in runs if r['setup'] == s) for s in ('base', 'other')}
   overhead = median['other'] / median['base'] - 1
   print(f"\n{datetime.date.today()}, {runs[0]['device']} x {runs[0]['num_devices']}, "
-        f"host {platform.node()}; {FLAGS.steps} timed steps per run\n")
+        f"host {platform.node()}; {FLAGS.steps} timed steps per run"
+        + (f'; {len(runs)} of {len(order)} runs (time budget)' if len(runs) < len(order) else '') + '\n')
   print(f'- base: `{FLAGS.base}`\n- other: `{FLAGS.other}`\n')
   print('| run | setup | step ms | peak GiB | loss |\n|---|---|---|---|---|')
   for k, r in enumerate(runs):
@@ -98,7 +118,8 @@ def main(argv):
   print(f"\nmedian step: base {median['base']:.1f} ms, other {median['other']:.1f} ms; "
         f'other over base: **{overhead:+.1%}**')
   if FLAGS.json_out:
-    summary = {'base': FLAGS.base, 'other': FLAGS.other, 'median_step_ms': median, 'overhead': overhead}
+    summary = {'base': FLAGS.base, 'other': FLAGS.other, 'median_step_ms': median, 'overhead': overhead,
+               'runs_planned': len(order)}
     pathlib.Path(FLAGS.json_out).write_text(json.dumps({'summary': summary, 'runs': runs}, indent=1))
 
 

@@ -19,12 +19,26 @@ def test_run_order_alternates_which_setup_goes_first():
   assert bench_compare.run_order(1) == ['base', 'other']
 
 
-def compare(tmp_path, other, rounds=1):
+def compare(tmp_path, other, rounds=1, *extra):
   out = tmp_path / 'compare.json'
   cmd = [sys.executable, str(ROOT / 'experiments/bench_compare.py'), f'--rounds={rounds}',
          '--steps=1', '--warmup=1', f'--cache_dir={tmp_path / "cache"}', f'--json_out={out}',
-         f'--base=--config=configs/default.py {TINY}', f'--other={other} {TINY}']
+         f'--base=--config=configs/default.py {TINY}', f'--other={other} {TINY}', *extra]
   return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600), out
+
+
+def test_a_time_budget_starts_no_run_that_would_end_past_it():
+  assert bench_compare.fits_budget(100.0, None, None) and bench_compare.fits_budget(100.0, 30.0, None)
+  assert bench_compare.fits_budget(500.0, None, 10.0)            # a setup's first run always runs
+  assert bench_compare.fits_budget(70.0, 30.0, 100.0) and not bench_compare.fits_budget(70.1, 30.0, 100.0)
+
+
+def test_a_cut_short_comparison_still_reports_its_runs(tmp_path):
+  proc, out = compare(tmp_path, '--config=configs/default.py', 2, '--time_budget_s=0.001')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  report = json.loads(out.read_text())
+  assert [r['setup'] for r in report['runs']] == ['base', 'other'] and report['summary']['runs_planned'] == 4
+  assert 'stopping before run 3 of 4' in proc.stdout and '2 of 4 runs (time budget)' in proc.stdout
 
 
 def test_compares_two_setups_on_one_device(tmp_path):
