@@ -1,15 +1,18 @@
 """Diagnostic: what the phase-1 `grads` kernel of Block AttnRes spends its time on (GPU only).
 
-    python experiments/ablate_attnres_grads.py [--sources=8] [--queries=6]
+    python experiments/ablate_attnres_grads.py [--sources=8] [--queries=6] [--tiles=dc_grads=64]
 
-Times copies of kernels_pallas.attnres._grads_kernel with parts of its work left out, through
-the kernel's own pallas_call (kernels_pallas.attnres.grads_call), on the bench_350m shape
-(16 x 4096 tokens, D = 1024, bf16 sources), with random inputs and the default tiles. The copies' outputs are wrong on purpose; only their times mean something. Each figure is
-the median wall time of 20 jitted calls (the launch included), so compare them with each other:
+Times kernels_pallas.attnres._grads_kernel, then copies of it with parts of its work left out,
+through the kernel's own pallas_call (kernels_pallas.attnres.grads_call), on the bench_350m
+shape (16 x 4096 tokens, D = 1024, bf16 sources), with random inputs and the default tiles or
+--tiles (so the first row alone is a tile sweep's figure). The copies' outputs are wrong on
+purpose; only their times mean something. Each figure is the median wall time of 20 jitted
+calls (the launch included), so compare them with each other:
     dv_i = c_i v_i + dv_in_i + sum_j alpha_ji do_j + sum_j b_ji q_j,   dq += b_parts_i^T v_i
 Results: experiments/results/bench_attnres.md.
 """
 
+import functools
 import statistics
 import time
 
@@ -24,10 +27,12 @@ flags.DEFINE_integer('sources', 8, 'n, block sums')
 flags.DEFINE_integer('queries', 6, 'S, consumers per block')
 flags.DEFINE_integer('tokens', 16 * 4096, 'M')
 flags.DEFINE_integer('d_model', 1024, 'D')
+flags.DEFINE_string('tiles', '', "phase-1 tiles, 'key=int/key=int' (the grads kernel's: bt_grads, "
+                    "rows_grads, dc_grads, warps_grads, stages_grads)")
 FLAGS = flags.FLAGS
 
-VARIANTS = {                     # name: the terms kept
-    'the kernel as it is': dict(),
+VARIANTS = {                     # name: the terms kept (None: the kernel itself)
+    'the kernel as it is': None,
     'without sum_j alpha_ji do_j (nor the do reads)': dict(alpha_do=False),
     'without sum_j b_ji q_j': dict(b_q=False),
     'without the dq dot': dict(dq=False),
@@ -86,6 +91,7 @@ def median_ms(fn, args, calls=20, warmup=3):
 
 def main(argv):
   del argv
+  tiles = attnres.with_defaults(attnres.parse_tiles(FLAGS.tiles), attnres.DEFAULT_TILES, 'phase1')
   if jax.default_backend() != 'gpu':
     raise SystemExit('ablate_attnres_grads.py times compiled Triton kernels: it needs a GPU')
   n, s, m, d = FLAGS.sources, FLAGS.queries, FLAGS.tokens, FLAGS.d_model
@@ -95,12 +101,16 @@ def main(argv):
   d_outs, sources, d_sources_in = ([rand((m, d)) for _ in range(k)] for k in (s, n, n))
   coefficients = (rand((n, s, m), jnp.float32), rand((n, s, m), jnp.float32), rand((n, m), jnp.float32),
                   rand((s, d), jnp.float32), rand((n, width, m)))
-  tiles = attnres.DEFAULT_TILES
-  print(f"| grads kernel, n = {n}, S = {s}, M = {m}, D = {d}, bf16, {jax.devices()[0].device_kind} | ms per call |")
+  print(f"| grads kernel, n = {n}, S = {s}, M = {m}, D = {d}, bf16, {jax.devices()[0].device_kind}"
+        f"{', tiles ' + FLAGS.tiles if FLAGS.tiles else ''} | ms per call |")
   print('|---|---|')
   for name, parts in VARIANTS.items():
-    kernel = make_kernel(n, s, tiles['bt_grads'], **parts)
-    accumulated = d_sources_in if parts.get('dv_in', True) else []
+    if parts is None:
+      kernel = functools.partial(attnres._grads_kernel, n=n, s=s, bt=tiles['bt_grads'], accumulate=True,
+                                 source_parts=1)
+    else:
+      kernel = make_kernel(n, s, tiles['bt_grads'], **parts)
+    accumulated = d_sources_in if (parts or {}).get('dv_in', True) else []
     fn = jax.jit(lambda a, b, c, e, kernel=kernel: attnres.grads_call(kernel, a, b, c, e, tiles))
     print(f'| {name} | {median_ms(fn, (d_outs, sources, accumulated, coefficients)):.2f} |', flush=True)
 
