@@ -196,11 +196,11 @@ def _grads_kernel(*refs, n, s, bt, accumulate, source_parts):
       dv[i][rows, :] = grads[i]
     return carry
 
-  rows = src[0].shape[0]
-  jax.lax.fori_loop(0, rows // bt, step, 0)
+  block_rows = src[0].shape[0]
+  jax.lax.fori_loop(0, block_rows // bt, step, 0)
   # float32 sources enter the dots as three bf16 terms each: K = 32 rows at a time keeps those in
   # registers (the whole block spills them).
-  k_rows = rows if source_parts == 1 else min(rows, 32)
+  k_rows = block_rows if source_parts == 1 else min(block_rows, 32)
 
   def dots(t, dq):
     ks = pl.ds(t * k_rows, k_rows)
@@ -209,7 +209,7 @@ def _grads_kernel(*refs, n, s, bt, accumulate, source_parts):
         dq += jnp.dot(b_parts_ref[i, :, ks], part, preferred_element_type=jnp.float32)
     return dq
 
-  dq_ref[...] = jax.lax.fori_loop(0, rows // k_rows, dots, jnp.zeros(dq_ref.shape, jnp.float32))
+  dq_ref[...] = jax.lax.fori_loop(0, block_rows // k_rows, dots, jnp.zeros(dq_ref.shape, jnp.float32))
 
 
 # ----------------------------------------------------------------------------- wrapper
