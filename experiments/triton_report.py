@@ -179,15 +179,17 @@ def sass_counts(sass: str) -> collections.Counter:
 
 def main(argv):
   del argv
-  tiles = {}
-  if FLAGS.phase1_tiles or FLAGS.merge_tiles:
-    from kernels_pallas.attnres import parse_tiles
-    tiles = dict(phase1_tiles=parse_tiles(FLAGS.phase1_tiles), merge_tiles=parse_tiles(FLAGS.merge_tiles))
+  from kernels_pallas import attnres, attnres_merge
+  # Tile flags checked here, before anything is lowered: one error that names the bad key.
+  phase1_tiles = attnres.with_defaults(attnres.parse_tiles(FLAGS.phase1_tiles),
+                                       attnres.DEFAULT_TILES, 'phase1')
+  merge_tiles = attnres.with_defaults(attnres.parse_tiles(FLAGS.merge_tiles),
+                                      attnres_merge.DEFAULT_TILES, 'merge_norm')
   if subprocess.run([FLAGS.triton_python, '-c', 'import triton'], capture_output=True).returncode:
     raise SystemExit(f'triton_report.py: {FLAGS.triton_python} cannot import triton; '
                      'pip install triton==3.6.0 there, or pass --triton_python')
   fn, args = attnres_block(FLAGS.sources, FLAGS.queries, FLAGS.tokens, FLAGS.d_model,
-                           jnp.dtype(FLAGS.dtype), **tiles)
+                           jnp.dtype(FLAGS.dtype), phase1_tiles, merge_tiles)
   kernels = kernel_irs(fn, *args)
   out_dir = pathlib.Path(FLAGS.out_dir or tempfile.mkdtemp(prefix='triton_report_'))
   out_dir.mkdir(parents=True, exist_ok=True)
