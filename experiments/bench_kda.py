@@ -30,6 +30,8 @@ flags.DEFINE_string('dtype', None, 'input dtype of q, k, v, beta (g is float32);
 flags.DEFINE_list('impls', ['recurrent', 'chunk', 'pallas', 'fla'], 'what to time')
 flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
 flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
+flags.DEFINE_bool('stages', False, "also time each stage of impl='pallas' on its own (forward kernels, "
+                  'the backward\'s recomputation, reverse state pass and input gradients)')
 FLAGS = flags.FLAGS
 
 
@@ -42,6 +44,10 @@ def _time(fn, repeats, warmup, sync):
     sync(fn())
     times.append((time.perf_counter() - start) * 1e3)
   return statistics.median(times), min(times)
+
+
+def _print_row(row):
+  print('| ' + ' | '.join(row) + ' |', flush=True)
 
 
 def _jax_rows(shape, dtype_name):
@@ -81,7 +87,54 @@ def _jax_rows(shape, dtype_name):
       except Exception as e:  # noqa: BLE001 - e.g. out of memory for the recurrence's backward
         row.append(f'failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}')
     rows.append(row)
+    _print_row(row)
   return rows
+
+
+def _stage_rows(shape, dtype_name):
+  """Each Pallas kernel of impl='pallas' on its own (kernels_pallas/kda/op.py), jitted separately;
+  the backward's XLA part (per-chunk cotangents, the UT transform's transpose, the reverse
+  cumulative sum) is what the forward+backward time leaves over."""
+  import jax
+  import jax.numpy as jnp
+
+  from kernels_pallas.kda import op
+
+  b, t, h, d = shape
+  dtype = jnp.dtype(dtype_name)
+  keys = jax.random.split(jax.random.key(1), 6)
+  q = jax.random.normal(keys[0], (b, t, h, d), dtype) * d ** -0.5
+  k = jax.random.normal(keys[1], (b, t, h, d), dtype) * d ** -0.5
+  v = jax.random.normal(keys[2], (b, t, h, d), dtype)
+  g = -jnp.exp(jax.random.uniform(keys[3], (b, t, h, d), jnp.float32, -7.0, 0.5))
+  beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
+  do = jax.random.normal(keys[5], (b, t, h, d), dtype)
+  s0 = jnp.zeros((b, h, d, d), jnp.float32)
+  c, scale = op.chunk_len(t), d ** -0.5
+  interp = jax.default_backend() != 'gpu'
+  kw = dict(c=c, interpret=interp)
+  gc = op.chunk_cumsum(g, c)
+  scores = jax.jit(lambda *a: op.scores_fwd(*a, scale=scale, **kw))
+  qg, kg, aqk, n = scores(q, k, gc, beta)
+  wy = {with_t: jax.jit(lambda *a, with_t=with_t: op.wy_fwd(*a, with_t=with_t, **kw)) for with_t in (False, True)}
+  w, u = wy[False](n, k, v, gc, beta)
+  state = {with_h: jax.jit(lambda *a, with_h=with_h: op.state_fwd(*a, out_dtype=dtype, with_h=with_h, **kw))
+           for with_h in (False, True)}
+  bwd = jax.jit(lambda *a: op.state_bwd(*a, **kw))
+  f32 = lambda x: x.astype(jnp.float32)
+  sbwd = jax.jit(lambda *a: op.scores_bwd(*a, scale=scale, **kw))
+  cumsum = jax.jit(op.chunk_cumsum, static_argnums=1)
+  sync = jax.block_until_ready
+  stages = [('chunk cumsum of g (XLA)', lambda: cumsum(g, c)),
+            ('scores_fwd', lambda: scores(q, k, gc, beta)),
+            ('wy_fwd', lambda: wy[False](n, k, v, gc, beta)),
+            ('wy_fwd writing T', lambda: wy[True](n, k, v, gc, beta)),
+            ('state_fwd', lambda: state[False](qg, kg, w, u, aqk, gc, s0)),
+            ('state_fwd writing h', lambda: state[True](qg, kg, w, u, aqk, gc, s0)),
+            ('state_bwd', lambda: bwd(qg, kg, w, aqk, gc, do, s0)),
+            ('scores_bwd', lambda: sbwd(q, k, gc, beta, qg, kg, f32(aqk), n))]
+  return [[f'pallas stage: {name}', '%.2f (%.2f)' % _time(fn, FLAGS.repeats, FLAGS.warmup, sync), '']
+          for name, fn in stages]
 
 
 def _fla_rows(shape):
@@ -129,13 +182,15 @@ def main(argv):
   print(f'command: python {" ".join(sys.argv)}')
   print(f'shape B={shape[0]} T={shape[1]} H={shape[2]} K=V={shape[3]}; inputs {dtype} (g float32); '
         f'chunk_size {FLAGS.chunk_size}; median (min) of {FLAGS.repeats} calls in ms\n')
-  rows = _jax_rows(shape, dtype)
-  if 'fla' in FLAGS.impls and backend == 'gpu':
-    rows += _fla_rows(shape)
   print('| implementation | forward ms | forward+backward ms |')
-  print('|---|---|---|')
-  for row in rows:
-    print('| ' + ' | '.join(row) + ' |')
+  print('|---|---|---|', flush=True)
+  _jax_rows(shape, dtype)   # each row is printed as soon as it is timed
+  if FLAGS.stages:
+    for row in _stage_rows(shape, dtype):
+      _print_row(row)
+  if 'fla' in FLAGS.impls and backend == 'gpu':
+    for row in _fla_rows(shape):
+      _print_row(row)
 
 
 if __name__ == '__main__':

@@ -336,6 +336,21 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
   return o.astype(v.dtype), (s_final if output_final_state else None)
 
 
+# ----------------------------------------------------------------------------- fused kernels
+
+
+def kda_fused(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False):
+  """KDA through the fused Pallas kernels of kernels_pallas/kda (interpreted off the GPU);
+  same arguments and results as kda_chunk (the kernels' chunk length is fixed at 64)."""
+  from kernels_pallas.kda import kda_pallas
+  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
+  initial_state = None if initial_state is None else jnp.asarray(initial_state)
+  _, _, _, dk, _ = _check_sequence_inputs("kda impl='pallas'", q, k, v, g, beta, initial_state)
+  o, s_final = kda_pallas(q, k, v, g, beta, initial_state, scale=_default_scale(scale, dk),
+                          interpret=jax.default_backend() != 'gpu')
+  return o, (s_final if output_final_state else None)
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -352,7 +367,6 @@ def kda(q, k, v, g, beta, *, impl='chunk', scale=None, initial_state=None, outpu
     return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, chunk_size=chunk_size)
   if impl == 'pallas':
-    raise NotImplementedError("kda impl='pallas': the Pallas KDA kernel is not built yet "
-                              "(kernels_pallas/ has no KDA kernel); use impl='chunk' "
-                              "(model.kda_impl='chunk')")
+    return kda_fused(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state)
   raise ValueError(f'kda impl={impl!r} is unknown; allowed: {IMPLS}')

@@ -1,0 +1,67 @@
+"""Helpers shared by the KDA kernels: 16-row sub-chunk views, the dots, exact triangular inverse."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+SUB = 16   # rows of a sub-chunk: the unit of the exponent split and of the blockwise inverse
+F32 = jnp.float32
+# HIGHEST: float32 operands multiply in full precision (IEEE), not TF32; bf16 operands are
+# unaffected (tensor cores, float32 accumulation).
+_HI = jax.lax.Precision.HIGHEST
+
+
+def rows(a, n=SUB):
+  """Rows [a n, a n + n) of a ref; a may be traced."""
+  return pl.ds(a * n if isinstance(a, int) else pl.multiple_of(a * n, n), n)
+
+
+def _dot(x, y, dims):
+  return jax.lax.dot_general(x, y, (dims, ((), ())), precision=_HI, preferred_element_type=F32)
+
+
+def dot(x, y):
+  """x [M, D] . y [D, N] -> [M, N] float32."""
+  return _dot(x, y, ((1,), (0,)))
+
+
+def dot_nt(x, y):
+  """x [M, D] . y [N, D]^T -> [M, N] float32 (contraction over the last axis of both)."""
+  return _dot(x, y, ((1,), (1,)))
+
+
+def dot_tn(x, y):
+  """x [D, M]^T . y [D, N] -> [M, N] float32 (contraction over the first axis of both)."""
+  return _dot(x, y, ((0,), (0,)))
+
+
+def iotas():
+  """(row index, column index) of a [SUB, SUB] block, int32."""
+  return (jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0),
+          jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1))
+
+
+def unit_lower_inverse(n):
+  """(I + n)^-1 for a strictly lower-triangular [16, 16] float32 n, by forward substitution."""
+  r_idx, _ = iotas()
+  cols = jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+
+  def row(r, t):
+    n_r = jnp.sum(jnp.where(r_idx == r, n, 0.0), axis=0)       # row r of n, indexed by m
+    new = (cols == r).astype(F32) - jnp.sum(n_r[:, None] * t, axis=0)
+    return jnp.where(r_idx == r, new[None, :], t)
+
+  return jax.lax.fori_loop(0, SUB, row, jnp.zeros((SUB, SUB), F32))
+
+
+def inverse_blocks(nblk, nb):
+  """Blocks T[a][b] (b <= a) of (I + N)^-1 from the blocks nblk[a][b] (b <= a) of a strictly
+  lower-triangular N: T_aa by forward substitution, T_ab = -T_aa sum_{b <= m < a} N_am T_mb."""
+  t = [[None] * nb for _ in range(nb)]
+  for a in range(nb):
+    t[a][a] = unit_lower_inverse(nblk[a][a])
+    for b in range(a - 1, -1, -1):
+      t[a][b] = -dot(t[a][a], sum(dot(nblk[a][m], t[m][b]) for m in range(b, a)))
+  return t

@@ -1,0 +1,257 @@
+"""KDA in the chunkwise form through the Pallas kernels of this folder, forward and backward.
+
+    o, s_final = kda_pallas(q, k, v, g, beta, s0, scale=..., interpret=...)
+
+Forward: the within-chunk cumulative log-decay G (XLA); scores (every 16-row sub-chunk of every
+chunk in parallel: qg, kg, aqk, N); wy (every chunk: w, u); state_fwd (the chunks in order, the
+state on chip: o and the final state). The backward keeps only the inputs: it recomputes the
+forward's per-chunk tensors and states, runs state_bwd (the chunks in reverse), forms the
+per-chunk cotangents and the UT transform's transpose in XLA (batched matmuls), and runs the
+scores backward kernel; see README.md in this folder.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.kda.blocks import F32, SUB
+from kernels_pallas.kda.scores import scores_bwd_kernel, scores_fwd_kernel
+from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
+from kernels_pallas.kda.wy import wy_bwd, wy_fwd_kernel
+
+CHUNK = 64
+_HI = jax.lax.Precision.HIGHEST
+
+
+def chunk_len(t: int) -> int:
+  """Chunk length for T tokens: 64, or the power of two >= T (at least 16) for shorter inputs."""
+  return min(CHUNK, max(SUB, pl.next_power_of_2(t)))
+
+
+def _params(warps, stages=1):
+  return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def chunk_cumsum(g, c):
+  """Within-chunk inclusive cumulative sum of g [B, T, H, K] (T a multiple of c), float32."""
+  b, t, h, dk = g.shape
+  return jnp.cumsum(g.astype(F32).reshape(b, t // c, c, h, dk), axis=2).reshape(b, t, h, dk)
+
+
+# ----------------------------------------------------------------------------- block specs
+
+
+def _sub_spec(d, nb):
+  """A 16-row sub-chunk of [B, T, H, d] (d None: of [B, T, H]), grid (b, h, chunk, sub-chunk)."""
+  if d is None:
+    return pl.BlockSpec((None, SUB, None), lambda bi, hi, n, a: (bi, n * nb + a, hi))
+  return pl.BlockSpec((None, SUB, None, d), lambda bi, hi, n, a: (bi, n * nb + a, hi, 0))
+
+
+def _chunk_spec(d, c, sub_grid):
+  """One chunk of [B, T, H, d] (d None: of [B, T, H]), grid (b, h, chunk[, sub-chunk])."""
+  if d is None:
+    return pl.BlockSpec((None, c, None), lambda bi, hi, n, *_: (bi, n, hi))
+  return pl.BlockSpec((None, c, None, d), lambda bi, hi, n, *_: (bi, n, hi, 0))
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# ----------------------------------------------------------------------------- kernel calls
+
+
+def scores_fwd(q, k, gc, beta, *, scale, c, interpret):
+  """(qg, kg, aqk, n): qg, kg [B, T, H, K] and aqk [B, T, H, C] in q's dtype, n float32."""
+  b, t, h, dk = q.shape
+  nb = c // SUB
+  kernel = functools.partial(scores_fwd_kernel, scale=scale, nb=nb, dot_dtype=q.dtype)
+  return pl.pallas_call(
+      kernel, grid=(b, h, t // c, nb),
+      in_specs=[_sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(None, nb),
+                _chunk_spec(dk, c, True), _chunk_spec(dk, c, True)],
+      out_specs=[_sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(c, nb), _sub_spec(c, nb)],
+      out_shape=[_sds(q.shape, q.dtype), _sds(q.shape, q.dtype), _sds((b, t, h, c), q.dtype),
+                 _sds((b, t, h, c), F32)],
+      compiler_params=_params(4), interpret=interpret, name='kda_scores_fwd',
+  )(q, k, gc, beta, k, gc)
+
+
+def wy_fwd(n, k, v, gc, beta, *, c, with_t, interpret):
+  """(w, u[, t]): w [B, T, H, K], u [B, T, H, V] in k's dtype; t [B, T, H, C] float32."""
+  b, t, h, dk = k.shape
+  dv = v.shape[-1]
+  spec = lambda d: _chunk_spec(d, c, False)
+  out_specs = [spec(dk), spec(dv)] + ([spec(c)] if with_t else [])
+  out_shape = [_sds(k.shape, k.dtype), _sds(v.shape, k.dtype)] + ([_sds(n.shape, F32)] if with_t else [])
+  kernel = functools.partial(wy_fwd_kernel, nb=c // SUB, dot_dtype=k.dtype)
+  return pl.pallas_call(
+      kernel, grid=(b, h, t // c),
+      in_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(None)],
+      out_specs=out_specs, out_shape=out_shape,
+      compiler_params=_params(4), interpret=interpret, name='kda_wy_fwd',
+  )(n, k, v, gc, beta)
+
+
+def value_block(dv: int) -> int:
+  return min(dv, 64)
+
+
+def _state_specs(t, dk, bv, c):
+  whole = lambda d: pl.BlockSpec((None, t, None, d), lambda bi, hi, j: (bi, 0, hi, 0))
+  cols = pl.BlockSpec((None, t, None, bv), lambda bi, hi, j: (bi, 0, hi, j))
+  state = pl.BlockSpec((None, None, dk, bv), lambda bi, hi, j: (bi, hi, 0, j))
+  per_chunk = pl.BlockSpec((None, None, (t // c) * dk, bv), lambda bi, hi, j: (bi, hi, 0, j))
+  return whole, cols, state, per_chunk
+
+
+def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, interpret):
+  """(o [B, T, H, V], s_final [B, H, K, V] float32[, h [B, H, N*K, V] float32])."""
+  b, t, h, dk = qg.shape
+  dv = u.shape[-1]
+  bv = value_block(dv)
+  whole, cols, state, per_chunk = _state_specs(t, dk, bv, c)
+  out_specs = [cols, state] + ([per_chunk] if with_h else [])
+  out_shape = [_sds((b, t, h, dv), out_dtype), _sds((b, h, dk, dv), F32)]
+  if with_h:
+    out_shape.append(_sds((b, h, (t // c) * dk, dv), F32))
+  kernel = functools.partial(state_fwd_kernel, nt=t // c, c=c, dot_dtype=qg.dtype)
+  return pl.pallas_call(
+      kernel, grid=(b, h, dv // bv),
+      in_specs=[whole(dk), whole(dk), whole(dk), cols, whole(c), whole(dk), state],
+      out_specs=out_specs, out_shape=out_shape,
+      compiler_params=_params(4), interpret=interpret, name='kda_state_fwd',
+  )(qg, kg, w, u, aqk, gc, s0)
+
+
+def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):
+  """(ds0 [B, H, K, V], dh [B, H, N*K, V], dv_new [B, T, H, V]), all float32."""
+  b, t, h, dk = qg.shape
+  dv = do.shape[-1]
+  bv = value_block(dv)
+  whole, cols, state, per_chunk = _state_specs(t, dk, bv, c)
+  kernel = functools.partial(state_bwd_kernel, nt=t // c, c=c, dot_dtype=qg.dtype)
+  return pl.pallas_call(
+      kernel, grid=(b, h, dv // bv),
+      in_specs=[whole(dk), whole(dk), whole(dk), whole(c), whole(dk), cols, state],
+      out_specs=[state, per_chunk, cols],
+      out_shape=[_sds((b, h, dk, dv), F32), _sds((b, h, (t // c) * dk, dv), F32),
+                 _sds((b, t, h, dv), F32)],
+      compiler_params=_params(4), interpret=interpret, name='kda_state_bwd',
+  )(qg, kg, w, aqk, gc, do, ds_final)
+
+
+def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, *, scale, c, interpret):
+  """(dq, dk, dg, dbeta, dlast): float32; dg of G; dlast [B, N * C/16, H, K] per sub-chunk."""
+  b, t, h, dk = q.shape
+  nb = c // SUB
+  sub, whole = (lambda d: _sub_spec(d, nb)), (lambda d: _chunk_spec(d, c, True))
+  kernel = functools.partial(scores_bwd_kernel, scale=scale, nb=nb, dot_dtype=q.dtype)
+  return pl.pallas_call(
+      kernel, grid=(b, h, t // c, nb),
+      in_specs=[sub(dk), sub(dk), sub(dk), sub(None), sub(dk), sub(dk), sub(c), sub(c),
+                whole(dk), whole(dk), whole(dk), whole(None), whole(c), whole(c)],
+      out_specs=[sub(dk), sub(dk), sub(dk), sub(None),
+                 pl.BlockSpec((None, 1, None, dk), lambda bi, hi, n, a: (bi, n * nb + a, hi, 0))],
+      out_shape=[_sds(q.shape, F32)] * 3 + [_sds((b, t, h), F32), _sds((b, (t // c) * nb, h, dk), F32)],
+      compiler_params=_params(4), interpret=interpret, name='kda_scores_bwd',
+  )(q, k, gc, beta, dqg, dkg, daqk, dn, q, k, gc, beta, daqk, dn)
+
+
+# ----------------------------------------------------------------------------- the op
+
+
+def _forward(q, k, v, g, beta, s0, scale, interpret, for_backward):
+  c = chunk_len(q.shape[1])
+  gc = chunk_cumsum(g, c)
+  qg, kg, aqk, n = scores_fwd(q, k, gc, beta, scale=scale, c=c, interpret=interpret)
+  w, u, *t = wy_fwd(n, k, v, gc, beta, c=c, with_t=for_backward, interpret=interpret)
+  outs = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=for_backward,
+                   interpret=interpret)
+  return outs, dict(gc=gc, qg=qg, kg=kg, aqk=aqk, w=w, u=u, t=t[0] if t else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def kda_core(q, k, v, g, beta, s0, scale, interpret):
+  """q, k [B, T, H, K] (the dot dtype), v [B, T, H, V], g [B, T, H, K] float32 log-decay, beta
+  [B, T, H], s0 [B, H, K, V] float32; T a multiple of chunk_len(T). Returns (o, s_final)."""
+  (o, s_final), _ = _forward(q, k, v, g, beta, s0, scale, interpret, for_backward=False)
+  return o, s_final
+
+
+def _core_fwd(q, k, v, g, beta, s0, scale, interpret):
+  return kda_core(q, k, v, g, beta, s0, scale, interpret), (q, k, v, g, beta, s0)
+
+
+def _chunk_view(x, c):
+  """[B, T, H, *] -> [B, N, C, H, *] float32 (a reshape)."""
+  b, t = x.shape[:2]
+  return x.astype(F32).reshape(b, t // c, c, *x.shape[2:])
+
+
+def _core_bwd(scale, interpret, res, cotangents):
+  q, k, v, g, beta, s0 = res
+  do, ds_final = cotangents
+  b, t, h, dk = q.shape
+  c = chunk_len(t)
+  nt = t // c
+  (_, _, hs), x = _forward(q, k, v, g, beta, s0, scale, interpret, for_backward=True)
+  ds0, dh, dv_new = state_bwd(x['qg'], x['kg'], x['w'], x['aqk'], x['gc'], do.astype(v.dtype),
+                              ds_final.astype(F32), c=c, interpret=interpret)
+  mm = lambda spec, a, b_: jnp.einsum(spec, a, b_, precision=_HI)
+  states = lambda s: jnp.moveaxis(s.reshape(b, h, nt, dk, s.shape[-1]), 2, 1)   # [B, N, H, K, V]
+  hs, dh = states(hs), states(dh)
+  ch = lambda x_: _chunk_view(x_, c)
+  do_c, dvn_c = ch(do), ch(dv_new)
+  v_new = ch(x['u']) - mm('bnchk,bnhkv->bnchv', ch(x['w']), hs)
+  dqg = mm('bnchv,bnhkv->bnchk', do_c, hs)
+  dkg = mm('bnchv,bnhkv->bnchk', v_new, dh)
+  dw = -mm('bnchv,bnhkv->bnchk', dvn_c, hs)
+  daqk = jnp.where(jnp.tri(c, dtype=bool)[:, None, :], mm('bnchv,bnihv->bnchi', do_c, v_new), 0.0)
+  ddecay = jnp.sum(hs * dh, axis=-1)                                              # [B, N, H, K]
+  dn, dk_wy, dv, dg_wy, dbeta_wy = wy_bwd(ch(x['t']), dw, dvn_c, ch(k), ch(v), ch(x['gc']), ch(beta))
+  flat = lambda y: y.reshape(b, t, *y.shape[3:])
+  dq, dk_s, dg_s, dbeta_s, dlast = scores_bwd(
+      q, k, x['gc'], beta, flat(dqg).astype(q.dtype), flat(dkg).astype(q.dtype),
+      flat(daqk), flat(dn), scale=scale, c=c, interpret=interpret)
+  d_cum = ch(dg_s) + dg_wy                                  # gradient of G, [B, N, C, H, K]
+  g_end = ch(x['gc'])[:, :, -1]                             # G_C, [B, N, H, K]
+  d_end = jnp.sum(dlast.reshape(b, nt, c // SUB, h, dk), axis=2) + ddecay * jnp.exp(g_end)
+  dg = jnp.flip(jnp.cumsum(jnp.flip(d_cum, 2), axis=2), 2) + d_end[:, :, None]
+  cast = lambda y, like: y.astype(like.dtype)
+  return (cast(dq, q), cast(flat(ch(dk_s) + dk_wy), k), cast(flat(dv), v), cast(flat(dg), g),
+          cast(dbeta_s + flat(dbeta_wy), beta), cast(ds0, s0))
+
+
+kda_core.defvjp(_core_fwd, _core_bwd)
+
+
+def kda_pallas(q, k, v, g, beta, initial_state=None, *, scale, interpret=False):
+  """KDA (SPEC §1) through the Pallas kernels: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H].
+
+  Any T (padded to a multiple of the chunk with tokens that neither decay nor write); K and V
+  powers of two >= 16. q and k enter the dots in v's dtype when v is bf16 or float16, else in
+  float32; g, the decays, states and accumulation are float32. Returns (o [B, T, H, V] in v's
+  dtype, final state [B, H, K, V] float32). Differentiable in every input, initial_state included.
+  """
+  b, t, h, dk = q.shape
+  dv = v.shape[-1]
+  for name, d in (('K', dk), ('V', dv)):
+    if d < 16 or d & (d - 1):
+      raise ValueError(f"kda impl='pallas': {name} = {d} must be a power of two >= 16 "
+                       f"(q {list(q.shape)}, v {list(v.shape)}); use impl='chunk' for other sizes")
+  dot_dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else F32
+  c = chunk_len(t)
+  pad = -t % c
+  time_pad = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+  q, k, v = (time_pad(x.astype(dot_dtype)) for x in (q, k, v))
+  g, beta = time_pad(g.astype(F32)), time_pad(beta.astype(F32))
+  s0 = jnp.zeros((b, h, dk, dv), F32) if initial_state is None else initial_state.astype(F32)
+  o, s_final = kda_core(q, k, v, g, beta, s0, float(scale), bool(interpret))
+  return o[:, :t], s_final

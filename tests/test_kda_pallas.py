@@ -1,0 +1,103 @@
+"""The fused Pallas KDA kernels (kernels_pallas/kda) against the reference recurrence.
+
+On the CPU the kernels run in Pallas interpret mode (slow, so the shapes are small); on a GPU
+(tests marked gpu) they run compiled: float32 against the recurrence at small T, bf16 against the
+XLA chunk form at the benchmark shape. Errors are relative RMSE over a whole tensor, as fla's
+tests measure them.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimijax.ops import kda as kda_lib
+
+NAMES = ('q', 'k', 'v', 'g', 'beta', 'initial_state')
+
+
+def _inputs(seed, b, t, h, dk, dv, *, g_min=-1.0, spikes=False, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q, k = unit(rng.normal(size=(b, t, h, dk))), unit(rng.normal(size=(b, t, h, dk)))
+  v = rng.normal(size=(b, t, h, dv))
+  g = rng.uniform(g_min, 0.0, size=(b, t, h, dk))
+  if spikes:   # 10% of the entries -1000: a channel reset, exp of which underflows to 0
+    g = np.where(rng.uniform(size=g.shape) < 0.1, -1000.0, g)
+  beta = rng.uniform(0.0, 1.0, size=(b, t, h))
+  s0 = rng.normal(size=(b, h, dk, dv))
+  cast = lambda x, d: jnp.asarray(x, jnp.float32).astype(d)
+  return (cast(q, dtype), cast(k, dtype), cast(v, dtype), cast(g, jnp.float32), cast(beta, dtype),
+          cast(s0, jnp.float32))
+
+
+def _rel_rmse(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+
+def _value_and_grads(impl, args, w_o, w_s):
+  def loss(q, k, v, g, beta, s0):
+    o, s = kda_lib.kda(q, k, v, g, beta, impl=impl, initial_state=s0, output_final_state=True)
+    return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s), (o, s)
+  return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
+
+
+def _compare(args, reference, tol_out, tol_grad, seed=0):
+  rng = np.random.default_rng(seed)
+  w_o = jnp.asarray(rng.normal(size=args[2].shape[:3] + (args[2].shape[3],)), jnp.float32)
+  w_s = jnp.asarray(rng.normal(size=args[5].shape), jnp.float32)
+  (_, (o, s)), grads = _value_and_grads('pallas', args, w_o, w_s)
+  (_, (o_r, s_r)), grads_r = _value_and_grads(reference, args, w_o, w_s)
+  assert o.dtype == args[2].dtype and s.dtype == jnp.float32
+  errors = {'o': _rel_rmse(o, o_r), 'final_state': _rel_rmse(s, s_r)}
+  assert max(errors.values()) <= tol_out, errors
+  for name, a, b in zip(NAMES, grads, grads_r):
+    assert np.all(np.isfinite(np.asarray(a, np.float32))), name
+    errors[name] = _rel_rmse(a, b)
+    assert errors[name] <= tol_grad, (name, errors)
+  return errors
+
+
+@pytest.fixture
+def _full_precision():
+  with jax.default_matmul_precision('highest'):
+    yield
+
+
+@pytest.mark.usefixtures('_full_precision')
+def test_interpreted_kernels_match_recurrence_with_tail_state_and_resets():
+  """Two chunks (the second a tail of 36 tokens), an initial state, and decays of -1000 mixed in:
+  output, final state and all six gradients equal the recurrence's."""
+  args = _inputs(0, 1, 100, 2, 32, 16, spikes=True)
+  _compare(args, 'recurrent', 1e-4, 1e-4)
+
+
+@pytest.mark.usefixtures('_full_precision')
+def test_interpreted_short_sequence_uses_one_small_chunk():
+  """T = 20 runs as one chunk of 32 (two 16-token sub-chunks), K = V = 64, strong decays."""
+  args = _inputs(1, 2, 20, 1, 64, 64, g_min=-8.0)
+  _compare(args, 'recurrent', 1e-4, 1e-4)
+
+
+def test_rejects_head_dims_the_kernels_cannot_tile():
+  args = _inputs(2, 1, 16, 1, 24, 16)
+  with pytest.raises(ValueError, match=r"K = 24 must be a power of two >= 16"):
+    kda_lib.kda(*args[:5], impl='pallas')
+
+
+# ----------------------------------------------------------------------------- GPU, compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures('_full_precision')
+@pytest.mark.parametrize('t,d,spikes', [(64, 64, False), (300, 128, True), (1000, 64, False)])
+def test_gpu_float32_matches_recurrence(t, d, spikes):
+  args = _inputs(3, 2, t, 2, d, d, spikes=spikes)
+  _compare(args, 'recurrent', 5e-3, 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_matches_chunk_form_at_benchmark_shape():
+  args = _inputs(4, 8, 4096, 16, 128, 128, g_min=-0.5, dtype=jnp.bfloat16)
+  _compare(args, 'chunk', 5e-3, 1e-2)
