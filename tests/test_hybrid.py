@@ -33,6 +33,7 @@ CASES = {
     'KA gqa rope': tiny('KA', 'gqa'),
     'all-attention mha': tiny('A', 'mha'),
     'all-KDA': tiny('K', 'mha'),
+    'KA mla nope, fused KDA kernels': tiny('KA', 'mla', position='nope', num_heads=2, kda_impl='pallas'),
     'KKA mla rope qlora, attnres_block': tiny('KKA', 'mla', mla_qk_rope_head_dim=4, mla_q_lora_rank=8,
                                                residual='attnres_block', attnres_block_size=2),
 }
