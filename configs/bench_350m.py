@@ -9,7 +9,8 @@ Expected: one H200, 2026-11-30: 392 ms/step (other runs that day up to 411 ms), 
           :attnres_full 1053 ms
           (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
           (muon_distributed.md).
-Variants: :remat (rematerialise each layer), :xla (attn_impl='xla'), :attnres_full,
+Variants: :hybrid (3 KDA : 1 attention, 18 + 6 layers, the fused Pallas KDA kernels; not yet
+          measured in the step), :remat (rematerialise each layer), :xla (attn_impl='xla'), :attnres_full,
           :attnres_block (8 blocks of 6 of the 48 sublayers, with the Pallas kernels),
           :attnres_xla (AttnRes in plain XLA); combine with commas (:attnres_block,remat).
 """
@@ -26,6 +27,7 @@ def get_config(arg: str | None = None):
   m.num_heads = 8                     # head_dim 128
   m.mlp_dim = 2816
   m.attn_impl = 'cudnn'
+  m.kda_impl = 'pallas'               # used by the KDA layers of :hybrid
   m.compute_dtype = 'bfloat16'
   m.tie_embeddings = True
   m.residual_dtype = 'bfloat16'      # 2.6% faster than float32 here (see results)
@@ -37,6 +39,8 @@ def get_config(arg: str | None = None):
   for variant in variants:
     if variant == 'remat':
       m.remat = True
+    elif variant == 'hybrid':
+      m.layer_pattern = 'KKKA'
     elif variant == 'xla':
       m.attn_impl = 'xla'
     elif variant == 'attnres_full':     # XLA: Pallas compiles a kernel set per source count (2..49)
@@ -46,7 +50,7 @@ def get_config(arg: str | None = None):
     elif variant == 'attnres_xla':        # AttnRes phase 1 in plain XLA instead of the Pallas kernels
       pass                                # applied after the loop, so that order does not matter
     else:
-      raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'remat', 'xla', "
+      raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'hybrid', 'remat', 'xla', "
                        "'attnres_full', 'attnres_block', 'attnres_xla'")
   if 'attnres_xla' in variants:
     m.attnres_impl = 'xla'

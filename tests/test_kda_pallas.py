@@ -141,3 +141,13 @@ def test_hybrid_training_with_pallas_follows_chunk():
     losses[impl] = np.array(curve)
   assert losses['chunk'][-1] < losses['chunk'][0] - 1.0          # it trains
   np.testing.assert_allclose(losses['pallas'], losses['chunk'], rtol=1e-2)
+
+
+@pytest.mark.usefixtures('_full_precision')
+def test_interpreted_decode_step_matches_xla_step():
+  """kda_step(impl='pallas'), one fused kernel, against the XLA step (V = 64: one value block)."""
+  q, k, v, g, beta, s0 = _inputs(5, 2, 1, 2, 32, 64, spikes=True)
+  one = lambda x: x[:, 0]
+  o_x, s_x = kda_lib.kda_step(one(q), one(k), one(v), one(g), one(beta), s0)
+  o_p, s_p = kda_lib.kda_step(one(q), one(k), one(v), one(g), one(beta), s0, impl='pallas')
+  assert _rel_rmse(o_p, o_x) < 1e-6 and _rel_rmse(s_p, s_x) < 1e-6

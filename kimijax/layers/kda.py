@@ -99,7 +99,8 @@ class KimiDeltaAttention(nn.Module):
     if cache is None:
       o, _ = kda(q, k, v, g, beta, impl=self.impl)
     elif x_btd.shape[1] == 1:   # decode: one token, O(1) in the context length
-      o, new_cache['state'] = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache['state'])
+      o, new_cache['state'] = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache['state'],
+                                          impl=self.impl)
       o = o[:, None]
     else:                       # prefill (or a chunk of it) from the cached state
       o, new_cache['state'] = kda(q, k, v, g, beta, impl=self.impl, initial_state=cache['state'],

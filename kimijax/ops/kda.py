@@ -106,13 +106,19 @@ def _token_update(s_bhkv, q_bhk, k_bhk, v_bhv, g_bhk, beta_bh, scale):
   return o_bhv, s_bhkv
 
 
-def kda_step(q, k, v, g, beta, state, *, scale=None):
+def kda_step(q, k, v, g, beta, state, *, scale=None, impl='chunk'):
   """One decoding token: q, k, g [B, H, K], v [B, H, V], beta [B, H], state [B, H, K, V].
 
-  Returns (o [B, H, V] in v's dtype, new_state [B, H, K, V] float32).
+  Returns (o [B, H, V] in v's dtype, new_state [B, H, K, V] float32). impl is the model's
+  kda_impl: 'pallas' runs one fused kernel (kernels_pallas/kda/step.py: the state read and
+  written once; K and V powers of two), the others this XLA form.
   """
   q, k, v, g, beta, state = (jnp.asarray(x) for x in (q, k, v, g, beta, state))
   _check_step_inputs(q, k, v, g, beta, state)
+  if impl == 'pallas':
+    from kernels_pallas.kda import kda_step_pallas
+    return kda_step_pallas(q, k, v, g, beta, state, scale=float(_default_scale(scale, q.shape[-1])),
+                           interpret=jax.default_backend() != 'gpu')
   f32 = lambda x: x.astype(jnp.float32)
   o, s = _token_update(f32(state), f32(q), f32(k), f32(v), f32(g), f32(beta),
                        _default_scale(scale, q.shape[-1]))
