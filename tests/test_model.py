@@ -14,8 +14,9 @@ import pytest
 from kimijax import config as config_lib
 from kimijax.layers.attention import apply_rope
 from kimijax.model import Transformer, count_params
-from tests.helpers import B, T, cross_entropy, forward, init_params, random_tokens, rel_err, tiny_model_config
-from tests.oracles import matrix, np_forward, np_rope
+
+from helpers import B, T, cross_entropy, forward, init_params, random_tokens, rel_err, tiny_model_config
+from oracles import matrix, np_forward, np_rope
 
 
 @pytest.fixture(autouse=True)

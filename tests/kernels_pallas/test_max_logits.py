@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from kernels_pallas.attention.max_logits import max_logits
-from tests.oracles import ref_max_logits_fast
+
+from oracles import ref_max_logits_fast
 
 
 @pytest.mark.parametrize('b,t,s,h,hkv,d,causal', [

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from kimijax.layers.mla import MultiHeadLatentAttention
-from tests.oracles import np_mla
+
+from oracles import np_mla
 
 B, T, D, H = 2, 11, 32, 4
 

@@ -16,9 +16,10 @@ import pytest
 from kimijax import config as config_lib
 from kimijax.layers import residual as residual_lib
 from kimijax.model import Transformer
-from tests.helpers import (B, RTOL, STEPS, T, cross_entropy, init_params, random_tokens, rel_err,
-                           sharding_config, tiny_model_config, train_steps)
-from tests.oracles import np_attnres_forward
+
+from helpers import (B, RTOL, STEPS, T, cross_entropy, init_params, random_tokens, rel_err,
+                     sharding_config, tiny_model_config, train_steps)
+from oracles import np_attnres_forward
 
 
 @pytest.fixture(autouse=True)

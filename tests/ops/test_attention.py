@@ -15,8 +15,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kimijax.ops import attention as attention_lib
-from tests.oracles import (ref_attention, ref_attention_grads, ref_expand_kv, ref_max_logits,
-                           ref_max_logits_fast)
+
+from oracles import (ref_attention, ref_attention_grads, ref_expand_kv, ref_max_logits,
+                     ref_max_logits_fast)
 
 # Jitted entry points: one compile per shape is much cheaper on CPU than op-by-op dispatch.
 attention = jax.jit(attention_lib.attention, static_argnames=('causal', 'impl', 'return_max_logits'))

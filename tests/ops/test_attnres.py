@@ -15,8 +15,9 @@ import pytest
 
 from kimijax.ops.attnres import (depth_attention, depth_attention_list, merge_norm, merge_partial,
                                  phase1)
-from tests.helpers import B, T, random_block, random_merge, rel_err
-from tests.oracles import np_depth_attention, np_merge_norm
+
+from helpers import B, T, random_block, random_merge, rel_err
+from oracles import np_depth_attention, np_merge_norm
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,8 @@ from kimijax.optim.muon import ScaleByMuonState, newton_schulz
 from kimijax.optim.routing import MatrixView, Routing
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.state import init_state, state_shardings
-from tests.oracles import NpAdamW, NpMuon, np_ns5
+
+from oracles import NpAdamW, NpMuon, np_ns5
 
 RTOL = 1e-5
 

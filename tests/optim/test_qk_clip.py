@@ -21,7 +21,8 @@ from kimijax.model import Transformer
 from kimijax.optim import qk_clip
 from kimijax.train.loop import train
 from kimijax.train.metrics import read_metrics
-from tests.oracles import np_mla, np_projected_max_logits
+
+from oracles import np_mla, np_projected_max_logits
 
 B, T = 2, 12
 

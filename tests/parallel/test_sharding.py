@@ -19,7 +19,8 @@ from kimijax.model import Transformer
 from kimijax.optim import make_optimizer
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.state import state_shardings
-from tests.helpers import BATCH, RTOL, SEQ, STEPS, sharding_config, train_steps
+
+from helpers import BATCH, RTOL, SEQ, STEPS, sharding_config, train_steps
 
 # Sizes of (data, fsdp, tensor).
 DP8, FSDP8, DP2_FSDP2_TP2, DP2_TP4 = (8, 1, 1), (1, 8, 1), (2, 2, 2), (2, 1, 4)

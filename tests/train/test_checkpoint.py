@@ -19,7 +19,8 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from kimijax.train.checkpoint import CheckpointError
 from kimijax.train.loop import train
-from tests.tiny_config import TINY, make_config
+
+from tiny_config import TINY, make_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Constant lr after warmup: a cosine schedule is a function of train.steps, so a 4-step run

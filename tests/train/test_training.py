@@ -17,7 +17,8 @@ import pytest
 
 from kimijax.config import ConfigError, base_config, validate
 from kimijax.train.loop import NonFiniteError, train
-from tests.tiny_config import TINY, make_config
+
+from tiny_config import TINY, make_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

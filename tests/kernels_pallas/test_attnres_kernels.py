@@ -5,7 +5,7 @@ through the op, tests/ops/test_attnres.py."""
 import jax.numpy as jnp
 import pytest
 
-from tests.helpers import random_block, random_merge
+from helpers import random_block, random_merge
 
 
 def test_kernel_tiles_are_checked():

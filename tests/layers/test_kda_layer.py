@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kimijax.layers.kda import KimiDeltaAttention
-from tests.oracles import np_kda_layer
+
+from oracles import np_kda_layer
 
 B, T, D, H, K = 2, 13, 24, 3, 8
 

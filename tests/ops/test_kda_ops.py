@@ -15,7 +15,8 @@ import pytest
 
 from kimijax import config as config_lib
 from kimijax.ops import attention as attention_ops, attnres as attnres_ops, kda as kda_lib
-from tests.oracles import ref_kda
+
+from oracles import ref_kda
 
 # One jitted entry point per function: one compile per shape is much cheaper than op-by-op dispatch.
 recurrent = jax.jit(kda_lib.kda_recurrent, static_argnames=('scale', 'output_final_state'))
