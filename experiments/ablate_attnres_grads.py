@@ -2,8 +2,8 @@
 
     python experiments/ablate_attnres_grads.py [--sources=8] [--queries=6] [--tiles=dc_grads=64]
 
-Times kernels_pallas.attnres._grads_kernel, then copies of it with parts of its work left out,
-through the kernel's own pallas_call (kernels_pallas.attnres.grads_call), on the bench_350m
+Times kernels_pallas.attnres.phase1_backward.grads_kernel, then copies of it with parts of its work
+left out, through the kernel's own pallas_call (phase1_backward.grads_call), on the bench_350m
 shape (16 x 4096 tokens, D = 1024, bf16 sources), with random inputs and the default tiles or
 --tiles (so the first row alone is a tile sweep's figure). The copies' outputs are wrong on
 purpose; only their times mean something. Each figure is the median wall time of 20 jitted
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from jax.experimental import pallas as pl
 
-from kernels_pallas import attnres
+from kernels_pallas.attnres import bf16_split, phase1 as attnres, phase1_backward
 
 flags.DEFINE_integer('sources', 8, 'n, block sums')
 flags.DEFINE_integer('queries', 6, 'S, consumers per block')
@@ -42,7 +42,7 @@ VARIANTS = {                     # name: the terms kept (None: the kernel itself
 
 
 def make_kernel(n, s, bt, alpha_do=True, b_q=True, dq=True, dv_in=True, weights=True):
-  """_grads_kernel (bf16 sources) with the named terms left out; weights=False sums the do_j
+  """grads_kernel (bf16 sources) with the named terms left out; weights=False sums the do_j
   unweighted (their reads stay, the alpha and b reads go)."""
   def kernel(*refs):
     k = n if dv_in else 0
@@ -97,7 +97,7 @@ def main(argv):
   n, s, m, d = FLAGS.sources, FLAGS.queries, FLAGS.tokens, FLAGS.d_model
   keys = iter(jax.random.split(jax.random.key(0), 3 * n + s + 8))
   rand = lambda shape, dtype=jnp.bfloat16: jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)
-  width = attnres._dot_width(s)
+  width = bf16_split.dot_width(s)
   d_outs, sources, d_sources_in = ([rand((m, d)) for _ in range(k)] for k in (s, n, n))
   coefficients = (rand((n, s, m), jnp.float32), rand((n, s, m), jnp.float32), rand((n, m), jnp.float32),
                   rand((s, d), jnp.float32), rand((n, width, m)))
@@ -106,12 +106,12 @@ def main(argv):
   print('|---|---|')
   for name, parts in VARIANTS.items():
     if parts is None:
-      kernel = functools.partial(attnres._grads_kernel, n=n, s=s, bt=tiles['bt_grads'], accumulate=True,
+      kernel = functools.partial(phase1_backward.grads_kernel, n=n, s=s, bt=tiles['bt_grads'], accumulate=True,
                                  source_parts=1)
     else:
       kernel = make_kernel(n, s, tiles['bt_grads'], **parts)
     accumulated = d_sources_in if (parts or {}).get('dv_in', True) else []
-    fn = jax.jit(lambda a, b, c, e, kernel=kernel: attnres.grads_call(kernel, a, b, c, e, tiles))
+    fn = jax.jit(lambda a, b, c, e, kernel=kernel: phase1_backward.grads_call(kernel, a, b, c, e, tiles))
     print(f'| {name} | {median_ms(fn, (d_outs, sources, accumulated, coefficients)):.2f} |', flush=True)
 
 

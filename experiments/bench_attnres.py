@@ -32,9 +32,9 @@ flags.DEFINE_list('sources', ['2', '5', '9'], 'n, block sums seen by the block')
 flags.DEFINE_list('impls', ['xla', 'pallas'], 'phase-1 impls to time')
 flags.DEFINE_string('dtype', 'bfloat16', 'source dtype')
 flags.DEFINE_list('pallas_tiles', [], "extra Pallas tile settings to time, each 'key=value/key=value' "
-                  "over kernels_pallas.attnres.DEFAULT_TILES' keys (e.g. bt=32/warps=8)")
+                  "over kernels_pallas.attnres.phase1.DEFAULT_TILES' keys (e.g. bt=32/warps=8)")
 flags.DEFINE_list('merge_tiles', [], "extra tile settings of the fused phase-2 kernels to time "
-                  "(kernels_pallas.attnres_merge.DEFAULT_TILES' keys)")
+                  "(kernels_pallas.attnres.merge_norm.DEFAULT_TILES' keys)")
 flags.DEFINE_bool('merge_add', True, 'phase 2 also adds the previous sublayer output to the partial '
                   'sum first, as the model does with the Pallas kernels and no remat')
 flags.DEFINE_bool('per_kernel', False, "also print each kernel's device time per forward call and per "
@@ -97,7 +97,7 @@ def _inputs(n, s, dtype, key=0):
 
 def _tiles(impl):
   """'pallas:bt=32/warps=8' -> {'bt': 32, 'warps': 8}."""
-  from kernels_pallas.attnres import parse_tiles
+  from kernels_pallas.common import parse_tiles
   return parse_tiles(impl.split(':')[1])
 
 
@@ -105,12 +105,13 @@ def _phase1_fns(impl):
   """impl: 'xla', 'pallas', or 'pallas:<tiles>' (the kernels with those tiles)."""
   import jax
   import jax.numpy as jnp
-  from kimijax.ops.attnres import kernels_interpreted, phase1 as ops_phase1
+  from kernels_pallas.common import kernels_interpreted
+  from kimijax.ops.attnres import phase1 as ops_phase1
 
   def phase1(v, q, impl):
     if ':' not in impl:
       return ops_phase1(v, q, impl=impl)
-    from kernels_pallas.attnres import phase1 as kernel
+    from kernels_pallas.attnres.phase1 import phase1 as kernel
     return kernel(v, q, tiles=_tiles(impl), interpret=kernels_interpreted())
 
   def loss(sources, queries, w_outs, w_lse):
@@ -168,8 +169,9 @@ def _merge_fns(impl):
   use in the model; the projection's read counts too)."""
   import jax
   import jax.numpy as jnp
+  from kernels_pallas.common import kernels_interpreted
   from kimijax.layers.norms import rms_normalise
-  from kimijax.ops.attnres import kernels_interpreted, merge_norm, merge_partial
+  from kimijax.ops.attnres import merge_norm, merge_partial
 
   def fn(o, lse, p, q, scale, y=None):
     """-> (normalised input, the partial sum for its next use)."""
@@ -177,8 +179,8 @@ def _merge_fns(impl):
       p = p if y is None else p + y
       return (rms_normalise(merge_partial(o, lse, p, q), 1e-6) * scale).astype(o.dtype), p
     if impl == 'pallas':
-      return merge_norm(o, lse, p, q, scale, dtype=o.dtype, addend=y)
-    from kernels_pallas.attnres_merge import merge_norm as kernel
+      return merge_norm(o, lse, p, q, scale, dtype=o.dtype, addend=y, impl='pallas')
+    from kernels_pallas.attnres.merge_norm import merge_norm as kernel
     return kernel(o, lse, p, q, scale, eps=1e-6, norm_eps=1e-6, dtype=o.dtype, addend=y,
                   tiles=_tiles(impl), interpret=kernels_interpreted())
 

@@ -1,4 +1,4 @@
-"""Block-size sweep of the fused max-logit kernel (kernels_pallas/max_logits.py) on the GPU.
+"""Block-size sweep of the fused max-logit kernel (kernels_pallas/attention/max_logits.py) on the GPU.
 
     python experiments/bench_max_logits.py
 Prints ms per call at B=8, T=4096, H=8, D=128 (the bench_350m attention shape) for each setting,
@@ -10,7 +10,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.max_logits import max_logits
+from kernels_pallas.attention.max_logits import max_logits
 
 
 def timeit(fn, *args, n=20):

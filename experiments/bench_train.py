@@ -23,9 +23,9 @@ flags.DEFINE_float('peak_tflops', 989.0, 'dense bf16 peak of one device, TFLOP/s
 flags.DEFINE_string('json_out', None, 'also write the figures to this JSON file')
 flags.DEFINE_string('profile_dir', None, 'write a profiler trace (perfetto JSON too) of 3 extra steps here')
 flags.DEFINE_string('phase1_tiles', '', "AttnRes phase-1 kernel tiles for this run, 'key=int/key=int' over "
-                    'kernels_pallas.attnres.DEFAULT_TILES (for step-level tile sweeps)')
+                    'kernels_pallas.attnres.phase1.DEFAULT_TILES (for step-level tile sweeps)')
 flags.DEFINE_string('merge_tiles', '', 'the same for the fused phase-2 kernels '
-                    '(kernels_pallas.attnres_merge.DEFAULT_TILES)')
+                    '(kernels_pallas.attnres.merge_norm.DEFAULT_TILES)')
 flags.mark_flags_as_required(['config'])
 FLAGS = flags.FLAGS
 
@@ -43,7 +43,7 @@ def _set_attnres_tiles() -> dict:
   and returns the overrides, for the results."""
   tiles = {}
   if FLAGS.phase1_tiles or FLAGS.merge_tiles:
-    from kernels_pallas import attnres, attnres_merge
+    from kernels_pallas.attnres import merge_norm as attnres_merge, phase1 as attnres
     for flag, module, op in ((FLAGS.phase1_tiles, attnres, 'phase1'),
                              (FLAGS.merge_tiles, attnres_merge, 'merge_norm')):
       if flag:

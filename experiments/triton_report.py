@@ -65,8 +65,8 @@ def attnres_block(n, s, m, d, dtype, phase1_tiles=None, merge_tiles=None):
   """(fn, args): value and gradient of phase 1 (n sources [M, D], S queries) and of merge_norm of
   its first output, with an addend and a later use of the partial sum: every AttnRes kernel, the
   merge_norm backward in its variant that adds that later use's gradient."""
-  from kernels_pallas.attnres import phase1
-  from kernels_pallas.attnres_merge import merge_norm
+  from kernels_pallas.attnres.merge_norm import merge_norm
+  from kernels_pallas.attnres.phase1 import phase1
 
   def block(sources, queries, partial, y, scale):
     outs, lse, passed = phase1(sources, queries, tiles=phase1_tiles)
@@ -179,7 +179,7 @@ def sass_counts(sass: str) -> collections.Counter:
 
 def main(argv):
   del argv
-  from kernels_pallas import attnres, attnres_merge
+  from kernels_pallas.attnres import merge_norm as attnres_merge, phase1 as attnres
   # Tile flags checked here, before anything is lowered: one error that names the bad key.
   phase1_tiles = attnres.with_defaults(attnres.parse_tiles(FLAGS.phase1_tiles),
                                        attnres.DEFAULT_TILES, 'phase1')

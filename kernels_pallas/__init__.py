@@ -1,2 +1,3 @@
-"""Pallas GPU kernels. Each module holds one kernel and a jnp-level wrapper; kimijax.ops
-dispatches to them (never the model directly)."""
+"""Pallas GPU kernels, one folder per op (attnres/, attention/), each with a README (backend,
+tiles, precision, what is recomputed), and common.py, the helpers they share. kimijax.ops
+dispatches to them; nothing else in kimijax imports them."""

@@ -19,7 +19,8 @@ LAYER_KINDS = {'A': 'full attention (model.attention_kind)', 'K': 'Kimi Delta At
 RESIDUALS = ('standard', 'attnres_full', 'attnres_block')   # SPEC §4; kimijax/layers/residual.py
 OPTIMIZERS = ('adamw', 'muon', 'muonclip')   # kimijax/optim/factory.py
 SCHEDULES = ('cosine', 'wsd', 'constant')
-ATTN_IMPLS = attention_ops.IMPLS     # each op module lists the implementations it dispatches to
+# Each op module holds a dict of the implementations it dispatches to; only built ones are listed.
+ATTN_IMPLS = attention_ops.IMPLS
 KDA_IMPLS = kda_ops.IMPLS
 ATTNRES_IMPLS = attnres_ops.IMPLS
 ATTENTION_KINDS = ('mha', 'gqa', 'mla')
@@ -67,13 +68,13 @@ def base_config() -> ml_collections.ConfigDict:
   m.residual = 'standard'       # 'standard' (h + f(h)) | 'attnres_full' | 'attnres_block' (SPEC §4)
   m.attnres_block_size = 4      # attnres_block: sublayers per block (attention and MLP count one each);
                                 # the last block takes the rest when it does not divide 2 * num_layers
-  m.attnres_impl = 'xla'        # AttnRes: 'xla' | 'pallas' (GPU kernels: phase 1 in kernels_pallas/attnres.py,
-                                # phase 2 fused with the pre-norm in kernels_pallas/attnres_merge.py)
+  m.attnres_impl = 'xla'        # AttnRes: 'xla' | 'pallas' (GPU kernels in kernels_pallas/attnres/: phase 1,
+                                # and phase 2 fused with the pre-norm)
   m.position = 'rope'
   m.rope_theta = 10000.0
   m.tie_embeddings = True
-  m.attn_impl = 'xla'
-  m.kda_impl = 'chunk'
+  m.attn_impl = 'xla'           # kimijax.ops.attention.IMPLS: 'xla' | 'cudnn'
+  m.kda_impl = 'chunk'          # kimijax.ops.kda.IMPLS: 'recurrent' | 'chunk'
   m.norm_eps = 1e-6
   m.init_std = 0.02
   m.compute_dtype = 'bfloat16'  # params stay float32; norms, softmax and the loss run in float32

@@ -39,8 +39,6 @@ from kimijax.layers.mla import MultiHeadLatentAttention
 from kimijax.layers.mlp import SwiGLU
 from kimijax.layers.norms import RMSNorm
 
-ACT_BTD = ('act_batch', 'act_length', 'act_embed')
-
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def cotangent_in(x, dtype):

@@ -1,6 +1,6 @@
-"""Tests for kimijax.model.Transformer and RoPE against float64 NumPy written here.
+"""Tests for kimijax.model.Transformer and RoPE against float64 NumPy (tests/oracles.py).
 
-The NumPy forward below reads the model's own parameter pytree but none of its code: embedding
+The NumPy forward reads the model's own parameter pytree but none of its code: embedding
 lookup, RMSNorm with gain, GQA attention with RoPE (complex-number rotation), SwiGLU, final norm
 and the tied or untied head.
 """
@@ -15,136 +15,15 @@ from kimijax import config as config_lib
 from kimijax.layers.attention import apply_rope
 from kimijax.model import Transformer, count_params
 
+from helpers import B, T, cross_entropy, forward, init_params, random_tokens, rel_err, tiny_model_config
+from oracles import matrix, np_forward, np_rope
+
+
 @pytest.fixture(autouse=True)
 def _float32_matmuls_in_full():
   """GPUs run float32 matmuls as TF32 by default; these tests compare with float64 at ~1e-5."""
   with jax.default_matmul_precision('highest'):
     yield
-
-
-B, T = 2, 9
-
-
-def tiny_model_config(**overrides):
-  """A validated tiny float32 model config: V=37, D=32, 2 layers, 4 heads of 8, GQA 2 kv heads."""
-  c = config_lib.base_config()
-  c.model.update(dict(vocab_size=37, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      attention_kind='gqa', mlp_dim=48, compute_dtype='float32'))
-  c.model.update(overrides)
-  return config_lib.validate(c).model
-
-
-def init_params(cfg, seed=0):
-  """Plain (unboxed) params with O(1)-scale random values, so attention is far from uniform.
-
-  Only the structure comes from the model (via eval_shape); every value is drawn here.
-  """
-  tokens = jnp.zeros((1, T), jnp.int32)
-  params = nn.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(seed), tokens)['params'])
-  leaves, treedef = jax.tree.flatten_with_path(params)
-  rng = np.random.default_rng(seed + 100)
-  new = []
-  for path, leaf in leaves:
-    name = jax.tree_util.keystr(path)
-    if 'scale' in name:                                   # norm gains around 1
-      x = 1.0 + 0.3 * rng.standard_normal(leaf.shape)
-    elif 'embed' in name:
-      x = rng.standard_normal(leaf.shape)
-    else:                                                 # matrices: fan-in of the first axis
-      fan_in = leaf.shape[0] * (leaf.shape[1] if name.endswith("['out']") else 1)
-      gain = 2.0 if ("['query']" in name or "['key']" in name) else 1.0
-      x = gain * rng.standard_normal(leaf.shape) / np.sqrt(fan_in)
-    new.append(jnp.asarray(x, leaf.dtype))
-  return jax.tree.unflatten(treedef, new)
-
-
-def random_tokens(cfg, seed=1, b=B, t=T):
-  return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (b, t)), jnp.int32)
-
-
-_FORWARDS = {}
-
-
-def forward(cfg, params, tokens, positions=None):
-  """Jitted Transformer.apply, one compiled function per config (cheaper than eager on CPU)."""
-  key = cfg.to_json()
-  if key not in _FORWARDS:
-    _FORWARDS[key] = jax.jit(Transformer(cfg).apply)
-  return _FORWARDS[key]({'params': params}, tokens, positions)
-
-
-# ----------------------------------------------------------------------------- NumPy reference
-
-
-def np_rope(x_bthd, positions_bt, theta):
-  """Rotate each pair (i, i + D/2) by pos * theta^(-2i/D), as a complex multiplication."""
-  d = x_bthd.shape[-1]
-  half = d // 2
-  angle = positions_bt[:, :, None, None] * theta ** (-2.0 * np.arange(half) / d)
-  z = (x_bthd[..., :half] + 1j * x_bthd[..., half:]) * np.exp(1j * angle)
-  return np.concatenate([z.real, z.imag], axis=-1)
-
-
-def np_rmsnorm(x, gain, eps):
-  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * gain
-
-
-def np_silu(x):
-  return x / (1.0 + np.exp(-x))
-
-
-def kernel(node):
-  """A matrix parameter, stored bare or (nn.Dense style) under 'kernel'."""
-  return node['kernel'] if isinstance(node, dict) else node
-
-
-def np_attention_block(x_btd, p, positions_bt, cfg):
-  """Returns (y [B, T, D], per-head max logit [H])."""
-  wq, wk, wv, wo = (np.asarray(p[n], np.float64) for n in ('query', 'key', 'value', 'out'))
-  h, hkv = wq.shape[1], wk.shape[1]
-  dh = wq.shape[2]
-  t = x_btd.shape[1]
-  q = np.einsum('btd,dhk->bthk', x_btd, wq)
-  k = np.einsum('btd,dhk->bthk', x_btd, wk)
-  v = np.einsum('btd,dhk->bthk', x_btd, wv)
-  if cfg.position == 'rope':
-    q, k = np_rope(q, positions_bt, cfg.rope_theta), np_rope(k, positions_bt, cfg.rope_theta)
-  kv_head = np.arange(h) // (h // hkv)
-  logits = np.einsum('bihk,bjhk->bhij', q, k[:, :, kv_head]) / np.sqrt(dh)
-  causal = np.tril(np.ones((t, t), bool))
-  logits = np.where(causal, logits, -np.inf)
-  max_logits = logits.max(axis=(0, 2, 3))
-  w = np.exp(logits - logits.max(-1, keepdims=True))
-  w /= w.sum(-1, keepdims=True)
-  o = np.einsum('bhij,bjhk->bihk', w, v[:, :, kv_head])
-  return np.einsum('bthk,hkd->btd', o, wo), max_logits
-
-
-def np_forward(cfg, params, tokens, positions=None):
-  """float64 forward: (logits [B, T, V], max_logits [layers, H])."""
-  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-  tokens = np.asarray(tokens)
-  if positions is None:
-    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-  positions = np.asarray(positions, np.float64)
-  h = p['embed'][tokens]
-  max_logits = []
-  for i in range(cfg.num_layers):
-    lp = p[f'layer_{i}']
-    y, m = np_attention_block(np_rmsnorm(h, lp['mixer_norm']['scale'], cfg.norm_eps),
-                              lp['attention'], positions, cfg)
-    h = h + y
-    max_logits.append(m)
-    x = np_rmsnorm(h, lp['mlp_norm']['scale'], cfg.norm_eps)
-    mlp = lp['mlp']
-    h = h + (np_silu(x @ kernel(mlp['wi_gate'])) * (x @ kernel(mlp['wi_up']))) @ kernel(mlp['wo'])
-  x = np_rmsnorm(h, p['final_norm']['scale'], cfg.norm_eps)
-  head = p['embed'].T if cfg.tie_embeddings else p['head']
-  return x @ head, np.stack(max_logits)
-
-
-def rel_err(a, ref):
-  return float(np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -256,7 +135,7 @@ def test_gqa_param_shapes():
   assert attn['value'].shape == (32, 2, 8)
   assert attn['out'].shape == (4, 8, 32)
   mlp = params['layer_1']['mlp']
-  assert (kernel(mlp['wi_gate']).shape, kernel(mlp['wi_up']).shape, kernel(mlp['wo']).shape) == (
+  assert (matrix(mlp['wi_gate']).shape, matrix(mlp['wi_up']).shape, matrix(mlp['wo']).shape) == (
       (32, 48), (32, 48), (48, 32))
   assert params['embed'].shape == (37, 32) and 'head' not in params
   untied = init_params(tiny_model_config(tie_embeddings=False))
@@ -264,12 +143,6 @@ def test_gqa_param_shapes():
 
 
 # ----------------------------------------------------------------------------- precision and remat
-
-
-def cross_entropy(logits_btv, tokens_bt):
-  """Next-token loss: logits at t predict token t + 1."""
-  logp = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, tokens_bt[:, 1:, None], axis=-1))
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():

@@ -17,8 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.common import compiler_params
 from kernels_pallas.kda.blocks import F32, SUB
 from kernels_pallas.kda.scores import scores_bwd_kernel, scores_fwd_kernel
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
@@ -33,8 +33,7 @@ def chunk_len(t: int) -> int:
   return min(CHUNK, max(SUB, pl.next_power_of_2(t)))
 
 
-def _params(warps, stages=1):
-  return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+TILES = {'warps': 4, 'stages': 1}   # every KDA kernel's Triton settings
 
 
 def chunk_cumsum(g, c):
@@ -79,7 +78,7 @@ def scores_fwd(q, k, gc, beta, *, scale, c, interpret):
       out_specs=[_sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(c, nb), _sub_spec(c, nb)],
       out_shape=[_sds(q.shape, q.dtype), _sds(q.shape, q.dtype), _sds((b, t, h, c), q.dtype),
                  _sds((b, t, h, c), F32)],
-      compiler_params=_params(4), interpret=interpret, name='kda_scores_fwd',
+      compiler_params=compiler_params(TILES), interpret=interpret, name='kda_scores_fwd',
   )(q, k, gc, beta, k, gc)
 
 
@@ -95,7 +94,7 @@ def wy_fwd(n, k, v, gc, beta, *, c, with_t, interpret):
       kernel, grid=(b, h, t // c),
       in_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(None)],
       out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_params(4), interpret=interpret, name='kda_wy_fwd',
+      compiler_params=compiler_params(TILES), interpret=interpret, name='kda_wy_fwd',
   )(n, k, v, gc, beta)
 
 
@@ -126,7 +125,7 @@ def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, interpret):
       kernel, grid=(b, h, dv // bv),
       in_specs=[whole(dk), whole(dk), whole(dk), cols, whole(c), whole(dk), state],
       out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_params(4), interpret=interpret, name='kda_state_fwd',
+      compiler_params=compiler_params(TILES), interpret=interpret, name='kda_state_fwd',
   )(qg, kg, w, u, aqk, gc, s0)
 
 
@@ -143,7 +142,7 @@ def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):
       out_specs=[state, per_chunk, cols],
       out_shape=[_sds((b, h, dk, dv), F32), _sds((b, h, (t // c) * dk, dv), F32),
                  _sds((b, t, h, dv), F32)],
-      compiler_params=_params(4), interpret=interpret, name='kda_state_bwd',
+      compiler_params=compiler_params(TILES), interpret=interpret, name='kda_state_bwd',
   )(qg, kg, w, aqk, gc, do, ds_final)
 
 
@@ -160,7 +159,7 @@ def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, *, scale, c, interpret):
       out_specs=[sub(dk), sub(dk), sub(dk), sub(None),
                  pl.BlockSpec((None, 1, None, dk), lambda bi, hi, n, a: (bi, n * nb + a, hi, 0))],
       out_shape=[_sds(q.shape, F32)] * 3 + [_sds((b, t, h), F32), _sds((b, (t // c) * nb, h, dk), F32)],
-      compiler_params=_params(4), interpret=interpret, name='kda_scores_bwd',
+      compiler_params=compiler_params(TILES), interpret=interpret, name='kda_scores_bwd',
   )(q, k, gc, beta, dqg, dkg, daqk, dn, q, k, gc, beta, daqk, dn)
 
 

@@ -11,7 +11,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.common import compiler_params
 
 F32 = jnp.float32
 
@@ -42,6 +43,6 @@ def kda_step_pallas(q, k, v, g, beta, state, *, scale, interpret=False):
       out_specs=[cols, state_spec],
       out_shape=[jax.ShapeDtypeStruct((b, h, dv), v.dtype), jax.ShapeDtypeStruct(state.shape, F32)],
       input_output_aliases={5: 1},
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+      compiler_params=compiler_params({'warps': 4, 'stages': 1}), interpret=interpret,
       name='kda_step',
   )(q, k, v, g, beta[..., None], state.astype(F32))

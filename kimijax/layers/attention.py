@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kimijax.layers.params import kernel
+from kimijax.layers.params import weight
 from kimijax.ops.attention import attention, decode_attention
 
 
@@ -44,10 +44,10 @@ class SelfAttention(nn.Module):
     d = x_btd.shape[-1]
     head_dim = d // self.num_heads
     x_btd = x_btd.astype(self.dtype)
-    w_q = kernel(self, 'query', (d, self.num_heads, head_dim), ('embed', 'heads', 'head_dim'))
-    w_k = kernel(self, 'key', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
-    w_v = kernel(self, 'value', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
-    w_o = kernel(self, 'out', (self.num_heads, head_dim, d), ('heads', 'head_dim', 'embed'))
+    w_q = weight(self, 'query', (d, self.num_heads, head_dim), ('embed', 'heads', 'head_dim'))
+    w_k = weight(self, 'key', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
+    w_v = weight(self, 'value', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
+    w_o = weight(self, 'out', (self.num_heads, head_dim, d), ('heads', 'head_dim', 'embed'))
     if self.num_kv_heads == self.num_heads:   # one GEMM with 3x the output width
       qkv = jnp.einsum('btd,dshk->btshk', x_btd, jnp.stack([w_q, w_k, w_v], axis=1))
       q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -59,7 +59,8 @@ class SelfAttention(nn.Module):
     names = ('act_batch', 'act_length', 'act_heads', None)
     q, k, v = (nn.with_logical_constraint(t, names) for t in (q, k, v))
     if cache is None:
-      o_bthd, max_logits_h = attention(q, k, v, causal=True, impl=self.impl, return_max_logits=True)
+      o_bthd, max_logits_h = attention(q, k, v, causal=True, impl=self.impl, return_max_logits=True,
+                                       spec=nn.logical_to_mesh_axes(names))
       new_cache = None
     else:   # write this call's keys/values at their positions; prefill starts at position 0
       start = positions_bt[0, 0]

@@ -20,11 +20,10 @@ import jax.numpy as jnp
 
 from kimijax.layers.conv import ShortConv
 from kimijax.layers.norms import rms_normalise
-from kimijax.layers.params import kernel
+from kimijax.layers.params import weight
 from kimijax.ops.kda import kda, kda_step
 
 CONV_WIDTH = 4
-OUTPUT_GATES = ('sigmoid', 'swish', 'none')
 
 
 def l2_normalise(x, eps: float = 1e-6):
@@ -59,8 +58,8 @@ class KimiDeltaAttention(nn.Module):
   def _low_rank(self, name, x_btd, rank):
     """[B, T, D] -> [B, T, H, K] through a rank-`rank` bottleneck."""
     d = x_btd.shape[-1]
-    a = kernel(self, f'{name}_a', (d, rank), ('embed', 'latent'))
-    b = kernel(self, f'{name}_b', (rank, self.num_heads, self.head_dim), ('latent', 'heads', 'head_dim'))
+    a = weight(self, f'{name}_a', (d, rank), ('embed', 'latent'))
+    b = weight(self, f'{name}_b', (rank, self.num_heads, self.head_dim), ('latent', 'heads', 'head_dim'))
     return jnp.einsum('btr,rhk->bthk', jnp.einsum('btd,dr->btr', x_btd, a), b)
 
   @nn.compact
@@ -70,7 +69,7 @@ class KimiDeltaAttention(nn.Module):
     d = x_btd.shape[-1]
     x_btd = x_btd.astype(self.dtype)
     names = ('embed', 'heads', 'head_dim')
-    q, k, v = (jnp.einsum('btd,dhk->bthk', x_btd, kernel(self, f'{n}_proj', (d, h, hd), names))
+    q, k, v = (jnp.einsum('btd,dhk->bthk', x_btd, weight(self, f'{n}_proj', (d, h, hd), names))
                for n in ('q', 'k', 'v'))
     new_cache = {}
     if self.short_conv:
@@ -85,7 +84,7 @@ class KimiDeltaAttention(nn.Module):
     act = ('act_batch', 'act_length', 'act_heads', None)
     q, k, v = (nn.with_logical_constraint(t, act) for t in (q, k, v))
 
-    beta = jax.nn.sigmoid(jnp.einsum('btd,dh->bth', x_btd, kernel(self, 'b_proj', (d, h), ('embed', 'heads'))
+    beta = jax.nn.sigmoid(jnp.einsum('btd,dh->bth', x_btd, weight(self, 'b_proj', (d, h), ('embed', 'heads'))
                                      ).astype(jnp.float32))
     a_log = self.param('A_log', nn.with_logical_partitioning(_a_log_init, ('heads',)), (h,), jnp.float32)
     dt_bias = self.param('dt_bias', nn.with_logical_partitioning(_dt_bias_init, ('heads', 'head_dim')),
@@ -113,7 +112,7 @@ class KimiDeltaAttention(nn.Module):
       gate = self._low_rank('g', x_btd, hd).astype(jnp.float32)
       o = o * (jax.nn.sigmoid(gate) if self.output_gate == 'sigmoid' else jax.nn.silu(gate))
     o = nn.with_logical_constraint(o.astype(self.dtype), act)
-    y = jnp.einsum('bthk,hkd->btd', o, kernel(self, 'o_proj', (h, hd, d), ('heads', 'head_dim', 'embed')))
+    y = jnp.einsum('bthk,hkd->btd', o, weight(self, 'o_proj', (h, hd, d), ('heads', 'head_dim', 'embed')))
     return y, None, (new_cache if cache is not None else None)
 
   @staticmethod

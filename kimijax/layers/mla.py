@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from kimijax.layers.attention import apply_rope
 from kimijax.layers.norms import RMSNorm
-from kimijax.layers.params import kernel
+from kimijax.layers.params import weight
 from kimijax.ops.attention import MASKED_LOGIT, attention
 
 
@@ -53,21 +53,21 @@ class MultiHeadLatentAttention(nn.Module):
     scale = (dn + dr) ** -0.5
 
     if self.q_lora_rank:
-      cq = jnp.einsum('btd,dr->btr', x_btd, kernel(self, 'q_down', (d, self.q_lora_rank), ('embed', 'latent')))
+      cq = jnp.einsum('btd,dr->btr', x_btd, weight(self, 'q_down', (d, self.q_lora_rank), ('embed', 'latent')))
       cq = RMSNorm(self.norm_eps, self.dtype, name='q_norm')(cq)
       q_in, q_axes = cq, ('latent', 'heads', 'head_dim')
     else:
       q_in, q_axes = x_btd, ('embed', 'heads', 'head_dim')
-    q_nope = jnp.einsum('btr,rhk->bthk', q_in, kernel(self, 'q_nope', (q_in.shape[-1], h, dn), q_axes))
-    c = jnp.einsum('btd,dr->btr', x_btd, kernel(self, 'kv_down', (d, r), ('embed', 'latent')))
+    q_nope = jnp.einsum('btr,rhk->bthk', q_in, weight(self, 'q_nope', (q_in.shape[-1], h, dn), q_axes))
+    c = jnp.einsum('btd,dr->btr', x_btd, weight(self, 'kv_down', (d, r), ('embed', 'latent')))
     c = RMSNorm(self.norm_eps, self.dtype, name='kv_norm')(c)                      # [B, T, r]
-    w_k_nope = kernel(self, 'k_nope', (r, h, dn), ('latent', 'heads', 'head_dim'))
-    w_v = kernel(self, 'v', (r, h, dv), ('latent', 'heads', 'head_dim'))
-    w_o = kernel(self, 'out', (h, dv, d), ('heads', 'head_dim', 'embed'))
+    w_k_nope = weight(self, 'k_nope', (r, h, dn), ('latent', 'heads', 'head_dim'))
+    w_v = weight(self, 'v', (r, h, dv), ('latent', 'heads', 'head_dim'))
+    w_o = weight(self, 'out', (h, dv, d), ('heads', 'head_dim', 'embed'))
     if dr:
-      q_rope = jnp.einsum('btr,rhk->bthk', q_in, kernel(self, 'q_rope', (q_in.shape[-1], h, dr), q_axes))
+      q_rope = jnp.einsum('btr,rhk->bthk', q_in, weight(self, 'q_rope', (q_in.shape[-1], h, dr), q_axes))
       q_rope = apply_rope(q_rope, positions_bt, self.rope_theta)
-      k_rope = jnp.einsum('btd,dk->btk', x_btd, kernel(self, 'k_rope', (d, dr), ('embed', 'head_dim')))
+      k_rope = jnp.einsum('btd,dk->btk', x_btd, weight(self, 'k_rope', (d, dr), ('embed', 'head_dim')))
       k_rope = apply_rope(k_rope[:, :, None], positions_bt, self.rope_theta)[:, :, 0]  # [B, T, dr]
 
     new_cache = None
@@ -89,7 +89,8 @@ class MultiHeadLatentAttention(nn.Module):
       q, k = q_nope, k_nope
     act = ('act_batch', 'act_length', 'act_heads', None)
     q, k, v = (nn.with_logical_constraint(t, act) for t in (q, k, v))
-    o, max_logits_h = attention(q, k, v, causal=True, impl=self.impl, scale=scale, return_max_logits=True)
+    o, max_logits_h = attention(q, k, v, causal=True, impl=self.impl, scale=scale, return_max_logits=True,
+                                spec=nn.logical_to_mesh_axes(act))
     return jnp.einsum('bthk,hkd->btd', o, w_o), max_logits_h, new_cache
 
   def _decode(self, q_nope, q_rope, c, k_rope, w_k_nope, w_v, cache, pos, scale):

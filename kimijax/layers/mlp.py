@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kimijax.layers.params import kernel
+from kimijax.layers.params import weight
 
 
 class SwiGLU(nn.Module):
@@ -18,9 +18,9 @@ class SwiGLU(nn.Module):
   @nn.compact
   def __call__(self, x_btd):
     d = x_btd.shape[-1]
-    w_gate = kernel(self, 'wi_gate', (d, self.hidden), ('embed', 'mlp'))
-    w_up = kernel(self, 'wi_up', (d, self.hidden), ('embed', 'mlp'))
-    w_out = kernel(self, 'wo', (self.hidden, d), ('mlp', 'embed'))
+    w_gate = weight(self, 'wi_gate', (d, self.hidden), ('embed', 'mlp'))
+    w_up = weight(self, 'wi_up', (d, self.hidden), ('embed', 'mlp'))
+    w_out = weight(self, 'wo', (self.hidden, d), ('mlp', 'embed'))
     # gate and up in one GEMM of twice the output width
     gate_up = jnp.einsum('btd,dsf->btsf', x_btd.astype(self.dtype), jnp.stack([w_gate, w_up], axis=1))
     h_btf = nn.with_logical_constraint(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1],

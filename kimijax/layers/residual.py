@@ -31,11 +31,12 @@ final aggregator. `w` is the consumer's depth-attention weights averaged over ba
                   two phases (kimijax.ops.attnres): the first read of a block runs phase 1 for all
                   of the block's consumers at once over the fixed block sums (model.attnres_impl:
                   'xla' or the fused 'pallas' kernels) and the state holds its S outputs until the
-                  block closes; each read then merges its consumer's output with p (phase 2;
-                  with 'pallas' fused with the pre-norm: kimijax.ops.attnres.merge_norm, h never
-                  written; without remat that kernel also adds the previous sublayer's output to
-                  p, which the write leaves pending). Block 0's phase 1, over b_0 alone, is b_0
-                  and its logits.
+                  block closes; each read then merges its consumer's output with p and applies
+                  the pre-norm in one op (phase 2, kimijax.ops.attnres.merge_norm; 'pallas' fuses
+                  the two, h never written). With an implementation that adds in its merge
+                  ('pallas') and without remat, the write leaves the sublayer output pending and
+                  the next read's merge_norm adds it to p. Block 0's phase 1, over b_0 alone, is
+                  b_0 and its logits.
   attnres_full    S = 1: every sublayer output is a source (SPEC §4, Full AttnRes). With 'pallas'
                   each read is phase 1 for one consumer, a kernel set compiled per source count
                   (up to L + 1 sources, unrolled): slow to compile for deep models.
@@ -52,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from kimijax.ops import attnres as attnres_ops
 from kimijax.ops.attnres import depth_attention_list, merge_norm, merge_partial, phase1
 
 ACT_BTD = ('act_batch', 'act_length', 'act_embed')
@@ -126,11 +128,12 @@ class AttnResState:
 @dataclasses.dataclass(frozen=True)
 class AttnResidual:
   """Block Attention Residuals with `block_size` sublayers per block (1: Full AttnRes) over
-  `num_sublayers` sublayers; phase 1 by `impl` ('xla' | 'pallas'). defer_add: a write within a
-  block leaves its output pending, and the next read's merge_norm kernel adds it to the partial
-  sum (with 'pallas'; one pass fewer than an XLA add; not under remat, where the pending output
-  would be one more tensor in each layer's saved carry). A read that logs statistics (log=True)
-  settles the pending output with an XLA add instead: the same sum."""
+  `num_sublayers` sublayers; both phases by `impl` (a key of kimijax.ops.attnres.IMPLS).
+  defer_add: a write within a block leaves its output pending, and the next read's merge_norm
+  adds it to the partial sum (for an implementation whose merge adds in the same pass, one pass
+  fewer than a separate add; not under remat, where the pending output would be one more tensor
+  in each layer's saved carry). A read that logs statistics (log=True) settles the pending output
+  with an XLA add instead: the same sum."""
   block_size: int
   num_sublayers: int
   eps: float = 1e-6
@@ -157,8 +160,9 @@ class AttnResidual:
     return state.blocks + (() if state.partial is None else (state.partial,))
 
   def read(self, state: AttnResState, consumer: int, norm):
-    # With 'pallas' (and no statistics to form) merge_norm adds a pending output in its kernel.
-    pending = state.pending if self.impl == 'pallas' and not self.log else None
+    # A pending output is handed to merge_norm (which adds it in its own pass) unless the read
+    # forms statistics, which need the settled partial sum.
+    pending = None if self.log else state.pending
     state = self.settle(state) if pending is None else state.replace(pending=None)
     sources, query_d = self.sources(state), state.queries[consumer]
     w_n = self._mean_weights(sources, query_d) if self.log else None
@@ -176,22 +180,18 @@ class AttnResidual:
     outs, lse = state.inter
     o_btd, lse_bt = outs[consumer - start], lse[consumer - start]
     if state.partial is None:
-      h_btd = o_btd
-    elif self.impl == 'pallas':  # phase 2 fused with the pre-norm
-      fused = lambda scale, eps, dtype: merge_norm(
-          o_btd, lse_bt, state.partial, query_d, scale, eps=self.eps, norm_eps=eps, dtype=dtype,
-          addend=pending, spec=spec)
-      x_btd, partial = norm(o_btd, fused=fused)
-      h_btd = None
-      if self.log:               # for the statistics only: training does not change with logging
-        h_btd = jax.lax.stop_gradient(_constrain(
-            merge_partial(o_btd, lse_bt, state.partial, query_d, eps=self.eps)))
-      # The next partial sum takes p from merge_norm, which then adds its gradient in-kernel.
-      return _constrain(x_btd), h_btd, w_n, state.replace(partial=partial)
-    else:
-      h_btd = merge_partial(o_btd, lse_bt, state.partial, query_d, eps=self.eps)
-    h_btd = _constrain(h_btd)
-    return norm(h_btd), h_btd, w_n, state
+      h_btd = _constrain(o_btd)
+      return norm(h_btd), h_btd, w_n, state
+    # Phase 2 and the pre-norm in one op ('pallas': fused, the merged input never written).
+    x_btd, partial = merge_norm(o_btd, lse_bt, state.partial, query_d, norm.gain(o_btd.shape[-1]),
+                                eps=self.eps, norm_eps=norm.eps, dtype=norm.dtype, addend=pending,
+                                impl=self.impl, spec=spec)
+    h_btd = None
+    if self.log:                 # for the statistics only: training does not change with logging
+      h_btd = jax.lax.stop_gradient(_constrain(
+          merge_partial(o_btd, lse_bt, state.partial, query_d, eps=self.eps)))
+    # The next partial sum takes p from merge_norm ('pallas' then adds its gradient in-kernel).
+    return _constrain(x_btd), h_btd, w_n, state.replace(partial=partial)
 
   def _mean_weights(self, sources, query_d):
     """The depth-attention weights [sources] averaged over batch and tokens (for logging)."""
@@ -235,7 +235,8 @@ def make_residual(cfg: ml_collections.ConfigDict, *, log: bool = False):
     return StandardResidual(log=log)
   if cfg.residual in ('attnres_full', 'attnres_block'):
     return AttnResidual(block_size(cfg), num_sublayers(cfg), eps=cfg.norm_eps, impl=cfg.attnres_impl,
-                        log=log, defer_add=cfg.attnres_impl == 'pallas' and not cfg.remat)
+                        log=log, defer_add=attnres_ops.IMPLS[cfg.attnres_impl].adds_in_merge
+                        and not cfg.remat)
   raise ValueError(f'model.residual={cfg.residual!r} is unknown')
 
 

@@ -1,18 +1,23 @@
 """Softmax attention with one dispatch point for its implementations.
 
-`attention(q, k, v, impl=...)` is the only way the model reaches attention; `impl` picks
-'xla' (plain einsums, runs everywhere) or 'cudnn' (fused flash attention on NVIDIA GPUs).
-With `return_max_logits=True` it also returns, per query head, the largest scaled and causally
-masked logit over the batch and all positions (SPEC §3, the S_max^h that QK-Clip needs). That
-value is exact for every implementation and carries no gradient.
+`attention(q, k, v, impl=...)` runs one of IMPLS: 'xla' (plain einsums, runs everywhere) or
+'cudnn' (fused flash attention on NVIDIA GPUs). With `return_max_logits=True` it also returns,
+per query head, the largest scaled and causally masked logit over the batch and all positions
+(SPEC §3, the S_max^h that QK-Clip needs). That value is exact for every implementation and
+carries no gradient; `max_logits_blocked` is its portable reference. Decoding over a cache goes
+through `decode_attention`.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-IMPLS = ('xla', 'cudnn')
+from kimijax.ops.per_shard import run_per_shard, spec_axes
+
 MASKED_LOGIT = -1e30  # finite: a fully masked row gives uniform weights instead of NaN
 
 
@@ -48,7 +53,8 @@ def _max_over_logits(logits_bkgts, mask_ts):
   return m_kg.reshape(-1)
 
 
-def _xla_attention(q, k, v, causal, scale, return_max_logits):
+def _xla_attention(q, k, v, causal, scale, return_max_logits, spec):
+  del spec
   b, t, h, _ = q.shape
   s = k.shape[1]
   logits = _grouped_logits(q, k, scale)
@@ -68,7 +74,7 @@ def max_logits_blocked(q, k, *, causal=True, scale=None, block=512):
   """Exact per-head max logit [H] without materialising [T, S] for all queries at once.
 
   A portable reference for fused implementations that do not expose their logits (on GPU the
-  fused Pallas kernel kernels_pallas.max_logits does the same without writing logits to memory).
+  fused Pallas kernel, max_logits_kernel, does the same without writing logits to memory).
   """
   b, t, h, d = q.shape
   s = k.shape[1]
@@ -91,7 +97,30 @@ def max_logits_blocked(q, k, *, causal=True, scale=None, block=512):
   return jnp.max(jax.lax.map(one_block, (q_nbthd, rows)), axis=0)
 
 
-def _cudnn_attention(q, k, v, causal, scale, return_max_logits):
+def max_logits_kernel(q, k, *, causal=True, scale=None, spec: P | None = None):
+  """Exact per-head max logit [H] by the fused Pallas kernel (kernels_pallas/attention/
+  max_logits.py; interpreted off the GPU). Under a mesh of several devices made current by
+  jax.set_mesh, with q and k [B, T|S, H|Hkv, D] laid out as `spec` (batch and head axes; a
+  sharded length or feature axis is gathered), each device runs the kernel on its own batch
+  rows and heads and the per-head maxima are reduced across the batch shards: q and k are never
+  gathered. Heads (or a batch) that do not divide over their mesh axes stay whole per device."""
+  from kernels_pallas.attention.max_logits import max_logits as kernel   # imports the Triton lowering
+  from kernels_pallas.common import kernels_interpreted
+  batch, _, heads = (tuple(spec or ()) + (None,) * 3)[:3]
+  mesh = jax.sharding.get_abstract_mesh()
+  size = lambda entry: 1 if mesh.empty else math.prod(mesh.shape[a] for a in spec_axes(entry))
+  if q.shape[2] % size(heads) or k.shape[2] % size(heads):
+    heads = None
+  if q.shape[0] % size(batch):
+    batch = None
+  run = lambda q, k: kernel(q, k, causal=causal, scale=scale, interpret=kernels_interpreted())
+  rows = P(batch, None, heads, None)
+  max_over_batch = (lambda m: jax.lax.pmax(m, spec_axes(batch))) if spec_axes(batch) else None
+  return run_per_shard(run, (q, k), in_specs=(rows, rows), out_specs=P(heads),
+                       across_shards=max_over_batch)
+
+
+def _cudnn_attention(q, k, v, causal, scale, return_max_logits, spec):
   if q.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"attention impl='cudnn' needs bfloat16 or float16 inputs, got {q.dtype}; "
                      "set model.compute_dtype='bfloat16' or use impl='xla'")
@@ -112,33 +141,35 @@ def _cudnn_attention(q, k, v, causal, scale, return_max_logits):
   out = out[..., :dv]
   if not return_max_logits:
     return out, None
-  from kernels_pallas.max_logits import max_logits  # GPU only: imports Triton lowering
-  return out, max_logits(q, k, causal=causal, scale=scale)
+  return out, max_logits_kernel(q, k, causal=causal, scale=scale, spec=spec)
 
 
-def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits=False):
+IMPLS = {'xla': _xla_attention, 'cudnn': _cudnn_attention}
+
+
+def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits=False,
+              spec: P | None = None):
   """Scaled dot-product attention with GQA.
 
   Args:
     q: [B, T, H, D] queries. k, v: [B, S, Hkv, D] keys and values, H % Hkv == 0. When T < S
       the queries are the last T positions (decoding with a cache).
     causal: mask keys after each query's position.
-    impl: 'xla' or 'cudnn'.
+    impl: a key of IMPLS, 'xla' or 'cudnn'.
     scale: softmax scale, default D ** -0.5.
     return_max_logits: also return max_logits [H] fp32 = max over batch, queries and unmasked keys
       of scale * q . k (SPEC §3).
+    spec: the PartitionSpec of q, k and v under a mesh (for implementations that run a kernel
+      per shard; None: not sharded).
 
   Returns:
     out [B, T, H, D] in q's dtype, or (out, max_logits) when return_max_logits.
   """
   _check_shapes(q, k, v)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  if impl == 'xla':
-    out, m = _xla_attention(q, k, v, causal, scale, return_max_logits)
-  elif impl == 'cudnn':
-    out, m = _cudnn_attention(q, k, v, causal, scale, return_max_logits)
-  else:
-    raise ValueError(f'attention impl={impl!r} is unknown; allowed: {IMPLS}')
+  if impl not in IMPLS:
+    raise ValueError(f'attention impl={impl!r} is unknown; allowed: {tuple(IMPLS)}')
+  out, m = IMPLS[impl](q, k, v, causal, scale, return_max_logits, spec)
   return (out, m) if return_max_logits else out
 
 

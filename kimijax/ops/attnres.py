@@ -26,21 +26,23 @@ parameter, so softmax over [b_0 .. b_{n-1}, p] splits exactly into
   merge_partial(o_j, lse_j, p, q_j)   -> h = sigma o_j + (1 - sigma) p,
                                          sigma = sigmoid(lse_j - q_j . p / rms(p)),
 since exp(lse_j) / (exp(lse_j) + exp(s_p)) is the total weight the full softmax gives the block
-sums. Phase 1 reads each block sum once per block instead of once per consumer; impl='pallas'
-runs it as fused GPU kernels (kernels_pallas/attnres.py). o_j is stored in the sources' dtype.
-With 'pallas' the model also runs phase 2 fused with the consumer's pre-norm, merge_norm
-(kernels_pallas/attnres_merge.py), so that h is never written.
+sums. Phase 1 reads each block sum once per block instead of once per consumer. The model runs
+phase 2 through merge_norm, merged with the consumer's pre-norm in one call. IMPLS holds the two
+phases' implementations: 'xla', and 'pallas', fused GPU kernels (kernels_pallas/attnres/) whose
+merge_norm never writes h. o_j is stored in the sources' dtype.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-IMPLS = ('xla', 'pallas')
+from kimijax.ops.norms import rms_normalise
+from kimijax.ops.per_shard import lead_spec, run_per_shard
 
 
 def _logits(v, q_sd, eps: float):
@@ -95,7 +97,8 @@ def depth_attention(sources, query, *, eps: float = 1e-6):
   return depth_attention_list([sources[i] for i in range(sources.shape[0])], query, eps=eps)
 
 
-def _phase1_xla(sources, queries, eps):
+def _phase1_xla(sources, queries, eps, spec):
+  del spec
   q_sd = queries.astype(jnp.float32)
   logits = jnp.stack([_logits(v, q_sd, eps) for v in sources])       # [n, S, ...]
   lse = jax.nn.logsumexp(logits, axis=0)
@@ -103,27 +106,60 @@ def _phase1_xla(sources, queries, eps):
   # All S outputs as one [..., S, D] array: one fusion reads each source once for all of them.
   o_all = sum(jnp.moveaxis(alpha[i], 0, -1)[..., None] * v.astype(jnp.float32)[..., None, :]
               for i, v in enumerate(sources)).astype(sources[0].dtype)
-  return tuple(o_all[..., j, :] for j in range(q_sd.shape[0])), lse
+  return tuple(o_all[..., j, :] for j in range(q_sd.shape[0])), lse, sources
 
 
-def _lead_spec(spec: P | None, ndim: int) -> tuple:
-  """The mesh axes of the leading (token) axes of an array [..., D] laid out as `spec`."""
-  return (tuple(spec or ()) + (None,) * ndim)[:ndim - 1]
+def _phase1_pallas(sources, queries, eps, spec):
+  from kernels_pallas.attnres.phase1 import phase1 as kernel   # imports the Triton lowering
+  from kernels_pallas.common import kernels_interpreted
+  run = lambda vs, q: kernel(vs, q, eps=eps, interpret=kernels_interpreted())
+  lead = lead_spec(spec, sources[0].ndim)
+  return run_per_shard(run, (sources, queries), in_specs=((P(*lead, None),) * len(sources), P()),
+                       out_specs=((P(*lead, None),) * queries.shape[0], P(None, *lead),
+                                  (P(*lead, None),) * len(sources)))
 
 
-def _per_shard(run, args, in_specs, out_specs):
-  """run(*args); under a current mesh of several devices (jax.set_mesh, as the train step does),
-  run per shard through shard_map. The kernels need whole feature rows, so the specs leave the
-  feature axis unsharded; check_vma=False because pallas_call outputs carry no varying-axes type."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return run(*args)
-  return jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+def _merge_norm_xla(o, lse, partial, query, scale, eps, norm_eps, dtype, addend, spec):
+  del spec
+  partial = partial if addend is None else partial + addend
+  h = merge_partial(o, lse, partial, query, eps=eps)
+  return (rms_normalise(h, norm_eps) * scale).astype(dtype), partial
 
 
-def kernels_interpreted() -> bool:
-  """Whether the Pallas kernels run in interpret mode: off the GPU (slow: for tests on the CPU)."""
-  return jax.default_backend() != 'gpu'
+def _merge_norm_pallas(o, lse, partial, query, scale, eps, norm_eps, dtype, addend, spec):
+  from kernels_pallas.attnres.merge_norm import merge_norm as kernel
+  from kernels_pallas.common import kernels_interpreted
+  run = lambda o, lse, p, y, q, g: kernel(o, lse, p, q, g, eps=eps, norm_eps=norm_eps, dtype=dtype,
+                                          addend=y, interpret=kernels_interpreted())
+  lead = lead_spec(spec, partial.ndim)
+  rows = P(*lead, None)
+  return run_per_shard(run, (o, lse, partial, addend, query, scale),
+                       in_specs=(rows, P(*lead), rows, None if addend is None else rows, P(), P()),
+                       out_specs=(rows, rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """One implementation of Block AttnRes's two phases (the signatures of phase1 and merge_norm
+  below, arguments in order, eps and spec included). adds_in_merge: its merge_norm forms
+  partial + addend in the same pass as the merge, one pass fewer than a separate add, so that a
+  caller gains by handing it the addend rather than adding first."""
+  phase1: Callable
+  merge_norm: Callable
+  adds_in_merge: bool
+
+
+IMPLS = {
+    'xla': Implementation(_phase1_xla, _merge_norm_xla, adds_in_merge=False),
+    # Fused GPU kernels (kernels_pallas/attnres/), interpreted off the GPU; per shard under a mesh.
+    'pallas': Implementation(_phase1_pallas, _merge_norm_pallas, adds_in_merge=True),
+}
+
+
+def _implementation(impl: str, fn: str) -> Implementation:
+  if impl not in IMPLS:
+    raise ValueError(f'attnres {fn}: impl must be one of {tuple(IMPLS)}; got {impl!r}')
+  return IMPLS[impl]
 
 
 def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: str = 'xla',
@@ -135,10 +171,10 @@ def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: st
   dtype (o_j = sum_i softmax_i(s_ji) v_i), lse [S, ...] float32 (logsumexp_i s_ji), s_ji = q_j .
   rms_normalise(v_i), and the sources unchanged: take their later uses from here, so that with
   'pallas' their gradient is added inside the backward kernel rather than in separate XLA adds.
-  impl 'pallas' runs the fused kernels (in interpret mode off the GPU);
-  under a mesh of several devices made current by jax.set_mesh (as the train step does) they
-  run per shard (shard_map) with the sources laid out as `spec` (their feature axis unsharded).
-  One source (block 0) needs no kernel: o_j is that source and lse_j its logit.
+  impl: a key of IMPLS. Under a mesh of several devices made current by jax.set_mesh (as the
+  train step does) 'pallas' runs per shard (shard_map) with the sources laid out as `spec`
+  (their feature axis unsharded). One source (block 0) needs no implementation: o_j is that
+  source and lse_j its logit.
   """
   sources = tuple(sources)
   shape = sources[0].shape if sources else None
@@ -147,19 +183,11 @@ def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: st
     raise ValueError(f'attnres phase1: sources must share one shape [..., D] and dtype, queries be '
                      f'[S, D]; got sources {[(v.shape, str(v.dtype)) for v in sources]}, queries '
                      f'{queries.shape}')
-  if impl not in IMPLS:
-    raise ValueError(f'attnres phase1: impl must be one of {IMPLS}; got {impl!r}')
+  implementation = _implementation(impl, 'phase1')
   if len(sources) == 1:
     return ((sources[0],) * queries.shape[0], _logits(sources[0], queries.astype(jnp.float32), eps),
             sources)
-  if impl == 'xla':
-    return _phase1_xla(sources, queries, eps) + (sources,)
-  from kernels_pallas.attnres import phase1 as kernel   # imports the Triton lowering
-  run = lambda vs, q: kernel(vs, q, eps=eps, interpret=kernels_interpreted())
-  lead = _lead_spec(spec, len(shape))
-  return _per_shard(run, (sources, queries), in_specs=((P(*lead, None),) * len(sources), P()),
-                    out_specs=((P(*lead, None),) * queries.shape[0], P(None, *lead),
-                               (P(*lead, None),) * len(sources)))
+  return implementation.phase1(sources, queries, eps, spec)
 
 
 def merge_partial(o, lse, partial, query, *, eps: float = 1e-6):
@@ -173,20 +201,14 @@ def merge_partial(o, lse, partial, query, *, eps: float = 1e-6):
 
 
 def merge_norm(o, lse, partial, query, scale, *, eps: float = 1e-6, norm_eps: float = 1e-6,
-               dtype=jnp.float32, addend=None, spec: P | None = None):
-  """Phase 2 fused with the consumer's pre-norm, in the Pallas kernels of
-  kernels_pallas/attnres_merge.py (interpreted off the GPU), without ever writing the merged
-  input. o, partial [..., D]; lse [...]; query, scale [D]; addend: None, or a sublayer output
-  [..., D] not yet added to the partial sum. Returns (x, partial): x = scale *
-  rms_normalise(merge_partial(o, lse, p, query), norm_eps) in `dtype` with p = partial (+
-  addend, added in the kernel), and p, for the caller's later uses of it: their gradient is
-  then added inside the backward kernel. Under a mesh it runs per shard, as phase1 does (the
-  gradients of query and scale summed over shards)."""
-  from kernels_pallas.attnres_merge import merge_norm as kernel
-  run = lambda o, lse, p, y, q, g: kernel(o, lse, p, q, g, eps=eps, norm_eps=norm_eps, dtype=dtype,
-                                          addend=y, interpret=kernels_interpreted())
-  lead = _lead_spec(spec, partial.ndim)
-  rows = P(*lead, None)
-  return _per_shard(run, (o, lse, partial, addend, query, scale),
-                    in_specs=(rows, P(*lead), rows, None if addend is None else rows, P(), P()),
-                    out_specs=(rows, rows))
+               dtype=jnp.float32, addend=None, impl: str = 'xla', spec: P | None = None):
+  """Phase 2 and the consumer's pre-norm in one call. o, partial [..., D]; lse [...]; query,
+  scale [D] (the pre-norm's gain); addend: None, or a sublayer output [..., D] not yet added to
+  the partial sum. Returns (x, p): x = scale * rms_normalise(merge_partial(o, lse, p, query),
+  norm_eps) in `dtype` with p = partial (+ addend), and p, for the caller's later uses of it.
+  'xla': merge_partial, then the RMSNorm formula; 'pallas': fused kernels that never write the
+  merged input, add the addend in the same pass, and add the gradient of p's later uses inside
+  the backward kernel; under a mesh they run per shard, as phase1 does (the gradients of query
+  and scale summed over shards)."""
+  return _implementation(impl, 'merge_norm').merge_norm(o, lse, partial, query, scale, eps, norm_eps,
+                                                        dtype, addend, spec)

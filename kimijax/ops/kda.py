@@ -8,9 +8,10 @@ Per batch row and head, with state S [K, V] in float32, one token t does (decay,
 
 `kda_recurrent` scans that over time (the reference); `kda_chunk` computes the same thing a chunk
 of C tokens at a time with the WY/UT form of SPEC §1 (matmuls inside a chunk, a scan over chunks
-for the state); `kda_step` is one token for decoding; `kda(..., impl=...)` is the one dispatch point
-the model uses. Layout: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H] (after the sigmoid);
-g is the per-channel log-decay (<= 0); q and k arrive L2-normalised; states [B, H, K, V] float32.
+for the state); `kda_step` is one token for decoding; `kda(..., impl=...)` dispatches to one of
+IMPLS, the implementations by name. Layout: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]
+(after the sigmoid); g is the per-channel log-decay (<= 0); q and k arrive L2-normalised; states
+[B, H, K, V] float32.
 All arithmetic is float32 whatever the input dtype; outputs take v's dtype. fp32 matmuls follow
 jax's default matmul precision (TF32 on NVIDIA GPUs unless `jax.default_matmul_precision('highest')`),
 except the chunk form's small triangular inverse, always in full float32.
@@ -24,7 +25,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-IMPLS = ('recurrent', 'chunk', 'pallas')
 _EXACT = lax.Precision.HIGHEST
 _SUB = 16   # sub-chunk length inside a chunk (the anchoring unit of the chunk form)
 # Chunks whose intra-chunk part is computed together are grouped so that its largest transient, the
@@ -116,9 +116,10 @@ def kda_step(q, k, v, g, beta, state, *, scale=None, impl='chunk'):
   q, k, v, g, beta, state = (jnp.asarray(x) for x in (q, k, v, g, beta, state))
   _check_step_inputs(q, k, v, g, beta, state)
   if impl == 'pallas':
+    from kernels_pallas.common import kernels_interpreted
     from kernels_pallas.kda import kda_step_pallas
     return kda_step_pallas(q, k, v, g, beta, state, scale=float(_default_scale(scale, q.shape[-1])),
-                           interpret=jax.default_backend() != 'gpu')
+                           interpret=kernels_interpreted())
   f32 = lambda x: x.astype(jnp.float32)
   o, s = _token_update(f32(state), f32(q), f32(k), f32(v), f32(g), f32(beta),
                        _default_scale(scale, q.shape[-1]))
@@ -348,31 +349,42 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 def kda_fused(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False):
   """KDA through the fused Pallas kernels of kernels_pallas/kda (interpreted off the GPU);
   same arguments and results as kda_chunk (the kernels' chunk length is fixed at 64)."""
+  from kernels_pallas.common import kernels_interpreted
   from kernels_pallas.kda import kda_pallas
   q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
   initial_state = None if initial_state is None else jnp.asarray(initial_state)
   _, _, _, dk, _ = _check_sequence_inputs("kda impl='pallas'", q, k, v, g, beta, initial_state)
   o, s_final = kda_pallas(q, k, v, g, beta, initial_state, scale=_default_scale(scale, dk),
-                          interpret=jax.default_backend() != 'gpu')
+                          interpret=kernels_interpreted())
   return o, (s_final if output_final_state else None)
 
 
 # ----------------------------------------------------------------------------- dispatch
 
 
+def _recurrent_impl(q, k, v, g, beta, *, scale, initial_state, output_final_state, chunk_size):
+  del chunk_size   # the recurrence has no chunks
+  return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state)
+
+
+def _fused_impl(q, k, v, g, beta, *, scale, initial_state, output_final_state, chunk_size):
+  del chunk_size   # the kernels' chunk length is fixed (64)
+  return kda_fused(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                   output_final_state=output_final_state)
+
+
+# Every implementation takes kda's arguments (keywords after beta) and returns (o, state or None).
+IMPLS = {'recurrent': _recurrent_impl, 'chunk': kda_chunk, 'pallas': _fused_impl}
+
+
 def kda(q, k, v, g, beta, *, impl='chunk', scale=None, initial_state=None, output_final_state=False,
         chunk_size=64):
-  """KDA through one dispatch point: impl 'recurrent' | 'chunk' | 'pallas'.
+  """KDA through one dispatch point: impl, a key of IMPLS ('recurrent' | 'chunk' | 'pallas').
 
   Same arguments and results as kda_chunk (chunk_size is ignored by 'recurrent').
   """
-  if impl == 'recurrent':
-    return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state)
-  if impl == 'chunk':
-    return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+  if impl not in IMPLS:
+    raise ValueError(f'kda impl={impl!r} is unknown; allowed: {tuple(IMPLS)}')
+  return IMPLS[impl](q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, chunk_size=chunk_size)
-  if impl == 'pallas':
-    return kda_fused(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state)
-  raise ValueError(f'kda impl={impl!r} is unknown; allowed: {IMPLS}')

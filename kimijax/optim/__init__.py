@@ -2,8 +2,8 @@
 
 from kimijax.optim.factory import describe, make_optimizer, make_schedule, param_groups
 from kimijax.optim.muon import muon, scale_by_muon
-from kimijax.optim.qk_clip import muonclip, qk_clip
+from kimijax.optim.qk_clip import qk_clip
 from kimijax.optim.routing import MatrixView, Routing
 
-__all__ = ['MatrixView', 'Routing', 'describe', 'make_optimizer', 'make_schedule', 'muon', 'muonclip',
+__all__ = ['MatrixView', 'Routing', 'describe', 'make_optimizer', 'make_schedule', 'muon',
            'param_groups', 'qk_clip', 'scale_by_muon']

@@ -57,9 +57,12 @@ def routing(config: ml_collections.ConfigDict) -> Routing | None:
   return None
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformationExtraArgs:
+def make_optimizer(config: ml_collections.ConfigDict,
+                   schedule: optax.Schedule | None = None) -> optax.GradientTransformationExtraArgs:
+  """The chain named by config.optimizer.name, stepping with `schedule` (default
+  make_schedule(config); the train step passes the one it also logs)."""
   o = config.optimizer
-  schedule = make_schedule(config)
+  schedule = make_schedule(config) if schedule is None else schedule
   clip = [optax.clip_by_global_norm(config.train.grad_clip)] if config.train.grad_clip > 0 else []
   if o.name == 'adamw':
     opts = [optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)]

@@ -1,4 +1,5 @@
-"""QK-Clip (Kimi K2, SPEC §3) as an optax transform, and MuonClip = Muon then QK-Clip.
+"""QK-Clip (Kimi K2, SPEC §3) as an optax transform (MuonClip, Muon then QK-Clip, is the chain
+kimijax.optim.factory builds for optimizer.name='muonclip').
 
 The forward pass reports S_max^h, the largest scaled logit of each query head over the batch
 (model aux['max_logits'] = {'layer_<i>': [H] fp32}). After the optimizer step, every head with
@@ -32,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kimijax.optim.muon import muon
 
 # (module params, gamma [H] fp32) -> {param name: factor} or None when the rule does not apply.
 ClipRule = Callable[[Mapping[str, Any], jax.Array], 'dict[str, jax.Array] | None']
@@ -139,8 +139,3 @@ def heads_clipped(opt_state) -> jax.Array | None:
            if isinstance(s, QKClipState)]
   return found[0].heads_clipped if found else None
 
-
-def muonclip(learning_rate: optax.ScalarOrSchedule, *, tau: float = 100.0,
-             **muon_kwargs) -> optax.GradientTransformationExtraArgs:
-  """MuonClip: kimijax.optim.muon.muon(learning_rate, **muon_kwargs), then qk_clip(tau)."""
-  return optax.chain(muon(learning_rate, **muon_kwargs), qk_clip(tau))

@@ -129,7 +129,8 @@ class Training(NamedTuple):
 def build_training(config: ml_collections.ConfigDict, mesh: Mesh, model: nn.Module | None = None) -> Training:
   """Model (default Transformer(config.model)), optimizer, schedule, state layout and jitted steps."""
   model = Transformer(config.model) if model is None else model
-  optimizer, schedule = make_optimizer(config), make_schedule(config)
+  schedule = make_schedule(config)
+  optimizer = make_optimizer(config, schedule)
   abstract_state, shardings = state_shardings(model, optimizer, config, mesh)
   train_step, eval_step = jit_steps(model, optimizer, schedule, config, mesh, shardings)
   return Training(model, optimizer, schedule, abstract_state, shardings, train_step, eval_step,

@@ -35,11 +35,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 
-from kernels_pallas.attnres import (FrozenTiles, defvjp_with_symbolic_zeros, dense, feature_chunk,
-                                    pad_rows, triton_params, with_defaults)
+from kernels_pallas.common import (FrozenTiles, compiler_params, defvjp_with_symbolic_zeros, dense,
+                                   feature_chunk, is_zero, pad_rows, round_up, with_defaults)
 
 F32 = jnp.float32
 
@@ -160,7 +159,7 @@ def _merge_norm_fwd(o, lse, p, addends, q, gamma, eps, norm_eps, dtype, tiles, i
       out_specs=[rows, pl.BlockSpec((3, bt), lambda t: (0, t))] + [rows] * add,
       out_shape=[jax.ShapeDtypeStruct((m, d), dtype), jax.ShapeDtypeStruct((3, m), F32)]
                 + [jax.ShapeDtypeStruct((m, d), p.dtype)] * add,
-      compiler_params=triton_params(tiles), interpret=interpret, name='attnres_merge_norm',
+      compiler_params=compiler_params(tiles), interpret=interpret, name='attnres_merge_norm',
   )(o, p, *addends, lse, q, gamma)
   p = p_sum[0] if add else p
   return (x, p), (o, lse, p, q, gamma, stats, (None,) * add)
@@ -172,7 +171,7 @@ def _merge_norm_bwd(eps, norm_eps, dtype, tiles, interpret, res, cotangents):
   m, d = p.shape
   dx, dp_in = dense(cotangents[0], (m, d), dtype), cotangents[1]
   # No later use of the partial sum (the last consumer's): nothing to add, no zeros to read.
-  dp_in = [] if isinstance(dp_in, SymbolicZero) else [dp_in]
+  dp_in = [] if is_zero(dp_in) else [dp_in]
   bt, g = tiles['bt'], tiles['groups']
   rows = pl.BlockSpec((bt * g, d), lambda t: (t, 0))
   vector = pl.BlockSpec((d,), lambda t: (0,))
@@ -187,7 +186,7 @@ def _merge_norm_bwd(eps, norm_eps, dtype, tiles, interpret, res, cotangents):
       out_specs=[rows, rows, pl.BlockSpec((bt * g,), lambda t: (t,)), partial, partial],
       out_shape=[jax.ShapeDtypeStruct((m, d), o.dtype), jax.ShapeDtypeStruct((m, d), p.dtype),
                  jax.ShapeDtypeStruct((m,), F32)] + [jax.ShapeDtypeStruct((programs, d), F32)] * 2,
-      compiler_params=triton_params(tiles), interpret=interpret, name='attnres_merge_norm_bwd',
+      compiler_params=compiler_params(tiles), interpret=interpret, name='attnres_merge_norm_bwd',
   )(dx, *dp_in, o, p, lse, stats, q, gamma)
   # p = p_prev + y: both get p's gradient.
   return (do, dlse, dp, tuple(dp for _ in addends), jnp.sum(dq_parts, axis=0),
@@ -220,10 +219,12 @@ def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dt
                      f'lse [...], query and scale [D]; got o {o.shape} {o.dtype}, partial {shape} '
                      f'{partial.dtype}, addend {None if addend is None else (addend.shape, addend.dtype)}, '
                      f'lse {lse.shape}, query {query.shape}, scale {scale.shape}')
-  tiles = with_defaults(tiles, DEFAULT_TILES, 'merge_norm')
+  tiles = with_defaults(tiles, DEFAULT_TILES, 'attnres merge_norm')
   d, m = shape[-1], math.prod(shape[:-1])
-  m_pad = -(-m // (tiles['bt'] * tiles['groups'])) * tiles['bt'] * tiles['groups']
-  flat = lambda a: pad_rows(a.reshape(m, d), m_pad)
+  m_pad = round_up(m, tiles['bt'] * tiles['groups'])
+  # Padded with ones (a zero row would give an infinite rsqrt for eps = 0); the padded rows'
+  # outputs are dropped, so they add nothing to any gradient.
+  flat = lambda a: pad_rows(a.reshape(m, d), m_pad, value=1)
   lse = jnp.pad(lse.reshape(m).astype(F32), (0, m_pad - m))
   addends = () if addend is None else (flat(addend),)
   x, p = _merge_norm(flat(o), lse, flat(partial), addends, query.astype(F32), scale.astype(F32),

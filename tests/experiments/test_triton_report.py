@@ -7,7 +7,8 @@ import collections
 import jax.numpy as jnp
 
 from experiments import triton_report
-from kernels_pallas import attnres, attnres_merge
+from kernels_pallas.attnres import merge_norm as attnres_merge, phase1 as attnres
+from kernels_pallas.common import feature_chunk
 
 NAMES = ['attnres_phase1_logits', 'attnres_phase1_combine', 'attnres_merge_norm',
          'attnres_merge_norm_bwd', 'attnres_phase1_vdo', 'attnres_phase1_grads']
@@ -25,7 +26,7 @@ def test_every_kernel_ir_comes_with_its_launch_and_parses_as_triton_ir():
   t = attnres.DEFAULT_TILES
   grads = by_name['attnres_phase1_grads']
   assert (grads.warps, grads.stages) == (t['warps_grads'], t['stages_grads'])
-  assert grads.grid == (d // attnres.feature_chunk(d, t['dc_grads']), m // t['rows_grads'], 1)
+  assert grads.grid == (d // feature_chunk(d, t['dc_grads']), m // t['rows_grads'], 1)
   assert by_name['attnres_phase1_logits'].grid == (m // t['bt_logits'], 1, 1)
   assert by_name['attnres_merge_norm'].warps == attnres_merge.DEFAULT_TILES['warps']
   context = mlir.make_ir_context()

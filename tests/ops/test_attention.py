@@ -1,18 +1,23 @@
-"""Tests for kimijax.ops.attention against a float64 NumPy transcription written here.
+"""Tests for kimijax.ops.attention against a float64 NumPy transcription (tests/oracles.py).
 
 The reference never calls the code under test: forward, per-head max logit (SPEC §3) and the
-analytic softmax-attention backward are written out in NumPy below, and the backward itself is
+analytic softmax-attention backward are written out in NumPy, and the backward itself is
 checked against central finite differences of the NumPy forward.
 """
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kimijax.ops import attention as attention_lib
+
+from oracles import (ref_attention, ref_attention_grads, ref_expand_kv, ref_max_logits,
+                     ref_max_logits_fast)
 
 # Jitted entry points: one compile per shape is much cheaper on CPU than op-by-op dispatch.
 attention = jax.jit(attention_lib.attention, static_argnames=('causal', 'impl', 'return_max_logits'))
@@ -24,71 +29,6 @@ def _float32_matmuls_in_full():
   """GPUs run float32 matmuls as TF32 by default; these tests compare with float64 at ~1e-5."""
   with jax.default_matmul_precision('highest'):
     yield
-
-
-# ----------------------------------------------------------------------------- NumPy reference
-
-
-def ref_mask(t, s, causal):
-  """[T, S] bool; query i sits at absolute position s - t + i (the last T of S positions)."""
-  if not causal:
-    return np.ones((t, s), bool)
-  q_pos = np.arange(s - t, s)
-  return q_pos[:, None] >= np.arange(s)[None, :]
-
-
-def ref_expand_kv(x_bskd, h):
-  """Repeat kv heads so that query head j reads kv head j // (H / Hkv): [B, S, H, D]."""
-  group = h // x_bskd.shape[2]
-  return x_bskd[:, :, np.arange(h) // group]
-
-
-def ref_attention(q, k, v, causal):
-  """float64 softmax attention; returns (out [B, T, H, Dv], probs [B, H, T, S])."""
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  _, t, h, d = q.shape
-  s = k.shape[1]
-  kh, vh = ref_expand_kv(k, h), ref_expand_kv(v, h)
-  logits = np.einsum('bthd,bshd->bhts', q, kh) * d ** -0.5
-  logits = np.where(ref_mask(t, s, causal), logits, -np.inf)
-  p = np.exp(logits - logits.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
-  return np.einsum('bhts,bshd->bthd', p, vh), p
-
-
-def ref_max_logits(q, k, causal):
-  """Per head: max over batch, queries and unmasked keys of D**-0.5 * q . k (explicit loops)."""
-  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
-  b, t, h, d = q.shape
-  s, hkv = k.shape[1], k.shape[2]
-  out = np.full(h, -np.inf)
-  for head in range(h):
-    kv = head // (h // hkv)
-    for bi in range(b):
-      for i in range(t):
-        last_key = s - t + i if causal else s - 1
-        for j in range(last_key + 1):
-          out[head] = max(out[head], float(q[bi, i, head] @ k[bi, j, kv]) * d ** -0.5)
-  return out
-
-
-def ref_attention_grads(q, k, v, d_out, causal):
-  """Analytic float64 backward of sum(out * d_out) w.r.t. q, k, v."""
-  q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
-  b, t, h, d = q.shape
-  s, hkv = k.shape[1], k.shape[2]
-  scale = d ** -0.5
-  kh, vh = ref_expand_kv(k, h), ref_expand_kv(v, h)
-  _, p = ref_attention(q, k, v, causal)
-  dp = np.einsum('bthd,bshd->bhts', d_out, vh)
-  ds = p * (dp - (dp * p).sum(-1, keepdims=True))          # softmax Jacobian; masked p are 0
-  dq = scale * np.einsum('bhts,bshd->bthd', ds, kh)
-  dkh = scale * np.einsum('bhts,bthd->bshd', ds, q)
-  dvh = np.einsum('bhts,bthd->bshd', p, d_out)
-  group = h // hkv                                           # sum each kv head's query heads
-  dk = dkh.reshape(b, s, hkv, group, d).sum(3)
-  dv = dvh.reshape(b, s, hkv, group, v.shape[-1]).sum(3)
-  return dq, dk, dv
 
 
 def rand(rng, *shape):
@@ -218,6 +158,37 @@ def test_gradients_match_reference(b, t, s, h, hkv, d, causal):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=2e-5, err_msg=f'd/d{name}')
 
 
+# ----------------------------------------------------------------------------- the max-logit kernel per shard
+
+
+@pytest.mark.parametrize('mesh_shape,axes,spec', [
+    ((4, 2), ('data', 'fsdp'), P(('data', 'fsdp'), None, None, None)),
+    ((2, 2, 2), ('data', 'fsdp', 'tensor'), P(('data', 'fsdp'), None, 'tensor', None)),
+], ids=['data4_fsdp2', 'data2_fsdp2_tensor2'])
+def test_max_logit_kernel_runs_per_shard_under_a_mesh(mesh_shape, axes, spec):
+  """On the 8 fake devices, q and k sharded over the batch (and the heads over 'tensor') as the
+  attention layers lay them out: the fused kernel (interpreted) runs on each device's shard,
+  [B / 8 or B / 4, T, H or H / 2, D], and the per-head maxima are reduced across the batch shards. The
+  result is the float64 max logit, and the compiled program gathers neither q nor k."""
+  b, t, h, hkv, d = 8, 24, 4, 2, 16
+  rng = np.random.default_rng(3)
+  q = (rng.normal(size=(b, t, h, d)) - 0.5).astype(np.float32)
+  k = rng.normal(size=(b, t, hkv, d)).astype(np.float32)
+  mesh = jax.make_mesh(mesh_shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+  q_sh, k_sh = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k))
+  run = jax.jit(lambda q, k: attention_lib.max_logits_kernel(q, k, causal=True, spec=spec))
+  with jax.set_mesh(mesh):
+    got = run(q_sh, k_sh)
+    lowered = run.lower(q_sh, k_sh)
+  np.testing.assert_allclose(got, ref_max_logits_fast(q, k, True), rtol=1e-5, atol=1e-5)
+  local_b, local_h = b // (mesh.shape['data'] * mesh.shape['fsdp']), h // mesh.shape.get('tensor', 1)
+  body = lowered.as_text()[lowered.as_text().index('sdy.manual_computation'):]
+  assert re.search(rf'\(%arg\d+: tensor<{local_b}x{t}x{local_h}x{d}xf32>', body), 'q should arrive per shard'
+  compiled = lowered.compile().as_text()
+  assert 'all-gather' not in compiled and 'all-to-all' not in compiled
+  assert 'all-reduce' in compiled           # the max across the batch shards
+
+
 # ----------------------------------------------------------------------------- max_logits_blocked
 
 
@@ -307,10 +278,3 @@ def test_cudnn_bf16_matches_reference(t, s, hkv, causal):
   for name, g, r in zip('qkv', grads, ref):
     g = np.asarray(g.astype(jnp.float32))
     assert np.max(np.abs(g - r)) <= 3e-2 * np.max(np.abs(r)), name
-
-
-def ref_max_logits_fast(q, k, causal):
-  """Vectorised max logit for the larger GPU shapes (same definition as ref_max_logits)."""
-  _, t, h, d = q.shape
-  logits = np.einsum('bthd,bshd->bhts', q, ref_expand_kv(k, h)) * d ** -0.5
-  return np.where(ref_mask(t, k.shape[1], causal), logits, -np.inf).max(axis=(0, 2, 3))

@@ -9,7 +9,7 @@ import sys
 
 from experiments import bench_compare
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ('--config.train.batch_size=8 --config.train.seq_len=32 --config.model.d_model=32 '
         '--config.model.num_layers=1 --config.model.num_heads=2 --config.model.mlp_dim=64')
 

@@ -17,9 +17,10 @@ import pytest
 
 from kimijax.config import ConfigError, base_config, validate
 from kimijax.train.loop import NonFiniteError, train
+
 from tiny_config import TINY, make_config
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def read_metrics(workdir):

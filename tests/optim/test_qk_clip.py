@@ -22,6 +22,8 @@ from kimijax.optim import qk_clip
 from kimijax.train.loop import train
 from kimijax.train.metrics import read_metrics
 
+from oracles import np_mla, np_projected_max_logits
+
 B, T = 2, 12
 
 VARIANTS = {
@@ -30,26 +32,6 @@ VARIANTS = {
     # groups of 2 query heads per KV head: group 0 both heads, group 2 one of two, layer 1 group 3
     'gqa': (dict(num_heads=8, num_kv_heads=4, attention_kind='gqa'), {'layer_0': [0, 1, 4], 'layer_1': [7]}),
 }
-
-
-def np_rope(x_bthd, theta=10000.0):
-  d = x_bthd.shape[-1]
-  inv_freq = theta ** (-np.arange(0, d // 2) * 2.0 / d)
-  ang = np.arange(x_bthd.shape[1])[:, None] * inv_freq            # [T, D/2]
-  sin, cos = np.sin(ang)[None, :, None], np.cos(ang)[None, :, None]
-  x1, x2 = x_bthd[..., : d // 2], x_bthd[..., d // 2:]
-  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def np_max_logits(x_btd, w_q, w_k):
-  """Per query head max over batch and causal (t, s) of q_t . k_s / sqrt(Dh), float64."""
-  x, w_q, w_k = (np.asarray(a, np.float64) for a in (x_btd, w_q, w_k))
-  q = np_rope(np.einsum('btd,dhk->bthk', x, w_q))
-  k = np_rope(np.einsum('btd,dhk->bthk', x, w_k))
-  k = np.repeat(k, w_q.shape[1] // w_k.shape[1], axis=2)          # query head h uses KV head h // G
-  logits = np.einsum('bthk,bshk->bhts', q, k) / np.sqrt(w_q.shape[-1])
-  causal = np.tril(np.ones((T, T), bool))
-  return np.where(causal, logits, -np.inf).max(axis=(0, 2, 3))
 
 
 @pytest.mark.parametrize('variant', list(VARIANTS))
@@ -72,7 +54,7 @@ def test_clipped_heads_reach_tau_and_others_are_untouched(variant):
   (_, aux), inter = model.apply({'params': new}, tokens, capture_intermediates=True, mutable=['intermediates'])
   inputs = {l: inter['intermediates'][l]['mixer_norm']['__call__'][0] for l in boost}
   s_model = {l: np.asarray(v) for l, v in aux['max_logits'].items()}
-  s_before = {l: np_max_logits(inputs[l], new[l]['attention']['query'], new[l]['attention']['key']) for l in boost}
+  s_before = {l: np_projected_max_logits(inputs[l], new[l]['attention']['query'], new[l]['attention']['key']) for l in boost}
   for l in boost:   # the NumPy recomputation reproduces the model's own max logits
     np.testing.assert_allclose(s_before[l], s_model[l], rtol=1e-5)
   boosted = {l: np.isin(np.arange(len(s_before[l])), heads) for l, heads in boost.items()}
@@ -90,7 +72,7 @@ def test_clipped_heads_reach_tau_and_others_are_untouched(variant):
     w_q, w_k = clipped_params[l]['attention']['query'], clipped_params[l]['attention']['key']
     h, hkv = w_q.shape[1], w_k.shape[1]
     g = h // hkv
-    s_after = np_max_logits(inputs[l], w_q, w_k)
+    s_after = np_projected_max_logits(inputs[l], w_q, w_k)
     group_max = s_before[l].reshape(hkv, g).max(axis=1)
     for grp in range(hkv):
       heads = slice(grp * g, (grp + 1) * g)
@@ -114,7 +96,6 @@ def test_mla_clip_reaches_tau_and_leaves_shared_rope_key_untouched():
   """MLA (SPEC §3): q_nope, k_nope by sqrt(gamma), q_rope by gamma, k_rope untouched; the
   recomputed (float64, tests/test_mla.py's transcription) max logit of a clipped head is tau."""
   from kimijax.layers.mla import MultiHeadLatentAttention
-  from test_mla import np_mla
   cfg = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=10)
   layer = MultiHeadLatentAttention(4, init_std=0.3, **cfg)
   x = jax.random.normal(jax.random.key(1), (B, T, 32))

@@ -1,5 +1,6 @@
 """The Kimi Delta Attention layer (SPEC §1) against a float64 NumPy transcription, and its decode
-path (conv states + float32 state) against its parallel path, token by token."""
+path (conv states + float32 state) against its parallel path, token by token (the oracle:
+tests/oracles.py)."""
 
 import flax.linen as nn
 import jax
@@ -9,47 +10,9 @@ import pytest
 
 from kimijax.layers.kda import KimiDeltaAttention
 
+from oracles import np_kda_layer
+
 B, T, D, H, K = 2, 13, 24, 3, 8
-
-
-def np_silu(x):
-  return x / (1 + np.exp(-x))
-
-
-def np_sigmoid(x):
-  return 1 / (1 + np.exp(-x))
-
-
-def np_conv(x, w):
-  """Causal depthwise conv over axis 1: y[t] = sum_j w[j] x[t - 3 + j]."""
-  width = w.shape[0]
-  xp = np.concatenate([np.zeros((x.shape[0], width - 1) + x.shape[2:]), x], axis=1)
-  return sum(xp[:, j: j + x.shape[1]] * w[j] for j in range(width))
-
-
-def np_kda_layer(p, x, *, short_conv, output_gate, lower_bound):
-  p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
-  q, k, v = (np.einsum('btd,dhk->bthk', x, p[f'{n}_proj']) for n in 'qkv')
-  if short_conv:
-    q, k, v = (np_conv(t, p[f'{n}_conv']['kernel']) for t, n in zip((q, k, v), 'qkv'))
-  l2 = lambda a: a / np.sqrt(np.sum(a * a, -1, keepdims=True) + 1e-6)
-  q, k, v = l2(np_silu(q)), l2(np_silu(k)), np_silu(v)
-  beta = np_sigmoid(np.einsum('btd,dh->bth', x, p['b_proj']))
-  f = np.einsum('btr,rhk->bthk', x @ p['f_a'], p['f_b']) + p['dt_bias']
-  a = np.exp(p['A_log'])[:, None]
-  g = lower_bound * np_sigmoid(a * f) if lower_bound else -a * np.log1p(np.exp(f))
-  s = np.zeros((x.shape[0], H, K, K))
-  o = np.zeros((x.shape[0], x.shape[1], H, K))
-  for t in range(x.shape[1]):       # SPEC §1: decay, delta write, read
-    s = s * np.exp(g[:, t])[..., None]
-    pred = np.einsum('bhkv,bhk->bhv', s, k[:, t])
-    s = s + np.einsum('bhk,bhv->bhkv', k[:, t], beta[:, t, :, None] * (v[:, t] - pred))
-    o[:, t] = np.einsum('bhkv,bhk->bhv', s, q[:, t] * K ** -0.5)
-  o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + 1e-5) * p['o_norm']
-  if output_gate != 'none':
-    gate = np.einsum('btr,rhk->bthk', x @ p['g_a'], p['g_b'])
-    o = o * (np_sigmoid(gate) if output_gate == 'sigmoid' else np_silu(gate))
-  return np.einsum('bthk,hkd->btd', o, p['o_proj'])
 
 
 CASES = {

@@ -28,7 +28,7 @@ from kimijax.train.checkpoint import Checkpointer
 from kimijax.train.metrics import read_metrics
 from kimijax.train.state import state_shardings
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 RTOL = 1e-5
 FIRST, TOTAL = 5, 7   # the 2-process run stops at FIRST, then resumes to TOTAL

@@ -1,5 +1,5 @@
-"""Multi-head Latent Attention: a float64 NumPy transcription of the layer, and the absorbed
-decode path against the parallel path token by token."""
+"""Multi-head Latent Attention: a float64 NumPy transcription of the layer (tests/oracles.py), and
+the absorbed decode path against the parallel path token by token."""
 
 import jax
 import jax.numpy as jnp
@@ -8,43 +8,9 @@ import pytest
 
 from kimijax.layers.mla import MultiHeadLatentAttention
 
+from oracles import np_mla
+
 B, T, D, H = 2, 11, 32, 4
-
-
-def np_rms(x, g, eps):
-  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * g
-
-
-def np_rope(x, pos, theta):
-  """x [..., T, ..., d] rotated by pairs (i, i + d/2) at angle pos * theta^(-2i/d); x [B,T,H,d]."""
-  d = x.shape[-1]
-  freq = theta ** (-np.arange(d // 2) * 2.0 / d)
-  ang = pos[:, :, None, None] * freq
-  x1, x2 = x[..., : d // 2], x[..., d // 2:]
-  return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
-
-
-def np_mla(p, x, pos, cfg):
-  """float64 reference: returns y [B, T, D] and per-head max logits [H]."""
-  p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
-  eps, dn, dr = 1e-6, cfg['qk_nope_head_dim'], cfg['qk_rope_head_dim']
-  q_in = np_rms(x @ p['q_down'], p['q_norm']['scale'], eps) if cfg['q_lora_rank'] else x
-  q = np.einsum('btr,rhk->bthk', q_in, p['q_nope'])
-  c = np_rms(x @ p['kv_down'], p['kv_norm']['scale'], eps)
-  k = np.einsum('btr,rhk->bthk', c, p['k_nope'])
-  v = np.einsum('btr,rhk->bthk', c, p['v'])
-  if dr:
-    qr = np_rope(np.einsum('btr,rhk->bthk', q_in, p['q_rope']), pos, 10000.0)
-    kr = np_rope((x @ p['k_rope'])[:, :, None], pos, 10000.0)
-    q = np.concatenate([q, qr], -1)
-    k = np.concatenate([k, np.broadcast_to(kr, k.shape[:3] + (dr,))], -1)
-  logits = np.einsum('bthk,bshk->bhts', q, k) * (dn + dr) ** -0.5
-  mask = np.tril(np.ones((x.shape[1], x.shape[1]), bool))
-  logits = np.where(mask, logits, -np.inf)
-  probs = np.exp(logits - logits.max(-1, keepdims=True))
-  probs /= probs.sum(-1, keepdims=True)
-  o = np.einsum('bhts,bshk->bthk', probs, v)
-  return np.einsum('bthk,hkd->btd', o, p['out']), logits.max(axis=(0, 2, 3))
 
 
 CASES = {

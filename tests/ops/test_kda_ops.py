@@ -1,4 +1,4 @@
-"""Tests for kimijax.ops.kda against a float64 NumPy transcription of SPEC §1 written here.
+"""Tests for kimijax.ops.kda against a float64 NumPy transcription of SPEC §1 (tests/oracles.py).
 
 The reference `ref_kda` is a plain loop over time in float64 that never calls the code under test;
 its gradient is itself checked against central finite differences. kda_recurrent and kda_chunk are
@@ -13,7 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimijax.ops import kda as kda_lib
+from kimijax import config as config_lib
+from kimijax.ops import attention as attention_ops, attnres as attnres_ops, kda as kda_lib
+
+from oracles import ref_kda
 
 # One jitted entry point per function: one compile per shape is much cheaper than op-by-op dispatch.
 recurrent = jax.jit(kda_lib.kda_recurrent, static_argnames=('scale', 'output_final_state'))
@@ -26,25 +29,6 @@ def _float32_matmuls_in_full():
   """GPUs run float32 matmuls as TF32 by default; these tests compare at ~1e-5."""
   with jax.default_matmul_precision('highest'):
     yield
-
-
-# ----------------------------------------------------------------------------- NumPy reference
-
-
-def ref_kda(q, k, v, g, beta, scale, s0=None):
-  """float64 KDA, SPEC §1, one token at a time; returns (o [B, T, H, V], S_T [B, H, K, V])."""
-  q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
-  b, t, h, dk = q.shape
-  dv = v.shape[-1]
-  s = np.zeros((b, h, dk, dv)) if s0 is None else np.array(s0, np.float64)
-  o = np.zeros((b, t, h, dv))
-  for i in range(t):
-    s = s * np.exp(g[:, i])[..., None]                                    # decay
-    predicted = np.einsum('bhkv,bhk->bhv', s, k[:, i])                    # S^T k
-    delta = beta[:, i, :, None] * (v[:, i] - predicted)                   # beta (v - S^T k)
-    s = s + k[:, i, :, :, None] * delta[:, :, None, :]                    # + k delta^T
-    o[:, i] = np.einsum('bhkv,bhk->bhv', s, scale * q[:, i])             # read
-  return o, s
 
 
 def make_inputs(seed, b, t, h, dk, dv, *, g_min=-1.0, g_mode='uniform', dtype=np.float32):
@@ -289,7 +273,24 @@ def test_step_errors():
 
 def test_dispatch_errors():
   args, _ = _good()
-  with pytest.raises(ValueError, match=r"kda impl='flash' is unknown; allowed: \('recurrent', 'chunk', 'pallas'\)"):
+  with pytest.raises(ValueError, match=r"kda impl='flash' is unknown; allowed: \('recurrent', 'chunk'"):
     kda_lib.kda(**args, impl='flash')
-  with pytest.raises(NotImplementedError, match="Pallas KDA kernel is not built yet.*use impl='chunk'"):
-    kda_lib.kda(**args, impl='pallas')
+
+
+@pytest.mark.parametrize('key,impls', [('kda_impl', kda_lib.IMPLS), ('attn_impl', attention_ops.IMPLS),
+                                       ('attnres_impl', attnres_ops.IMPLS)], ids=['kda', 'attn', 'attnres'])
+def test_config_allows_exactly_the_implementations_the_ops_hold(key, impls):
+  """The ops' dicts are the config's allowed names: each one validates, and any other name (a
+  kernel not built yet included) is one error naming the key and the allowed names."""
+  for name in impls:
+    c = config_lib.base_config()
+    c.model[key] = name
+    config_lib.validate(c)
+  for name in ('pallas', 'flash'):
+    if name in impls:
+      continue
+    c = config_lib.base_config()
+    c.model[key] = name
+    with pytest.raises(config_lib.ConfigError, match=rf"model.{key}='{name}' is not allowed; "
+                                                     rf"allowed values: \[{', '.join(map(repr, impls))}\]"):
+      config_lib.validate(c)

@@ -19,9 +19,10 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from kimijax.train.checkpoint import CheckpointError
 from kimijax.train.loop import train
+
 from tiny_config import TINY, make_config
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Constant lr after warmup: a cosine schedule is a function of train.steps, so a 4-step run
 # extended to 8 would (by design) follow a different lr curve than a straight 8-step run.
 RESUMABLE = {**TINY, 'optimizer.schedule': 'constant', 'optimizer.warmup_steps': 2,

@@ -19,61 +19,11 @@ from kimijax.model import Transformer
 from kimijax.optim import make_optimizer
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.state import state_shardings
-from kimijax.train.step import build_training
 
-STEPS = 3
-BATCH, SEQ = 8, 16
-RTOL = 1e-5
+from helpers import BATCH, RTOL, SEQ, STEPS, sharding_config, train_steps
 
 # Sizes of (data, fsdp, tensor).
 DP8, FSDP8, DP2_FSDP2_TP2, DP2_TP4 = (8, 1, 1), (1, 8, 1), (2, 2, 2), (2, 1, 4)
-
-VARIANTS = {
-    # vocab 256 divides every tensor size used here (the 'vocab' axis is tensor-sharded).
-    'mha': dict(d_model=32, num_heads=4, num_kv_heads=0, attention_kind='mha'),
-    'gqa': dict(d_model=64, num_heads=8, num_kv_heads=4, attention_kind='gqa'),
-}
-
-
-def make_config(variant: str, shape=(1, 1, 1)):
-  c = config_lib.base_config()
-  c.model.update(VARIANTS[variant])
-  c.model.compute_dtype = 'float32'
-  c.model.vocab_size = 256
-  c.model.num_layers = 2
-  c.model.mlp_dim = 64
-  c.train.batch_size, c.train.seq_len, c.train.steps = BATCH, SEQ, STEPS
-  # A constant, large learning rate so that every step moves the parameters noticeably.
-  c.optimizer.schedule, c.optimizer.warmup_steps, c.optimizer.learning_rate = 'constant', 0, 1e-2
-  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = shape
-  return config_lib.validate(c)
-
-
-def make_batches(seed=0):
-  rng = np.random.default_rng(seed)
-  out = []
-  for _ in range(STEPS):
-    tokens = rng.integers(0, 256, size=(BATCH, SEQ + 1), dtype=np.int32)
-    mask = (rng.random((BATCH, SEQ)) > 0.1).astype(np.float32)
-    out.append({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'mask': mask})
-  return out
-
-
-BATCHES = make_batches()
-
-
-def train(config, devices):
-  """(per-step metrics as numpy, final state, mesh) of STEPS real train steps on `devices`."""
-  mesh = mesh_lib.make_mesh(config.mesh, devices)
-  run = build_training(config, mesh)
-  state, train_step, batch_sh = run.init_state(config), run.train_step, run.batch_sharding
-  history = []
-  for batch in BATCHES:
-    gbatch = {k: jax.make_array_from_process_local_data(batch_sh, v) for k, v in batch.items()}
-    state, metrics = train_step(state, gbatch)
-    history.append({k: np.asarray(metrics[k]) for k in ('loss', 'grad_norm', 'finite')})
-  return history, state, mesh, gbatch
-
 
 _REFERENCE = {}
 
@@ -81,8 +31,8 @@ _REFERENCE = {}
 def reference(variant):
   """The one-device run, computed once per variant."""
   if variant not in _REFERENCE:
-    config = make_config(variant)
-    history, state, _, _ = train(config, jax.devices()[:1])
+    config = sharding_config(variant)
+    history, state, _, _ = train_steps(config, jax.devices()[:1])
     _REFERENCE[variant] = (history, jax.tree.map(np.asarray, state.params))
   return _REFERENCE[variant]
 
@@ -151,8 +101,8 @@ def check_param_sharding(state, shape):
 def test_sharded_training_matches_one_device(variant, shape):
   assert len(jax.devices()) == 8, 'tests/conftest.py should give 8 fake CPU devices'
   ref_history, ref_params = reference(variant)
-  config = make_config(variant, shape)
-  history, state, mesh, gbatch = train(config, jax.devices())
+  config = sharding_config(variant, shape)
+  history, state, mesh, gbatch = train_steps(config, jax.devices())
 
   assert dict(mesh.shape) == dict(zip(('data', 'fsdp', 'tensor'), shape))
   assert len(mesh.devices.flat) == 8
@@ -179,7 +129,7 @@ def test_sharded_training_matches_one_device(variant, shape):
 
 def test_fsdp8_shards_embed_rows_one_eighth():
   """The issue's explicit example: under fsdp=8 an 'embed'-axis parameter is split 8 ways."""
-  config = make_config('mha', FSDP8)
+  config = sharding_config('mha', FSDP8)
   mesh = mesh_lib.make_mesh(config.mesh, jax.devices())
   model = Transformer(config.model)
   optimizer = make_optimizer(config)

@@ -2,7 +2,7 @@
 AdamW side against a NumPy AdamW, the default routing of the model's parameters, per-head
 stacks, and the sharded update on 8 fake CPU devices against the one-device update.
 
-The references below are written from SPEC §2 alone (momentum M = mu M + G without bias
+The references (tests/oracles.py) are written from SPEC §2 alone (momentum M = mu M + G without bias
 correction, Nesterov G + mu M, NS5 on N / (||N||_F + 1e-7) with (3.4445, -4.7750, 2.0315),
 transposed when rows > cols, update lr (0.2 sqrt(max(A, B)) O + wd W)) and the AdamW paper.
 """
@@ -22,54 +22,9 @@ from kimijax.optim.routing import MatrixView, Routing
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.state import init_state, state_shardings
 
+from oracles import NpAdamW, NpMuon, np_ns5
+
 RTOL = 1e-5
-
-
-# ----------------------------------------------------------------------------- references
-
-
-def np_ns5(n):
-  """Newton-Schulz, 5 steps, float64."""
-  a, b, c = 3.4445, -4.7750, 2.0315
-  x = n / (np.sqrt(np.sum(n * n)) + 1e-7)
-  tall = x.shape[0] > x.shape[1]
-  if tall:
-    x = x.T
-  for _ in range(5):
-    gram = x @ x.T
-    x = a * x + (b * gram + c * gram @ gram) @ x
-  return x.T if tall else x
-
-
-class NpMuon:
-  """Moonlight's Muon on one matrix W [A, B], float64."""
-
-  def __init__(self, w, *, mu=0.95, nesterov=True, wd=0.0):
-    self.w, self.m, self.mu, self.nesterov, self.wd = np.array(w, np.float64), np.zeros(np.shape(w)), mu, nesterov, wd
-
-  def step(self, g, lr):
-    g = np.asarray(g, np.float64)
-    self.m = self.mu * self.m + g
-    n = g + self.mu * self.m if self.nesterov else self.m
-    o = np_ns5(n)
-    self.w = self.w - lr * (0.2 * np.sqrt(max(self.w.shape)) * o + self.wd * self.w)
-
-
-class NpAdamW:
-  """AdamW (decoupled, decay multiplied by the lr), float64."""
-
-  def __init__(self, w, *, b1=0.9, b2=0.95, eps=1e-8, wd=0.0):
-    self.w = np.array(w, np.float64)
-    self.m, self.v, self.t = np.zeros_like(self.w), np.zeros_like(self.w), 0
-    self.b1, self.b2, self.eps, self.wd = b1, b2, eps, wd
-
-  def step(self, g, lr):
-    g = np.asarray(g, np.float64)
-    self.t += 1
-    self.m = self.b1 * self.m + (1 - self.b1) * g
-    self.v = self.b2 * self.v + (1 - self.b2) * g * g
-    m_hat, v_hat = self.m / (1 - self.b1 ** self.t), self.v / (1 - self.b2 ** self.t)
-    self.w = self.w - lr * (m_hat / (np.sqrt(v_hat) + self.eps) + self.wd * self.w)
 
 
 def rel_err(got, want):

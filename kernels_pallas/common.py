@@ -1,0 +1,96 @@
+"""What several Pallas kernels share: tile settings and their parsing, row padding, the custom-VJP
+helpers for symbolic-zero cotangents, Triton compiler parameters and when to interpret.
+
+A kernel's tiles are a dict of ints with the kernel's defaults (`DEFAULT_TILES` in its module);
+callers override some keys (`with_defaults`), benchmarks read them from a flag ('bt=32/warps=8',
+`parse_tiles`), and the custom VJP takes them as a static argument (`FrozenTiles`, hashable).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
+
+
+# ----------------------------------------------------------------------------- tiles
+
+
+def with_defaults(tiles, defaults, op: str) -> dict:
+  """defaults updated with tiles (None: none), refusing keys that defaults does not have.
+  op names the kernel family in the error ('attnres phase1', 'kda chunk', ...)."""
+  unknown = sorted(set(tiles or {}) - set(defaults))
+  if unknown:
+    raise ValueError(f'{op}: unknown tile keys {unknown}; allowed: {sorted(defaults)}')
+  return dict(defaults, **(tiles or {}))
+
+
+def parse_tiles(text: str) -> dict:
+  """'bt=32/warps=8' -> {'bt': 32, 'warps': 8} ('' -> {}), for the benchmarks' tile flags."""
+  try:
+    return {k: int(v) for k, v in (kv.split('=') for kv in text.split('/') if kv)}
+  except ValueError:
+    raise ValueError(f"kernel tiles: expected 'key=int/key=int', got {text!r}") from None
+
+
+class FrozenTiles(dict):
+  """A hashable dict of tile sizes (a static argument of a custom VJP or of jit)."""
+  def __hash__(self):
+    return hash(tuple(sorted(self.items())))
+
+
+def feature_chunk(d: int, target: int = 64) -> int:
+  """The largest power of two <= target dividing d (at least 16): the feature tile of kernels
+  that walk a row of d features in chunks (Triton block shapes are powers of two)."""
+  c = 1 << (target.bit_length() - 1)
+  while c >= 16:
+    if d % c == 0:
+      return c
+    c //= 2
+  raise ValueError(f'the Pallas kernels need the feature dim (d_model) divisible by 16; got {d}')
+
+
+def round_up(m: int, quantum: int) -> int:
+  """The least multiple of quantum >= m (rows padded to a whole number of tiles)."""
+  return -(-m // quantum) * quantum
+
+
+def pad_rows(x, m_pad: int, value=0):
+  """x [M, ...] padded with `value` to m_pad rows (x itself when it already has them)."""
+  pad = ((0, m_pad - x.shape[0]),) + ((0, 0),) * (x.ndim - 1)
+  return x if x.shape[0] == m_pad else jnp.pad(x, pad, constant_values=value)
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+def compiler_params(tiles, kernel: str = ''):
+  """Triton settings of one kernel from its tile keys: warps{kernel} and stages{kernel}."""
+  from jax.experimental.pallas import triton as plgpu
+  return plgpu.CompilerParams(num_warps=tiles['warps' + kernel], num_stages=tiles['stages' + kernel])
+
+
+def kernels_interpreted() -> bool:
+  """Whether Pallas kernels run in interpret mode: off the GPU (slow: for tests on the CPU)."""
+  return jax.default_backend() != 'gpu'
+
+
+# ----------------------------------------------------------------------------- custom VJP
+
+
+def defvjp_with_symbolic_zeros(fn, fwd, bwd, num_diff_args: int):
+  """fn.defvjp(fwd, bwd) where bwd sees a SymbolicZero for each output that nothing uses (to
+  skip work on it; `dense` makes one an array) and fwd gets plain values, not the wrapped
+  primals, for fn's first num_diff_args arguments (the differentiable ones)."""
+  fn.defvjp(lambda *args: fwd(*custom_vjp_primal_tree_values(args[:num_diff_args]),
+                              *args[num_diff_args:]), bwd, symbolic_zeros=True)
+
+
+def dense(cotangent, shape, dtype):
+  """A custom VJP's cotangent (symbolic zeros passed) as an array: zeros if symbolic."""
+  return jnp.zeros(shape, dtype) if isinstance(cotangent, SymbolicZero) else cotangent
+
+
+def is_zero(cotangent) -> bool:
+  """Whether a custom VJP's cotangent is a symbolic zero (its output unused)."""
+  return isinstance(cotangent, SymbolicZero)

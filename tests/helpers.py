@@ -1,0 +1,153 @@
+"""Set-ups several test files share: a tiny model with random parameters, and a few real train
+steps on a mesh. The float64 oracles the tests compare against are in tests/oracles.py."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimijax import config as config_lib
+from kimijax.model import Transformer
+from kimijax.parallel import mesh as mesh_lib
+from kimijax.train.step import build_training
+
+
+# ----------------------------------------------------------------------------- a tiny model
+
+
+B, T = 2, 9
+
+
+def tiny_model_config(**overrides):
+  """A validated tiny float32 model config: V=37, D=32, 2 layers, 4 heads of 8, GQA 2 kv heads."""
+  c = config_lib.base_config()
+  c.model.update(dict(vocab_size=37, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      attention_kind='gqa', mlp_dim=48, compute_dtype='float32'))
+  c.model.update(overrides)
+  return config_lib.validate(c).model
+
+
+def init_params(cfg, seed=0):
+  """Plain (unboxed) params with O(1)-scale random values, so attention is far from uniform.
+
+  Only the structure comes from the model (via eval_shape); every value is drawn here.
+  """
+  tokens = jnp.zeros((1, T), jnp.int32)
+  params = nn.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(seed), tokens)['params'])
+  leaves, treedef = jax.tree.flatten_with_path(params)
+  rng = np.random.default_rng(seed + 100)
+  new = []
+  for path, leaf in leaves:
+    name = jax.tree_util.keystr(path)
+    if 'scale' in name:                                   # norm gains around 1
+      x = 1.0 + 0.3 * rng.standard_normal(leaf.shape)
+    elif 'embed' in name:
+      x = rng.standard_normal(leaf.shape)
+    else:                                                 # matrices: fan-in of the first axis
+      fan_in = leaf.shape[0] * (leaf.shape[1] if name.endswith("['out']") else 1)
+      gain = 2.0 if ("['query']" in name or "['key']" in name) else 1.0
+      x = gain * rng.standard_normal(leaf.shape) / np.sqrt(fan_in)
+    new.append(jnp.asarray(x, leaf.dtype))
+  return jax.tree.unflatten(treedef, new)
+
+
+def random_tokens(cfg, seed=1, b=B, t=T):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+
+
+_FORWARDS = {}
+
+
+def forward(cfg, params, tokens, positions=None):
+  """Jitted Transformer.apply, one compiled function per config (cheaper than eager on CPU)."""
+  key = cfg.to_json()
+  if key not in _FORWARDS:
+    _FORWARDS[key] = jax.jit(Transformer(cfg).apply)
+  return _FORWARDS[key]({'params': params}, tokens, positions)
+
+
+def rel_err(a, ref):
+  return float(np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def cross_entropy(logits_btv, tokens_bt):
+  """Next-token loss: logits at t predict token t + 1."""
+  logp = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, tokens_bt[:, 1:, None], axis=-1))
+
+
+# ----------------------------------------------------------------------------- AttnRes inputs
+
+
+def random_block(n, s, b=B, t=T, d=16, seed=0):
+  """n sources of very different scales, a partial sum and S queries, float32 NumPy."""
+  rng = np.random.default_rng(seed)
+  scales = np.geomspace(1e-2, 30.0, n + 1)
+  arrays = [(rng.standard_normal((b, t, d)) * c).astype(np.float32) for c in scales]
+  return arrays[:n], arrays[n], (0.5 * rng.standard_normal((s, d))).astype(np.float32)
+
+
+def random_merge(shape, seed=5, dtype=jnp.float32):
+  """Phase-2 inputs (o, lse, partial, query, scale) with gates spread over (0, 1)."""
+  rng = np.random.default_rng(seed)
+  o = rng.standard_normal(shape) * 2
+  partial = rng.standard_normal(shape) * 0.3
+  lse = rng.standard_normal(shape[:-1]) * 2
+  q, scale = 0.5 * rng.standard_normal(shape[-1:]), 1 + 0.3 * rng.standard_normal(shape[-1:])
+  return (jnp.asarray(o, dtype), jnp.asarray(lse, jnp.float32), jnp.asarray(partial, dtype),
+          jnp.asarray(q, jnp.float32), jnp.asarray(scale, jnp.float32))
+
+
+# ----------------------------------------------------------------------------- train steps on a mesh
+
+
+STEPS = 3
+BATCH, SEQ = 8, 16
+RTOL = 1e-5
+
+VARIANTS = {
+    # vocab 256 divides every tensor size used here (the 'vocab' axis is tensor-sharded).
+    'mha': dict(d_model=32, num_heads=4, num_kv_heads=0, attention_kind='mha'),
+    'gqa': dict(d_model=64, num_heads=8, num_kv_heads=4, attention_kind='gqa'),
+}
+
+
+def sharding_config(variant: str, shape=(1, 1, 1)):
+  """A validated float32 config of VARIANTS[variant] for STEPS steps on a (data, fsdp, tensor) mesh."""
+  c = config_lib.base_config()
+  c.model.update(VARIANTS[variant])
+  c.model.compute_dtype = 'float32'
+  c.model.vocab_size = 256
+  c.model.num_layers = 2
+  c.model.mlp_dim = 64
+  c.train.batch_size, c.train.seq_len, c.train.steps = BATCH, SEQ, STEPS
+  # A constant, large learning rate so that every step moves the parameters noticeably.
+  c.optimizer.schedule, c.optimizer.warmup_steps, c.optimizer.learning_rate = 'constant', 0, 1e-2
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = shape
+  return config_lib.validate(c)
+
+
+def make_batches(seed=0):
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(STEPS):
+    tokens = rng.integers(0, 256, size=(BATCH, SEQ + 1), dtype=np.int32)
+    mask = (rng.random((BATCH, SEQ)) > 0.1).astype(np.float32)
+    out.append({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'mask': mask})
+  return out
+
+
+BATCHES = make_batches()
+
+
+def train_steps(config, devices):
+  """(per-step metrics as numpy, final state, mesh) of STEPS real train steps on `devices`."""
+  mesh = mesh_lib.make_mesh(config.mesh, devices)
+  run = build_training(config, mesh)
+  state, train_step, batch_sh = run.init_state(config), run.train_step, run.batch_sharding
+  history = []
+  for batch in BATCHES:
+    gbatch = {k: jax.make_array_from_process_local_data(batch_sh, v) for k, v in batch.items()}
+    state, metrics = train_step(state, gbatch)
+    history.append({k: np.asarray(metrics[k]) for k in ('loss', 'grad_norm', 'finite')})
+  return history, state, mesh, gbatch
