@@ -66,14 +66,23 @@ def _normalise(x_sab: jax.Array, dtype) -> jax.Array:
 
 
 def _iterate(x_sab: jax.Array, steps: int) -> jax.Array:
-  """`steps` iterations of X = a X + (b G + c G G) X, G = X X^T, on wide matrices (A <= B)."""
-  a, b, c = NS_COEFFS
-  precision = jax.lax.Precision.HIGHEST if x_sab.dtype == jnp.float32 else None
-  mm = lambda p, q: jnp.matmul(p, q, precision=precision)
+  """`steps` iterations of X = a X + (b G + c G G) X, G = X X^T, on wide matrices (A <= B).
+
+  The matmul operands are in x's dtype (the Newton-Schulz dtype), their products accumulate and
+  come out in float32, and the coefficients and both linear combinations are float32; only the
+  operands of the next matmul are rounded to the low dtype. Multiplying a bf16 array by a Python
+  float would instead round the coefficients to bf16 (3.4445 -> 3.4375) and every sum to bf16:
+  PyTorch (Moonlight) keeps such scalars at full precision, and this is at least as accurate.
+  """
+  a, b, c = (jnp.float32(v) for v in NS_COEFFS)
+  dtype = x_sab.dtype
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  mm = lambda p, q: jnp.matmul(p, q, precision=precision, preferred_element_type=jnp.float32)
   x = x_sab
   for _ in range(steps):
-    gram = mm(x, jnp.swapaxes(x, 1, 2))
-    x = a * x + mm(b * gram + c * mm(gram, gram), x)
+    gram = mm(x, jnp.swapaxes(x, 1, 2))                              # fp32
+    poly = b * gram + c * mm(gram.astype(dtype), gram.astype(dtype))  # fp32
+    x = (a * x.astype(jnp.float32) + mm(poly.astype(dtype), x)).astype(dtype)
   return x
 
 
