@@ -19,6 +19,7 @@ LAYER_KINDS = {'A': 'full attention (model.attention_kind)', 'K': 'Kimi Delta At
 RESIDUALS = ('standard', 'attnres_full', 'attnres_block')   # SPEC §4; kimijax/layers/residual.py
 OPTIMIZERS = ('adamw', 'muon', 'muonclip')   # kimijax/optim/factory.py
 SCHEDULES = ('cosine', 'wsd', 'constant')
+MLA_VIEWS = ('fused', 'per_part')   # muon's MLA matrices; kimijax/optim/routing.py
 ATTN_IMPLS = attention_ops.IMPLS     # each op module lists the implementations it dispatches to
 KDA_IMPLS = kda_ops.IMPLS
 ATTNRES_IMPLS = attnres_ops.IMPLS
@@ -124,6 +125,8 @@ def base_config() -> ml_collections.ConfigDict:
   o.rms_scale = 0.2             # muon: update = rms_scale * sqrt(max(A, B)) * NS(N), AdamW-like RMS
   o.muon_per_head = False       # muon: attention kernels as per-head matrices, not one [D, H*Dh]
   o.muon_split_matrices = True  # muon: each device runs Newton-Schulz on its share of whole matrices
+  o.muon_mla_views = 'fused'    # muon: 'fused' MLA parts as DeepSeek-V3's q_b_proj, kv_a_proj_with_mqa,
+                                # kv_b_proj (Moonlight) | 'per_part' (each parameter its own matrix)
 
   c.data = default_data_config()   # source, path, val_fraction, mqar_num_pairs
 
@@ -257,6 +260,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f'optimizer.momentum={o.momentum!r} must lie in [0, 1)')
   _positive('optimizer.ns_steps', o.ns_steps)
   _one_of('optimizer.ns_dtype', o.ns_dtype, DTYPES)
+  _one_of('optimizer.muon_mla_views', o.muon_mla_views, MLA_VIEWS)
   _positive('optimizer.rms_scale', o.rms_scale)
   for key in ('nesterov', 'muon_per_head', 'muon_split_matrices'):
     _one_of(f'optimizer.{key}', o[key], (True, False))

@@ -74,3 +74,92 @@ def test_bf16_newton_schulz_coefficients_are_not_rounded():
   import jax
   jaxpr = str(jax.make_jaxpr(lambda x: newton_schulz(x, 1, jnp.bfloat16))(jnp.ones((1, 4, 8))))
   assert '3.4375' not in jaxpr and '4.78125' not in jaxpr
+
+
+# ----------------------------------------------------------------------------- MLA matrices
+
+H, DN, DR, DV, R, QIN, D = 4, 16, 8, 12, 24, 40, 48
+MLA_SHAPES = {'q_nope': (QIN, H, DN), 'q_rope': (QIN, H, DR), 'kv_down': (D, R), 'k_rope': (D, DR),
+              'k_nope': (R, H, DN), 'v': (R, H, DV), 'out': (H, DV, D)}
+
+
+def to_deepseek(p):
+  """kimijax's MLA parts -> DeepSeek-V3's Linear weights as [in, out] matrices, with DeepSeek's
+  column order: per head [nope, rope] (q_b_proj) and [k_nope, v] (kv_b_proj); [latent, rope] for
+  kv_a_proj_with_mqa."""
+  return {'q_b_proj': np.concatenate([p['q_nope'], p['q_rope']], -1).reshape(QIN, -1),
+          'kv_a_proj_with_mqa': np.concatenate([p['kv_down'], p['k_rope']], -1),
+          'kv_b_proj': np.concatenate([p['k_nope'], p['v']], -1).reshape(R, -1),
+          'o_proj': p['out'].reshape(H * DV, D)}
+
+
+def np_muon_step(w, m, g, lr, *, mu=0.95, wd=0.1):
+  """Moonlight's Muon on one matrix, float64: M = mu M + G, N = G + mu M, NS5, lr (0.2 sqrt(max) O + wd W)."""
+  m = mu * m + g
+  o = ns_float64(g + mu * m)
+  return w - lr * (0.2 * np.sqrt(max(w.shape)) * o + wd * w), m
+
+
+def _muon_run(params, grads_seq, lr, **kwargs):
+  import jax
+  from kimijax.optim import muon
+  opt = muon(lr, weight_decay=0.1, ns_dtype=jnp.float32, **kwargs)
+  p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  state = opt.init(p)
+  for g in grads_seq:
+    updates, state = jax.jit(opt.update)(jax.tree.map(jnp.asarray, g), state, p)
+    p = jax.tree.map(lambda a, u: a + u, p, updates)
+  return {k: np.asarray(v, np.float64) for k, v in p['mla'].items()}
+
+
+def _random_mla(rng, scale=1.0):
+  return {k: scale * rng.standard_normal(s).astype(np.float32) for k, s in MLA_SHAPES.items()}
+
+
+def test_muon_on_mla_orthogonalises_deepseek_v3_fused_matrices():
+  """Default: 6 Muon steps on MLA's parts equal float64 Moonlight Muon on the DeepSeek-V3 weights
+  q_b_proj, kv_a_proj_with_mqa, kv_b_proj (one matrix each) and o_proj, mapped back."""
+  rng = np.random.default_rng(3)
+  steps, lr = 6, 0.02
+  params = {'mla': _random_mla(rng, 0.1)}
+  grads_seq = [{'mla': _random_mla(rng)} for _ in range(steps)]
+  got = to_deepseek(_muon_run(params, grads_seq, lr))
+  ref = {k: w.astype(np.float64) for k, w in to_deepseek(params['mla']).items()}
+  mom = {k: np.zeros_like(w) for k, w in ref.items()}
+  for g in grads_seq:
+    for k, gk in to_deepseek({n: a.astype(np.float64) for n, a in g['mla'].items()}).items():
+      ref[k], mom[k] = np_muon_step(ref[k], mom[k], gk, lr)
+  w0 = to_deepseek({k: v.astype(np.float64) for k, v in params['mla'].items()})
+  for k in ref:
+    err = np.linalg.norm((got[k] - w0[k]) - (ref[k] - w0[k])) / np.linalg.norm(ref[k] - w0[k])
+    assert err <= 1e-5, (k, err)
+
+
+def test_muon_on_mla_per_part_option():
+  """mla_views='per_part': each part is its own matrix (float64 Muon per part), which differs
+  from the fused update."""
+  rng = np.random.default_rng(4)
+  steps, lr = 3, 0.02
+  params = {'mla': _random_mla(rng, 0.1)}
+  grads_seq = [{'mla': _random_mla(rng)} for _ in range(steps)]
+  got = _muon_run(params, grads_seq, lr, mla_views='per_part')
+  fused = _muon_run(params, grads_seq, lr)
+  as_matrix = lambda k, a: a.reshape(a.shape[0] * a.shape[1], -1) if k == 'out' else a.reshape(a.shape[0], -1)
+  for k, w0 in params['mla'].items():
+    w, m = as_matrix(k, w0.astype(np.float64)), 0.0
+    for g in grads_seq:
+      w, m = np_muon_step(w, m, as_matrix(k, g['mla'][k].astype(np.float64)), lr)
+    delta, want = as_matrix(k, got[k]) - as_matrix(k, w0), w - as_matrix(k, w0)
+    assert np.linalg.norm(delta - want) / np.linalg.norm(want) <= 1e-5, k
+  assert np.linalg.norm(fused['v'] - got['v']) > 1e-3 * np.linalg.norm(got['v'] - params['mla']['v'])
+
+
+def test_routing_table_shows_fused_and_per_part_views():
+  import jax
+  from kimijax.optim.routing import Routing
+  shapes = {'mla': {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in MLA_SHAPES.items()}}
+  fused = Routing().table(shapes)
+  assert f'[{R}, {H}*{DN}+{H}*{DV}]' in fused and 'kv_b_proj = k_nope + v' in fused
+  assert f'[{D}, {DR}+{R}]' in fused and 'q_b_proj = q_nope + q_rope' in fused
+  per_part = Routing(mla_views='per_part').table(shapes)
+  assert 'kv_b_proj' not in per_part and f'[{R}, {H}*{DV}]' in per_part
