@@ -86,11 +86,16 @@ def base_config() -> ml_collections.ConfigDict:
   m.kda_short_conv = True       # depthwise causal conv (kernel 4) + SiLU on q, k, v
   m.kda_output_gate = 'sigmoid' # 'sigmoid' | 'swish' | 'none' (report Table 1)
   m.kda_gate_lower_bound = 0.0  # 0: -exp(A_log) softplus gate; in [-5, 0): bounded sigmoid gate
+  m.kda_output_norm_eps = 1e-5  # eps of KDA's per-head output RMSNorm (Kimi Linear: its rms_norm_eps)
   # Multi-head Latent Attention (attention_kind='mla')
   m.mla_kv_lora_rank = 64
   m.mla_q_lora_rank = 0         # 0: full-rank queries
   m.mla_qk_nope_head_dim = 0    # 0: d_model // num_heads
-  m.mla_qk_rope_head_dim = 0    # 0: NoPE (the hybrid default)
+  m.mla_qk_rope_head_dim = 0    # decoupled dims: a per-head query part and a key part shared by all heads;
+                                # 0: none (NoPE without decoupled dims)
+  m.mla_rope = True             # rotate the decoupled dims with RoPE; False: keep them unrotated, as Kimi
+                                # Linear's released MLA ("NoPE", 64 decoupled dims) does
+  m.mla_latent_norm_eps = 1e-6  # eps of the q and kv latent RMSNorms (1e-6 in Kimi Linear and DeepSeek-V3)
   m.mla_v_head_dim = 0          # 0: the nope head dim
 
   c.train = t = ml_collections.ConfigDict()
@@ -241,6 +246,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _one_of('model.compute_dtype', m.compute_dtype, DTYPES)
   _one_of('model.residual_dtype', m.residual_dtype, DTYPES)
   _positive('model.norm_eps', m.norm_eps)
+  _positive('model.mla_latent_norm_eps', m.mla_latent_norm_eps)
+  _positive('model.kda_output_norm_eps', m.kda_output_norm_eps)
+  _one_of('model.mla_rope', m.mla_rope, (True, False))
   _positive('model.init_std', m.init_std)
   _positive('model.rope_theta', m.rope_theta)
 

@@ -68,12 +68,13 @@ def make_mixer(cfg: ml_collections.ConfigDict, kind: str, dtype) -> nn.Module:
   if kind == 'K':
     heads, head_dim = config_lib.kda_dims(cfg)
     return KimiDeltaAttention(heads, head_dim, cfg.kda_impl, cfg.kda_short_conv, cfg.kda_output_gate,
-                              cfg.kda_gate_lower_bound, cfg.init_std, dtype, name='kda')
+                              cfg.kda_gate_lower_bound, cfg.init_std, dtype, cfg.kda_output_norm_eps,
+                              name='kda')
   if kind == 'A' and cfg.attention_kind == 'mla':
     return MultiHeadLatentAttention(
         cfg.num_heads, cfg.mla_kv_lora_rank, cfg.mla_qk_nope_head_dim or cfg.d_model // cfg.num_heads,
         cfg.mla_qk_rope_head_dim, cfg.mla_v_head_dim, cfg.mla_q_lora_rank, cfg.rope_theta,
-        cfg.attn_impl, cfg.norm_eps, cfg.init_std, dtype, name='mla')
+        cfg.attn_impl, cfg.mla_latent_norm_eps, cfg.init_std, dtype, cfg.mla_rope, name='mla')
   if kind == 'A':
     return SelfAttention(cfg.num_heads, config_lib.num_kv_heads(cfg), cfg.position == 'rope',
                          cfg.rope_theta, cfg.attn_impl, cfg.init_std, dtype, name='attention')

@@ -32,6 +32,15 @@ Where this differs from optax.contrib.muon (0.2.8), and why:
   - Matrix views: optax's MuonDimensionNumbers (reduction and output axes, the rest batched)
     are the same idea as our MatrixView; ours have defaults derived from parameter names.
   - States are always fp32 (momentum and Adam moments), whatever the parameter dtype.
+  - Nesterov and the AdamW side: `nesterov` applies to the Muon side only. optax.adamw's own
+    `nesterov=True` turns it into NAdam (the bias-corrected b1 m + (1 - b1) g in the numerator),
+    which Moonlight's AdamW side is not; ours is plain AdamW (optax.scale_by_adam) whatever
+    `nesterov` says. (optax.contrib.muon passes its own `nesterov` to the Muon side only, too.)
+  - bf16 Newton-Schulz: JAX would round Python-float coefficients to the array's dtype
+    (3.4445 -> 3.4375 in bf16) where PyTorch keeps them at full precision; _iterate keeps the
+    coefficients, the products' accumulation and both combinations in fp32.
+  - MLA: the parts of each DeepSeek-V3 Linear weight are orthogonalised as one matrix by default
+    (mla_views; kimijax.optim.routing), as Moonlight's Muon sees them.
 
 Distributed (SPEC §2): under jit with sharded parameters (fsdp/tensor) the momentum is created
 from the boxed parameters, so it carries their logical axes and is sharded like them. Newton-

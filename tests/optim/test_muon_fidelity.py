@@ -163,3 +163,33 @@ def test_routing_table_shows_fused_and_per_part_views():
   assert f'[{D}, {DR}+{R}]' in fused and 'q_b_proj = q_nope + q_rope' in fused
   per_part = Routing(mla_views='per_part').table(shapes)
   assert 'kv_b_proj' not in per_part and f'[{R}, {H}*{DV}]' in per_part
+
+
+def test_adamw_side_is_plain_adamw_with_nesterov_on():
+  """With nesterov=True (Muon's default) the AdamW side stays AdamW (Moonlight), not NAdam as
+  optax.adamw(nesterov=True) would make it: 4 steps against a float64 AdamW transcription."""
+  import jax
+  import optax
+  from kimijax.optim import muon
+  rng = np.random.default_rng(6)
+  w0 = rng.standard_normal((7,)).astype(np.float32)
+  grads = [rng.standard_normal((7,)).astype(np.float32) for _ in range(4)]
+  lr, b1, b2, eps, wd = 0.01, 0.9, 0.95, 1e-8, 0.1
+
+  def run(opt):
+    p, state = {'gain': jnp.asarray(w0)}, None
+    state = opt.init(p)
+    for g in grads:
+      u, state = opt.update({'gain': jnp.asarray(g)}, state, p)
+      p = jax.tree.map(lambda a, b: a + b, p, u)
+    return np.asarray(p['gain'], np.float64)
+
+  w, m, v = w0.astype(np.float64), 0.0, 0.0
+  for t, g in enumerate(grads, 1):
+    g = g.astype(np.float64)
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    w = w - lr * ((m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps) + wd * w)
+  ours = run(muon(lr, nesterov=True, weight_decay=wd, adam_b1=b1, adam_b2=b2, adam_eps=eps))
+  nadam = run(optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd, nesterov=True))
+  np.testing.assert_allclose(ours - w0, w - w0, rtol=1e-4, atol=1e-6)
+  assert np.abs(nadam - w).max() > 1e-4          # optax's Nesterov AdamW is another optimizer
