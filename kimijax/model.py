@@ -185,3 +185,25 @@ def _collect_stats(cfg, layer_stats, final_w_n, final_rms):
 
 def count_params(params) -> int:
   return sum(x.size for x in jax.tree.leaves(params))
+
+
+def parameter_counts(cfg: ml_collections.ConfigDict) -> dict[str, int]:
+  """{part: parameters} of Transformer(cfg) from shapes alone (nothing is allocated): the
+  embedding, the head, each mixer kind, the MLPs, the norm gains, AttnRes, and 'total'."""
+  shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+  counts: dict[str, int] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(nn.unbox(shapes['params']))[0]:
+    names = [str(getattr(k, 'key', k)) for k in path]
+    if names[0] in ('embed', 'head', 'attnres'):
+      part = {'embed': 'embedding', 'head': 'head', 'attnres': 'attnres'}[names[0]]
+    elif names[0] == 'final_norm' or (len(names) > 1 and names[1].endswith('_norm')):
+      part = 'norms'             # the sublayers' pre-norms and the final norm
+    elif len(names) > 1 and names[1] in ('attention', 'mla', 'kda'):
+      part = {'attention': 'attention layers', 'mla': 'mla layers', 'kda': 'kda layers'}[names[1]]
+    elif len(names) > 1 and names[1] == 'mlp':
+      part = 'mlp'
+    else:
+      part = 'other'
+    counts[part] = counts.get(part, 0) + leaf.size
+  counts['total'] = sum(counts.values())
+  return counts
