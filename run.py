@@ -21,8 +21,10 @@ jax.distributed detects the cluster itself, e.g. under SLURM).
 """
 
 import importlib.util
+import os
 import pathlib
 import sys
+import threading
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -59,6 +61,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)   # orbax logs every save step at INFO
   import jax
   if FLAGS.coordinator_address or FLAGS.distributed:
+    if FLAGS.peer_timeout_s <= 0:
+      sys.exit(f'UsageError: --peer_timeout_s={FLAGS.peer_timeout_s} must be positive')
     join_processes(jax)
 
   from kimijax.config import ConfigError, validate
@@ -101,14 +105,23 @@ def join_processes(jax) -> None:
   where = FLAGS.coordinator_address or 'the coordinator the cluster names'
   print(f'kimijax: {who} waiting up to {FLAGS.peer_timeout_s} s for every process to join at {where} '
         '(--peer_timeout_s)', flush=True)
+  message = (f'DistributedError: {who} could not join the others at {where} within --peer_timeout_s='
+             f'{FLAGS.peer_timeout_s} s: are all {FLAGS.num_processes or ""} processes started, with the same '
+             '--coordinator_address and --num_processes?')
+  # On its own deadline the runtime aborts the process from C++ (a core dump, no Python
+  # exception), so a watchdog stops first, with the message; the runtime's deadline is later.
+  watchdog = threading.Timer(FLAGS.peer_timeout_s, lambda: (print(message, file=sys.stderr, flush=True),
+                                                            os._exit(1)))
+  watchdog.daemon = True
+  watchdog.start()
   try:
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                               initialization_timeout=FLAGS.peer_timeout_s)
+                               initialization_timeout=FLAGS.peer_timeout_s + 60)
   except Exception as e:   # the runtime raises several types (XlaRuntimeError, RuntimeError, ...)
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    sys.exit(f'DistributedError: {who} could not join the others at {where} within --peer_timeout_s='
-             f'{FLAGS.peer_timeout_s} s: are all {FLAGS.num_processes or ""} processes started with the same '
-             f'--coordinator_address and --num_processes? ({first})')
+    sys.exit(f'{message} ({first})')
+  finally:
+    watchdog.cancel()
 
 
 def print_summary(summary: dict) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import tqdm
 
 from kimijax import config as config_lib
-from kimijax.data import eval_batches, make_loader
+from kimijax.data import data_report, eval_batches, make_loader
 from kimijax.model import Transformer, count_params
 from kimijax.optim import describe as describe_optimizer
 from kimijax.parallel import mesh as mesh_lib
@@ -134,6 +134,7 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
     print(f'kimijax: {n_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, '
           f'{tokens_per_step} tokens/step, {"resuming from step " + str(start) if start else "fresh start"}',
           flush=True)
+    print('\n'.join(data_report(config)), flush=True)
     for notice in notices:
       print(f'notice: {notice}', flush=True)
     routing_table = describe_optimizer(config, abstract_state.params)

@@ -5,6 +5,7 @@ optimizer (an error naming optimizer.name), and loaders that never create checkp
 
 import json
 import pathlib
+import re
 import struct
 
 import jax
@@ -90,14 +91,24 @@ def test_resume_under_another_optimizer_names_the_key(finished_run, tmp_path):
 
 def test_longer_resume_says_so_and_purges_replayed_tensorboard_steps(finished_run, capsys):
   workdir, _, _ = finished_run
+  from tensorboardX import SummaryWriter
+  with SummaryWriter(str(workdir / 'tensorboard')) as stale:   # as if an interrupted run had logged step 4
+    stale.add_scalar('loss', 99.0, 4)
   before = set((workdir / 'tensorboard').iterdir())
   _train(make_config({**RUN, 'train.steps': 4}), workdir)
   out = capsys.readouterr().out
   assert 'notice: train.steps: 3 -> 4 since the checkpoint' in out
+  assert re.search(r'data: stdlib .*\n  train +[\d,]+ files +[\d,]+ bytes\n  validation +[\d,]+ files', out)
   new = sorted(set((workdir / 'tensorboard').iterdir()) - before)
   assert len(new) == 1
   starts = [e.step for e in _event_records(new[0]) if e.HasField('session_log')]
   assert starts == [4]          # TensorBoard drops earlier files' events from step 4 on
+  # ... and TensorBoard's own reader (requirements.txt installs it) sees each step once.
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  events = EventAccumulator(str(workdir / 'tensorboard'))
+  events.Reload()
+  losses = events.Scalars('loss')
+  assert [e.step for e in losses] == [1, 3, 4] and losses[-1].value != 99.0
 
 
 def test_loading_a_run_without_checkpoints_creates_nothing(tmp_path):
