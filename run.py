@@ -88,7 +88,8 @@ def main(argv):
     print(f'kimijax: {e}', file=sys.stderr, flush=True)
     sys.exit(EXIT_INTERRUPTED)
   except KeyboardInterrupt:
-    print('kimijax: interrupted before training started; nothing was written', file=sys.stderr, flush=True)
+    print('kimijax: interrupted (Ctrl-C); a run resumes from its last complete checkpoint', file=sys.stderr,
+          flush=True)
     sys.exit(EXIT_INTERRUPTED)
   except (ConfigError, DataError, CheckpointError, WorkdirError, NonFiniteError, UsageError) as e:
     sys.exit(f'{type(e).__name__}: {e}')

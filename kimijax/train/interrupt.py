@@ -6,9 +6,10 @@
         if stop.requested:
           break
 
-Inside the block SIGINT only sets `requested` (and says so once); the loop then finishes the
-step, waits for the pending checkpoint save and raises Interrupted, which run.py turns into a
-message and exit status 130. Outside the main thread (where signal handlers cannot be set) the
+Inside the block the first SIGINT only sets `requested` (and says so); the loop then finishes
+the step, waits for the pending checkpoint save and raises Interrupted, which run.py turns into a
+message and exit status 130. A second SIGINT raises KeyboardInterrupt at once (the last complete
+checkpoint stays; orbax never exposes a half-written one). Outside the main thread (where signal handlers cannot be set) the
 block does nothing and SIGINT keeps its usual meaning.
 """
 
@@ -36,9 +37,10 @@ class StopOnInterrupt:
 
   def _handle(self, signum, frame):
     del signum, frame
-    if not self.requested:
-      print('\nkimijax: Ctrl-C: stopping after this step (and any checkpoint save in progress)',
-            file=sys.stderr, flush=True)
+    if self.requested:         # a second Ctrl-C: stop at once, as without this handler
+      raise KeyboardInterrupt
+    print('\nkimijax: Ctrl-C: stopping after this step (and any checkpoint save in progress); '
+          'Ctrl-C again stops at once', file=sys.stderr, flush=True)
     self.requested = True
 
   def __enter__(self):
