@@ -193,3 +193,16 @@ def test_adamw_side_is_plain_adamw_with_nesterov_on():
   nadam = run(optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd, nesterov=True))
   np.testing.assert_allclose(ours - w0, w - w0, rtol=1e-4, atol=1e-6)
   assert np.abs(nadam - w).max() > 1e-4          # optax's Nesterov AdamW is another optimizer
+
+
+def test_config_key_muon_mla_views_is_validated_and_reaches_the_routing():
+  from kimijax.config import ConfigError, base_config, validate
+  from kimijax.optim.factory import routing
+  c = base_config()
+  c.optimizer.name = 'muon'
+  assert routing(c).mla_views == 'fused'
+  c.optimizer.muon_mla_views = 'per_part'
+  assert routing(validate(c)).mla_views == 'per_part'
+  c.optimizer.muon_mla_views = 'split'
+  with pytest.raises(ConfigError, match=r"optimizer\.muon_mla_views='split' is not allowed"):
+    validate(c)
