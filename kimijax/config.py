@@ -232,8 +232,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
               'mla_qk_rope_head_dim', 'mla_v_head_dim'):
     _positive(f'model.{key}', m[key], zero_ok=True)
   _positive('model.mla_kv_lora_rank', m.mla_kv_lora_rank)
-  if m.mla_qk_rope_head_dim % 2:
-    raise ConfigError(f'model.mla_qk_rope_head_dim={m.mla_qk_rope_head_dim} must be even (rotary pairs)')
+  if m.mla_qk_rope_head_dim % 2 and m.mla_rope:
+    raise ConfigError(f'model.mla_qk_rope_head_dim={m.mla_qk_rope_head_dim} must be even (rotary pairs) '
+                      'with model.mla_rope=True')
   if not isinstance(m.attnres_block_size, int) or m.attnres_block_size < 1:
     raise ConfigError(f'model.attnres_block_size={m.attnres_block_size!r} must be a positive integer '
                       '(sublayers per block; 1 is Full AttnRes)')
