@@ -7,6 +7,7 @@ import json
 import pathlib
 import re
 import struct
+import time
 
 import jax
 import pytest
@@ -92,8 +93,11 @@ def test_resume_under_another_optimizer_names_the_key(finished_run, tmp_path):
 def test_longer_resume_says_so_and_purges_replayed_tensorboard_steps(finished_run, capsys):
   workdir, _, _ = finished_run
   from tensorboardX import SummaryWriter
-  with SummaryWriter(str(workdir / 'tensorboard')) as stale:   # as if an interrupted run had logged step 4
+  # As if an interrupted run had logged step 4. Event files are named by the second they are
+  # opened in and read in name order: the wait puts the resumed run's file after this one.
+  with SummaryWriter(str(workdir / 'tensorboard'), filename_suffix='.interrupted') as stale:
     stale.add_scalar('loss', 99.0, 4)
+  time.sleep(1.1)
   before = set((workdir / 'tensorboard').iterdir())
   _train(make_config({**RUN, 'train.steps': 4}), workdir)
   out = capsys.readouterr().out
