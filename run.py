@@ -1,33 +1,59 @@
-"""Train one config, or generate text from a trained one.
+"""Train one config, evaluate or generate from a trained run, or show a config without training.
 
     python run.py --config=configs/default.py[:variant] --workdir=DIR [--config.a.b=v]
+    python run.py --mode=eval --workdir=DIR            # latest checkpoint on the validation split
     python run.py --mode=generate --workdir=DIR --prompt='def main(' [--max_new_tokens=200]
+    python run.py --mode=config --config=configs/default.py[:variant] [--config.a.b=v]
+                                                       # resolved config + parameter counts, no training
 
-Re-running the same training command resumes from DIR/checkpoints. For several processes (hosts), start
-one copy per process with --coordinator_address=HOST:PORT --num_processes=N --process_id=I
-(or none of them where jax.distributed detects the cluster itself, e.g. under SLURM).
+Config files and their variants (--config=FILE:VARIANT; several: FILE:a,b where the file allows):
+    configs/default.py            gqa (grouped-query attention, 2 KV heads), nope (no positions)
+    configs/kimi_linear_small.py  all_mla, all_kda, 1to1, 7to1, 15to1 (KDA:MLA ratios), no_gate,
+                                  swish_gate, no_conv (KDA ablations), rope (rotate MLA's decoupled
+                                  dims), nope0 (MLA without decoupled dims, the config's former form)
+    configs/bench_350m.py         remat, xla (attn_impl), attnres_full, attnres_block, attnres_xla
+
+Re-running the same training command resumes from DIR/checkpoints (and does nothing once the run
+has reached train.steps). Ctrl-C stops after the current step, waits for a checkpoint save in
+progress and exits with status 130. For several processes (hosts), start one copy per process
+with --coordinator_address=HOST:PORT --num_processes=N --process_id=I (or none of them where
+jax.distributed detects the cluster itself, e.g. under SLURM).
 """
 
+import importlib.util
+import os
+import pathlib
 import sys
+import threading
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-config_flags.DEFINE_config_file('config', None, 'ml_collections config file (path[:arg]).', lock_config=True)
+config_flags.DEFINE_config_file('config', None, 'ml_collections config file (path[:variant]); the '
+                                'files and their variants are listed above.', lock_config=True)
 flags.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, checkpoints/, tensorboard/, loss.png.')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for multi-process runs.')
 flags.DEFINE_integer('num_processes', None, 'Number of processes in a multi-process run.')
 flags.DEFINE_integer('process_id', None, 'This process index in a multi-process run.')
 flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() with cluster auto-detection.')
-flags.DEFINE_enum('mode', 'train', ['train', 'generate'], 'Train the config, or generate from DIR.')
+flags.DEFINE_integer('peer_timeout_s', 300, 'Multi-process: seconds to wait for every process to join '
+                     'before stopping with an error.')
+flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'generate', 'config'],
+                  'train the config; eval or generate from the latest checkpoint in --workdir; config: '
+                  'print the resolved config and parameter counts without training.')
 flags.DEFINE_string('prompt', '', 'generate: the text to continue.')
-flags.DEFINE_integer('max_new_tokens', 200, 'generate: tokens (bytes) to add.')
-flags.DEFINE_float('temperature', 0.8, 'generate: sampling temperature; 0 is greedy.')
+flags.DEFINE_integer('max_new_tokens', 200, 'generate: tokens (bytes) to add (> 0).')
+flags.DEFINE_float('temperature', 0.8, 'generate: sampling temperature (>= 0); 0 is greedy.')
 flags.DEFINE_integer('top_k', 0, 'generate: keep the k most likely tokens (0: all).')
-flags.DEFINE_float('top_p', 0.95, 'generate: keep the smallest set of tokens with this probability.')
-flags.DEFINE_integer('num_samples', 1, 'generate: continuations of the prompt, as one batch.')
-flags.mark_flags_as_required(['workdir'])
+flags.DEFINE_float('top_p', 0.95, 'generate: keep the smallest set of tokens with this probability, in (0, 1].')
+flags.DEFINE_integer('num_samples', 1, 'generate: continuations of the prompt, as one batch (> 0).')
+flags.DEFINE_integer('eval_batches', 0, 'eval: validation batches (0: the run\'s train.eval_batches).')
 FLAGS = flags.FLAGS
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(ValueError):
+  """A command-line flag that cannot be used; the message names it."""
 
 
 def main(argv):
@@ -35,36 +61,122 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)   # orbax logs every save step at INFO
   import jax
   if FLAGS.coordinator_address or FLAGS.distributed:
-    # Cross-process collectives of the CPU backend (harmless on GPU). Do not query the backend
-    # here (jax.default_backend()): that initialises it, and initialize() must come first.
-    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    if FLAGS.peer_timeout_s <= 0:
+      sys.exit(f'UsageError: --peer_timeout_s={FLAGS.peer_timeout_s} must be positive')
+    join_processes(jax)
 
   from kimijax.config import ConfigError, validate
   from kimijax.data import DataError
   from kimijax.train.checkpoint import CheckpointError
-  from kimijax.train.loop import train
+  from kimijax.train.interrupt import Interrupted
+  from kimijax.train.lock import WorkdirError
+  from kimijax.train.loop import NonFiniteError, train
   try:   # these errors carry one message naming the key or path; a traceback would bury it
+    if FLAGS.mode != 'config' and not FLAGS.workdir:
+      raise UsageError(f'--workdir=DIR is required for --mode={FLAGS.mode}')
     if FLAGS.mode == 'generate':
       return generate_text()
+    if FLAGS.mode == 'eval':
+      return evaluate_run()
     if FLAGS.config is None:
-      raise ConfigError('--config=FILE[:arg] is required to train')
+      raise ConfigError(f'--config=FILE[:variant] is required for --mode={FLAGS.mode}')
     config = validate(FLAGS.config)
+    if FLAGS.mode == 'config':
+      return print_config(config)
     summary = train(config, FLAGS.workdir)
-  except (ConfigError, DataError, CheckpointError) as e:
+  except Interrupted as e:
+    print(f'kimijax: {e}', file=sys.stderr, flush=True)
+    sys.exit(EXIT_INTERRUPTED)
+  except KeyboardInterrupt:
+    print('kimijax: interrupted (Ctrl-C); a run resumes from its last complete checkpoint', file=sys.stderr,
+          flush=True)
+    sys.exit(EXIT_INTERRUPTED)
+  except (ConfigError, DataError, CheckpointError, WorkdirError, NonFiniteError, UsageError) as e:
     sys.exit(f'{type(e).__name__}: {e}')
   if jax.process_index() == 0:
+    print_summary(summary)
+
+
+def join_processes(jax) -> None:
+  """jax.distributed.initialize, saying what it waits for and stopping after --peer_timeout_s."""
+  # Cross-process collectives of the CPU backend (harmless on GPU). Do not query the backend
+  # here (jax.default_backend()): that initialises it, and initialize() must come first.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  who = (f'process {FLAGS.process_id} of {FLAGS.num_processes}' if FLAGS.num_processes else 'this process')
+  where = FLAGS.coordinator_address or 'the coordinator the cluster names'
+  print(f'kimijax: {who} waiting up to {FLAGS.peer_timeout_s} s for every process to join at {where} '
+        '(--peer_timeout_s)', flush=True)
+  message = (f'DistributedError: {who} could not join the others at {where} within --peer_timeout_s='
+             f'{FLAGS.peer_timeout_s} s: are all {FLAGS.num_processes or ""} processes started, with the same '
+             '--coordinator_address and --num_processes?')
+  # On its own deadline the runtime aborts the process from C++ (a core dump, no Python
+  # exception), so a watchdog stops first, with the message; the runtime's deadline is later.
+  watchdog = threading.Timer(FLAGS.peer_timeout_s, lambda: (print(message, file=sys.stderr, flush=True),
+                                                            os._exit(1)))
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                               initialization_timeout=FLAGS.peer_timeout_s + 60)
+  except Exception as e:   # the runtime raises several types (XlaRuntimeError, RuntimeError, ...)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    sys.exit(f'{message} ({first})')
+  finally:
+    watchdog.cancel()
+
+
+def print_summary(summary: dict) -> None:
+  if summary.get('already_finished'):
     print('\n'.join([
-        'done.',
-        f'  parameters   {summary["params"] / 1e6:.2f}M',
-        f'  tokens       {summary["tokens"]:,} in {summary["seconds"]:.0f} s',
-        f'  final loss   train {_fmt(summary["final_loss"])}, eval {_fmt(summary["eval_loss"])} (nats/token)',
-        f'  outputs      {summary["workdir"]}/ (metrics.jsonl, checkpoints/, tensorboard/, loss.png)',
+        f'already finished at step {summary["steps"]}; nothing was trained or written.',
+        f'  final loss   train {_fmt(summary["final_loss"])}, eval {_fmt(summary["eval_loss"])} (nats/token, '
+        'from metrics.jsonl)',
+        f'  outputs      {summary["workdir"]}/   (raise --config.train.steps to continue; rm -r it to start over)',
     ]))
+    return
+  print('\n'.join([
+      'done.',
+      f'  parameters   {summary["params"] / 1e6:.2f}M',
+      f'  tokens       {summary["tokens"]:,} in {summary["seconds"]:.0f} s',
+      f'  final loss   train {_fmt(summary["final_loss"])}, eval {_fmt(summary["eval_loss"])} (nats/token)',
+      f'  outputs      {summary["workdir"]}/ (metrics.jsonl, checkpoints/, tensorboard/, loss.png)',
+  ]))
+
+
+def print_config(config) -> None:
+  """--mode=config: the resolved config and the model's parameter counts (shapes only)."""
+  from kimijax.model import parameter_counts
+  print(config)
+  counts = parameter_counts(config.model)
+  width = max(len(k) for k in counts)
+  print('parameters:')
+  for key, n in counts.items():
+    print(f'  {key.ljust(width)}  {n:>12,}  ({n / 1e6:.2f}M)')
+
+
+def generate_flag_errors(prompt: str) -> str | None:
+  """The message for a bad --mode=generate flag, else None."""
+  if FLAGS.max_new_tokens <= 0:
+    return f'--max_new_tokens={FLAGS.max_new_tokens} must be positive'
+  if FLAGS.num_samples <= 0:
+    return f'--num_samples={FLAGS.num_samples} must be positive'
+  if FLAGS.top_k < 0:
+    return f'--top_k={FLAGS.top_k} must be >= 0 (0: all tokens)'
+  if FLAGS.temperature < 0:
+    return f'--temperature={FLAGS.temperature} must be >= 0 (0: greedy)'
+  if not 0.0 < FLAGS.top_p <= 1.0:
+    return f'--top_p={FLAGS.top_p} must lie in (0, 1]'
+  try:
+    prompt.encode('utf-8')
+  except UnicodeEncodeError as e:
+    return f'--prompt is not valid UTF-8 text (byte {e.start}: {prompt[e.start:e.end].encode("utf-8", "surrogateescape")!r})'
+  return None
 
 
 def generate_text():
   """Prints num_samples continuations of --prompt from the latest checkpoint in --workdir."""
+  if message := generate_flag_errors(FLAGS.prompt):
+    raise UsageError(message)
   from kimijax.data import ByteTokenizer
   from kimijax.infer.generate import generate, load_for_generation
   config, model, params = load_for_generation(FLAGS.workdir)
@@ -76,6 +188,16 @@ def generate_text():
   for row in tokens:
     print(FLAGS.prompt + tokenizer.decode(row[len(prompt):]))
     print('-' * 40)
+
+
+def evaluate_run():
+  """--mode=eval: prints (and appends to DIR/eval.jsonl) the latest checkpoint's validation loss."""
+  if FLAGS.eval_batches < 0:
+    raise UsageError(f'--eval_batches={FLAGS.eval_batches} must be >= 0')
+  from kimijax.train.evaluate import evaluate_run as run_eval
+  r = run_eval(FLAGS.workdir, FLAGS.eval_batches or None)
+  print(f'step {r["step"]}: eval loss {r["eval_loss"]:.4f} nats/token over {r["eval_batches"]} validation '
+        f'batches ({r["tokens"]:,} tokens); appended to {pathlib.Path(FLAGS.workdir) / "eval.jsonl"}')
 
 
 def _fmt(x) -> str:
@@ -105,7 +227,26 @@ def unknown_override(argv: list[str]) -> str | None:
   return None
 
 
+def bad_config_file(argv: list[str]) -> str | None:
+  """The message for a --config file that does not exist or whose get_config(variant) fails
+  (an unknown variant), else None. Inside flag parsing either would end in a traceback."""
+  values = [a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')]
+  values += [argv[i + 1] for i, a in enumerate(argv[1:-1], 1) if a == '--config']
+  for value in values:
+    path, variant = value.split(':', 1) if ':' in value else (value, None)
+    if not pathlib.Path(path).is_file():
+      return f'ConfigError: config file {path!r} not found (from --config={value})'
+    spec = importlib.util.spec_from_file_location('_kimijax_config_check', path)
+    try:
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)
+      module.get_config(variant) if variant is not None else module.get_config()
+    except Exception as e:   # a config file's own error: its message is what the user needs
+      return f'ConfigError: --config={value}: {type(e).__name__}: {e}'
+  return None
+
+
 if __name__ == '__main__':
-  if message := unknown_override(sys.argv):
+  if message := unknown_override(sys.argv) or bad_config_file(sys.argv):
     sys.exit(message)
   app.run(main)

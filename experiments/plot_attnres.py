@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 import numpy as np
 from absl import app, flags, logging
@@ -135,10 +136,16 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)   # orbax logs every restore at INFO
   if not FLAGS.workdir:
     raise app.UsageError('give at least one --workdir')
+  from kimijax.config import ConfigError
+  from kimijax.data import DataError
+  from kimijax.train.checkpoint import CheckpointError
   stats = {}
   for workdir in FLAGS.workdir:
     name = pathlib.Path(workdir).resolve().name
-    stats[name if name not in stats else f'{name}_{len(stats)}'] = collect_stats(workdir, FLAGS.batches)
+    try:   # a folder that is not a run, or a run without a checkpoint: one message, no traceback
+      stats[name if name not in stats else f'{name}_{len(stats)}'] = collect_stats(workdir, FLAGS.batches)
+    except (CheckpointError, ConfigError, DataError) as e:
+      sys.exit(f'{type(e).__name__}: --workdir={workdir}: {e}')
   for path in plot(stats, FLAGS.out or FLAGS.workdir[0]):
     print(path)
 

@@ -19,6 +19,7 @@ LAYER_KINDS = {'A': 'full attention (model.attention_kind)', 'K': 'Kimi Delta At
 RESIDUALS = ('standard', 'attnres_full', 'attnres_block')   # SPEC §4; kimijax/layers/residual.py
 OPTIMIZERS = ('adamw', 'muon', 'muonclip')   # kimijax/optim/factory.py
 SCHEDULES = ('cosine', 'wsd', 'constant')
+MLA_VIEWS = ('fused', 'per_part')   # muon's MLA matrices; kimijax/optim/routing.py
 # Each op module holds a dict of the implementations it dispatches to; only built ones are listed.
 ATTN_IMPLS = attention_ops.IMPLS
 KDA_IMPLS = kda_ops.IMPLS
@@ -86,11 +87,16 @@ def base_config() -> ml_collections.ConfigDict:
   m.kda_short_conv = True       # depthwise causal conv (kernel 4) + SiLU on q, k, v
   m.kda_output_gate = 'sigmoid' # 'sigmoid' | 'swish' | 'none' (report Table 1)
   m.kda_gate_lower_bound = 0.0  # 0: -exp(A_log) softplus gate; in [-5, 0): bounded sigmoid gate
+  m.kda_output_norm_eps = 1e-5  # eps of KDA's per-head output RMSNorm (Kimi Linear: its rms_norm_eps)
   # Multi-head Latent Attention (attention_kind='mla')
   m.mla_kv_lora_rank = 64
   m.mla_q_lora_rank = 0         # 0: full-rank queries
   m.mla_qk_nope_head_dim = 0    # 0: d_model // num_heads
-  m.mla_qk_rope_head_dim = 0    # 0: NoPE (the hybrid default)
+  m.mla_qk_rope_head_dim = 0    # decoupled dims: a per-head query part and a key part shared by all heads;
+                                # 0: none (NoPE without decoupled dims)
+  m.mla_rope = True             # rotate the decoupled dims with RoPE; False: keep them unrotated, as Kimi
+                                # Linear's released MLA ("NoPE", 64 decoupled dims) does
+  m.mla_latent_norm_eps = 1e-6  # eps of the q and kv latent RMSNorms (1e-6 in Kimi Linear and DeepSeek-V3)
   m.mla_v_head_dim = 0          # 0: the nope head dim
 
   c.train = t = ml_collections.ConfigDict()
@@ -125,6 +131,8 @@ def base_config() -> ml_collections.ConfigDict:
   o.rms_scale = 0.2             # muon: update = rms_scale * sqrt(max(A, B)) * NS(N), AdamW-like RMS
   o.muon_per_head = False       # muon: attention kernels as per-head matrices, not one [D, H*Dh]
   o.muon_split_matrices = True  # muon: each device runs Newton-Schulz on its share of whole matrices
+  o.muon_mla_views = 'fused'    # muon: 'fused' MLA parts as DeepSeek-V3's q_b_proj, kv_a_proj_with_mqa,
+                                # kv_b_proj (Moonlight) | 'per_part' (each parameter its own matrix)
 
   c.data = default_data_config()   # source, path, val_fraction, mqar_num_pairs
 
@@ -225,8 +233,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
               'mla_qk_rope_head_dim', 'mla_v_head_dim'):
     _positive(f'model.{key}', m[key], zero_ok=True)
   _positive('model.mla_kv_lora_rank', m.mla_kv_lora_rank)
-  if m.mla_qk_rope_head_dim % 2:
-    raise ConfigError(f'model.mla_qk_rope_head_dim={m.mla_qk_rope_head_dim} must be even (rotary pairs)')
+  if m.mla_qk_rope_head_dim % 2 and m.mla_rope:
+    raise ConfigError(f'model.mla_qk_rope_head_dim={m.mla_qk_rope_head_dim} must be even (rotary pairs) '
+                      'with model.mla_rope=True')
   if not isinstance(m.attnres_block_size, int) or m.attnres_block_size < 1:
     raise ConfigError(f'model.attnres_block_size={m.attnres_block_size!r} must be a positive integer '
                       '(sublayers per block; 1 is Full AttnRes)')
@@ -239,6 +248,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _one_of('model.compute_dtype', m.compute_dtype, DTYPES)
   _one_of('model.residual_dtype', m.residual_dtype, DTYPES)
   _positive('model.norm_eps', m.norm_eps)
+  _positive('model.mla_latent_norm_eps', m.mla_latent_norm_eps)
+  _positive('model.kda_output_norm_eps', m.kda_output_norm_eps)
+  _one_of('model.mla_rope', m.mla_rope, (True, False))
   _positive('model.init_std', m.init_std)
   _positive('model.rope_theta', m.rope_theta)
 
@@ -258,6 +270,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f'optimizer.momentum={o.momentum!r} must lie in [0, 1)')
   _positive('optimizer.ns_steps', o.ns_steps)
   _one_of('optimizer.ns_dtype', o.ns_dtype, DTYPES)
+  _one_of('optimizer.muon_mla_views', o.muon_mla_views, MLA_VIEWS)
   _positive('optimizer.rms_scale', o.rms_scale)
   for key in ('nesterov', 'muon_per_head', 'muon_split_matrices'):
     _one_of(f'optimizer.{key}', o[key], (True, False))

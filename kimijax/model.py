@@ -66,12 +66,13 @@ def make_mixer(cfg: ml_collections.ConfigDict, kind: str, dtype) -> nn.Module:
   if kind == 'K':
     heads, head_dim = config_lib.kda_dims(cfg)
     return KimiDeltaAttention(heads, head_dim, cfg.kda_impl, cfg.kda_short_conv, cfg.kda_output_gate,
-                              cfg.kda_gate_lower_bound, cfg.init_std, dtype, name='kda')
+                              cfg.kda_gate_lower_bound, cfg.init_std, dtype, cfg.kda_output_norm_eps,
+                              name='kda')
   if kind == 'A' and cfg.attention_kind == 'mla':
     return MultiHeadLatentAttention(
         cfg.num_heads, cfg.mla_kv_lora_rank, cfg.mla_qk_nope_head_dim or cfg.d_model // cfg.num_heads,
         cfg.mla_qk_rope_head_dim, cfg.mla_v_head_dim, cfg.mla_q_lora_rank, cfg.rope_theta,
-        cfg.attn_impl, cfg.norm_eps, cfg.init_std, dtype, name='mla')
+        cfg.attn_impl, cfg.mla_latent_norm_eps, cfg.init_std, dtype, cfg.mla_rope, name='mla')
   if kind == 'A':
     return SelfAttention(cfg.num_heads, config_lib.num_kv_heads(cfg), cfg.position == 'rope',
                          cfg.rope_theta, cfg.attn_impl, cfg.init_std, dtype, name='attention')
@@ -182,3 +183,25 @@ def _collect_stats(cfg, layer_stats, final_w_n, final_rms):
 
 def count_params(params) -> int:
   return sum(x.size for x in jax.tree.leaves(params))
+
+
+def parameter_counts(cfg: ml_collections.ConfigDict) -> dict[str, int]:
+  """{part: parameters} of Transformer(cfg) from shapes alone (nothing is allocated): the
+  embedding, the head, each mixer kind, the MLPs, the norm gains, AttnRes, and 'total'."""
+  shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+  counts: dict[str, int] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(nn.unbox(shapes['params']))[0]:
+    names = [str(getattr(k, 'key', k)) for k in path]
+    if names[0] in ('embed', 'head', 'attnres'):
+      part = {'embed': 'embedding', 'head': 'head', 'attnres': 'attnres'}[names[0]]
+    elif names[0] == 'final_norm' or (len(names) > 1 and names[1].endswith('_norm')):
+      part = 'norms'             # the sublayers' pre-norms and the final norm
+    elif len(names) > 1 and names[1] in ('attention', 'mla', 'kda'):
+      part = {'attention': 'attention layers', 'mla': 'mla layers', 'kda': 'kda layers'}[names[1]]
+    elif len(names) > 1 and names[1] == 'mlp':
+      part = 'mlp'
+    else:
+      part = 'other'
+    counts[part] = counts.get(part, 0) + leaf.size
+  counts['total'] = sum(counts.values())
+  return counts

@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 
 from kimijax.data.mqar import mqar_batch, mqar_layout
-from kimijax.data.sources import SPLITS, DataError, stdlib_documents, text_documents
+from kimijax.data.sources import SPLITS, DataError, corpus_report, stdlib_documents, text_documents
 from kimijax.data.tokenizer import EOS_ID, VOCAB_SIZE
 
 SOURCES = ('stdlib', 'text', 'mqar')
@@ -33,6 +33,12 @@ def default_data_config() -> ml_collections.ConfigDict:
       'val_fraction': 0.05,      # fraction of files (or bytes) for validation
       'mqar_num_pairs': 16,      # key-value pairs per MQAR sequence
   })
+
+
+def data_report(config: ml_collections.ConfigDict) -> list[str]:
+  """The start-up lines on the data: files and bytes per split (kimijax.data.sources)."""
+  d = config.data
+  return corpus_report(d.source, d.path, d.val_fraction)
 
 
 def pack_documents(docs: list[bytes]) -> np.ndarray:

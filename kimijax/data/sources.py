@@ -97,13 +97,38 @@ def _list_text_files(root: pathlib.Path) -> list[pathlib.Path]:
   return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def text_documents(path: str, split: str, val_fraction: float) -> list[bytes]:
-  """Documents of `split` from `data.path` (a file or a folder).
+TEXT_SNIFF_BYTES = 8192
 
-  Folder with >= 2 files: one document per file, split by file. Single file:
-  one document, the last `val_fraction` of its bytes is validation.
-  """
-  _check_split(split, val_fraction)
+
+def is_text_file(path: pathlib.Path) -> bool:
+  """True if the file's first TEXT_SNIFF_BYTES bytes are UTF-8 without NUL bytes (a multi-byte
+  character cut by the end of the sample still counts as text). Images, archives, compiled
+  Python (.pyc) and other binary files fail this on their first bytes."""
+  with open(path, 'rb') as f:
+    head = f.read(TEXT_SNIFF_BYTES)
+  if b'\0' in head:
+    return False
+  try:
+    head.decode('utf-8')
+  except UnicodeDecodeError as e:
+    return len(head) == TEXT_SNIFF_BYTES and e.start >= len(head) - 3 and e.reason == 'unexpected end of data'
+  return True
+
+
+def _kind(path: pathlib.Path) -> str:
+  return path.suffix.lower() or '(no suffix)'
+
+
+def _describe_kinds(skipped: list[pathlib.Path]) -> str:
+  counts: dict[str, int] = {}
+  for p in skipped:
+    counts[_kind(p)] = counts.get(_kind(p), 0) + 1
+  return ', '.join(f'{n} {kind}' for kind, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def text_files(path: str) -> tuple[pathlib.Path, list[pathlib.Path], list[pathlib.Path]]:
+  """(root, non-empty text files, skipped files that are not text) of `data.path`: a file or a
+  folder (every non-hidden file under it). Raises DataError when no text is left."""
   if not path:
     raise DataError(
         "data.path is empty; data.source='text' needs data.path set to a text"
@@ -116,10 +141,55 @@ def text_documents(path: str, split: str, val_fraction: float) -> list[bytes]:
     files = _list_text_files(root)
   else:
     raise DataError(f'data.path={path!r} does not exist')
-  if not files or all(f.stat().st_size == 0 for f in files):
+  files = [f for f in files if f.stat().st_size > 0]
+  if not files:
     raise DataError(
         f'data.path={path!r} has no data (no non-hidden, non-empty files)'
     )
+  is_text = {f: is_text_file(f) for f in files}
+  text = [f for f in files if is_text[f]]
+  skipped = [f for f in files if not is_text[f]]
+  if not text:
+    raise DataError(f'data.path={path!r} has no text files: all {len(skipped)} non-empty files are '
+                    f'not UTF-8 text ({_describe_kinds(skipped)})')
+  return (root if root.is_dir() else root.parent), text, skipped
+
+
+def corpus_report(source: str, path: str, val_fraction: float) -> list[str]:
+  """Start-up lines: files and bytes of each split (and the files skipped as not text)."""
+  if source == 'stdlib':
+    root, files, skipped = stdlib_root(), stdlib_files(), []
+    where = f'stdlib ({root})'
+  elif source == 'text':
+    root, files, skipped = text_files(path)
+    where = f'text ({path})'
+  else:
+    return [f'data: {source} (synthetic, generated per batch; no files)']
+  lines = [f'data: {where}']
+  for split in SPLITS:
+    if len(files) == 1:
+      size = files[0].stat().st_size
+      val = max(1, int(size * val_fraction))
+      n_files, n_bytes = 1, (size - val if split == 'train' else val)
+    else:
+      sizes = [f.stat().st_size for f in split_files(files, root, split, val_fraction)]
+      n_files, n_bytes = sum(1 for n in sizes if n), sum(sizes)     # empty files are no documents
+    lines.append(f'  {split:<10} {n_files:>6,} files  {n_bytes:>14,} bytes')
+  if skipped:
+    lines.append(f'  skipped {len(skipped):,} files that are not text ({_describe_kinds(skipped)}), e.g. '
+                 f'{skipped[0].relative_to(root) if skipped[0].is_relative_to(root) else skipped[0]}')
+  return lines
+
+
+def text_documents(path: str, split: str, val_fraction: float) -> list[bytes]:
+  """Documents of `split` from `data.path` (a file or a folder).
+
+  Folder with >= 2 text files: one document per file, split by file. Single file:
+  one document, the last `val_fraction` of its bytes is validation. Files that are
+  not UTF-8 text (is_text_file) are skipped; none left is a DataError.
+  """
+  _check_split(split, val_fraction)
+  root, files, _ = text_files(path)     # files that are not text are skipped (corpus_report)
   if len(files) == 1:
     data = files[0].read_bytes()
     cut = len(data) - max(1, int(len(data) * val_fraction))

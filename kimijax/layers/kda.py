@@ -5,7 +5,8 @@
     g = -exp(A_log) * softplus(W_f2 W_f1 x + dt_bias)      per-channel log-decay (<= 0), float32
         or lower_bound * sigmoid(exp(A_log) * (W_f2 W_f1 x + dt_bias)) with a bounded gate
     o = kda(q, k, v, g, beta)                              the delta-rule recurrence, kimijax.ops.kda
-    y = W_o (RMSNorm_per_head(o) * sigmoid(W_g2 W_g1 x))   output gate: sigmoid | swish | none
+    y = W_o (RMSNorm_per_head(o) * sigmoid(W_g2 W_g1 x))   output gate: sigmoid | swish | none;
+                                                           the norm's eps is output_norm_eps
 
 Decode cache per sequence: the last 3 conv inputs of q, k and v, and the float32 state [H, K, V].
 """
@@ -54,6 +55,8 @@ class KimiDeltaAttention(nn.Module):
   gate_lower_bound: float = 0.0       # 0: the unbounded gate; in [-5, 0): the bounded gate
   init_std: float = 0.02
   dtype: jnp.dtype = jnp.float32
+  output_norm_eps: float = 1e-5       # eps of the per-head output RMSNorm (the model's rms_norm_eps
+                                      # in Kimi Linear's release)
 
   def _low_rank(self, name, x_btd, rank):
     """[B, T, D] -> [B, T, H, K] through a rank-`rank` bottleneck."""
@@ -107,7 +110,7 @@ class KimiDeltaAttention(nn.Module):
 
     gain = self.param('o_norm', nn.with_logical_partitioning(nn.initializers.ones, ('head_dim',)),
                       (hd,), jnp.float32)
-    o = rms_normalise(o, 1e-5) * gain
+    o = rms_normalise(o, self.output_norm_eps) * gain
     if self.output_gate != 'none':
       gate = self._low_rank('g', x_btd, hd).astype(jnp.float32)
       o = o * (jax.nn.sigmoid(gate) if self.output_gate == 'sigmoid' else jax.nn.silu(gate))

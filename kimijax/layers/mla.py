@@ -6,9 +6,13 @@
     q_h = [W_uq_h cq ; RoPE(W_qr_h cq)],  cq = RMSNorm(W_dq x) (or cq = x without a q low rank)
     y = W_o [softmax(scale q_h . k_h) v_h]_h,  scale = (d_nope + d_rope) ** -0.5
 
-With qk_rope_head_dim = 0 (NoPE, the hybrid default) there is no rotary part. The no-position and
-rotary parts are separate parameters (q_nope / q_rope, k_nope, shared k_rope) so QK-Clip can scale
-them differently (SPEC §3). Decoding uses the absorbed form: queries are mapped into the latent
+The decoupled dims (qk_rope_head_dim > 0: a per-head query part W_qr_h cq and a key part W_kr x
+shared by all heads) are rotated with RoPE when `rope` is True. With rope=False they are kept and
+not rotated: Kimi Linear's released MLA ("NoPE", mla_use_nope) is this form, with 64 such dims.
+qk_rope_head_dim = 0 is NoPE without decoupled dims. The no-position and decoupled parts are
+separate parameters (q_nope / q_rope, k_nope, shared k_rope) so QK-Clip can scale them
+differently (SPEC §3); Muon orthogonalises them as DeepSeek-V3's fused matrices by default
+(kimijax.optim.routing). The latent norms (q_norm, kv_norm) use norm_eps (1e-6 in the release). Decoding uses the absorbed form: queries are mapped into the latent
 space (W_uk_h^T q_h) and attend over the cached latents like multi-query attention; the cache
 holds r + d_rope numbers per token instead of 2 H D.
 """
@@ -35,14 +39,15 @@ class MultiHeadLatentAttention(nn.Module):
   num_heads: int
   kv_lora_rank: int
   qk_nope_head_dim: int
-  qk_rope_head_dim: int = 0
+  qk_rope_head_dim: int = 0           # decoupled dims (query per head, key shared)
   v_head_dim: int = 0                 # 0: qk_nope_head_dim
   q_lora_rank: int = 0                # 0: full-rank queries
   rope_theta: float = 10000.0
   impl: str = 'xla'
-  norm_eps: float = 1e-6
+  norm_eps: float = 1e-6              # the latent norms' eps
   init_std: float = 0.02
   dtype: jnp.dtype = jnp.float32
+  rope: bool = True                   # rotate the decoupled dims; False: keep them unrotated
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, cache=None):
@@ -66,9 +71,10 @@ class MultiHeadLatentAttention(nn.Module):
     w_o = weight(self, 'out', (h, dv, d), ('heads', 'head_dim', 'embed'))
     if dr:
       q_rope = jnp.einsum('btr,rhk->bthk', q_in, weight(self, 'q_rope', (q_in.shape[-1], h, dr), q_axes))
-      q_rope = apply_rope(q_rope, positions_bt, self.rope_theta)
       k_rope = jnp.einsum('btd,dk->btk', x_btd, weight(self, 'k_rope', (d, dr), ('embed', 'head_dim')))
-      k_rope = apply_rope(k_rope[:, :, None], positions_bt, self.rope_theta)[:, :, 0]  # [B, T, dr]
+      if self.rope:
+        q_rope = apply_rope(q_rope, positions_bt, self.rope_theta)
+        k_rope = apply_rope(k_rope[:, :, None], positions_bt, self.rope_theta)[:, :, 0]  # [B, T, dr]
 
     new_cache = None
     if cache is not None and x_btd.shape[1] == 1:

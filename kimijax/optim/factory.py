@@ -53,7 +53,7 @@ def decay_mask(params):
 def routing(config: ml_collections.ConfigDict) -> Routing | None:
   """The Muon/AdamW routing of config's optimizer (None for plain 'adamw')."""
   if config.optimizer.name in ('muon', 'muonclip'):
-    return Routing(per_head=config.optimizer.muon_per_head)
+    return Routing(per_head=config.optimizer.muon_per_head, mla_views=config.optimizer.muon_mla_views)
   return None
 
 
@@ -69,7 +69,7 @@ def make_optimizer(config: ml_collections.ConfigDict,
   elif o.name in ('muon', 'muonclip'):
     opts = [muon(schedule, momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps,
                  ns_dtype=jnp.dtype(o.ns_dtype), rms_scale=o.rms_scale, weight_decay=o.weight_decay,
-                 adam_b1=o.b1, adam_b2=o.b2, adam_eps=o.eps, per_head=o.muon_per_head,
+                 adam_b1=o.b1, adam_b2=o.b2, adam_eps=o.eps, per_head=o.muon_per_head, mla_views=o.muon_mla_views,
                  split_matrices=o.muon_split_matrices)]
     if o.name == 'muonclip':
       opts.append(qk_clip(o.qk_clip_tau))

@@ -32,6 +32,15 @@ Where this differs from optax.contrib.muon (0.2.8), and why:
   - Matrix views: optax's MuonDimensionNumbers (reduction and output axes, the rest batched)
     are the same idea as our MatrixView; ours have defaults derived from parameter names.
   - States are always fp32 (momentum and Adam moments), whatever the parameter dtype.
+  - Nesterov and the AdamW side: `nesterov` applies to the Muon side only. optax.adamw's own
+    `nesterov=True` turns it into NAdam (the bias-corrected b1 m + (1 - b1) g in the numerator),
+    which Moonlight's AdamW side is not; ours is plain AdamW (optax.scale_by_adam) whatever
+    `nesterov` says. (optax.contrib.muon passes its own `nesterov` to the Muon side only, too.)
+  - bf16 Newton-Schulz: JAX would round Python-float coefficients to the array's dtype
+    (3.4445 -> 3.4375 in bf16) where PyTorch keeps them at full precision; _iterate keeps the
+    coefficients, the products' accumulation and both combinations in fp32.
+  - MLA: the parts of each DeepSeek-V3 Linear weight are orthogonalised as one matrix by default
+    (mla_views; kimijax.optim.routing), as Moonlight's Muon sees them.
 
 Distributed (SPEC §2): under jit with sharded parameters (fsdp/tensor) the momentum is created
 from the boxed parameters, so it carries their logical axes and is sharded like them. Newton-
@@ -66,14 +75,23 @@ def _normalise(x_sab: jax.Array, dtype) -> jax.Array:
 
 
 def _iterate(x_sab: jax.Array, steps: int) -> jax.Array:
-  """`steps` iterations of X = a X + (b G + c G G) X, G = X X^T, on wide matrices (A <= B)."""
-  a, b, c = NS_COEFFS
-  precision = jax.lax.Precision.HIGHEST if x_sab.dtype == jnp.float32 else None
-  mm = lambda p, q: jnp.matmul(p, q, precision=precision)
+  """`steps` iterations of X = a X + (b G + c G G) X, G = X X^T, on wide matrices (A <= B).
+
+  The matmul operands are in x's dtype (the Newton-Schulz dtype), their products accumulate and
+  come out in float32, and the coefficients and both linear combinations are float32; only the
+  operands of the next matmul are rounded to the low dtype. Multiplying a bf16 array by a Python
+  float would instead round the coefficients to bf16 (3.4445 -> 3.4375) and every sum to bf16:
+  PyTorch (Moonlight) keeps such scalars at full precision, and this is at least as accurate.
+  """
+  a, b, c = (jnp.float32(v) for v in NS_COEFFS)
+  dtype = x_sab.dtype
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  mm = lambda p, q: jnp.matmul(p, q, precision=precision, preferred_element_type=jnp.float32)
   x = x_sab
   for _ in range(steps):
-    gram = mm(x, jnp.swapaxes(x, 1, 2))
-    x = a * x + mm(b * gram + c * mm(gram, gram), x)
+    gram = mm(x, jnp.swapaxes(x, 1, 2))                              # fp32
+    poly = b * gram + c * mm(gram.astype(dtype), gram.astype(dtype))  # fp32
+    x = (a * x.astype(jnp.float32) + mm(poly.astype(dtype), x)).astype(dtype)
   return x
 
 
@@ -122,9 +140,23 @@ def _split_over_devices(mats: list[jax.Array], steps: int, mesh) -> list[jax.Arr
   return out
 
 
+def _fuse(parts: list[jax.Array], names: list[str]) -> jax.Array:
+  """[S, A, B_i] column blocks of one matrix -> [S, A, sum B_i]."""
+  if len({p.shape[:2] for p in parts}) > 1:
+    raise ValueError('parameters fused into one Muon matrix must have the same stack and row sizes; got '
+                     + ', '.join(f'{n}: {p.shape[0]} x [{p.shape[1]}, {p.shape[2]}]' for n, p in zip(names, parts)))
+  return jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+
+
 def orthogonalise_all(ns: list[jax.Array], views: list[MatrixView], *, steps: int, dtype,
-                      rms_scale: float, split_matrices: bool = True) -> list[jax.Array]:
+                      rms_scale: float, split_matrices: bool = True,
+                      groups: list | None = None) -> list[jax.Array]:
   """rms_scale * sqrt(max(A, B)) * NS(N) for every matrix of every parameter-shaped N in `ns`.
+
+  groups: one key per entry (None: a matrix of its own). Entries with the same key are column
+  blocks of one matrix (MLA's parts of one DeepSeek-V3 Linear weight, kimijax.optim.routing):
+  their [S, A, B_i] matrices are concatenated along the columns, orthogonalised and scaled as one
+  [S, A, sum B_i] matrix, and split back.
 
   Distributed Muon (SPEC §2) runs Newton-Schulz on whole matrices. With split_matrices and a mesh
   of several devices (jax.set_mesh with Auto axes, as the train step runs), the matrices of all
@@ -140,17 +172,26 @@ def orthogonalise_all(ns: list[jax.Array], views: list[MatrixView], *, steps: in
   Gram matmuls. The arithmetic per matrix is the same either way, so the update equals the
   one-device update.
   """
-  mats = [_normalise(view.to_matrices(n), dtype) for n, view in zip(ns, views)]
+  members: dict[Any, list[int]] = {}
+  for i, key in enumerate(groups or [None] * len(ns)):
+    members.setdefault(('own', i) if key is None else ('group', key), []).append(i)
+  parts = [view.to_matrices(n) for n, view in zip(ns, views)]
+  fused = [_fuse([parts[i] for i in idx], [str(groups[i]) if groups else str(i) for i in idx])
+           for idx in members.values()]
+  mats = [_normalise(x, dtype) for x in fused]
   mesh = jax.sharding.get_abstract_mesh()   # the one jax.set_mesh made current, if any
   if split_matrices and not mesh.empty and mesh.size > 1:
     out = _split_over_devices(mats, steps, mesh)
   else:
     out = [_orthogonalise_normalised(x, steps) for x in mats]
-  directions = []
-  for o_sab, n, view in zip(out, ns, views):
-    _, rows, cols = view.sizes(n.shape)
-    o = view.from_matrices(o_sab.astype(jnp.float32), n.shape)
-    directions.append(o * (rms_scale * math.sqrt(max(rows, cols))))
+  directions: list[jax.Array] = [None] * len(ns)   # type: ignore[list-item]
+  for o_sab, idx in zip(out, members.values()):
+    o_sab = o_sab.astype(jnp.float32) * (rms_scale * math.sqrt(max(o_sab.shape[1:])))
+    offset = 0
+    for i in idx:
+      width = parts[i].shape[2]
+      directions[i] = views[i].from_matrices(o_sab[:, :, offset:offset + width], ns[i].shape)
+      offset += width
   return directions
 
 
@@ -161,14 +202,17 @@ class ScaleByMuonState(NamedTuple):
 def scale_by_muon(*, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, ns_dtype=jnp.bfloat16,
                   rms_scale: float = 0.2,
                   view_fn: Callable[[tuple[str, ...], tuple[int, ...]], MatrixView] | None = None,
+                  group_fn: Callable[[tuple[str, ...]], Any] | None = None,
                   split_matrices: bool = True) -> optax.GradientTransformation:
   """The Muon direction rms_scale sqrt(max(A, B)) NS5(N) (no lr, no wd, no sign flip).
 
   view_fn(path_names, shape) gives each parameter's MatrixView (default: Routing().view);
-  split_matrices: see orthogonalise_all. Works on masked trees (optax.MaskedNode leaves have no
-  state and are passed through).
+  group_fn(path_names) the fused matrix it is a column block of, or None (default:
+  Routing().group, MLA fused as in DeepSeek-V3); split_matrices: see orthogonalise_all. Works on
+  masked trees (optax.MaskedNode leaves have no state and are passed through).
   """
   view_fn = view_fn or Routing().view
+  group_fn = group_fn or Routing().group
 
   def init(params):
     return ScaleByMuonState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
@@ -180,8 +224,9 @@ def scale_by_muon(*, momentum: float = 0.95, nesterov: bool = True, ns_steps: in
     n_tree = jax.tree.map(nesterov_input, updates, new_m)
     paths_ns, treedef = jax.tree_util.tree_flatten_with_path(n_tree)
     views = [view_fn(path_names(path), n.shape) for path, n in paths_ns]
+    groups = [group_fn(path_names(path)) for path, _ in paths_ns]
     out = orthogonalise_all([n for _, n in paths_ns], views, steps=ns_steps, dtype=ns_dtype,
-                            rms_scale=rms_scale, split_matrices=split_matrices)
+                            rms_scale=rms_scale, split_matrices=split_matrices, groups=groups)
     return jax.tree.unflatten(treedef, out), ScaleByMuonState(new_m)
 
   return optax.GradientTransformation(init, update)
@@ -195,7 +240,7 @@ def adamw_direction(b1: float, b2: float, eps: float) -> optax.GradientTransform
 def muon(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.95, nesterov: bool = True,
          ns_steps: int = 5, ns_dtype=jnp.bfloat16, rms_scale: float = 0.2, weight_decay: float = 0.0,
          adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8, muon_mask=None,
-         muon_views=None, per_head: bool = False, split_matrices: bool = True
+         muon_views=None, per_head: bool = False, mla_views: str = 'fused', split_matrices: bool = True
          ) -> optax.GradientTransformationExtraArgs:
   """Moonlight's Muon for hidden matrices + AdamW for the rest (module docstring).
 
@@ -209,15 +254,18 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.95, neste
     muon_views: pytree of MatrixView / None, or callable (path_names, shape) -> MatrixView | None,
       overriding the default matrix view of Muon parameters.
     per_head: default views of head-structured 3-D kernels are per-head stacks.
+    mla_views: 'fused' (default): MLA's parts of one DeepSeek-V3 Linear weight (q_nope + q_rope,
+      kv_down + k_rope, k_nope + v) are orthogonalised as one matrix, as Moonlight does;
+      'per_part': each on its own (kimijax.optim.routing).
     split_matrices: under a mesh of several devices, each device runs Newton-Schulz on a share
       of the whole matrices (orthogonalise_all); False leaves the layout to XLA.
   """
-  routing = Routing(per_head=per_head, muon_mask=muon_mask, muon_views=muon_views)
+  routing = Routing(per_head=per_head, muon_mask=muon_mask, muon_views=muon_views, mla_views=mla_views)
   tail = lambda: (optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(learning_rate))
   return optax.partition({
       MUON: optax.chain(scale_by_muon(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                                       ns_dtype=ns_dtype, rms_scale=rms_scale, view_fn=routing.view,
-                                      split_matrices=split_matrices),
+                                      group_fn=routing.group, split_matrices=split_matrices),
                         *tail()),
       ADAMW: optax.chain(adamw_direction(adam_b1, adam_b2, adam_eps), *tail()),
   }, routing.labels)

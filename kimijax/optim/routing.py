@@ -32,6 +32,24 @@ are single nn.Linear weights there, orthogonalised whole. SPEC's "per-head stack
 weights that are genuinely separate matrices (experts, scanned layers); per_head=True is there to
 ablate it.
 
+MLA (mla_views): kimijax keeps MLA's no-position and rotary parts as separate parameters (QK-Clip
+scales them differently), but Moonlight's models (the DeepSeek-V3 layout) hold them as one Linear
+weight each, and Muon orthogonalises each whole matrix. With mla_views='fused' (the default) the
+parts of one such weight are orthogonalised as one matrix, side by side along the columns (they
+share the rows, the input), and scaled by sqrt(max(A, B)) of the fused matrix:
+
+    parts (kimijax)          fused matrix (DeepSeek-V3 name)   shape
+    q_nope + q_rope          q_b_proj (q_proj without q lora)  [q_in, H*d_nope + H*d_rope]
+    kv_down + k_rope         kv_a_proj_with_mqa                [D, r + d_rope]
+    k_nope + v               kv_b_proj                         [r, H*d_nope + H*d_v]
+
+(Newton-Schulz commutes with a permutation of the columns, so DeepSeek's per-head interleaving of
+the columns gives the same update.) With per_head=True the fused matrices are per head too:
+[q_in, d_nope + d_rope] and [r, d_nope + d_v] for each head. mla_views='per_part' orthogonalises
+each part on its own (the views of the table above, one per parameter). Parts are grouped by
+name within one module, so a module with only some of the parts (NoPE without rotary dims has no
+q_rope or k_rope) fuses what it has.
+
 Overrides: `muon_mask` (True -> Muon, False -> AdamW) replaces the rule choice; `muon_views`
 replaces the matrix view of Muon parameters.
 """
@@ -56,6 +74,10 @@ ADAMW_BY_NAME = {
 }
 _INTO_HEADS = re.compile(r'^(query|key|value|[qkv]_proj|[fg]_b|q_nope|q_rope|k_nope|v)$')   # [in, H, Dh]
 _OUT_OF_HEADS = re.compile(r'^(out|o_proj)$')                         # [H, Dh, out]
+# MLA parameters that are column blocks of one Linear weight in the DeepSeek-V3 layout.
+MLA_FUSED = {'q_nope': 'q_b_proj', 'q_rope': 'q_b_proj', 'kv_down': 'kv_a_proj_with_mqa',
+             'k_rope': 'kv_a_proj_with_mqa', 'k_nope': 'kv_b_proj', 'v': 'kv_b_proj'}
+MLA_VIEWS = ('fused', 'per_part')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +119,14 @@ class MatrixView:
     side = lambda axes: '*'.join(str(shape[a]) for a in axes)
     out = f'[{side(self.rows)}, {side(self.cols)}]'
     return f'{side(self.stack)} x {out}' if self.stack else out
+
+
+def fused_description(parts: list[tuple[MatrixView, tuple[int, ...]]]) -> str:
+  """The matrix of column blocks side by side, e.g. '[32, 4*16+4*16]' or '4 x [32, 16+16]'."""
+  side = lambda shape, axes: '*'.join(str(shape[a]) for a in axes)
+  view, shape = parts[0]
+  out = f'[{side(shape, view.rows)}, {"+".join(side(s, v.cols) for v, s in parts)}]'
+  return f'{side(shape, view.stack)} x {out}' if view.stack else out
 
 
 def path_names(path) -> tuple[str, ...]:
@@ -160,14 +190,19 @@ class Routing:
 
   Args:
     per_head: head-structured 3-D kernels as stacks of per-head matrices (default: one matrix).
+    mla_views: 'fused' (Moonlight's DeepSeek-V3 matrices, the default) or 'per_part' (each MLA
+      parameter its own matrix); see the module docstring.
     muon_mask: pytree of bools with the parameters' structure, or a callable params -> such a
       pytree; True sends a parameter to Muon, False to AdamW, replacing the default rule.
     muon_views: pytree of MatrixView (or None for the default) with the parameters' structure,
       or a callable (path_names, shape) -> MatrixView | None.
   """
 
-  def __init__(self, *, per_head: bool = False, muon_mask=None, muon_views=None):
+  def __init__(self, *, per_head: bool = False, muon_mask=None, muon_views=None, mla_views: str = 'fused'):
+    if mla_views not in MLA_VIEWS:
+      raise ValueError(f'mla_views={mla_views!r} is not one of {MLA_VIEWS}')
     self.per_head = per_head
+    self.mla_views = mla_views
     self.muon_mask = muon_mask
     if muon_views is None or callable(muon_views):
       self._view_override = muon_views
@@ -182,6 +217,12 @@ class Routing:
     view = view or default_view(names, shape, self.per_head)
     view.check(shape, f' (parameter {"/".join(names)})')
     return view
+
+  def group(self, names: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The fused matrix a Muon parameter is a column block of (its module's path + the
+    DeepSeek-V3 name), or None for a matrix of its own."""
+    fused = MLA_FUSED.get(names[-1]) if names and self.mla_views == 'fused' else None
+    return None if fused is None else names[:-1] + (fused,)
 
   def routes(self, params) -> Any:
     """Pytree of Route, with the unboxed structure of `params` (boxed or plain arrays, or
@@ -214,11 +255,20 @@ class Routing:
     routes = jax.tree.leaves(self.routes(params))
     rows = [('parameter', 'shape', 'rule', 'matrix view', 'why')]
     counts = {MUON: 0, ADAMW: 0}
+    members: dict[tuple[str, ...], list[tuple[str, MatrixView, tuple[int, ...]]]] = {}
+    for (path, leaf), route in zip(flat, routes):
+      key = self.group(path_names(path)) if route.rule == MUON else None
+      if key is not None:
+        members.setdefault(key, []).append((path_names(path)[-1], route.view, tuple(_unbox(leaf).shape)))
     for (path, leaf), route in zip(flat, routes):
       shape = tuple(_unbox(leaf).shape)
       counts[route.rule] += math.prod(shape)
-      rows.append(('/'.join(path_names(path)), str(list(shape)), route.rule,
-                   route.view.describe(shape) if route.view else '-', route.reason))
+      view, reason = route.view.describe(shape) if route.view else '-', route.reason
+      key = self.group(path_names(path)) if route.rule == MUON else None
+      if key is not None and len(members[key]) > 1:
+        view = fused_description([(v, s) for _, v, s in members[key]])
+        reason += f', fused: {key[-1]} = {" + ".join(n for n, _, _ in members[key])}'
+      rows.append(('/'.join(path_names(path)), str(list(shape)), route.rule, view, reason))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, '  '.join('-' * w for w in widths))

@@ -52,7 +52,31 @@ def config_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[st
   defaults = _flatten(json.loads(base_config().to_json()))
   keys = sorted(k for k in set(now) | set(before) if k.split('.')[0] in MUST_MATCH and k not in MAY_DIFFER)
   return [f'{k}: {before.get(k)!r} -> {now.get(k)!r}' for k in keys
+          if before.get(k, defaults.get(k)) != now.get(k)] + _differences(saved, config, MUST_MATCH_KEYS)
+
+
+# Keys outside MUST_MATCH whose change between runs makes the saved state unusable (another
+# optimizer has another state tree).
+MUST_MATCH_KEYS = ('optimizer.name',)
+# Keys that decide the learning-rate schedule: a change on resume is allowed (continuing a run
+# for longer is normal) and reported in one line at start-up.
+SCHEDULE_KEYS = ('train.steps', 'optimizer.schedule', 'optimizer.learning_rate', 'optimizer.warmup_steps',
+                 'optimizer.decay_fraction', 'optimizer.min_lr_ratio')
+
+
+def _differences(saved: dict, config: ml_collections.ConfigDict, keys) -> list[str]:
+  now, before = _flatten(json.loads(config.to_json())), _flatten(saved)
+  defaults = _flatten(json.loads(base_config().to_json()))
+  return [f'{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}' for k in keys
           if before.get(k, defaults.get(k)) != now.get(k)]
+
+
+def schedule_changes(saved: dict | None, config: ml_collections.ConfigDict) -> list[str]:
+  """One line per SCHEDULE_KEYS difference between a checkpoint's config and `config`."""
+  if not saved:
+    return []
+  return [f'{d} since the checkpoint (the run continues under the new value; the learning rate '
+          'follows the new schedule from the restored step)' for d in _differences(saved, config, SCHEDULE_KEYS)]
 
 
 def _leaf_checksum(x):
@@ -94,6 +118,7 @@ class Checkpointer:
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                              enable_async_checkpointing=True),
         item_names=('state', 'data', 'config', 'checksums'))
+    self.restored_config: dict | None = None   # the config saved with the last restored step
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -116,8 +141,9 @@ class Checkpointer:
       raise CheckpointError(f'checkpoint {path} cannot be read ({type(e).__name__}: {e}); {untouched}') from e
     mismatches = config_mismatches(meta.config, config)
     if mismatches:
-      raise CheckpointError(f'checkpoint {path} was written by a different model config; {untouched}. '
-                            'Differences (saved -> now): ' + '; '.join(mismatches))
+      raise CheckpointError(f'checkpoint {path} was written by a different model or optimizer config; '
+                            f'{untouched}. Differences (saved -> now): ' + '; '.join(mismatches))
+    self.restored_config = meta.config
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
@@ -162,6 +188,8 @@ def restore_latest_params(workdir: str | pathlib.Path, config: ml_collections.Co
   from kimijax.optim import make_optimizer
   from kimijax.train.state import state_shardings
   directory = pathlib.Path(workdir) / 'checkpoints'
+  if not directory.is_dir():   # checked first: the checkpoint manager would create the folder
+    raise CheckpointError(f'no checkpoint in {directory}: the run has not saved one yet')
   checkpointer = Checkpointer(directory, keep=config.train.keep_checkpoints)
   step = checkpointer.latest_step()
   if step is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import sys
 import time
 
 import jax
@@ -11,12 +12,14 @@ import numpy as np
 import tqdm
 
 from kimijax import config as config_lib
-from kimijax.data import eval_batches, make_loader
+from kimijax.data import data_report, eval_batches, make_loader
 from kimijax.model import Transformer, count_params
 from kimijax.optim import describe as describe_optimizer
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train import checkpoint as ckpt_lib
+from kimijax.train import lock as lock_lib
 from kimijax.train import metrics as metrics_lib
+from kimijax.train.interrupt import Interrupted, StopOnInterrupt
 from kimijax.train.step import build_training
 
 
@@ -55,29 +58,68 @@ def evaluate(eval_step, params, batches: list[dict]) -> float:
   return total / max(count, 1.0)
 
 
+def _final_losses(workdir: pathlib.Path, upto: int) -> tuple[float | None, float | None]:
+  """(last train loss, last eval loss) logged at or before step `upto`, from metrics.jsonl."""
+  if not (workdir / 'metrics.jsonl').exists():
+    return None, None
+  records = [r for r in metrics_lib.read_metrics(workdir) if r.get('step', 0) <= upto]
+  last = lambda key: next((r[key] for r in reversed(records) if key in r), None)
+  return last('loss'), last('eval_loss')
+
+
+def run_title(workdir: pathlib.Path, n_params: int, tokens: int) -> str:
+  """The loss plot's title: the run's name, its parameters and tokens trained."""
+  return f'{workdir.absolute().name}: {n_params / 1e6:.2f}M parameters, {tokens:,} tokens'
+
+
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, devices=None) -> dict:
-  """Trains (or resumes) `config` in `workdir` on `devices` (default: all); returns a summary."""
+  """Trains (or resumes) `config` in `workdir` on `devices` (default: all); returns a summary.
+
+  Process 0 holds a lock on the workdir for the run's life (kimijax.train.lock). A run whose
+  checkpoint already reached train.steps writes nothing and returns summary['already_finished'].
+  SIGINT stops between steps and raises kimijax.train.interrupt.Interrupted."""
   config_lib.validate(config)
   workdir = pathlib.Path(workdir)
   pid, nproc = jax.process_index(), jax.process_count()
   t = config.train
 
   # Everything that can fail on bad input is checked before any compile or step.
+  lock_lib.check_workdir(workdir)
   train_loader = make_loader(config, 'train', process_index=pid, process_count=nproc)
   if config.model.vocab_size < train_loader.vocab_size:
     raise config_lib.ConfigError(f'model.vocab_size={config.model.vocab_size} is smaller than the '
                                  f'tokenizer vocabulary ({train_loader.vocab_size})')
   val_local = eval_batches(config, t.eval_batches, process_index=pid, process_count=nproc)
   mesh = mesh_lib.make_mesh(config.mesh, devices)
-  workdir.mkdir(parents=True, exist_ok=True)
+  lock = lock_lib.WorkdirLock(workdir, ' '.join(sys.argv)) if pid == 0 else None
+  if lock is not None:
+    lock.acquire()
+  try:
+    with StopOnInterrupt() as stop:
+      return _train_locked(config, workdir, mesh, train_loader, val_local, stop)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, stop) -> dict:
+  pid, t = jax.process_index(), config.train
+  tokens_per_step = t.batch_size * t.seq_len
+  checkpointer = ckpt_lib.Checkpointer(workdir / 'checkpoints', keep=t.keep_checkpoints)
+  start = checkpointer.latest_step()
+  if start is not None and start >= t.steps:   # a re-run of a finished run: report, write nothing
+    checkpointer.close()
+    final_loss, eval_loss = _final_losses(workdir, start)
+    return {'already_finished': True, 'steps': start, 'final_loss': final_loss, 'eval_loss': eval_loss,
+            'tokens': start * tokens_per_step, 'workdir': str(workdir.absolute())}
 
   run = build_training(config, mesh, Transformer(config.model, log_attnres=config.train.log_attnres))
   abstract_state, train_step, eval_step = run.abstract_state, run.train_step, run.eval_step
-  checkpointer = ckpt_lib.Checkpointer(workdir / 'checkpoints', keep=t.keep_checkpoints)
-  start = checkpointer.latest_step()
+  notices = []
   if start is not None:
     state, data_state = checkpointer.restore(start, abstract_state, config)
     train_loader.set_state(data_state)
+    notices = ckpt_lib.schedule_changes(checkpointer.restored_config, config)
   else:
     start = 0
     state = run.init_state(config)
@@ -88,11 +130,13 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
   val_batches = [_to_global(b, batch_sharding) for b in val_local]
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start if start else None)
   n_params = count_params(state.params)
-  tokens_per_step = t.batch_size * t.seq_len
   if pid == 0:
     print(f'kimijax: {n_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, '
           f'{tokens_per_step} tokens/step, {"resuming from step " + str(start) if start else "fresh start"}',
           flush=True)
+    print('\n'.join(data_report(config)), flush=True)
+    for notice in notices:
+      print(f'notice: {notice}', flush=True)
     routing_table = describe_optimizer(config, abstract_state.params)
     if routing_table:
       print(f'optimizer {config.optimizer.name}: parameter routing\n{routing_table}', flush=True)
@@ -107,8 +151,11 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
   started = time.time()
   interval_start, interval_steps = None, 0
   last_loss, eval_loss, pending = None, None, None
+  stopped_at = start if stop.requested else None
   try:
     for step in range(start + 1, t.steps + 1):
+      if stopped_at is not None:
+        break
       state, metrics = train_step(state, _to_global(next(train_loader), batch_sharding))
       if pending is not None:
         check(*pending)             # one step behind, so the host does not stall the device
@@ -119,7 +166,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
       else:
         interval_steps += 1
       last = step == t.steps
-      if step % t.log_every == 0 or last:
+      if step % t.log_every == 0 or last or step == 1:   # step 1: the first loss (~ln vocab)
         check(*pending)
         record = _train_record(step, metrics)
         now = time.time()
@@ -138,15 +185,21 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
         check(*pending)
         checkpointer.save(step, state, train_loader.get_state(), config)
       bar.update(1)
+      if stop.requested:
+        stopped_at = step
   finally:
     bar.close()
     checkpointer.wait()
     writer.close()
+  if stopped_at is not None:
+    latest = checkpointer.latest_step()
+    checkpointer.close()
+    raise Interrupted(stopped_at, latest, checkpointer.directory)
   checkpointer.close()
 
   summary = {'params': n_params, 'steps': t.steps, 'tokens': t.steps * tokens_per_step,
              'seconds': time.time() - started, 'final_loss': last_loss, 'eval_loss': eval_loss,
              'workdir': str(workdir.absolute())}
   if pid == 0 and t.plot and (workdir / 'metrics.jsonl').exists():
-    summary['plot'] = str(metrics_lib.plot_loss_curve(workdir))
+    summary['plot'] = str(metrics_lib.plot_loss_curve(workdir, run_title(workdir, n_params, summary['tokens'])))
   return summary

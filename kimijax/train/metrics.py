@@ -22,7 +22,10 @@ class MetricsWriter:
     if resume_step is not None:
       self._drop_after(resume_step)
     from tensorboardX import SummaryWriter
-    self._tb = SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'))
+    # purge_step: TensorBoard drops the interrupted run's events after the restored step, as
+    # _drop_after does for metrics.jsonl, so no step appears twice.
+    self._tb = SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'),
+                             purge_step=resume_step + 1 if resume_step is not None else None)
 
   def _drop_after(self, step: int) -> None:
     """On resume, drop lines logged after the restored step by the interrupted run, so the
@@ -53,8 +56,8 @@ def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
   return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
 
 
-def plot_loss_curve(workdir: str | pathlib.Path) -> pathlib.Path:
-  """DIR/loss.png: train loss and eval loss against step."""
+def plot_loss_curve(workdir: str | pathlib.Path, title: str | None = None) -> pathlib.Path:
+  """DIR/loss.png: train loss and eval loss against step, under `title`."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -66,6 +69,8 @@ def plot_loss_curve(workdir: str | pathlib.Path) -> pathlib.Path:
     ax.plot(*zip(*train), label='train loss')
   if evals:
     ax.plot(*zip(*evals), 'o-', label='eval loss')
+  if title:
+    ax.set_title(title, fontsize=10)
   ax.set_xlabel('step')
   ax.set_ylabel('nats per token')
   ax.grid(alpha=0.3)

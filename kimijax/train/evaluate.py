@@ -1,0 +1,51 @@
+"""--mode=eval: the latest checkpoint of a run on its validation split, printed and logged.
+
+    result = evaluate_run('runs/default')   # {'step', 'eval_loss', 'eval_batches', 'tokens'}
+
+The run's config.json decides the data and model; the mesh is data-parallel over this host's
+devices (and GPU-only implementation choices become 'xla' off a GPU, as for generation). Each
+call appends one line to DIR/eval.jsonl; metrics.jsonl, the checkpoints and TensorBoard are left
+as training wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import jax
+
+from kimijax.data import eval_batches
+from kimijax.model import Transformer
+from kimijax.parallel import mesh as mesh_lib
+from kimijax.train.checkpoint import load_run_config, restore_latest_params
+from kimijax.train.loop import evaluate
+from kimijax.train.step import in_mesh, make_eval_step
+
+
+def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None) -> dict:
+  """Mean validation nll of the latest checkpoint in `workdir` over `num_batches` batches
+  (default: the run's train.eval_batches)."""
+  workdir = pathlib.Path(workdir)
+  config = load_run_config(workdir)
+  if jax.default_backend() != 'gpu':
+    config.model.attn_impl = config.model.attnres_impl = 'xla'
+  num_batches = num_batches or config.train.eval_batches
+  batches = eval_batches(config, num_batches)      # fails on bad data before the restore
+  # Data-parallel over as many of this host's devices as divide the batch (the run may have
+  # trained on another number of devices).
+  devices = jax.devices()
+  count = max(n for n in range(1, len(devices) + 1) if config.train.batch_size % n == 0)
+  mesh = mesh_lib.make_mesh(config.mesh, devices[:count])
+  model = Transformer(config.model)
+  params, step = restore_latest_params(workdir, config, model, mesh)
+  sharding = mesh_lib.batch_sharding(mesh, config.mesh)
+  eval_step = in_mesh(jax.jit(make_eval_step(model)), mesh, config.mesh)
+  batches = [{k: jax.device_put(v, sharding) for k, v in b.items()} for b in batches]
+  result = {'step': step, 'eval_loss': evaluate(eval_step, params, batches), 'eval_batches': num_batches,
+            'tokens': int(sum(float(b['mask'].sum()) for b in batches)),
+            'time': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
+  with (workdir / 'eval.jsonl').open('a') as f:
+    f.write(json.dumps(result) + '\n')
+  return result

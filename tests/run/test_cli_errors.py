@@ -1,0 +1,135 @@
+"""run.py as a user types it: each mistake ends in one message naming the problem and a
+non-zero exit, without a Python traceback; --mode=config prints the config and parameter counts;
+--help lists every config file's variants. The commands run in parallel subprocesses."""
+
+import ast
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY_FLAGS = ['--config.model.d_model=64', '--config.model.num_layers=2', '--config.model.num_heads=2',
+              '--config.model.mlp_dim=128', '--config.train.seq_len=64', '--config.train.batch_size=4',
+              '--config.train.eval_batches=1', '--config.train.plot=False']
+
+
+def _env():
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}   # one CPU device
+  env['JAX_PLATFORMS'] = 'cpu'
+  return env
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _cases(tmp: pathlib.Path) -> dict:
+  """name -> (argv after the script, what the message must contain)."""
+  a_file = tmp / 'a_file'
+  a_file.write_text('not a folder')
+  no_run = tmp / 'not_a_run'
+  no_run.mkdir()
+  run = [sys.executable, str(ROOT / 'run.py')]
+  gen = run + ['--mode=generate', f'--workdir={no_run}']
+  return {
+      'missing config file': (run + ['--config=configs/no_such.py', f'--workdir={tmp}/w1'],
+                              "config file 'configs/no_such.py' not found"),
+      'unknown variant': (run + ['--config=configs/default.py:gqa2', f'--workdir={tmp}/w2'],
+                          "unknown variant 'gqa2'; allowed: 'gqa', 'nope'"),
+      'workdir is a file': (run + ['--config=configs/default.py', f'--workdir={a_file}'] + TINY_FLAGS,
+                            f'--workdir {a_file} exists and is not a folder'),
+      'max_new_tokens': (gen + ['--max_new_tokens=0'], '--max_new_tokens=0 must be positive'),
+      'top_k': (gen + ['--top_k=-1'], '--top_k=-1 must be >= 0'),
+      'num_samples': (gen + ['--num_samples=0'], '--num_samples=0 must be positive'),
+      'temperature': (gen + ['--temperature=-0.5'], '--temperature=-0.5 must be >= 0'),
+      'prompt not utf-8': (gen + [os.fsdecode(b'--prompt=abc\xff\xfe')], '--prompt is not valid UTF-8'),
+      'generate without a run': (gen, 'config.json not found'),
+      'eval without a run': (run + ['--mode=eval', f'--workdir={no_run}'], 'config.json not found'),
+      'plot_attnres on a non-run': ([sys.executable, str(ROOT / 'experiments/plot_attnres.py'), f'--workdir={no_run}'],
+                                    f'--workdir={no_run}: {no_run}/config.json not found'),
+      'nan stop': (run + ['--config=configs/default.py', f'--workdir={tmp}/nan'] + TINY_FLAGS
+                   + ['--config.optimizer.learning_rate=1e6', '--config.train.grad_clip=0.0',
+                      '--config.optimizer.warmup_steps=0', '--config.train.steps=30', '--config.train.eval_every=1000'],
+                   'NonFiniteError: loss or gradients became NaN/Inf at step'),
+      'peers never come': (run + ['--config=configs/default.py', f'--workdir={tmp}/mp', '--num_processes=2',
+                                  '--process_id=0', f'--coordinator_address=127.0.0.1:{_free_port()}',
+                                  '--peer_timeout_s=3'] + TINY_FLAGS,
+                           'process 0 of 2 could not join the others'),
+  }
+
+
+@pytest.fixture(scope='module')
+def results(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp('cli')
+  cases = _cases(tmp)
+  procs = {name: subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, errors='replace')
+           for name, (argv, _) in cases.items()}
+  out = {}
+  for name, proc in procs.items():
+    stdout, stderr = proc.communicate(timeout=300)
+    out[name] = (proc.returncode, stdout, stderr, cases[name][1])
+  return out
+
+
+CASE_NAMES = ['missing config file', 'unknown variant', 'workdir is a file', 'max_new_tokens', 'top_k',
+              'num_samples', 'temperature', 'prompt not utf-8', 'generate without a run', 'eval without a run',
+              'plot_attnres on a non-run', 'nan stop', 'peers never come']
+
+
+@pytest.mark.parametrize('name', CASE_NAMES)
+def test_one_clear_message_and_nonzero_exit(results, name):
+  rc, stdout, stderr, expected = results[name]
+  assert rc not in (0, None), (name, rc)
+  assert expected in stderr, (name, stderr[-2000:])
+  assert 'Traceback' not in stderr and 'Fatal Python error' not in stderr, (name, stderr[-3000:])
+
+
+def test_waiting_process_says_what_it_waits_for(results):
+  _, stdout, _, _ = results['peers never come']
+  assert re.search(r'process 0 of 2 waiting up to 3 s for every process to join at 127\.0\.0\.1:\d+', stdout)
+
+
+def test_mode_config_prints_resolved_config_and_parameter_counts():
+  """Parameter count of the tiny attention model against its closed form."""
+  proc = subprocess.run([sys.executable, str(ROOT / 'run.py'), '--mode=config', '--config=configs/default.py:gqa']
+                        + TINY_FLAGS, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  d, layers, mlp, vocab, heads, kv_heads = 64, 2, 128, 258, 2, 2
+  head_dim = d // heads
+  attention = d * d + 2 * d * kv_heads * head_dim + d * d          # q, k, v, out
+  want = vocab * d + layers * (attention + 3 * d * mlp + 2 * d) + d
+  total = re.search(r'total\s+([\d,]+)', proc.stdout)
+  assert total and int(total.group(1).replace(',', '')) == want, proc.stdout[-1500:]
+  assert "attention_kind: gqa" in proc.stdout and 'num_kv_heads: 2' in proc.stdout
+
+
+def _allowed_variants(config_file: pathlib.Path) -> list[str]:
+  """The variants a config file accepts, from its own error for an unknown one."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(config_file.stem, config_file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  with pytest.raises(ValueError) as info:
+    module.get_config('__no_such_variant__')
+  return re.findall(r"'(\w+)'", str(info.value).split('allowed:', 1)[1])
+
+
+@pytest.mark.parametrize('config_file', sorted((ROOT / 'configs').glob('*.py')), ids=lambda p: p.name)
+def test_help_lists_every_variant_of_every_config_file(config_file):
+  doc = ast.get_docstring(ast.parse((ROOT / 'run.py').read_text()))
+  lines = doc.splitlines()
+  first = next((i for i, l in enumerate(lines) if l.strip().startswith(f'configs/{config_file.name}')), None)
+  assert first is not None, f'run.py --help does not list configs/{config_file.name}'
+  end = next((i for i in range(first + 1, len(lines))
+              if not lines[i].strip() or lines[i].strip().startswith('configs/')), len(lines))
+  block = '\n'.join(lines[first:end])
+  for variant in _allowed_variants(config_file):
+    assert re.search(rf'\b{variant}\b', block), (config_file.name, variant)
