@@ -84,15 +84,17 @@ def is_finished(run_dir: pathlib.Path) -> bool:
   return (run_dir / 'done.json').exists()
 
 
-def train_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path, *, quiet: bool = False) -> dict:
-  """Trains config in run_dir (resuming a half-finished run) unless it is finished; returns the
-  run's figures (read_run). Raises WorkflowError before any compute if run_dir holds another config."""
+def train_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path, *, devices=None,
+              quiet: bool = False) -> dict:
+  """Trains config in run_dir on `devices` (default all; resuming a half-finished run) unless it is
+  finished; returns the run's figures (read_run). Raises WorkflowError before any compute if run_dir
+  holds another config."""
   from kimijax.train.loop import train
   run_dir = pathlib.Path(run_dir)
   check_folder(run_dir, config)
   if not is_finished(run_dir):
     began = time.time()
-    summary = train(config, run_dir)
+    summary = train(config, run_dir, devices=devices)
     summary['wall_seconds'] = time.time() - began
     tmp = run_dir / 'done.json.tmp'
     tmp.write_text(json.dumps(summary, indent=1, default=str))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import json
 import pathlib
+import re
 
 import ml_collections
 
@@ -53,7 +54,7 @@ def parse_value(key: str, text: str, current):
       return text
   except ValueError:
     pass
-  raise WorkflowError(f'--sweep {key}={text!r}: {key} holds a {type(current).__name__} '
+  raise WorkflowError(f'--sweep {key}={text!r}: {key} is of type {type(current).__name__} '
                       f'({current!r}); {text!r} is not one')
 
 
@@ -103,25 +104,33 @@ def run_config(config, point: dict, seed: int) -> ml_collections.ConfigDict:
   return validate(c)
 
 
-def plan(config, axes, seeds: int, workdir: pathlib.Path) -> list[dict]:
-  """[{point, seed, config, run_dir}] for every run, every config validated before any training."""
+def plan(config, named_points: list[tuple[str, dict]], seeds: int, workdir: pathlib.Path) -> list[dict]:
+  """[{label, point, seed, config, run_dir}] for every (label, overrides) point and seed, every
+  config validated and every run folder checked before any training."""
   if seeds < 1:
     raise WorkflowError(f'--seeds={seeds} must be >= 1')
+  labels = [label for label, _ in named_points]
+  if len(set(labels)) != len(labels):
+    raise WorkflowError(f'point names must differ; got {labels}')
   out = []
-  for point in points(axes):
+  for label, point in named_points:
     for seed in range(config.seed, config.seed + seeds):
       c = run_config(config, point, seed)
-      run_dir = workdir / 'runs' / f'{point_label(point)},seed={seed}'
+      run_dir = workdir / 'runs' / (re.sub(r'[^\w.=,:+-]', '_', label) + f',seed={seed}')   # a safe folder name
       runs_lib.check_folder(run_dir, c)
-      out.append({'point': point, 'seed': seed, 'config': c, 'run_dir': run_dir})
+      out.append({'label': label, 'point': point, 'seed': seed, 'config': c, 'run_dir': run_dir})
   return out
+
+
+def named(axes) -> list[tuple[str, dict]]:
+  return [(point_label(p), p) for p in points(axes)]
 
 
 def aggregate(results: list[dict]) -> list[dict]:
   """One row per point (in plan order) with the list of its runs."""
   rows = {}
   for r in results:
-    rows.setdefault(point_label(r['point']), {'point': r['point'], 'runs': []})['runs'].append(r)
+    rows.setdefault(r['label'], {'label': r['label'], 'point': r['point'], 'runs': []})['runs'].append(r)
   return list(rows.values())
 
 
@@ -129,14 +138,14 @@ def _fmt_int(x) -> str:
   return '-' if x is None else f'{x:,.0f}'
 
 
-def markdown(axes, rows: list[dict], prov: dict, png_name: str, title: str) -> str:
+def markdown(swept: str, rows: list[dict], prov: dict, png_name: str, title: str) -> str:
   seeds = max(len(r['runs']) for r in rows)
   accuracy_name = 'recall accuracy' if rows[0]['runs'][0]['figures']['accuracy_key'] == 'eval_recall_accuracy' \
       else 'eval accuracy'
   lines = [f'# {title}', '',
            f'Date: {prov["date"]}. Hardware: {prov["hardware"]}.', '', 'Command:', '',
            f'    {prov["command"]}', '',
-           'Swept: ' + '; '.join(f'`{k}` in {v}' for k, v in axes) + f'; {seeds} seed(s) per point. '
+           f'{swept}; {seeds} seed(s) per point. '
            'Losses in nats per token; mean ± sample standard deviation over seeds.', '',
            f'| point | seeds | final train loss | final eval loss | {accuracy_name} | tokens | training FLOPs | '
            'tokens/s | max logit (final / peak) | wall s |',
@@ -149,7 +158,7 @@ def markdown(axes, rows: list[dict], prov: dict, png_name: str, title: str) -> s
     rates = [f['tokens_per_sec'] for f in figs if f['tokens_per_sec']]
     walls = [f['wall_seconds'] for f in figs if f['wall_seconds']]
     lines.append(
-        f"| {point_label(row['point'])} | {len(figs)} | {runs_lib.fmt_mean([f['final_train_loss'] for f in figs])} | "
+        f"| {row['label']} | {len(figs)} | {runs_lib.fmt_mean([f['final_train_loss'] for f in figs])} | "
         f"{runs_lib.fmt_mean([f['final_eval_loss'] for f in figs])} | "
         f"{runs_lib.fmt_mean([f['final_accuracy'] for f in figs], 3)} | {_fmt_int(figs[0]['tokens'])} | "
         f"{figs[0]['flops']:.3g} | {_fmt_int(sum(rates) / len(rates) if rates else None)} | {logit} | "
@@ -172,7 +181,7 @@ def plot(rows: list[dict], out: pathlib.Path, title: str) -> pathlib.Path:
   for i, row in enumerate(rows):
     color = f'C{i % 10}'
     for j, r in enumerate(row['runs']):
-      curves, label = r['figures']['curves'], point_label(row['point']) if j == 0 else None
+      curves, label = r['figures']['curves'], row['label'] if j == 0 else None
       step_flops = r['figures']['flops_per_step']['total']
       axes[0].plot(*zip(*curves['train']), color=color, alpha=0.5, lw=1, label=label)
       es, el = zip(*curves['eval'])
@@ -193,23 +202,33 @@ def plot(rows: list[dict], out: pathlib.Path, title: str) -> pathlib.Path:
 
 
 def run_sweep(config: ml_collections.ConfigDict, axes: list[tuple[str, list]], *, seeds: int,
-              workdir: str | pathlib.Path, publish: str | None = None, title: str = 'Sweep') -> dict:
-  """Trains (or resumes, or reuses) every run of the sweep, then writes the report into workdir
-  (and to the --publish prefix). Returns the report's data (as in sweep.json)."""
+              workdir: str | pathlib.Path, publish: str | None = None, title: str = 'Sweep',
+              devices=None) -> dict:
+  """Trains (or resumes, or reuses) every run of the cross product of `axes`, then writes the
+  report into workdir (and to the --publish prefix). Returns the report's data (as in sweep.json)."""
+  swept = 'Swept: ' + '; '.join(f'`{k}` in {v}' for k, v in axes)
+  return run_points(config, named(axes), seeds=seeds, workdir=workdir, publish=publish, title=title,
+                    devices=devices, description=swept, extra={'axes': axes})
+
+
+def run_points(config: ml_collections.ConfigDict, named_points: list[tuple[str, dict]], *, seeds: int,
+               workdir: str | pathlib.Path, publish: str | None = None, title: str = 'Sweep',
+               devices=None, description: str = '', extra: dict | None = None) -> dict:
+  """run_sweep for an explicit list of (label, overrides) points (the ablations' arms)."""
   workdir = pathlib.Path(workdir)
-  runs = plan(config, axes, seeds, workdir)
+  runs = plan(config, named_points, seeds, workdir)
   results = []
   for k, run in enumerate(runs):
     print(f'sweep: run {k + 1} of {len(runs)}: {run["run_dir"].name}', flush=True)
-    results.append({**run, 'figures': runs_lib.train_run(run['config'], run['run_dir'])})
+    results.append({**run, 'figures': runs_lib.train_run(run['config'], run['run_dir'], devices=devices)})
   rows = aggregate(results)
   prov = runs_lib.provenance()
   workdir.mkdir(parents=True, exist_ok=True)
   png = plot(rows, workdir / 'loss_curves.png', title)
   md = workdir / 'sweep.md'
-  md.write_text(markdown(axes, rows, prov, png.name, title))
-  data = {'title': title, **prov, 'axes': axes, 'seeds': seeds,
-          'points': [{'point': row['point'], 'label': point_label(row['point']),
+  md.write_text(markdown(description or f'{len(rows)} points', rows, prov, png.name, title))
+  data = {'title': title, **prov, **(extra or {}), 'seeds': seeds,
+          'points': [{'point': row['point'], 'label': row['label'],
                       'runs': [{'seed': r['seed'], **r['figures']} for r in row['runs']]} for row in rows]}
   js = workdir / 'sweep.json'
   js.write_text(json.dumps(data, indent=1, default=float))

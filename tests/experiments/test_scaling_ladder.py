@@ -1,0 +1,73 @@
+"""experiments/scaling_ladder.py end to end on tiny rungs (2 variants x 3 rungs, one or two steps each),
+resume of a half-finished ladder, and the report's fits against the rungs it lists."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from configs.ladder import get_config, rung
+from experiments import ladder_fit, runs, scaling_ladder
+
+ONE = jax.devices()[:1]
+
+
+def tiny_ladder():
+  c = get_config('smoke')
+  c.name = 'tiny'
+  b = c.base
+  b.train.seq_len, b.train.eval_batches, b.train.log_every, b.train.plot = 32, 1, 2, False
+  c.tokens_per_param = 0.02
+  c.rungs = [rung(d, head_dim=8, depth_per_width=8, batch_size=4) for d in (8, 16, 24)]
+  # Variants that compile as fast as the baseline (the test times compilation, not training).
+  c.variants = {'rope': (), 'nope': (('model.position', 'nope'),)}
+  c.baseline = 'rope'
+  return c
+
+
+def test_ladder_runs_every_rung_reports_and_resumes(tmp_path, capsys):
+  ladder = tiny_ladder()
+  # A half-finished ladder: the first call runs the baseline's rungs only.
+  first = scaling_ladder.run_ladder(ladder, tmp_path, variants=['rope'], devices=ONE)
+  assert first['finished_rungs'] == 3 and first['planned_rungs'] == 6
+  assert 'nope' not in first['fits'] and not first['multipliers']
+  mtimes = {p: p.stat().st_mtime for p in tmp_path.glob('rope/*/done.json')}
+  data = scaling_ladder.run_ladder(ladder, tmp_path, devices=ONE)
+  out = capsys.readouterr().out
+  assert 'rung 6 of 6' in out and 'ETA' in out
+  assert {p: p.stat().st_mtime for p in tmp_path.glob('rope/*/done.json')} == mtimes   # reused, not retrained
+  assert data['finished_rungs'] == 6
+  for name in ('ladder.json', 'ladder.md', 'ladder.png'):
+    assert (tmp_path / name).exists()
+  saved = json.loads((tmp_path / 'ladder.json').read_text())
+  assert [r['rung'] for r in saved['rungs']] == ['d8', 'd16', 'd24'] * 2
+  for variant in ('rope', 'nope'):
+    rows = [r for r in saved['rungs'] if r['variant'] == variant]
+    # Same tokens for both variants of a rung; params grow along the ladder.
+    assert [r['tokens'] for r in rows] == [r['tokens'] for r in saved['rungs'][:3]]
+    assert all(a['params'] < b['params'] for a, b in zip(rows, rows[1:]))
+    assert all(r['epochs'] is not None and 0 < r['epochs'] < 1 for r in rows)
+    # The reported fit is the least-squares line through the rungs it lists.
+    x = np.log([r['flops'] / ladder_fit.PFLOPS_DAY for r in rows])
+    y = np.log([r['final_eval_loss'] for r in rows])
+    slope, intercept = np.polyfit(x, y, 1)
+    fit = saved['fits'][variant]['power_law']
+    assert fit['alpha'] == pytest.approx(-slope, rel=1e-6, abs=1e-9)
+    assert fit['A'] == pytest.approx(np.exp(intercept), rel=1e-6)
+    assert 'with_offset' not in saved['fits'][variant]     # 3 rungs: the pure power law only
+  assert set(saved['multipliers']) == {'nope'}
+  md = (tmp_path / 'ladder.md').read_text()
+  assert '6 of 6 rungs finished' in md and 'Compute multiplier' in md
+
+
+def test_ladder_refuses_unknown_variant_and_folder_of_another_config(tmp_path):
+  ladder = tiny_ladder()
+  with pytest.raises(runs.WorkflowError, match="'sgd' is not a variant"):
+    scaling_ladder.plan(ladder, tmp_path, ['sgd'])
+  run_dir = tmp_path / 'rope' / 'd8'
+  run_dir.mkdir(parents=True)
+  (run_dir / 'config.json').write_text(json.dumps({'seed': 123}))
+  with pytest.raises(runs.WorkflowError, match='holds a run of another config'):
+    scaling_ladder.plan(ladder, tmp_path)
+  assert (run_dir / 'config.json').read_text() == json.dumps({'seed': 123})    # left as it was
