@@ -9,7 +9,10 @@ import sys
 
 @contextlib.contextmanager
 def user_errors():
-  """Turns the errors that name a key or path into `sys.exit('<Type>: <message>')`."""
+  """Turns the errors that name a key or path into `sys.exit('<Type>: <message>')`; quiets absl's
+  INFO logs (orbax logs every checkpoint step)."""
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)
   from kimijax.config import ConfigError
   from kimijax.data import DataError
   from kimijax.train.checkpoint import CheckpointError

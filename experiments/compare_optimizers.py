@@ -32,8 +32,6 @@ def define_flags():
 
 def main(argv):
   del argv
-  from absl import logging
-  logging.set_verbosity(logging.WARNING)
   from experiments import sweep
   from experiments.cli import user_errors
   FLAGS = flags.FLAGS

@@ -150,6 +150,9 @@ def compute_multiplier(base_fit: dict, var_fit: dict, base_losses, var_losses, *
   spread over the range both ladders cover, [max of the two minima, min of the two maxima]; with no
   overlap, at the two ladders' nearest ends, marked extrapolated. Intervals (95%) from the pure
   power-law fits' parameter uncertainty."""
+  if base_fit['alpha'] <= 0 or var_fit['alpha'] <= 0:
+    return {'losses': [], 'multiplier': [], 'multiplier_ci95': [], 'loss_range': [float('nan')] * 2,
+            'extrapolated': False, 'note': 'undefined: a fit does not fall with compute (alpha <= 0)'}
   lo = max(min(base_losses), min(var_losses))
   hi = min(max(base_losses), max(var_losses))
   extrapolated = lo > hi

@@ -29,15 +29,10 @@ class WorkflowError(ValueError):
   config, an unknown ladder or variant); the message names the key or path."""
 
 
-def flatten(d: dict, prefix: str = '') -> dict:
-  """{'a': {'b': 1}} -> {'a.b': 1}; tuples become lists, as in JSON."""
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(flatten(v, f'{prefix}{k}.'))
-    else:
-      out[f'{prefix}{k}'] = list(v) if isinstance(v, tuple) else v
-  return out
+def flatten(d: dict) -> dict:
+  """{'a': {'b': 1}} -> {'a.b': 1}; tuples become lists, as in JSON (the checkpoint's own helper)."""
+  from kimijax.train.checkpoint import _flatten
+  return _flatten(d)
 
 
 def config_json(config: ml_collections.ConfigDict) -> dict:
@@ -85,20 +80,32 @@ def is_finished(run_dir: pathlib.Path) -> bool:
 
 
 def train_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path, *, devices=None,
-              quiet: bool = False) -> dict:
+              quiet: bool = False, drop_checkpoints: bool = False) -> dict:
   """Trains config in run_dir on `devices` (default all; resuming a half-finished run) unless it is
   finished; returns the run's figures (read_run). Raises WorkflowError before any compute if run_dir
-  holds another config."""
+  holds another config. drop_checkpoints=True (asked for on the command line, to carry a workdir
+  between machines) removes the run's checkpoints once it is finished; its figures stay."""
   from kimijax.train.loop import train
   run_dir = pathlib.Path(run_dir)
   check_folder(run_dir, config)
   if not is_finished(run_dir):
+    stale = run_dir / 'metrics.jsonl'
+    if stale.exists() and not any((run_dir / 'checkpoints').glob('[0-9]*')):
+      # A run interrupted before its first checkpoint (or whose checkpoints were not carried
+      # over) starts again from step 0: keep its lines aside so that the new curve is not appended.
+      kept = stale.with_name(f'metrics.interrupted-{int(time.time())}.jsonl')
+      os.replace(stale, kept)
+      print(f'{run_dir}: no checkpoint to resume from; starting again (earlier lines kept in {kept.name})',
+            flush=True)
     began = time.time()
     summary = train(config, run_dir, devices=devices)
     summary['wall_seconds'] = time.time() - began
     tmp = run_dir / 'done.json.tmp'
     tmp.write_text(json.dumps(summary, indent=1, default=str))
     os.replace(tmp, run_dir / 'done.json')
+    if drop_checkpoints:
+      import shutil
+      shutil.rmtree(run_dir / 'checkpoints', ignore_errors=True)
   elif not quiet:
     print(f'{run_dir}: finished earlier, reused', flush=True)
   return read_run(config, run_dir)
@@ -155,12 +162,11 @@ def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> 
 
 
 def hardware() -> str:
-  """'<device kind> x <count> (<backend>), <n>-core host <name>, jax <version>'."""
+  """'<device kind> x <count> JAX device(s), <n>-core host, jax <version>'."""
   import jax
   dev = jax.devices()[0]
-  kind = dev.device_kind if dev.platform != 'cpu' else (platform.processor() or platform.machine() or 'cpu')
-  return (f'{kind} x {jax.device_count()} ({dev.platform}), {os.cpu_count()}-core host, '
-          f'jax {jax.__version__}')
+  kind = dev.device_kind if dev.platform != 'cpu' else f'CPU ({platform.machine() or "unknown"})'
+  return f'{kind} x {jax.device_count()} JAX device(s), {os.cpu_count()}-core host, jax {jax.__version__}'
 
 
 def provenance() -> dict:

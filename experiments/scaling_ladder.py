@@ -85,11 +85,31 @@ def plan(ladder: ml_collections.ConfigDict, workdir: pathlib.Path, variants: lis
   return out
 
 
-def eta_text(remaining_flops: float, flops_done: float, seconds: float) -> str:
-  if flops_done <= 0 or seconds <= 0:
+def rung_time_model(trained: list[tuple[float, float]]) -> tuple[float, float] | None:
+  """(seconds of overhead per rung, seconds per FLOP) from the (FLOPs, seconds) of the rungs trained
+  in this call: a least-squares line through them (compilation, data loading and evals are the
+  overhead; small rungs are mostly overhead), or the FLOP rate alone from one rung."""
+  if not trained:
+    return None
+  flops, secs = zip(*trained)
+  if len(trained) >= 2 and max(flops) > min(flops):
+    import numpy as np
+    per_flop, overhead = np.polyfit(flops, secs, 1)
+    if per_flop > 0 and overhead >= 0:
+      return float(overhead), float(per_flop)
+  return 0.0, sum(secs) / sum(flops)
+
+
+def predict_seconds(model: tuple[float, float] | None, flops: list[float]) -> float | None:
+  if model is None:
+    return None
+  return sum(model[0] + model[1] * f for f in flops)
+
+
+def eta_text(seconds: float | None) -> str:
+  if seconds is None:
     return 'ETA after the first rung trained in this call'
-  eta = remaining_flops / (flops_done / seconds)
-  return f'ETA {eta / 60:.1f} min for this and the remaining rungs (at {flops_done / seconds:.3g} FLOP/s)'
+  return f'ETA {seconds / 60:.1f} min for this and the remaining rungs'
 
 
 def fits_for(points: list[dict]) -> dict:
@@ -173,6 +193,8 @@ def markdown(ladder, rows, analysis, prov, png_name: str, planned: int) -> str:
     cells = '; '.join(f'{loss:.3f}: **{x:.3g}x** {_ci(ci)}'
                       for loss, x, ci in zip(m['losses'], m['multiplier'], m['multiplier_ci95']))
     note = ('yes: the variants\' loss ranges do not overlap' if m['extrapolated'] else 'no')
+    if 'note' in m:
+      cells, note = m['note'], '-'
     lines.append(f"| {v} | {m['loss_range'][0]:.3f}-{m['loss_range'][1]:.3f} | {cells} | {note} |")
   if not analysis['multipliers']:
     lines.append('| - | - | needs >= 2 finished rungs of the baseline and of a variant | - |')
@@ -185,6 +207,7 @@ def markdown(ladder, rows, analysis, prov, png_name: str, planned: int) -> str:
 
 def plot(ladder, rows, analysis, out: pathlib.Path) -> pathlib.Path:
   import matplotlib
+  import matplotlib.ticker
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   import numpy as np
@@ -208,41 +231,46 @@ def plot(ladder, rows, analysis, out: pathlib.Path) -> pathlib.Path:
   ax.set(xscale='log', yscale='log', xlabel='training compute C (PFLOP/s-days)',
          ylabel='final eval loss (nats/token)', title=f'ladder {ladder.name}')
   ax.grid(alpha=0.3, which='both')
+  ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())    # losses as plain numbers
+  ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
   ax.legend(fontsize=7)
+  fig.suptitle(f'{len(rows)} rungs; fits by least squares (experiments/ladder_fit.py)', fontsize=8)
   fig.savefig(out, dpi=110, bbox_inches='tight')
   plt.close(fig)
   return out
 
 
 def run_ladder(ladder: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, variants=None,
-               time_budget_s: float | None = None, publish: str | None = None, devices=None) -> dict:
+               time_budget_s: float | None = None, publish: str | None = None, devices=None,
+               drop_checkpoints: bool = False) -> dict:
   """Runs (or resumes) the ladder's rungs, then writes ladder.json / .md / .png; returns the json data."""
   workdir = pathlib.Path(workdir)
   planned = plan(ladder, workdir, variants)
   runs = [r for r in planned if r['chosen']]
   started = time.time()
-  flops_done, seconds_trained, finished = 0.0, 0.0, []
+  trained, finished = [], []       # (FLOPs, seconds) of each rung trained in this call
   for run in planned:     # finished rungs of the variants not run now still go into the report
     if not run['chosen'] and runs_lib.is_finished(run['run_dir']):
       finished.append({**run, 'figures': runs_lib.read_run(run['config'], run['run_dir'])})
   for n, run in enumerate(runs, 1):
     total = run['step_flops']['total'] * run['config'].train.steps
-    remaining = sum(r['step_flops']['total'] * r['config'].train.steps for r in runs[n - 1:]
-                    if not runs_lib.is_finished(r['run_dir']))
-    if not runs_lib.is_finished(run['run_dir']):
-      rate = flops_done / seconds_trained if seconds_trained > 0 else None
-      if time_budget_s is not None and rate and time.time() - started + total / rate > time_budget_s:
-        print(f'ladder: stopping before rung {n} of {len(runs)}: at {rate:.3g} FLOP/s it would end past '
+    remaining = [r['step_flops']['total'] * r['config'].train.steps for r in runs[n - 1:]
+                 if not runs_lib.is_finished(r['run_dir'])]
+    model = rung_time_model(trained)
+    was_finished = runs_lib.is_finished(run['run_dir'])
+    if not was_finished and time_budget_s is not None:
+      this_rung = predict_seconds(model, [total])
+      if this_rung is not None and time.time() - started + this_rung > time_budget_s:
+        print(f'ladder: stopping before rung {n} of {len(runs)}: it would take ~{this_rung:.0f} s and end past '
               f'the {time_budget_s:.0f} s budget; re-run the same command to continue', flush=True)
         break
     print(f"ladder: rung {n} of {len(runs)}: {run['variant']} {run['rung']['name']} "
           f"({run['step_flops']['params']:,} params, {run['config'].train.steps} steps, {total:.3g} FLOPs); "
-          f"{eta_text(remaining, flops_done, seconds_trained)}", flush=True)
-    was_finished = runs_lib.is_finished(run['run_dir'])
+          f"{eta_text(predict_seconds(model, remaining))}", flush=True)
     began = time.time()
-    figures = runs_lib.train_run(run['config'], run['run_dir'], devices=devices)
+    figures = runs_lib.train_run(run['config'], run['run_dir'], devices=devices, drop_checkpoints=drop_checkpoints)
     if not was_finished:
-      flops_done, seconds_trained = flops_done + total, seconds_trained + time.time() - began
+      trained.append((total, time.time() - began))
     finished.append({**run, 'figures': figures})
   finished.sort(key=lambda r: [p['run_dir'] for p in planned].index(r['run_dir']))
   rows = [_rung_row(r) for r in finished]
@@ -273,18 +301,19 @@ def define_flags():
   flags.DEFINE_list('variants', [], "variants to run (default: all); the report covers every finished one")
   flags.DEFINE_float('time_budget_s', None, 'start no rung that would end past this many seconds')
   flags.DEFINE_string('publish', None, 'also copy the report to PREFIX.md/.png/.json')
+  flags.DEFINE_bool('drop_finished_checkpoints', False, "remove a rung's checkpoints once it is finished "
+                    '(its figures stay), so that the workdir is small enough to carry between machines')
   flags.mark_flags_as_required(['config', 'workdir'])
 
 
 def main(argv):
   del argv
-  from absl import flags, logging
-  logging.set_verbosity(logging.WARNING)
-  FLAGS = flags.FLAGS
+  from absl import flags
   from experiments.cli import user_errors
   with user_errors():
-    run_ladder(FLAGS.config, FLAGS.workdir, variants=FLAGS.variants or None,
-               time_budget_s=FLAGS.time_budget_s, publish=FLAGS.publish)
+    f = flags.FLAGS
+    run_ladder(f.config, f.workdir, variants=f.variants or None, time_budget_s=f.time_budget_s, publish=f.publish,
+               drop_checkpoints=f.drop_finished_checkpoints)
 
 
 if __name__ == '__main__':

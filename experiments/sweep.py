@@ -17,7 +17,9 @@ the sweep with the keys that differ (nothing is deleted). Then it writes
                          exactly), tokens, training FLOPs (kimijax.train.flops), median tokens/s,
                          max logit (final / peak), wall time
   DIR/loss_curves.png    train loss against step, eval loss against training FLOPs, max logit
-                         against step; one colour per point, one line per seed
+                         against step, and the final eval loss by token position (log axis: does
+                         the model keep improving with context?); one colour per point, one line
+                         per seed
 
 and, with --publish=PREFIX, copies them to PREFIX.md / PREFIX.png / PREFIX.json (e.g. under
 experiments/results/). Without --publish nothing outside DIR is written. Expected output of
@@ -177,7 +179,8 @@ def plot(rows: list[dict], out: pathlib.Path, title: str) -> pathlib.Path:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   has_logits = any(r['figures']['curves']['max_logit'] for row in rows for r in row['runs'])
-  fig, axes = plt.subplots(1, 3 if has_logits else 2, figsize=(17 if has_logits else 12, 4.5))
+  panels = 4 if has_logits else 3
+  fig, axes = plt.subplots(1, panels, figsize=(5.6 * panels, 4.5))
   for i, row in enumerate(rows):
     color = f'C{i % 10}'
     for j, r in enumerate(row['runs']):
@@ -188,10 +191,17 @@ def plot(rows: list[dict], out: pathlib.Path, title: str) -> pathlib.Path:
       axes[1].plot([s * step_flops for s in es], el, 'o-', color=color, ms=4, lw=1.5, label=label)
       if has_logits and curves['max_logit']:
         axes[2].plot(*zip(*curves['max_logit']), color=color, lw=1.2, label=label)
+      by_position = r['figures']['loss_by_position']
+      points = [(last + 1, loss) for (_, last), loss in zip(by_position['buckets'] or [], by_position['loss'] or [])
+                if loss is not None]
+      if points:
+        axes[-1].plot(*zip(*points), 'o-', ms=3, color=color, lw=1.2, alpha=0.8, label=label)
   axes[0].set(xlabel='step', ylabel='train loss (nats/token)')
   axes[1].set(xlabel='training FLOPs', ylabel='eval loss (nats/token)', xscale='log')
   if has_logits:
     axes[2].set(xlabel='step', ylabel='max logit (all layers, heads)', yscale='log')
+  axes[-1].set(xlabel='token position (context seen, bucket end)', ylabel='final eval loss by position',
+               xscale='log')
   for ax in axes:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -255,10 +265,9 @@ def define_flags():
 
 def main(argv):
   del argv
-  from absl import flags, logging
-  logging.set_verbosity(logging.WARNING)
-  FLAGS = flags.FLAGS
+  from absl import flags
   from experiments.cli import user_errors
+  FLAGS = flags.FLAGS
   with user_errors():
     if not FLAGS.sweep:
       raise WorkflowError('give at least one --sweep=KEY=V1,V2,... (or use run.py for a single run)')

@@ -14,10 +14,7 @@ Expected runtime (estimates, not measured): cpu, 6 arms x 2 seeds of a 0.4M mode
 tokens, bf16, the Pallas AttnRes kernels (XLA for Full): ~2-3 min per run, ~30 min on one H200.
 """
 
-from absl import app
-
 from experiments.ablations import common
-from experiments.runs import with_overrides
 
 
 def block(s: int) -> dict:
@@ -49,25 +46,12 @@ CLAIMS = [
 
 def base(scale: str):
   from configs.default import get_config
-  c = get_config()
   if scale == 'cpu':
-    return with_overrides(c, {'model.d_model': 64, 'model.num_layers': 8, 'model.num_heads': 4,
-                              'model.mlp_dim': 192, 'train.seq_len': 128, 'train.batch_size': 8,
-                              'train.steps': 300, 'train.eval_every': 100, 'train.checkpoint_every': 100,
-                              'optimizer.warmup_steps': 15})
-  return with_overrides(c, {
-      'model.d_model': 512, 'model.num_layers': 8, 'model.num_heads': 8, 'model.mlp_dim': 1536,
-      'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'cudnn', 'model.attnres_impl': 'pallas',
-      'train.seq_len': 1024, 'train.batch_size': 16, 'train.steps': 1500, 'train.eval_every': 300,
-      'train.checkpoint_every': 300, 'train.eval_batches': 16, 'optimizer.learning_rate': 2e-3,
-      'optimizer.warmup_steps': 75, 'data.source': 'site_packages'})
-
-
-def main(argv):
-  del argv
-  common.main('Attention Residuals ablations', base, ARMS + NOT_RUNNABLE, CLAIMS, __doc__.split('\n\n')[1])
+    return common.sized(get_config(), scale, d_model=64, num_layers=8, num_heads=4, seq_len=128,
+                        batch_size=8, steps=300)
+  return common.sized(get_config(), scale, d_model=512, num_layers=8, num_heads=8, seq_len=1024,
+                      batch_size=16, steps=1500, model__attnres_impl='pallas', optimizer__learning_rate=2e-3)
 
 
 if __name__ == '__main__':
-  common.define_flags('runs/ablation_attention_residuals')
-  app.run(main)
+  common.script('Attention Residuals ablations', base, ARMS + NOT_RUNNABLE, CLAIMS, __doc__, 'runs/ablation_attention_residuals')

@@ -47,6 +47,8 @@ def verdict(a: list[float], b: list[float], relation: str) -> str:
   if relation not in ('<', '>', '='):
     raise ValueError(f"relation must be '<', '>' or '='; got {relation!r}")
   gap = statistics.fmean(a) - statistics.fmean(b)
+  if gap == 0 and relation != '=':     # e.g. both arms recall everything: no ordering to judge
+    return 'tie (equal means)'
   if len(a) < 2 or len(b) < 2:
     if relation == '=':
       return 'no verdict (1 seed: equality needs the seed noise)'
@@ -103,6 +105,25 @@ def report(title: str, arms: list[Arm], claims: list[Claim], data: dict, command
   return '\n'.join(lines) + '\n'
 
 
+def sized(config, scale: str, *, d_model: int, num_layers: int, num_heads: int, seq_len: int,
+          batch_size: int, steps: int, **overrides):
+  """config at an ablation's size: width, depth, heads, SwiGLU 3 d, tokens per step, steps (evals
+  and checkpoints every steps / 5, warmup 5%). scale 'gpu' adds the H200 settings of
+  configs/bench_350m.py (bf16, cuDNN attention), 16 eval batches and the site-packages corpus.
+  Keys in `overrides` are written with '__' for '.' (model__attn_impl='xla')."""
+  from experiments.runs import with_overrides
+  every = max(steps // 5, 1)
+  values = {'model.d_model': d_model, 'model.num_layers': num_layers, 'model.num_heads': num_heads,
+            'model.mlp_dim': 3 * d_model, 'train.seq_len': seq_len, 'train.batch_size': batch_size,
+            'train.steps': steps, 'train.eval_every': every, 'train.checkpoint_every': every,
+            'optimizer.warmup_steps': max(steps // 20, 1)}
+  if scale == 'gpu':
+    values.update({'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'cudnn', 'train.eval_batches': 16,
+                   'data.source': 'site_packages'})
+  values.update({k.replace('__', '.'): v for k, v in overrides.items()})
+  return with_overrides(config, values)
+
+
 def define_flags(default_workdir: str):
   from absl import flags
   flags.DEFINE_enum('scale', 'cpu', ['cpu', 'gpu'], "'cpu': tiny models that show the workflow on a "
@@ -117,10 +138,9 @@ def define_flags(default_workdir: str):
 def main(title: str, base: Callable[[str], object], arms: list[Arm], claims: list[Claim], commands: str,
          *, devices=None) -> dict:
   """Runs the chosen arms (flags from define_flags) and writes the ablation report."""
-  from absl import flags, logging
+  from absl import flags
   from experiments import runs as runs_lib
   from experiments.cli import user_errors
-  logging.set_verbosity(logging.WARNING)
   FLAGS = flags.FLAGS
   with user_errors():
     known = [a.name for a in arms if a.runnable]
@@ -147,3 +167,18 @@ def run(title, config, chosen: list[Arm], arms: list[Arm], claims: list[Claim], 
     for path in runs_lib.publish(files, publish):
       print(f'published {path}')
   return data
+
+
+def script(title: str, base: Callable[[str], object], arms, claims, doc: str, workdir: str) -> None:
+  """An ablation file's `if __name__ == '__main__'`: its flags, then main. `arms` and `claims` are
+  lists, or functions of the scale (for grids that change with it); `doc` is the file's docstring
+  (its second paragraph goes into the report)."""
+  from absl import app, flags
+  define_flags(workdir)
+
+  def run_main(argv):
+    del argv
+    scale = flags.FLAGS.scale
+    main(title, base, arms(scale) if callable(arms) else arms, claims(scale) if callable(claims) else claims,
+         doc.split('\n\n')[1])
+  app.run(run_main)

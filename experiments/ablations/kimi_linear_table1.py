@@ -15,10 +15,7 @@ parameters, 1000 steps of 16 x 2048 tokens (33M tokens), ~5 min per run with the
 form: ~100 min on one H200, i.e. split it with --arms over several calls (runs resume and are reused).
 """
 
-from absl import app
-
 from experiments.ablations import common
-from experiments.runs import with_overrides
 
 ARMS = [
     common.Arm('3:1', {}, 'train ppl 9.23, val 5.65'),
@@ -49,25 +46,12 @@ CLAIMS = [
 
 def base(scale: str):
   from configs.kimi_linear_small import get_config
-  c = get_config()
   if scale == 'cpu':
-    return with_overrides(c, {'model.d_model': 32, 'model.num_layers': 16, 'model.num_heads': 2,
-                              'model.mlp_dim': 96, 'model.mla_kv_lora_rank': 32, 'train.seq_len': 128,
-                              'train.batch_size': 8, 'train.steps': 100, 'train.eval_every': 50,
-                              'train.checkpoint_every': 50, 'optimizer.warmup_steps': 10})
-  return with_overrides(c, {
-      'model.d_model': 512, 'model.num_layers': 16, 'model.num_heads': 8, 'model.mlp_dim': 1536,
-      'model.mla_kv_lora_rank': 256, 'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'cudnn',
-      'train.seq_len': 2048, 'train.batch_size': 16, 'train.steps': 1000, 'train.eval_every': 250,
-      'train.checkpoint_every': 250, 'train.eval_batches': 16, 'optimizer.learning_rate': 2e-3,
-      'optimizer.warmup_steps': 50, 'data.source': 'site_packages'})
-
-
-def main(argv):
-  del argv
-  common.main('Kimi Linear Table 1 ablations', base, ARMS, CLAIMS, __doc__.split('\n\n')[1])
+    return common.sized(get_config(), scale, d_model=32, num_layers=16, num_heads=2, seq_len=128,
+                        batch_size=8, steps=100, model__mla_kv_lora_rank=32)
+  return common.sized(get_config(), scale, d_model=512, num_layers=16, num_heads=8, seq_len=2048,
+                      batch_size=16, steps=1000, model__mla_kv_lora_rank=256, optimizer__learning_rate=2e-3)
 
 
 if __name__ == '__main__':
-  common.define_flags('runs/ablation_kimi_linear_table1')
-  app.run(main)
+  common.script('Kimi Linear Table 1 ablations', base, ARMS, CLAIMS, __doc__, 'runs/ablation_kimi_linear_table1')

@@ -14,10 +14,7 @@ Expected runtime: cpu, 9 arms x 1 seed, 0.1M models, 300 steps at T <= 256: ~20 
 CPU (estimate). gpu: 9 arms x 2 seeds, ~6M models, 2000 steps at T up to 2048: ~30 min (estimate).
 """
 
-from absl import app
-
 from experiments.ablations import common
-from experiments.runs import with_overrides
 
 PATTERNS = {'attention': 'A', 'hybrid_3to1': '3:1', 'kda': 'K'}
 
@@ -42,27 +39,13 @@ def claims(scale: str) -> list[common.Claim]:
 
 def base(scale: str):
   from configs.default import get_config
-  c = get_config()
-  if scale == 'cpu':
-    return with_overrides(c, {'model.d_model': 64, 'model.num_layers': 4, 'model.num_heads': 2,
-                              'model.mlp_dim': 128, 'train.batch_size': 16, 'train.steps': 300,
-                              'train.eval_every': 100, 'train.checkpoint_every': 100, 'train.eval_batches': 4,
-                              'optimizer.warmup_steps': 15, 'data.source': 'mqar'})
-  return with_overrides(c, {
-      'model.d_model': 256, 'model.num_layers': 4, 'model.num_heads': 4, 'model.mlp_dim': 768,
-      'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'cudnn', 'train.batch_size': 32,
-      'train.steps': 2000, 'train.eval_every': 500, 'train.checkpoint_every': 500, 'train.eval_batches': 8,
-      'optimizer.learning_rate': 1e-3, 'optimizer.warmup_steps': 100, 'data.source': 'mqar'})
-
-
-def main(argv):
-  del argv
-  from absl import flags
-  scale = flags.FLAGS.scale
-  common.main('MQAR recall: attention, 3:1 hybrid, all KDA', base, arms(scale), claims(scale),
-              __doc__.split('\n\n')[1])
+  if scale == 'cpu':   # seq_len is set per arm
+    return common.sized(get_config(), scale, d_model=64, num_layers=4, num_heads=2, seq_len=128,
+                        batch_size=16, steps=300, train__eval_batches=4, data__source='mqar')
+  return common.sized(get_config(), scale, d_model=256, num_layers=4, num_heads=4, seq_len=512,
+                      batch_size=32, steps=2000, train__eval_batches=8, optimizer__learning_rate=1e-3,
+                      data__source='mqar')
 
 
 if __name__ == '__main__':
-  common.define_flags('runs/ablation_mqar_recall')
-  app.run(main)
+  common.script('MQAR recall: attention, 3:1 hybrid, all KDA', base, arms, claims, __doc__, 'runs/ablation_mqar_recall')

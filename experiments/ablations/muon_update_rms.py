@@ -13,10 +13,7 @@ Expected runtime: cpu, 6 arms x 2 seeds of configs/default.py shrunk to d=128, 2
 16 x 1024 tokens: ~1.5 min per run, ~20 min on one H200 (estimate).
 """
 
-from absl import app
-
 from experiments.ablations import common
-from experiments.runs import with_overrides
 
 SCALES = (0.05, 0.1, 0.2, 0.4, 0.8)
 PUBLISHED = {0.05: '3.503', 0.1: '3.374', 0.2: '3.325', 0.4: '3.314', 0.8: '3.543'}
@@ -32,25 +29,12 @@ CLAIMS = [common.Claim(f'muon_rms{s:g}', '<', 'adamw', source=SOURCE) for s in S
 
 def base(scale: str):
   from configs.default import get_config
-  c = get_config()
   if scale == 'cpu':
-    return with_overrides(c, {'model.d_model': 128, 'model.num_layers': 2, 'model.num_heads': 2,
-                              'model.mlp_dim': 384, 'train.seq_len': 128, 'train.batch_size': 16,
-                              'train.steps': 200, 'train.eval_every': 50, 'train.checkpoint_every': 100,
-                              'optimizer.warmup_steps': 10})
-  return with_overrides(c, {
-      'model.d_model': 512, 'model.num_layers': 8, 'model.num_heads': 8, 'model.mlp_dim': 1536,
-      'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'cudnn', 'train.seq_len': 1024,
-      'train.batch_size': 16, 'train.steps': 1500, 'train.eval_every': 300, 'train.checkpoint_every': 300,
-      'train.eval_batches': 16, 'optimizer.learning_rate': 2e-3, 'optimizer.warmup_steps': 75,
-      'data.source': 'site_packages'})
-
-
-def main(argv):
-  del argv
-  common.main('Muon update-RMS sweep against AdamW', base, ARMS, CLAIMS, __doc__.split('\n\n')[1])
+    return common.sized(get_config(), scale, d_model=128, num_layers=2, num_heads=2, seq_len=128,
+                        batch_size=16, steps=200)
+  return common.sized(get_config(), scale, d_model=512, num_layers=8, num_heads=8, seq_len=1024,
+                      batch_size=16, steps=1500, optimizer__learning_rate=2e-3)
 
 
 if __name__ == '__main__':
-  common.define_flags('runs/ablation_muon_update_rms')
-  app.run(main)
+  common.script('Muon update-RMS sweep against AdamW', base, ARMS, CLAIMS, __doc__, 'runs/ablation_muon_update_rms')

@@ -14,10 +14,7 @@ Expected runtime: cpu, 2 arms x 2 seeds of configs/default.py (3.5M, 300 steps):
 2-core CPU (estimate). gpu: 2 arms x 2 seeds of a ~25M model, 1500 steps: ~6 min on one H200 (estimate).
 """
 
-from absl import app
-
 from experiments.ablations import common
-from experiments.runs import with_overrides
 
 ARMS = [common.Arm('muon', {'optimizer.name': 'muon'}, 'max logit > 1000 at 9B active (diverged)'),
         common.Arm('muonclip', {'optimizer.name': 'muonclip'}, 'capped at tau; same loss curve')]
@@ -29,22 +26,12 @@ CLAIMS = [
 
 def base(scale: str):
   from configs.default import get_config
-  c = get_config()
-  if scale == 'cpu':
-    return with_overrides(c, {'train.steps': 300, 'train.eval_every': 100, 'optimizer.qk_clip_tau': 5.0})
-  return with_overrides(c, {
-      'model.d_model': 512, 'model.num_layers': 8, 'model.num_heads': 8, 'model.mlp_dim': 1536,
-      'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'cudnn', 'train.seq_len': 1024,
-      'train.batch_size': 16, 'train.steps': 1500, 'train.eval_every': 300, 'train.checkpoint_every': 300,
-      'train.eval_batches': 16, 'optimizer.learning_rate': 3e-3, 'optimizer.warmup_steps': 75,
-      'optimizer.qk_clip_tau': 10.0, 'data.source': 'site_packages'})
-
-
-def main(argv):
-  del argv
-  common.main('QK-Clip: Muon with and without the clip', base, ARMS, CLAIMS, __doc__.split('\n\n')[1])
+  if scale == 'cpu':    # configs/default.py as it is (3.5M parameters), 300 steps
+    return common.sized(get_config(), scale, d_model=256, num_layers=4, num_heads=4, seq_len=256,
+                        batch_size=16, steps=300, optimizer__qk_clip_tau=5.0)
+  return common.sized(get_config(), scale, d_model=512, num_layers=8, num_heads=8, seq_len=1024,
+                      batch_size=16, steps=1500, optimizer__learning_rate=3e-3, optimizer__qk_clip_tau=10.0)
 
 
 if __name__ == '__main__':
-  common.define_flags('runs/ablation_qk_clip')
-  app.run(main)
+  common.script('QK-Clip: Muon with and without the clip', base, ARMS, CLAIMS, __doc__, 'runs/ablation_qk_clip')

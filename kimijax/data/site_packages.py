@@ -1,7 +1,7 @@
 """A larger code corpus for scaling ladders: the Python source of every installed package.
 
 `data.source='site_packages'` reads every `.py` file under the running interpreter's
-site-packages (sysconfig's purelib and platlib; in a virtualenv, the venv's), ~90 MB in this
+site-packages (sysconfig's purelib and platlib, site's folders; in a virtualenv, the venv's), ~90 MB in this
 project's .venv against the stdlib corpus's ~32 MB, so that a ladder's larger rungs repeat their
 tokens less. Files with identical contents (vendored copies, empty `__init__.py`) count once:
 documents are deduplicated by the SHA-256 of their bytes. The split is by that hash too (a
@@ -24,11 +24,16 @@ SKIPPED_DIRS = frozenset({'__pycache__'})
 
 
 def site_packages_roots() -> tuple[pathlib.Path, ...]:
-  """The running interpreter's site-packages folders (purelib, platlib), existing ones, once each."""
+  """The running interpreter's package folders: sysconfig's purelib and platlib, site's global
+  and user site-packages (dist-packages on Debian), existing ones, once each."""
+  import site
   paths = sysconfig.get_paths()
+  candidates = [paths['purelib'], paths['platlib'], *getattr(site, 'getsitepackages', lambda: [])()]
+  if site.ENABLE_USER_SITE:
+    candidates.append(site.getusersitepackages())
   roots = []
-  for key in ('purelib', 'platlib'):
-    p = pathlib.Path(paths[key]).resolve()
+  for c in candidates:
+    p = pathlib.Path(c).resolve()
     if p.is_dir() and p not in roots:
       roots.append(p)
   return tuple(roots)
@@ -68,15 +73,14 @@ def unique_sources(roots: tuple[pathlib.Path, ...]) -> tuple[tuple[bytes, bytes]
 def split_by_hash(sources: tuple[tuple[bytes, bytes], ...], split: str, val_fraction: float) -> list[bytes]:
   """Documents of `split`: validation iff the digest maps below val_fraction. With >= 2 documents
   each split gets one at least (the lowest digest goes to validation, or the highest to train)."""
-  units = [_hash_unit(d) for d, _ in sources]
-  is_val = [u < val_fraction for u in units]
-  if len(sources) >= 2:
-    if not any(is_val):
-      is_val[min(range(len(units)), key=units.__getitem__)] = True
-    elif all(is_val):
-      is_val[max(range(len(units)), key=units.__getitem__)] = False
-  want_val = split == 'validation'
-  return [data for (_, data), v in zip(sources, is_val) if v == want_val]
+  import numpy as np
+  units = np.array([_hash_unit(d) for d, _ in sources])
+  is_val = units < val_fraction
+  if len(units) >= 2 and not is_val.any():
+    is_val[units.argmin()] = True
+  if len(units) >= 2 and is_val.all():
+    is_val[units.argmax()] = False
+  return [data for (_, data), v in zip(sources, is_val) if bool(v) == (split == 'validation')]
 
 
 def site_packages_documents(split: str, val_fraction: float, roots=None) -> list[bytes]:

@@ -3,8 +3,8 @@ ablation file is a valid config at both scales, with each claim naming arms that
 
 import pytest
 
-from experiments.ablations import (attention_residuals, common, kimi_linear_table1, mqar_recall,
-                                   muon_update_rms, qk_clip)
+from experiments.ablations import (attention_residuals, common, kimi_linear_table1, long_context,
+                                   mqar_recall, muon_update_rms, qk_clip)
 from experiments.sweep import run_config
 from kimijax.config import validate
 
@@ -20,6 +20,7 @@ def test_verdict_rule():
   assert common.verdict([0.9, 0.92], [0.5, 0.52], '>') == 'reproduces'
   assert common.verdict([1.0], [1.1], '<') == 'reproduces (1 seed: noise not measured)'
   assert common.verdict([1.0], [1.1], '=').startswith('no verdict')
+  assert common.verdict([1.0, 1.0], [1.0, 1.0], '>') == 'tie (equal means)'
   with pytest.raises(ValueError):
     common.verdict([1.0], [1.0], '<=')
 
@@ -28,7 +29,7 @@ CASES = [(kimi_linear_table1, kimi_linear_table1.ARMS, kimi_linear_table1.CLAIMS
          (attention_residuals, attention_residuals.ARMS + attention_residuals.NOT_RUNNABLE,
           attention_residuals.CLAIMS),
          (muon_update_rms, muon_update_rms.ARMS, muon_update_rms.CLAIMS),
-         (qk_clip, qk_clip.ARMS, qk_clip.CLAIMS)]
+         (qk_clip, qk_clip.ARMS, qk_clip.CLAIMS), (long_context, long_context.ARMS, long_context.CLAIMS)]
 
 
 @pytest.mark.parametrize('scale', ['cpu', 'gpu'], ids=['cpu_scale', 'h200_scale'])   # an id 'gpu' would mark it GPU-only

@@ -67,3 +67,20 @@ def test_ladder_analysis_fits_both_forms_from_five_rungs():
   assert set(analysis['fits']['muon']) == {'power_law', 'with_offset'}
   assert analysis['fits']['muon']['power_law']['alpha'] == pytest.approx(ALPHA, rel=1e-8)
   assert analysis['multipliers']['muon']['multiplier'] == pytest.approx([MULT] * 3, rel=1e-6)
+
+
+def test_rung_time_model_separates_overhead_from_flop_rate():
+  # 20 s of overhead per rung and 1e9 FLOP/s: the ETA of two more rungs follows.
+  trained = [(1e9, 21.0), (4e9, 24.0), (1e10, 30.0)]
+  overhead, per_flop = scaling_ladder.rung_time_model(trained)
+  assert overhead == pytest.approx(20.0) and per_flop == pytest.approx(1e-9)
+  assert scaling_ladder.predict_seconds((overhead, per_flop), [2e10, 5e10]) == pytest.approx(110.0)
+  assert scaling_ladder.rung_time_model([(2e9, 10.0)]) == (0.0, 5e-9)
+  assert scaling_ladder.predict_seconds(None, [1.0]) is None
+
+
+def test_no_multiplier_from_a_fit_that_does_not_fall():
+  rising = ladder_fit.fit_power_law(C, 2.0 * C ** 0.01)
+  falling = ladder_fit.fit_power_law(C, A * C ** -ALPHA)
+  m = ladder_fit.compute_multiplier(falling, rising, A * C ** -ALPHA, 2.0 * C ** 0.01)
+  assert m['multiplier'] == [] and 'alpha <= 0' in m['note']

@@ -28,15 +28,20 @@ def tiny_ladder():
 
 def test_ladder_runs_every_rung_reports_and_resumes(tmp_path, capsys):
   ladder = tiny_ladder()
-  # A half-finished ladder: the first call runs the baseline's rungs only.
-  first = scaling_ladder.run_ladder(ladder, tmp_path, variants=['rope'], devices=ONE)
-  assert first['finished_rungs'] == 3 and first['planned_rungs'] == 6
-  assert 'nope' not in first['fits'] and not first['multipliers']
-  mtimes = {p: p.stat().st_mtime for p in tmp_path.glob('rope/*/done.json')}
-  data = scaling_ladder.run_ladder(ladder, tmp_path, devices=ONE)
+  # A half-finished ladder: a first call for the baseline alone, whose time budget is spent after
+  # its first rung (the first rung always runs: there is no rate to judge by before it).
+  first = scaling_ladder.run_ladder(ladder, tmp_path, variants=['rope'], time_budget_s=0, devices=ONE)
+  assert 'stopping before rung 2 of 3' in capsys.readouterr().out
+  assert first['finished_rungs'] == 1 and first['planned_rungs'] == 6
+  assert not first['multipliers'] and (tmp_path / 'ladder.md').exists()
+  mtime = (tmp_path / 'rope' / 'd8' / 'done.json').stat().st_mtime
+  data = scaling_ladder.run_ladder(ladder, tmp_path, devices=ONE, drop_checkpoints=True)
   out = capsys.readouterr().out
-  assert 'rung 6 of 6' in out and 'ETA' in out
-  assert {p: p.stat().st_mtime for p in tmp_path.glob('rope/*/done.json')} == mtimes   # reused, not retrained
+  # Asked to, the call removed the checkpoints of the rungs it finished, and only those.
+  assert (tmp_path / 'rope' / 'd8' / 'checkpoints').exists()
+  assert not any((tmp_path / v / r / 'checkpoints').exists() for v, r in (('rope', 'd16'), ('nope', 'd24')))
+  assert 'rung 6 of 6' in out and 'ETA' in out and 'finished earlier, reused' in out
+  assert (tmp_path / 'rope' / 'd8' / 'done.json').stat().st_mtime == mtime   # reused, not retrained
   assert data['finished_rungs'] == 6
   for name in ('ladder.json', 'ladder.md', 'ladder.png'):
     assert (tmp_path / name).exists()

@@ -61,6 +61,16 @@ def test_sweep_table_resume_and_reuse(tmp_path, capsys):
   assert kept.stat().st_mtime == kept_mtime
   assert again['points'][1]['runs'][1]['final_eval_loss'] == pytest.approx(before, rel=1e-6)
 
+  # Interrupted before any checkpoint: it starts again from step 0, its earlier lines kept aside,
+  # and the new metrics.jsonl holds one curve.
+  shutil.rmtree(victim / 'checkpoints')
+  (victim / 'done.json').unlink()
+  sweep.run_sweep(config, axes, seeds=2, workdir=tmp_path, devices=ONE)
+  assert 'no checkpoint to resume from' in capsys.readouterr().out
+  assert len(list(victim.glob('metrics.interrupted-*.jsonl'))) == 1
+  steps = [r['step'] for r in eval_records(victim)]
+  assert steps == [2, 4] and eval_records(victim)[-1]['eval_loss'] == pytest.approx(before, rel=1e-6)
+
 
 def test_bad_sweeps_are_refused_before_training(tmp_path):
   config = make_config(TINY_MQAR)
