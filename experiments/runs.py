@@ -161,6 +161,24 @@ def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> 
   }
 
 
+def to_json(data) -> str:
+  """JSON text with NaN and infinities (an interval from too few rungs, say) written as null, so that
+  any JSON reader takes the file."""
+  import math
+
+  def clean(x):
+    if type(x).__module__ == 'numpy' and hasattr(x, 'item'):   # numpy scalars and arrays
+      x = x.item() if getattr(x, 'ndim', 0) == 0 else x.tolist()
+    if isinstance(x, float):
+      return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+      return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+      return [clean(v) for v in x]
+    return x
+  return json.dumps(clean(data), indent=1, default=str, allow_nan=False)
+
+
 def hardware() -> str:
   """'<device kind> x <count> JAX device(s), <n>-core host, jax <version>'."""
   import jax

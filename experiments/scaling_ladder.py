@@ -29,7 +29,6 @@ multiplier over adamw (the report's "52% of the FLOPs" would read 1.9x here).
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import time
@@ -284,7 +283,7 @@ def run_ladder(ladder: ml_collections.ConfigDict, workdir: str | pathlib.Path, *
           'baseline': ladder.baseline, 'variants': {v: list(map(list, o)) for v, o in ladder.variants.items()},
           'rungs': rows, **analysis, 'planned_rungs': len(planned), 'finished_rungs': len(rows)}
   js = workdir / 'ladder.json'
-  js.write_text(json.dumps(data, indent=1, default=float))
+  js.write_text(runs_lib.to_json(data))
   print(md.read_text())
   print(f'wrote {md}, {js}' + (f', {png}' if png else '') + f' in {time.time() - started:.0f} s')
   if publish and png:

@@ -31,7 +31,6 @@ about 2.9 / 2.6).
 from __future__ import annotations
 
 import itertools
-import json
 import pathlib
 import re
 
@@ -241,7 +240,7 @@ def run_points(config: ml_collections.ConfigDict, named_points: list[tuple[str, 
           'points': [{'point': row['point'], 'label': row['label'],
                       'runs': [{'seed': r['seed'], **r['figures']} for r in row['runs']]} for row in rows]}
   js = workdir / 'sweep.json'
-  js.write_text(json.dumps(data, indent=1, default=float))
+  js.write_text(runs_lib.to_json(data))
   print(md.read_text())
   print(f'wrote {md}, {png}, {js}')
   if publish:

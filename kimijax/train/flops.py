@@ -18,6 +18,9 @@ ns_steps * (4 m^2 n + 2 m^3). AdamW's elementwise work and Attention Residuals' 
 
 from __future__ import annotations
 
+import functools
+import json
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -26,11 +29,22 @@ from kimijax import config as config_lib
 
 
 def abstract_params(config: ml_collections.ConfigDict):
-  """The model's parameters as ShapeDtypeStructs (no memory, no compile)."""
+  """The model's parameters as ShapeDtypeStructs (no memory, no compile). Traced with the XLA
+  implementations, which have the same parameters, so that a GPU config counts on any machine."""
+  model_config = config.model.copy_and_resolve_references()
+  model_config.attn_impl, model_config.attnres_impl = 'xla', 'xla'
+  if model_config.kda_impl not in ('recurrent', 'chunk'):
+    model_config.kda_impl = 'chunk'
+  return _abstract_params(model_config.to_json())
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_params(model_json: str):
+  """Cached by the model config (a ladder asks once per rung and variant)."""
   import flax.linen as nn
   from kimijax.model import Transformer
-  model = Transformer(config.model)
-  tokens = jnp.zeros((1, min(config.train.seq_len, 8)), jnp.int32)
+  model = Transformer(ml_collections.ConfigDict(json.loads(model_json)))
+  tokens = jnp.zeros((1, 8), jnp.int32)
   return nn.unbox(jax.eval_shape(lambda r: model.init(r, tokens)['params'], jax.random.key(0)))
 
 
