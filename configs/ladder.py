@@ -6,7 +6,7 @@ variants.
     python -m experiments.scaling_ladder --config=configs/ladder.py:gpu_attnres --workdir=runs/ladder_attnres
 
 Ladders (NAME):
-  smoke        3 rungs x {adamw, muon}, CPU; < 15 min on the 2-core CPU (byte-level stdlib corpus)
+  smoke        3 rungs x {adamw, muon}, CPU; 10 min on the shared 2-core CPU (byte-level stdlib corpus)
   gpu          5 rungs x {adamw, muon} on one H200, bf16 + cuDNN attention, the site-packages corpus
   gpu_attnres  the gpu rungs x {standard, block AttnRes (one block per layer, the Pallas kernels)}
   gpu_hybrid   the gpu rungs x {all attention, 3:1 KDA:attention}; KDA runs its XLA chunk form
@@ -48,8 +48,8 @@ def _smoke(c: ml_collections.ConfigDict) -> None:
              rung(64, head_dim=16, depth_per_width=16, batch_size=16)]
   c.variants = {'adamw': (('optimizer.name', 'adamw'),), 'muon': (('optimizer.name', 'muon'),)}
   c.baseline = 'adamw'
-  c.expected = ('6 runs, about 8 minutes on the shared 2-core CPU (most of it the d64 rungs); '
-                'muon below adamw at every rung')
+  c.expected = ('6 runs, 10 min on the shared 2-core CPU (2026-12-01; most of it the d64 rungs); '
+                'muon below adamw at every rung (experiments/results/ladder_smoke.md)')
 
 
 def _gpu(c: ml_collections.ConfigDict) -> None:
