@@ -204,29 +204,6 @@ def _fmt(x) -> str:
   return 'n/a' if x is None else f'{x:.4f}'
 
 
-def unknown_override(argv: list[str]) -> str | None:
-  """The message for a --config.a.b=v whose key is not in the schema, else None. ml_collections
-  would fail inside flag parsing with a bare AttributeError naming neither the key nor the
-  allowed ones."""
-  import ml_collections
-  from kimijax.config import base_config
-  for arg in argv[1:]:
-    if arg == '--':
-      break
-    if not arg.startswith('--config.'):
-      continue
-    path = arg[len('--config.'):].split('=', 1)[0]
-    node, parent = base_config(), 'config'
-    for part in path.split('.'):
-      if not isinstance(node, ml_collections.ConfigDict):
-        return f'ConfigError: unknown config key {path!r} (from {arg}): {parent!r} is a value, not a group'
-      if part not in node:
-        return (f'ConfigError: unknown config key {path!r} (from {arg}); '
-                f'allowed keys in {parent!r}: {sorted(node.keys())}')
-      node, parent = node[part], part if parent == 'config' else f'{parent}.{part}'
-  return None
-
-
 def bad_config_file(argv: list[str]) -> str | None:
   """The message for a --config file that does not exist or whose get_config(variant) fails
   (an unknown variant), else None. Inside flag parsing either would end in a traceback."""
@@ -247,6 +224,7 @@ def bad_config_file(argv: list[str]) -> str | None:
 
 
 if __name__ == '__main__':
+  from kimijax.config import unknown_override
   if message := unknown_override(sys.argv) or bad_config_file(sys.argv):
     sys.exit(message)
   app.run(main)

@@ -1,11 +1,11 @@
 """~350M-parameter full-attention LM at sequence length 4096, for GPU throughput benchmarks.
 
-Run:      python experiments/bench_train.py --config=configs/bench_350m.py
+Run:      python -m experiments.bench.bench_train --config=configs/bench_350m.py
 Expected: one H200, 2026-11-30: 392 ms/step (other runs that day up to 411 ms), 167k tokens/s,
           44.9% MFU, 73.5 GiB peak
           (table and breakdown in experiments/results/bench_train.md); :attnres_block 420.1 ms
           against 400.0 standard on one GPU (+5.0%; +4.8% on another machine;
-          experiments/bench_compare.py; 79.2 GiB),
+          experiments/bench/bench_compare.py; 79.2 GiB),
           :attnres_full 1053 ms
           (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
           (muon_distributed.md).

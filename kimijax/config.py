@@ -298,3 +298,24 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       if axis is not None and axis not in MESH_AXES:
         raise ConfigError(f'mesh.rules entry {rule!r} names mesh axis {axis!r}; allowed: {MESH_AXES}')
   return config
+
+
+def unknown_override(argv: list[str]) -> str | None:
+  """The message for a --config.a.b=v whose key is not in the schema, else None. ml_collections
+  would fail inside flag parsing with a bare AttributeError naming neither the key nor the
+  allowed ones."""
+  for arg in argv[1:]:
+    if arg == '--':
+      break
+    if not arg.startswith('--config.'):
+      continue
+    path = arg[len('--config.'):].split('=', 1)[0]
+    node, parent = base_config(), 'config'
+    for part in path.split('.'):
+      if not isinstance(node, ml_collections.ConfigDict):
+        return f'ConfigError: unknown config key {path!r} (from {arg}): {parent!r} is a value, not a group'
+      if part not in node:
+        return (f'ConfigError: unknown config key {path!r} (from {arg}); '
+                f'allowed keys in {parent!r}: {sorted(node.keys())}')
+      node, parent = node[part], part if parent == 'config' else f'{parent}.{part}'
+  return None

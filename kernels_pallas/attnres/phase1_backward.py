@@ -99,7 +99,7 @@ def grads_kernel(*refs, n, s, bt, accumulate, source_parts):
 
 
 def grads_call(kernel, d_outs, sources, d_sources_in, coefficients, tiles, interpret=False):
-  """The grads kernel's pallas_call (also run by experiments/ablate_attnres_grads.py with copies
+  """The grads kernel's pallas_call (also run by experiments/tools/ablate_attnres_grads.py with copies
   of the kernel): d_outs S and sources n arrays [M, D], d_sources_in n or none, coefficients
   (alpha [n, S, M], b [n, S, M], c [n, M], queries [S, D], b_parts [n, width, M]).
   Returns (n source gradients, per-program dq partials [programs, width, D])."""

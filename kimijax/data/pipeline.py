@@ -19,7 +19,7 @@ from kimijax.data.mqar import mqar_batch, mqar_layout
 from kimijax.data.sources import SPLITS, DataError, corpus_report, stdlib_documents, text_documents
 from kimijax.data.tokenizer import EOS_ID, VOCAB_SIZE
 
-SOURCES = ('stdlib', 'text', 'mqar')
+SOURCES = ('stdlib', 'text', 'mqar', 'site_packages')   # site_packages: kimijax/data/site_packages.py
 _SPLIT_IDS = {'train': 0, 'validation': 1}
 # Prefetch a couple of batches in one background thread; the data is in memory.
 _READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
@@ -53,6 +53,9 @@ def packed_tokens(source: str, path: str, split: str, val_fraction: float) -> np
   """Cached (per process) packed tokens of one split: read-only int32 [N]."""
   if source == 'stdlib':
     docs = stdlib_documents(split, val_fraction)
+  elif source == 'site_packages':
+    from kimijax.data.site_packages import site_packages_documents
+    docs = site_packages_documents(split, val_fraction)
   else:
     docs = text_documents(path, split, val_fraction)
   tokens = pack_documents(docs)

@@ -49,13 +49,44 @@ def _train_record(step: int, m: dict) -> dict:
   return record
 
 
+def position_buckets(seq_len: int) -> list[tuple[int, int]]:
+  """[first, last] 0-based positions of each bucket of the eval loss by position: position p sees
+  p + 1 tokens of context, and bucket k holds the positions with p + 1 in [2^k, 2^(k+1)), so that
+  the buckets are evenly spaced on a log axis of context length. A last bucket cut to less than
+  half its width by seq_len joins the one before it."""
+  buckets, start = [], 0
+  while start < seq_len:
+    end = min(2 * start, seq_len - 1)
+    if buckets and end - start + 1 < (2 * start - start + 1) / 2:
+      buckets[-1] = (buckets[-1][0], end)
+    else:
+      buckets.append((start, end))
+    start = end + 1
+  return buckets
+
+
+def evaluate_details(eval_step, params, batches: list[dict]) -> dict:
+  """Over the fixed validation batches: 'eval_loss' (mean token nll), 'accuracy' (fraction of
+  masked tokens predicted exactly by argmax), 'position_buckets' and 'loss_by_position' (mean nll
+  per bucket of position_buckets; None for a bucket without masked tokens)."""
+  sums = None
+  for batch in batches:
+    out = jax.device_get(eval_step(params, batch))
+    sums = out if sums is None else jax.tree.map(np.add, sums, out)
+  count = max(float(sums['tokens']), 1.0)
+  nll_p, tok_p = np.asarray(sums['nll_by_position'], np.float64), np.asarray(sums['tokens_by_position'], np.float64)
+  buckets = position_buckets(len(tok_p))
+  by_position = []
+  for first, last in buckets:
+    n = tok_p[first:last + 1].sum()
+    by_position.append(float(nll_p[first:last + 1].sum() / n) if n > 0 else None)
+  return {'eval_loss': float(sums['nll']) / count, 'accuracy': float(sums['correct']) / count,
+          'position_buckets': [list(b) for b in buckets], 'loss_by_position': by_position}
+
+
 def evaluate(eval_step, params, batches: list[dict]) -> float:
   """Mean token nll over the fixed validation batches."""
-  total, count = 0.0, 0.0
-  for batch in batches:
-    nll, n = eval_step(params, batch)
-    total, count = total + float(nll), count + float(n)
-  return total / max(count, 1.0)
+  return evaluate_details(eval_step, params, batches)['eval_loss']
 
 
 def _final_losses(workdir: pathlib.Path, upto: int) -> tuple[float | None, float | None]:
@@ -147,6 +178,8 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
       raise NonFiniteError(f'loss or gradients became NaN/Inf at step {step}; stopped. The last good '
                            f'checkpoint is step {checkpointer.latest_step()} in {checkpointer.directory}')
 
+  # On MQAR the masked targets are the queried values, so the accuracy is the recall accuracy.
+  accuracy_key = 'eval_recall_accuracy' if config.data.source == 'mqar' else 'eval_accuracy'
   bar = tqdm.tqdm(total=t.steps, initial=start, disable=pid != 0, dynamic_ncols=True, desc='train')
   started = time.time()
   interval_start, interval_steps = None, 0
@@ -177,8 +210,11 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
         last_loss = record['loss']
         bar.set_postfix(loss=f'{last_loss:.3f}', tok_s=f'{rate:,.0f}', refresh=False)
       if step % t.eval_every == 0 or last:
-        eval_loss = evaluate(eval_step, state.params, val_batches)
-        writer.write({'step': step, 'eval_loss': eval_loss, 'tokens': step * tokens_per_step})
+        details = evaluate_details(eval_step, state.params, val_batches)
+        eval_loss = details['eval_loss']
+        writer.write({'step': step, 'eval_loss': eval_loss, accuracy_key: details['accuracy'],
+                      'eval_position_buckets': details['position_buckets'],
+                      'eval_loss_by_position': details['loss_by_position'], 'tokens': step * tokens_per_step})
         if pid == 0:
           bar.write(f'step {step}: eval loss {eval_loss:.4f}')
       if step % t.checkpoint_every == 0 or last:
@@ -202,4 +238,5 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
              'workdir': str(workdir.absolute())}
   if pid == 0 and t.plot and (workdir / 'metrics.jsonl').exists():
     summary['plot'] = str(metrics_lib.plot_loss_curve(workdir, run_title(workdir, n_params, summary['tokens'])))
+    summary['plot_by_position'] = str(metrics_lib.plot_loss_by_position(workdir))
   return summary

@@ -45,6 +45,10 @@ class MetricsWriter:
     for key, value in record.items():
       if key != 'step' and isinstance(value, (int, float)):
         self._tb.add_scalar(key, value, record['step'])
+      elif key == 'eval_loss_by_position':    # one scalar per bucket, named by its positions
+        for (first, last), loss in zip(record['eval_position_buckets'], value):
+          if loss is not None:
+            self._tb.add_scalar(f'eval_loss_by_position/{first:06d}-{last:06d}', loss, record['step'])
 
   def close(self) -> None:
     if self._tb is not None:
@@ -76,6 +80,32 @@ def plot_loss_curve(workdir: str | pathlib.Path, title: str | None = None) -> pa
   ax.grid(alpha=0.3)
   ax.legend()
   out = pathlib.Path(workdir) / 'loss.png'
+  fig.savefig(out, dpi=110, bbox_inches='tight')
+  plt.close(fig)
+  return out
+
+
+def plot_loss_by_position(workdir: str | pathlib.Path) -> pathlib.Path:
+  """DIR/loss_by_position.png: eval loss against token position (log axis, one point per bucket
+  at its last position), one line per eval step, later steps darker."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  evals = [r for r in read_metrics(workdir) if 'eval_loss_by_position' in r]
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for i, r in enumerate(evals):
+    points = [(last + 1, loss) for (_, last), loss in zip(r['eval_position_buckets'], r['eval_loss_by_position'])
+              if loss is not None]
+    if points:
+      shade = plt.cm.viridis(0.15 + 0.8 * i / max(len(evals) - 1, 1))
+      ax.plot(*zip(*points), 'o-', ms=3, color=shade, label=f'step {r["step"]}')
+  ax.set_xscale('log', base=2)
+  ax.set_xlabel('token position (tokens of context seen, bucket end)')
+  ax.set_ylabel('eval loss (nats per token)')
+  ax.grid(alpha=0.3)
+  if evals:
+    ax.legend(fontsize=7, ncol=2)
+  out = pathlib.Path(workdir) / 'loss_by_position.png'
   fig.savefig(out, dpi=110, bbox_inches='tight')
   plt.close(fig)
   return out

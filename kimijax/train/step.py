@@ -81,11 +81,16 @@ def make_train_step(model, optimizer: optax.GradientTransformation, schedule: op
 
 
 def make_eval_step(model):
-  """(params, batch) -> (sum of token nll, number of tokens)."""
+  """(params, batch) -> sums over the batch's masked tokens, float32: 'nll' (token nll), 'tokens',
+  'correct' (argmax prediction == target; on MQAR the exact recall of a queried value), and
+  'nll_by_position' / 'tokens_by_position' [T] (the same sums per position in the sequence)."""
   def eval_step(params, batch):
     logits_btv, _ = model.apply({'params': params}, batch['inputs'])
-    nll = token_nll(logits_btv, batch['targets'])
-    return jnp.sum(nll * batch['mask']), jnp.sum(batch['mask'])
+    targets, mask = batch['targets'], batch['mask'].astype(jnp.float32)
+    nll = token_nll(logits_btv, targets) * mask
+    hit = (jnp.argmax(logits_btv, axis=-1) == targets).astype(jnp.float32) * mask
+    return {'nll': jnp.sum(nll), 'tokens': jnp.sum(mask), 'correct': jnp.sum(hit),
+            'nll_by_position': jnp.sum(nll, axis=0), 'tokens_by_position': jnp.sum(mask, axis=0)}
   return eval_step
 
 
@@ -119,7 +124,7 @@ class Training(NamedTuple):
   abstract_state: TrainState       # shapes, dtypes and shardings, for restoring checkpoints
   shardings: TrainState            # NamedSharding per leaf
   train_step: Callable             # (state, batch) -> (state, metrics), jitted, state donated
-  eval_step: Callable              # (params, batch) -> (sum nll, tokens), jitted
+  eval_step: Callable              # (params, batch) -> {'nll', 'tokens', 'correct', ...} sums, jitted
   batch_sharding: NamedSharding
 
   def init_state(self, config: ml_collections.ConfigDict) -> TrainState:

@@ -1,4 +1,4 @@
-"""experiments/bench_compare.py: the run order, and two tiny setups compared end to end on the CPU
+"""experiments/bench/bench_compare.py: the run order, and two tiny setups compared end to end on the CPU
 (real bench_train.py processes), with the overhead checked against the runs it reports."""
 
 import json
@@ -7,7 +7,7 @@ import statistics
 import subprocess
 import sys
 
-from experiments import bench_compare
+from experiments.bench import bench_compare
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ('--config.train.batch_size=8 --config.train.seq_len=32 --config.model.d_model=32 '
@@ -21,7 +21,7 @@ def test_run_order_alternates_which_setup_goes_first():
 
 def compare(tmp_path, other, rounds=1, *extra):
   out = tmp_path / 'compare.json'
-  cmd = [sys.executable, str(ROOT / 'experiments/bench_compare.py'), f'--rounds={rounds}',
+  cmd = [sys.executable, '-m', 'experiments.bench.bench_compare', f'--rounds={rounds}',
          '--steps=1', '--warmup=1', f'--cache_dir={tmp_path / "cache"}', f'--json_out={out}',
          f'--base=--config=configs/default.py {TINY}', f'--other={other} {TINY}', *extra]
   return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600), out

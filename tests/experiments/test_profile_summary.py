@@ -1,11 +1,11 @@
-"""experiments/profile_summary.py on a hand-made trace whose totals are known."""
+"""experiments/tools/profile_summary.py on a hand-made trace whose totals are known."""
 
 import gzip
 import json
 
 import pytest
 
-from experiments import profile_summary
+from experiments.tools import profile_summary
 
 
 def trace():

@@ -1,4 +1,4 @@
-"""experiments/triton_report.py on the CPU: each AttnRes kernel's Triton IR is found with the
+"""experiments/tools/triton_report.py on the CPU: each AttnRes kernel's Triton IR is found with the
 launch its custom call asks for, and the cleaned IR is valid Triton IR (parsed by jaxlib's own
 Triton dialect; compiling it needs the `triton` package, which CI does not have)."""
 
@@ -6,7 +6,7 @@ import collections
 
 import jax.numpy as jnp
 
-from experiments import triton_report
+from experiments.tools import triton_report
 from kernels_pallas.attnres import merge_norm as attnres_merge, phase1 as attnres
 from kernels_pallas.common import feature_chunk
 

@@ -36,7 +36,7 @@ def test_pallas_kernels_lower_to_triton_for_an_h200(dtype, n, s):
   partial sum) at the bench model's width, in the dtypes and query counts training uses, lowered
   for an H200 on this machine: the Triton lowering rejects what it cannot express (a shape that is
   not a power of two, an op without a Triton rule) before any GPU time is spent."""
-  from experiments.triton_report import attnres_block, lower_for_h200
+  from experiments.tools.triton_report import attnres_block, lower_for_h200
   fn, args = attnres_block(n, s, 4096, 1024, dtype)
   module = lower_for_h200(fn, *args)
   for name in ('phase1_logits', 'phase1_combine', 'phase1_vdo', 'phase1_grads', 'merge_norm',

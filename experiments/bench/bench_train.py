@@ -1,17 +1,18 @@
 """Training throughput: tokens/s, step time, model FLOPs utilisation and peak memory.
 
-    python experiments/bench_train.py --config=configs/bench_350m.py [--config.a.b=v] [--steps=20]
+    python -m experiments.bench.bench_train --config=configs/bench_350m.py [--config.a.b=v] [--steps=20]
 
-Runs the real jitted train step (same code as run.py) on synthetic token batches, after warm-up.
-Model FLOPs per token = 6 * N (N: parameters used in matmuls; the input embedding table counts
-only when tied to the output head) + 6 * L_attn * T * H * Dh for causal attention (forward +
-backward). MFU is against the chip's dense bf16 peak (--peak_tflops; H100/H200 SXM: 989).
-Attention Residuals' depth attention (a few memory-bound [B, T, D] passes per sublayer) is not
-counted as model FLOPs, so its cost shows as a longer step and a lower MFU.
+Runs the real jitted train step (same code as run.py) on synthetic token batches, after warm-up,
+and prints one line per figure: device, params_M, step_ms, tokens_per_sec, model_tflops_per_device,
+mfu, peak_memory_GiB, loss, ... (bench_350m on one H200: 392 ms/step, 167k tokens/s, 0.449 MFU;
+experiments/results/bench_train.md). Model FLOPs per token come from kimijax.train.flops (6 N plus
+causal attention, the count the ladders use; Muon's Newton-Schulz is not in MFU). MFU is against
+the chip's dense bf16 peak (--peak_tflops; H100/H200 SXM: 989). Attention Residuals' depth
+attention (a few memory-bound [B, T, D] passes per sublayer) is not counted as model FLOPs, so its
+cost shows as a longer step and a lower MFU.
 """
 
 import json
-import time
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -28,14 +29,6 @@ flags.DEFINE_string('merge_tiles', '', 'the same for the fused phase-2 kernels '
                     '(kernels_pallas.attnres.merge_norm.DEFAULT_TILES)')
 flags.mark_flags_as_required(['config'])
 FLAGS = flags.FLAGS
-
-
-def model_flops_per_token(config, n_params: int) -> float:
-  m = config.model
-  from kimijax.config import layer_kinds
-  n_matmul = n_params if m.tie_embeddings else n_params - m.vocab_size * m.d_model
-  n_attn = layer_kinds(m).count('A')
-  return 6.0 * n_matmul + 6.0 * n_attn * config.train.seq_len * m.d_model
 
 
 def _set_attnres_tiles() -> dict:
@@ -60,7 +53,10 @@ def main(argv):
   from kimijax.config import validate
   from kimijax.model import count_params
   from kimijax.parallel import mesh as mesh_lib
+  from kimijax.train.flops import model_flops_per_token
   from kimijax.train.step import build_training
+
+  from experiments.bench import timing
 
   config = validate(FLAGS.config)
   tiles = _set_attnres_tiles()
@@ -73,14 +69,10 @@ def main(argv):
   batch = jax.device_put({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
                           'mask': jnp.ones((t.batch_size, t.seq_len), jnp.float32)}, batch_sh)
 
-  for _ in range(FLAGS.warmup):
-    state, metrics = train_step(state, batch)
-  jax.block_until_ready(metrics)
-  start = time.perf_counter()
-  for _ in range(FLAGS.steps):
-    state, metrics = train_step(state, batch)
-  jax.block_until_ready(metrics)
-  step_s = (time.perf_counter() - start) / FLAGS.steps
+  step = lambda carry: train_step(carry[0], batch)
+  step_ms, (state, metrics) = timing.loop_ms(step, train_step(state, batch), steps=FLAGS.steps,
+                                             warmup=max(FLAGS.warmup - 1, 0))
+  step_s = step_ms / 1e3
 
   if FLAGS.profile_dir:
     with jax.profiler.trace(FLAGS.profile_dir, create_perfetto_trace=True):

@@ -1,6 +1,6 @@
 """Decode speed and cache memory: hybrid KDA:MLA against all-attention, at several context lengths.
 
-    python experiments/bench_decode.py --config=configs/kimi_linear_small.py \
+    python -m experiments.bench.bench_decode --config=configs/kimi_linear_small.py \
         --contexts=4096,32768,131072 --batch=1 [--config.model.compute_dtype=bfloat16]
 
 For each context length L and each of the two layer patterns (--hybrid_pattern, default the
@@ -14,7 +14,6 @@ Results: experiments/results/bench_decode.md.
 """
 
 import functools
-import time
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -69,14 +68,10 @@ def bench(model, params, m, context: int, batch: int, steps: int) -> dict:
                               cache=cache)
     return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), aux['cache']
 
+  from experiments.bench import timing
   token = jnp.zeros((batch,), jnp.int32)
-  token, cache = step(params, token, cache)      # compile
-  jax.block_until_ready(token)
-  start = time.perf_counter()
-  for _ in range(steps):   # rewrites position L - 1 each time: a steady-state step at context L
-    token, cache = step(params, token, cache)
-  jax.block_until_ready(token)
-  ms = (time.perf_counter() - start) / steps * 1e3
+  # Each step rewrites position L - 1: a steady-state step at context L; the warm-up compiles.
+  ms, (token, cache) = timing.loop_ms(lambda carry: step(params, *carry), (token, cache), steps=steps)
   return {'ms_per_token': ms, 'tokens_per_sec': batch / ms * 1e3, 'params_M': count_params(params) / 1e6,
           'cache_MiB_per_seq': cache_bytes(cache) / batch / 2**20}
 

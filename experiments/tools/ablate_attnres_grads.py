@@ -1,6 +1,6 @@
 """Diagnostic: what the phase-1 `grads` kernel of Block AttnRes spends its time on (GPU only).
 
-    python experiments/ablate_attnres_grads.py [--sources=8] [--queries=6] [--tiles=dc_grads=64]
+    python -m experiments.tools.ablate_attnres_grads [--sources=8] [--queries=6] [--tiles=dc_grads=64]
 
 Times kernels_pallas.attnres.phase1_backward.grads_kernel, then copies of it with parts of its work
 left out, through the kernel's own pallas_call (phase1_backward.grads_call), on the bench_350m
@@ -13,8 +13,6 @@ Results: experiments/results/bench_attnres.md.
 """
 
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -79,14 +77,8 @@ def make_kernel(n, s, bt, alpha_do=True, b_q=True, dq=True, dv_in=True, weights=
 
 
 def median_ms(fn, args, calls=20, warmup=3):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(calls):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times)
+  from experiments.bench import timing
+  return timing.call_ms(lambda: fn(*args), repeats=calls, warmup=warmup)[0]
 
 
 def main(argv):

@@ -1,8 +1,8 @@
 """Block AttnRes op timings: phase 1 (kimijax.ops.attnres.phase1) and phase 2 with the consumer's
 pre-norm (merge_partial then RMSNorm in XLA, or fused: kimijax.ops.attnres.merge_norm).
 
-    python experiments/bench_attnres.py                                  # GPU: the bench_350m shape
-    python experiments/bench_attnres.py --batch=1 --seq_len=256 --sources=2   # CPU (pallas interpreted)
+    python -m experiments.bench.bench_attnres                            # GPU: the bench_350m shape
+    python -m experiments.bench.bench_attnres --batch=1 --seq_len=256 --sources=2   # CPU (pallas interpreted)
 
 Phase 1 of one block: S queries over n block sums (random bf16 sources [B, T, D] of different
 scales, random queries), forward (the S outputs and lse) and forward+backward (gradients of a
@@ -19,8 +19,6 @@ Each figure is the median of --repeats timed calls after --warmup calls; prints 
 
 import datetime
 import platform
-import statistics
-import time
 
 from absl import app, flags
 
@@ -45,15 +43,8 @@ FLAGS = flags.FLAGS
 
 
 def _time(fn, *args):
-  import jax
-  for _ in range(FLAGS.warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(FLAGS.repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times)
+  from experiments.bench import timing
+  return timing.call_ms(lambda: fn(*args), repeats=FLAGS.repeats, warmup=FLAGS.warmup)[0]
 
 
 def _kernel_ms(fn, *args, calls=5):
@@ -62,7 +53,7 @@ def _kernel_ms(fn, *args, calls=5):
   import json
   import tempfile
   import jax
-  from profile_summary import device_events, newest_trace, summarise   # experiments/
+  from experiments.tools.profile_summary import device_events, newest_trace, summarise
   jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):

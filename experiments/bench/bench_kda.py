@@ -1,7 +1,7 @@
 """KDA op timings: forward and forward+backward of every kimijax.ops.kda implementation.
 
-    python experiments/bench_kda.py                                   # GPU, SPEC §5 shape B=8 T=4096 H=16 D=128
-    python experiments/bench_kda.py --batch=1 --seq_len=2048 --heads=2 --head_dim=64 --dtype=float32   # CPU
+    python -m experiments.bench.bench_kda                             # GPU, SPEC §5 shape B=8 T=4096 H=16 D=128
+    python -m experiments.bench.bench_kda --batch=1 --seq_len=2048 --heads=2 --head_dim=64 --dtype=float32   # CPU
 
 Times kimijax's 'recurrent' and 'chunk' implementations (and 'pallas' once it exists) on random
 inputs of one shape (q, k L2-normalised; g = -exp(U(-7, 0.5)), the range of the KDA gate at
@@ -14,9 +14,7 @@ calls after --warmup calls; prints a Markdown table.
 
 import datetime
 import platform
-import statistics
 import sys
-import time
 
 from absl import app, flags
 
@@ -36,14 +34,8 @@ FLAGS = flags.FLAGS
 
 
 def _time(fn, repeats, warmup, sync):
-  for _ in range(warmup):
-    sync(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    sync(fn())
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times), min(times)
+  from experiments.bench import timing
+  return timing.call_ms(fn, repeats=repeats, warmup=warmup, sync=sync)
 
 
 def _print_row(row):

@@ -1,7 +1,7 @@
 """Where a profiled step's device time goes: kernel time by kind and the top ops, per step.
 
-    python experiments/bench_train.py --config=configs/bench_350m.py --profile_dir=/tmp/prof
-    python experiments/profile_summary.py /tmp/prof [--steps=3] [--top=25]
+    python -m experiments.bench.bench_train --config=configs/bench_350m.py --profile_dir=/tmp/prof
+    python -m experiments.tools.profile_summary /tmp/prof [--steps=3] [--top=25]
 
 Reads the newest perfetto_trace.json.gz under the directory (jax.profiler.trace with
 create_perfetto_trace=True; bench_train.py profiles 3 steps), sums the durations of the complete

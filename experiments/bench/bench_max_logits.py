@@ -1,25 +1,21 @@
 """Block-size sweep of the fused max-logit kernel (kernels_pallas/attention/max_logits.py) on the GPU.
 
-    python experiments/bench_max_logits.py
+    python -m experiments.bench.bench_max_logits
 Prints ms per call at B=8, T=4096, H=8, D=128 (the bench_350m attention shape) for each setting,
 next to cuDNN's causal attention forward on the same inputs.
 """
 import itertools
-import time
 
 import jax
 import jax.numpy as jnp
 
 from kernels_pallas.attention.max_logits import max_logits
 
+from experiments.bench import timing
+
 
 def timeit(fn, *args, n=20):
-  jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  for _ in range(n):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / n * 1e3
+  return timing.loop_ms(lambda _: fn(*args), None, steps=n)[0]
 
 
 def main():

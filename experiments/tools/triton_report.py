@@ -2,7 +2,7 @@
 Triton compilation for an H200, on a machine without a GPU.
 
     pip install triton==3.6.0      # once: Triton's compiler with its ptxas and cuobjdump
-    python experiments/triton_report.py [--sources=8] [--queries=6] [--dtype=bfloat16] \
+    python -m experiments.tools.triton_report [--sources=8] [--queries=6] [--dtype=bfloat16] \
         [--phase1_tiles=bt_grads=16/dc_grads=64] [--merge_tiles=...] [--out_dir=DIR]
 
 It lowers one block's kernels for an H200 through jax.export (phase 1 of n sources for S

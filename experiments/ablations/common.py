@@ -1,0 +1,184 @@
+"""What every ablation file shares: arms run through the sweep machinery, the published table beside
+ours, and one fixed verdict rule per published ordering.
+
+An ablation file defines `base(scale)` (a kimijax config; scale 'cpu' or 'gpu'), its ARMS
+(name, overrides, the published figure), its CLAIMS (published orderings between arms) and calls
+`main(...)`. `python -m experiments.ablations.<file> --scale=gpu --workdir=DIR --seeds=2` trains
+every arm (resuming and reusing runs like experiments/sweep.py), then writes DIR/ablation.md
+(and, with --publish, experiments/results/ablation_<file>.md/.png/.json).
+
+The verdict (`verdict`) is decided before any run and never tuned: with >= 2 seeds per arm a gap
+within NOISE_Z standard errors of the difference of the means is "inside seed noise"; otherwise
+the sign decides "reproduces" or "refuted". With one seed the noise is not measured and the
+verdict says so. A claim that two arms coincide ('=') reproduces when the gap is inside the noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import statistics
+from typing import Callable
+
+NOISE_Z = 2.0   # fixed before any run: gaps within 2 standard errors are seed noise
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  name: str
+  overrides: dict
+  published: str = ''          # the paper's figure for this arm, as printed there
+  runnable: bool = True        # False: the paper's arm needs a switch kimijax does not have
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  """The paper's ordering: `a` relation `b` on `metric` ('<': a lower, '>': a higher, '=': equal)."""
+  a: str
+  relation: str
+  b: str
+  metric: str = 'final_eval_loss'
+  source: str = ''
+
+
+def verdict(a: list[float], b: list[float], relation: str) -> str:
+  """'reproduces' | 'refuted' | 'inside seed noise', from per-seed values of the two arms."""
+  if relation not in ('<', '>', '='):
+    raise ValueError(f"relation must be '<', '>' or '='; got {relation!r}")
+  gap = statistics.fmean(a) - statistics.fmean(b)
+  if gap == 0 and relation != '=':     # e.g. both arms recall everything: no ordering to judge
+    return 'tie (equal means)'
+  if len(a) < 2 or len(b) < 2:
+    if relation == '=':
+      return 'no verdict (1 seed: equality needs the seed noise)'
+    holds = gap < 0 if relation == '<' else gap > 0
+    return ('reproduces' if holds else 'refuted') + ' (1 seed: noise not measured)'
+  se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+  inside = abs(gap) <= NOISE_Z * se
+  if relation == '=':
+    return 'reproduces (inside seed noise)' if inside else 'refuted'
+  if inside:
+    return 'inside seed noise'
+  return 'reproduces' if (gap < 0 if relation == '<' else gap > 0) else 'refuted'
+
+
+def metric_values(point: dict, metric: str) -> list[float]:
+  """Per-seed values of `metric` for one arm of sweep.json; 'long_context_loss' is the eval loss of
+  the last position bucket (the longest contexts)."""
+  out = []
+  for run in point['runs']:
+    if metric == 'long_context_loss':
+      out.append(run['loss_by_position']['loss'][-1])
+    else:
+      out.append(run[metric])
+  return out
+
+
+def report(title: str, arms: list[Arm], claims: list[Claim], data: dict, commands: str, png: str) -> str:
+  """Markdown: ours beside the published figure per arm, then each claim with its verdict."""
+  from experiments.runs import fmt_mean
+  points = {p['label']: p for p in data['points']}
+  lines = [f'# {title}', '', f'Date: {data["date"]}. Hardware: {data["hardware"]}.', '', 'Command:', '',
+           f'    {data["command"]}', '', commands.strip(), '',
+           '| arm | seeds | final eval loss (ours) | accuracy (ours) | published |', '|---|---|---|---|---|']
+  for arm in arms:
+    if arm.name not in points:
+      why = 'not run' if arm.runnable else 'not runnable in kimijax'
+      lines.append(f'| {arm.name} | 0 | {why} | - | {arm.published} |')
+      continue
+    p = points[arm.name]
+    lines.append(f"| {arm.name} | {len(p['runs'])} | {fmt_mean(metric_values(p, 'final_eval_loss'))} | "
+                 f"{fmt_mean(metric_values(p, 'final_accuracy'), 3)} | {arm.published} |")
+  lines += ['', f'Verdicts (fixed rule: with >= 2 seeds a gap within {NOISE_Z:g} standard errors is seed noise):',
+            '', '| published ordering | metric | ours (mean over seeds) | verdict | source |', '|---|---|---|---|---|']
+  for c in claims:
+    if c.a not in points or c.b not in points:
+      lines.append(f'| {c.a} {c.relation} {c.b} | {c.metric} | not run | - | {c.source} |')
+      continue
+    va, vb = metric_values(points[c.a], c.metric), metric_values(points[c.b], c.metric)
+    lines.append(f'| {c.a} {c.relation} {c.b} | {c.metric} | {statistics.fmean(va):.4f} vs '
+                 f'{statistics.fmean(vb):.4f} | **{verdict(va, vb, c.relation)}** | {c.source} |')
+  lines += ['', f'![curves]({png})', '',
+            'Losses in nats per byte on our corpus, so only orderings are compared with the paper, '
+            'never values. Runs, curves and the sweep table: the workdir\'s sweep.md.']
+  return '\n'.join(lines) + '\n'
+
+
+def sized(config, scale: str, *, d_model: int, num_layers: int, num_heads: int, seq_len: int,
+          batch_size: int, steps: int, **overrides):
+  """config at an ablation's size: width, depth, heads, SwiGLU 3 d, tokens per step, steps (evals
+  and checkpoints every steps / 5, warmup 5%). scale 'gpu' adds the H200 settings of
+  configs/bench_350m.py (bf16, cuDNN attention), 16 eval batches and the site-packages corpus.
+  Keys in `overrides` are written with '__' for '.' (model__attn_impl='xla')."""
+  from experiments.runs import with_overrides
+  every = max(steps // 5, 1)
+  values = {'model.d_model': d_model, 'model.num_layers': num_layers, 'model.num_heads': num_heads,
+            'model.mlp_dim': 3 * d_model, 'train.seq_len': seq_len, 'train.batch_size': batch_size,
+            'train.steps': steps, 'train.eval_every': every, 'train.checkpoint_every': every,
+            'optimizer.warmup_steps': max(steps // 20, 1)}
+  if scale == 'gpu':
+    values.update({'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'cudnn', 'train.eval_batches': 16,
+                   'data.source': 'site_packages'})
+  values.update({k.replace('__', '.'): v for k, v in overrides.items()})
+  return with_overrides(config, values)
+
+
+def define_flags(default_workdir: str):
+  from absl import flags
+  flags.DEFINE_enum('scale', 'cpu', ['cpu', 'gpu'], "'cpu': tiny models that show the workflow on a "
+                    "2-core CPU (orderings there mean little); 'gpu': the sizes for one H200")
+  flags.DEFINE_string('workdir', default_workdir, 'output folder: runs/, sweep.md, ablation.md')
+  flags.DEFINE_integer('seeds', 2, 'runs per arm')
+  flags.DEFINE_list('arms', [], 'arms to run (default: all); unknown names are an error')
+  flags.DEFINE_string('publish', None, 'also copy the report to PREFIX.md/.png/.json '
+                      '(e.g. experiments/results/ablation_NAME)')
+
+
+def main(title: str, base: Callable[[str], object], arms: list[Arm], claims: list[Claim], commands: str,
+         *, devices=None) -> dict:
+  """Runs the chosen arms (flags from define_flags) and writes the ablation report."""
+  from absl import flags
+  from experiments import runs as runs_lib
+  from experiments.cli import user_errors
+  FLAGS = flags.FLAGS
+  with user_errors():
+    known = [a.name for a in arms if a.runnable]
+    for name in FLAGS.arms:
+      if name not in known:
+        raise runs_lib.WorkflowError(f'--arms: unknown or not runnable arm {name!r}; allowed: {known}')
+    chosen = [a for a in arms if a.runnable and (not FLAGS.arms or a.name in FLAGS.arms)]
+    return run(title, base(FLAGS.scale), chosen, arms, claims, commands, seeds=FLAGS.seeds,
+               workdir=FLAGS.workdir, publish=FLAGS.publish, devices=devices)
+
+
+def run(title, config, chosen: list[Arm], arms: list[Arm], claims: list[Claim], commands: str, *, seeds: int,
+        workdir, publish=None, devices=None) -> dict:
+  from experiments import runs as runs_lib
+  from experiments import sweep
+  workdir = pathlib.Path(workdir)
+  data = sweep.run_points(config, [(a.name, a.overrides) for a in chosen], seeds=seeds, workdir=workdir,
+                          title=title, devices=devices, description=f'{len(chosen)} arms')
+  md = workdir / 'ablation.md'
+  md.write_text(report(title, arms, claims, data, commands, 'loss_curves.png'))
+  print(md.read_text())
+  if publish:
+    files = {'.md': md, '.png': workdir / 'loss_curves.png', '.json': workdir / 'sweep.json'}
+    for path in runs_lib.publish(files, publish):
+      print(f'published {path}')
+  return data
+
+
+def script(title: str, base: Callable[[str], object], arms, claims, doc: str, workdir: str) -> None:
+  """An ablation file's `if __name__ == '__main__'`: its flags, then main. `arms` and `claims` are
+  lists, or functions of the scale (for grids that change with it); `doc` is the file's docstring
+  (its second paragraph goes into the report)."""
+  from absl import app, flags
+  define_flags(workdir)
+
+  def run_main(argv):
+    del argv
+    scale = flags.FLAGS.scale
+    main(title, base, arms(scale) if callable(arms) else arms, claims(scale) if callable(claims) else claims,
+         doc.split('\n\n')[1])
+  app.run(run_main)

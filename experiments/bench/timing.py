@@ -1,0 +1,58 @@
+"""The one timer of the benchmarks: wall time of device work, synchronised so that JAX's
+asynchronous dispatch does not hide it.
+
+`call_ms` times single calls (each one waited for): the median and minimum of `repeats` calls
+after `warmup` untimed ones (the first call compiles). `loop_ms` times a loop whose steps feed
+each other (a train step's state, a decode step's cache): it waits only at the ends, so the host
+queues step n + 1 while the device runs step n, as in training.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+
+def _block(x):
+  import jax
+  return jax.block_until_ready(x)
+
+
+def call_times_ms(fn: Callable[[], Any], *, repeats: int = 10, warmup: int = 2,
+                  sync: Callable[[Any], Any] = _block) -> list[float]:
+  """Milliseconds of each of `repeats` calls fn(), each followed by sync(result), after `warmup`
+  untimed calls. `sync` defaults to jax.block_until_ready (pass e.g. a torch.cuda.synchronize
+  wrapper for other frameworks)."""
+  if repeats < 1:
+    raise ValueError(f'repeats={repeats} must be >= 1')
+  for _ in range(warmup):
+    sync(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    sync(fn())
+    times.append((time.perf_counter() - start) * 1e3)
+  return times
+
+
+def call_ms(fn: Callable[[], Any], *, repeats: int = 10, warmup: int = 2,
+            sync: Callable[[Any], Any] = _block) -> tuple[float, float]:
+  """(median, min) milliseconds per call of fn(); see call_times_ms."""
+  times = call_times_ms(fn, repeats=repeats, warmup=warmup, sync=sync)
+  return statistics.median(times), min(times)
+
+
+def loop_ms(step: Callable[[Any], Any], carry: Any, *, steps: int, warmup: int = 1) -> tuple[float, Any]:
+  """Mean milliseconds per step of `carry = step(carry)` over `steps` steps, after `warmup`
+  untimed steps; waits for the device only before and after the timed loop. Returns (ms, carry)."""
+  if steps < 1:
+    raise ValueError(f'steps={steps} must be >= 1')
+  for _ in range(warmup):
+    carry = step(carry)
+  _block(carry)
+  start = time.perf_counter()
+  for _ in range(steps):
+    carry = step(carry)
+  _block(carry)
+  return (time.perf_counter() - start) / steps * 1e3, carry

@@ -1,0 +1,31 @@
+"""What the workflow scripts share on the command line: one message, no traceback, for a user's
+mistake (a bad config key or value, a missing data path, a run folder of another config)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+
+@contextlib.contextmanager
+def user_errors():
+  """Turns the errors that name a key or path into `sys.exit('<Type>: <message>')`; quiets absl's
+  INFO logs (orbax logs every checkpoint step)."""
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)
+  from kimijax.config import ConfigError
+  from kimijax.data import DataError
+  from kimijax.train.checkpoint import CheckpointError
+  from experiments.runs import WorkflowError
+  try:
+    yield
+  except (ConfigError, DataError, CheckpointError, WorkflowError) as e:
+    sys.exit(f'{type(e).__name__}: {e}')
+
+
+def exit_on_unknown_config_key(argv: list[str]) -> None:
+  """Before flag parsing: --config.a.b=v with a key outside kimijax's schema stops with a message
+  naming it (ml_collections would raise a bare AttributeError)."""
+  from kimijax.config import unknown_override
+  if message := unknown_override(argv):
+    sys.exit(message)

@@ -1,0 +1,235 @@
+"""One training run of a workflow (sweep, ladder, ablation): train it in its own folder through
+kimijax.train.loop.train (the run.py path), resume it when half finished, reuse it when finished,
+and read back the figures a report needs. Nothing here deletes a run.
+
+A run folder holds what train() writes (config.json, metrics.jsonl, checkpoints/, loss.png,
+loss_by_position.png) and, once train() has returned, done.json (its summary and wall time).
+A folder that holds a different config is an error naming the keys that differ, never
+overwritten: a workflow's folder layout says which config each run has, so a difference means
+the workflow (or its command line) changed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+import ml_collections
+
+
+class WorkflowError(ValueError):
+  """A workflow input that cannot be used (bad sweep key or value, a run folder holding another
+  config, an unknown ladder or variant); the message names the key or path."""
+
+
+def flatten(d: dict) -> dict:
+  """{'a': {'b': 1}} -> {'a.b': 1}; tuples become lists, as in JSON (the checkpoint's own helper)."""
+  from kimijax.train.checkpoint import _flatten
+  return _flatten(d)
+
+
+def config_json(config: ml_collections.ConfigDict) -> dict:
+  return json.loads(config.to_json())
+
+
+def set_key(config: ml_collections.ConfigDict, key: str, value) -> None:
+  """config['a.b.c'] = value for a key that exists; WorkflowError naming the key otherwise."""
+  *groups, name = key.split('.')
+  node = config
+  for g in groups:
+    if g not in node or not isinstance(node[g], ml_collections.ConfigDict):
+      raise WorkflowError(f'unknown config key {key!r}: no group {g!r}')
+    node = node[g]
+  if name not in node or isinstance(node[name], ml_collections.ConfigDict):
+    raise WorkflowError(f'unknown config key {key!r}; keys here: {sorted(node.keys())}')
+  node[name] = value
+
+
+def with_overrides(config: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+  """A copy of config with {'group.key': value} applied (each key must exist)."""
+  c = config.copy_and_resolve_references()
+  with c.unlocked():
+    for key, value in overrides.items():
+      set_key(c, key, value)
+  return c
+
+
+def check_folder(run_dir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
+  """WorkflowError if run_dir already holds a run of another config."""
+  saved = run_dir / 'config.json'
+  if not saved.exists():
+    return
+  before, now = flatten(json.loads(saved.read_text())), flatten(config_json(config))
+  diff = [f'{k}: {before.get(k)!r} -> {now.get(k)!r}' for k in sorted(set(before) | set(now))
+          if before.get(k) != now.get(k)]
+  if diff:
+    raise WorkflowError(f'{run_dir} holds a run of another config ({"; ".join(diff[:6])}'
+                        f'{"; ..." if len(diff) > 6 else ""}); use another --workdir, or move that run '
+                        'away yourself (nothing is deleted for you)')
+
+
+def is_finished(run_dir: pathlib.Path) -> bool:
+  return (run_dir / 'done.json').exists()
+
+
+def train_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path, *, devices=None,
+              quiet: bool = False, drop_checkpoints: bool = False) -> dict:
+  """Trains config in run_dir on `devices` (default all; resuming a half-finished run) unless it is
+  finished; returns the run's figures (read_run). Raises WorkflowError before any compute if run_dir
+  holds another config. drop_checkpoints=True (asked for on the command line, to carry a workdir
+  between machines) removes the run's checkpoints once it is finished; its figures stay."""
+  from kimijax.train.loop import train
+  run_dir = pathlib.Path(run_dir)
+  check_folder(run_dir, config)
+  if not is_finished(run_dir):
+    stale = run_dir / 'metrics.jsonl'
+    if stale.exists() and not any((run_dir / 'checkpoints').glob('[0-9]*')):
+      # A run interrupted before its first checkpoint (or whose checkpoints were not carried
+      # over) starts again from step 0: keep its lines aside so that the new curve is not appended.
+      kept = stale.with_name(f'metrics.interrupted-{int(time.time())}.jsonl')
+      os.replace(stale, kept)
+      print(f'{run_dir}: no checkpoint to resume from; starting again (earlier lines kept in {kept.name})',
+            flush=True)
+    began = time.time()
+    summary = train(config, run_dir, devices=devices)
+    summary['wall_seconds'] = time.time() - began
+    tmp = run_dir / 'done.json.tmp'
+    tmp.write_text(json.dumps(summary, indent=1, default=str))
+    os.replace(tmp, run_dir / 'done.json')
+    if drop_checkpoints:
+      import shutil
+      shutil.rmtree(run_dir / 'checkpoints', ignore_errors=True)
+  elif not quiet:
+    print(f'{run_dir}: finished earlier, reused', flush=True)
+  return read_run(config, run_dir)
+
+
+def train_split_tokens(config: ml_collections.ConfigDict) -> int | None:
+  """Tokens in the training split of config's data (None for the endless synthetic MQAR)."""
+  from kimijax.data import pipeline
+  if config.data.source == 'mqar':
+    return None
+  d = config.data
+  return len(pipeline.packed_tokens(d.source, str(d.path), 'train', float(d.val_fraction)))
+
+
+def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> dict:
+  """The figures of a finished run from its metrics.jsonl: final train loss (the last logged step,
+  not an average), final eval loss and accuracy (the eval at the last step; on MQAR the recall
+  accuracy), tokens, training FLOPs (kimijax.train.flops), median logged tokens/s, max logit
+  (final and peak), epochs of the training split seen, and the curves."""
+  from kimijax.train import flops as flops_lib
+  from kimijax.train.metrics import read_metrics
+  run_dir = pathlib.Path(run_dir)
+  records = read_metrics(run_dir)
+  t = config.train
+  logged = [r for r in records if 'loss' in r]
+  evals = [r for r in records if 'eval_loss' in r]
+  if not logged or not evals or evals[-1]['step'] != t.steps:
+    raise WorkflowError(f'{run_dir}/metrics.jsonl does not reach step {t.steps} with an eval; '
+                        'the run is not finished (re-run the same command to resume it)')
+  step_flops = flops_lib.training_flops_per_step(config)
+  tokens = t.steps * t.batch_size * t.seq_len
+  split = train_split_tokens(config)
+  rates = [r['tokens_per_sec'] for r in logged if r.get('tokens_per_sec')]
+  max_logits = [r['max_logit'] for r in logged if 'max_logit' in r]
+  done = json.loads((run_dir / 'done.json').read_text()) if is_finished(run_dir) else {}
+  last_eval = evals[-1]
+  accuracy_key = 'eval_recall_accuracy' if 'eval_recall_accuracy' in last_eval else 'eval_accuracy'
+  return {
+      'run_dir': str(run_dir), 'params': step_flops['params'], 'steps': t.steps, 'tokens': tokens,
+      'flops': step_flops['total'] * t.steps, 'flops_per_step': step_flops,
+      'final_train_loss': logged[-1]['loss'], 'final_eval_loss': last_eval['eval_loss'],
+      'accuracy_key': accuracy_key, 'final_accuracy': last_eval.get(accuracy_key),
+      'tokens_per_sec': statistics.median(rates) if rates else None,
+      'max_logit_final': max_logits[-1] if max_logits else None,
+      'max_logit_peak': max(max_logits) if max_logits else None,
+      'epochs': tokens / split if split else None,
+      'wall_seconds': done.get('wall_seconds'),
+      'loss_by_position': {'buckets': last_eval.get('eval_position_buckets'),
+                           'loss': last_eval.get('eval_loss_by_position')},
+      'curves': {'train': [(r['step'], r['loss']) for r in logged],
+                 'eval': [(r['step'], r['eval_loss']) for r in evals],
+                 'max_logit': [(r['step'], r['max_logit']) for r in logged if 'max_logit' in r]},
+  }
+
+
+def to_json(data) -> str:
+  """JSON text with NaN and infinities (an interval from too few rungs, say) written as null, so that
+  any JSON reader takes the file."""
+  import math
+
+  def clean(x):
+    if type(x).__module__ == 'numpy' and hasattr(x, 'item'):   # numpy scalars and arrays
+      x = x.item() if getattr(x, 'ndim', 0) == 0 else x.tolist()
+    if isinstance(x, float):
+      return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+      return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+      return [clean(v) for v in x]
+    return x
+  return json.dumps(clean(data), indent=1, default=str, allow_nan=False)
+
+
+def hardware() -> str:
+  """'<device kind> x <count> JAX device(s), <n>-core host, jax <version>'."""
+  import jax
+  dev = jax.devices()[0]
+  kind = dev.device_kind if dev.platform != 'cpu' else f'CPU ({platform.machine() or "unknown"})'
+  return f'{kind} x {jax.device_count()} JAX device(s), {os.cpu_count()}-core host, jax {jax.__version__}'
+
+
+def provenance() -> dict:
+  """Date, hardware and the command line of this process, for a report's header."""
+  argv = [sys.argv[0]] + sys.argv[1:]
+  if argv[0].endswith('.py'):
+    module = pathlib.Path(argv[0]).resolve()
+    root = pathlib.Path(__file__).resolve().parents[1]
+    if module.is_relative_to(root):
+      argv[0] = '-m ' + '.'.join(module.relative_to(root).with_suffix('').parts)
+  return {'date': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
+          'hardware': hardware(), 'command': 'python ' + ' '.join([argv[0]] + [shlex.quote(a) for a in argv[1:]])}
+
+
+def mean_spread(values: list[float]) -> tuple[float, float | None]:
+  """(mean, sample standard deviation; None for a single value)."""
+  values = [v for v in values if v is not None]
+  if not values:
+    return float('nan'), None
+  return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def fmt_mean(values: list[float], digits: int = 4) -> str:
+  """'1.2345 ± 0.0123' over seeds, or '1.2345' for one."""
+  mean, spread = mean_spread(values)
+  if mean != mean:
+    return '-'
+  return f'{mean:.{digits}f}' + (f' ± {spread:.{digits}f}' if spread is not None else '')
+
+
+def publish(files: dict[str, pathlib.Path], dest_prefix: str | pathlib.Path) -> list[pathlib.Path]:
+  """Copies {suffix: file} to dest_prefix + suffix (e.g. experiments/results/NAME.md); the Markdown
+  file's links to the others are rewritten to their new names."""
+  dest_prefix = pathlib.Path(dest_prefix)
+  dest_prefix.parent.mkdir(parents=True, exist_ok=True)
+  renames = {src.name: dest_prefix.name + suffix for suffix, src in files.items()}
+  out = []
+  for suffix, src in files.items():
+    dest = dest_prefix.parent / (dest_prefix.name + suffix)
+    if suffix.endswith('.md'):
+      text = src.read_text()
+      for old, new in renames.items():
+        text = text.replace(f']({old})', f']({new})')
+      dest.write_text(text)
+    else:
+      dest.write_bytes(src.read_bytes())
+    out.append(dest)
+  return out

@@ -1,0 +1,323 @@
+"""Run a scaling ladder (configs/ladder.py), fit L(C) per variant and report compute multipliers.
+
+    python -m experiments.scaling_ladder --config=configs/ladder.py:smoke --workdir=DIR \\
+        [--variants=adamw,muon] [--time_budget_s=540] [--publish=experiments/results/NAME]
+
+Every rung of every variant (configs/ladder.py: widths tied to depth and heads by a stated rule,
+tokens per parameter and lr per rung) trains through kimijax.train.loop.train in
+DIR/<variant>/<rung>/; finished rungs are reused and half-finished ones resume from their
+checkpoints, so a ladder can be finished over several calls or machines by bringing DIR back
+(ladder.json alone is not enough: the run folders hold the curves). Before each rung it prints
+"rung n of m" with its size and an ETA from the FLOP rate of the rungs trained in this call.
+--variants runs a subset (e.g. one variant per 10-minute GPU call); --time_budget_s starts no rung
+that the measured FLOP rate says would end past the budget (the report then covers what is done).
+
+Training FLOPs per rung come from kimijax.train.flops (the count bench_train's MFU uses), C in
+PFLOP/s-days. Per variant it fits L = A C^-alpha (log-log least squares) and, with >= 4 rungs,
+L = E + A C^-alpha (experiments/ladder_fit.py), and writes
+
+  DIR/ladder.json   rungs (params, tokens, steps, lr, FLOPs, eval loss, epochs of data seen,
+                    loss by position), fits (exponent with 95% interval), multipliers
+  DIR/ladder.md     the rung table, the fits, and each variant's compute multiplier against the
+                    baseline at matched loss C_base(L*) / C_var(L*) over the loss range the rungs
+                    of both cover (marked when that needs extrapolation)
+  DIR/ladder.png    eval loss against compute, log-log, rungs and fits per variant
+
+Expected (smoke, 2-core CPU shared with other jobs, 2026-12-01): 6 runs in 10 min; eval loss
+adamw 2.754 / 2.338 / 2.180 and muon 2.711 / 2.100 / 1.836 at d32 / d48 / d64, alpha 0.064 vs 0.106,
+and muon's multiplier over adamw in ladder.md (the report's "52% of the FLOPs" would read 1.92x);
+experiments/results/ladder_smoke.md.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import time
+
+import ml_collections
+
+from experiments import ladder_fit
+from experiments import runs as runs_lib
+from experiments.runs import WorkflowError
+
+
+def rung_config(ladder: ml_collections.ConfigDict, rung: dict, overrides=(), steps: int = 1):
+  """The kimijax config of one rung of one variant, trained for `steps` steps."""
+  from kimijax.config import validate
+  every = max(steps // 4, 1)
+  c = runs_lib.with_overrides(ladder.base, {
+      'model.d_model': rung['d_model'], 'model.num_layers': rung['num_layers'],
+      'model.num_heads': rung['num_heads'], 'model.mlp_dim': rung['mlp_dim'],
+      'optimizer.learning_rate': float(rung['learning_rate']), 'train.batch_size': rung['batch_size'],
+      'train.steps': steps, 'train.eval_every': every, 'train.checkpoint_every': every,
+      'optimizer.warmup_steps': max(steps // 20, 1), 'optimizer.schedule': 'cosine',
+      'optimizer.min_lr_ratio': 0.1, **dict(overrides)})
+  return validate(c)
+
+
+def plan(ladder: ml_collections.ConfigDict, workdir: pathlib.Path, variants: list[str] | None = None) -> list[dict]:
+  """[{variant, rung, config, run_dir, step_flops, chosen}] in run order (variant by variant, small
+  rungs first) for every variant; `chosen` marks those of `variants` (default all), the ones to
+  train. All configs are validated and run folders checked before any training."""
+  from kimijax.train import flops as flops_lib
+  if ladder.baseline not in ladder.variants:
+    raise WorkflowError(f'ladder {ladder.name!r}: baseline {ladder.baseline!r} is not one of its '
+                        f'variants {list(ladder.variants)}')
+  chosen = list(ladder.variants) if not variants else variants
+  for v in chosen:
+    if v not in ladder.variants:
+      raise WorkflowError(f'--variants: {v!r} is not a variant of ladder {ladder.name!r}; '
+                          f'allowed: {list(ladder.variants)}')
+  steps_of = {}
+  for rung in ladder.rungs:     # tokens from the baseline's parameter count: the same for all variants
+    probe = rung_config(ladder, rung, ladder.variants[ladder.baseline])
+    n = flops_lib.count(flops_lib.abstract_params(probe))
+    tokens_per_step = rung['batch_size'] * probe.train.seq_len
+    steps_of[rung['name']] = max(math.ceil(ladder.tokens_per_param * n / tokens_per_step), 1)
+  out = []
+  for v in ladder.variants:
+    for rung in ladder.rungs:
+      c = rung_config(ladder, rung, ladder.variants[v], steps_of[rung['name']])
+      run_dir = workdir / v / rung['name']
+      runs_lib.check_folder(run_dir, c)
+      out.append({'variant': v, 'rung': dict(rung), 'config': c, 'run_dir': run_dir, 'chosen': v in chosen,
+                  'step_flops': flops_lib.training_flops_per_step(c)})
+  return out
+
+
+def rung_time_model(trained: list[tuple[float, float]]) -> tuple[float, float] | None:
+  """(seconds of overhead per rung, seconds per FLOP) from the (FLOPs, seconds) of the rungs trained
+  in this call: a least-squares line through them (compilation, data loading and evals are the
+  overhead; small rungs are mostly overhead), or the FLOP rate alone from one rung."""
+  if not trained:
+    return None
+  flops, secs = zip(*trained)
+  if len(trained) >= 2 and max(flops) > min(flops):
+    import numpy as np
+    per_flop, overhead = np.polyfit(flops, secs, 1)
+    if per_flop > 0 and overhead >= 0:
+      return float(overhead), float(per_flop)
+  return 0.0, sum(secs) / sum(flops)
+
+
+def predict_seconds(model: tuple[float, float] | None, flops: list[float]) -> float | None:
+  if model is None:
+    return None
+  return sum(model[0] + model[1] * f for f in flops)
+
+
+def eta_text(seconds: float | None) -> str:
+  if seconds is None:
+    return 'ETA after the first rung trained in this call'
+  return f'ETA {seconds / 60:.1f} min for this and the remaining rungs'
+
+
+def fits_for(points: list[dict]) -> dict:
+  """Fits of one variant's finished rungs (C in PFLOP/s-days against final eval loss)."""
+  c = [p['flops'] / ladder_fit.PFLOPS_DAY for p in points]
+  loss = [p['final_eval_loss'] for p in points]
+  out = {}
+  if len(points) >= 2:
+    out['power_law'] = ladder_fit.fit_power_law(c, loss)
+  if len(points) >= 4:
+    out['with_offset'] = ladder_fit.fit_power_law_offset(c, loss)
+  return out
+
+
+def _rung_row(r: dict) -> dict:
+  figs = r['figures']
+  return {'variant': r['variant'], 'rung': r['rung']['name'], 'd_model': r['rung']['d_model'],
+          'num_layers': r['config'].model.num_layers, 'num_heads': r['rung']['num_heads'],
+          'batch_size': r['rung']['batch_size'], 'learning_rate': r['rung']['learning_rate'],
+          **{k: figs[k] for k in ('params', 'tokens', 'steps', 'flops', 'final_eval_loss', 'final_train_loss',
+                                  'epochs', 'tokens_per_sec', 'wall_seconds', 'loss_by_position', 'run_dir')}}
+
+
+def analyse(ladder, rows: list[dict]) -> dict:
+  """Fits per variant and multipliers of every variant against the baseline."""
+  by_variant = {}
+  for row in rows:
+    by_variant.setdefault(row['variant'], []).append(row)
+  fits = {v: fits_for(pts) for v, pts in by_variant.items()}
+  multipliers = {}
+  base = ladder.baseline
+  for v in by_variant:
+    if v == base or 'power_law' not in fits.get(base, {}) or 'power_law' not in fits[v]:
+      continue
+    multipliers[v] = ladder_fit.compute_multiplier(
+        fits[base]['power_law'], fits[v]['power_law'],
+        [p['final_eval_loss'] for p in by_variant[base]], [p['final_eval_loss'] for p in by_variant[v]])
+  return {'fits': fits, 'multipliers': multipliers}
+
+
+def _ci(pair) -> str:
+  return '-' if pair is None or any(x != x for x in pair) else f'[{pair[0]:.4g}, {pair[1]:.4g}]'
+
+
+def markdown(ladder, rows, analysis, prov, png_name: str, planned: int) -> str:
+  lines = [f'# Scaling ladder `{ladder.name}`', '',
+           f'Date: {prov["date"]}. Hardware: {prov["hardware"]}. {len(rows)} of {planned} rungs finished.',
+           '', 'Command:', '', f'    {prov["command"]}', '',
+           f'Rule: {ladder.rule}; {ladder.tokens_per_param:g} tokens per parameter; baseline '
+           f'`{ladder.baseline}`; variants: ' + '; '.join(
+               f'`{v}` = ' + (', '.join(f'{k}={val}' for k, val in o) or 'base') for v, o in ladder.variants.items()),
+           '', '| variant | rung | d | layers | heads | params | batch | lr | steps | tokens | epochs | '
+           'FLOPs | C (PF-days) | final eval loss | final train loss | tokens/s | wall s |',
+           '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    epochs = '-' if r['epochs'] is None else f'{r["epochs"]:.3g}'
+    rate = '-' if not r['tokens_per_sec'] else f'{r["tokens_per_sec"]:,.0f}'
+    wall = '-' if not r['wall_seconds'] else f'{r["wall_seconds"]:.0f}'
+    lines.append(f"| {r['variant']} | {r['rung']} | {r['d_model']} | {r['num_layers']} | {r['num_heads']} | "
+                 f"{r['params']:,} | {r['batch_size']} | {r['learning_rate']:.4g} | {r['steps']} | {r['tokens']:,} | "
+                 f"{epochs} | {r['flops']:.3g} | {r['flops'] / ladder_fit.PFLOPS_DAY:.3g} | "
+                 f"{r['final_eval_loss']:.4f} | {r['final_train_loss']:.4f} | {rate} | {wall} |")
+  lines += ['', '## Fits (C in PFLOP/s-days, loss = final eval loss in nats per token)', '',
+            '| variant | form | A | alpha | alpha 95% interval | E (95% interval) | rungs | residual RMS |',
+            '|---|---|---|---|---|---|---|---|']
+  for v, fits in analysis['fits'].items():
+    if 'power_law' in fits:
+      f = fits['power_law']
+      lines.append(f"| {v} | A C^-alpha | {f['A']:.4g} | {f['alpha']:.4f} | {_ci(f['alpha_ci95']) if f['dof'] > 0 else '- (2 rungs)'} "
+                   f"| - | {f['n']} | {f['rms_log_residual']:.2g} (log L) |")
+    if 'with_offset' in fits:
+      f = fits['with_offset']
+      lines.append(f"| {v} | E + A C^-alpha | {f['A']:.4g} | {f['alpha']:.4f} | {_ci(f['alpha_ci95'])} | "
+                   f"{f['E']:.4f} {_ci(f['E_ci95'])} | {f['n']} | {f['rms_residual']:.2g} |")
+  lines += ['', f'## Compute multiplier against `{ladder.baseline}` at matched loss', '',
+            'C_base(L*) / C_var(L*) from the two A C^-alpha fits: above 1 the variant reaches L* with '
+            'less compute (Moonlight\'s "Muon needs ~52% of the FLOPs" is 1.92x; Kimi Linear reports '
+            '1.16x, Attention Residuals 1.25x). 95% intervals from the fits\' parameter uncertainty.', '',
+            '| variant | L* range | multiplier at L* (95% interval) | extrapolated |', '|---|---|---|---|']
+  for v, m in analysis['multipliers'].items():
+    cells = '; '.join(f'{loss:.3f}: **{x:.3g}x** {_ci(ci)}'
+                      for loss, x, ci in zip(m['losses'], m['multiplier'], m['multiplier_ci95']))
+    note = ('yes: the variants\' loss ranges do not overlap' if m['extrapolated'] else 'no')
+    if 'note' in m:
+      cells, note = m['note'], '-'
+    lines.append(f"| {v} | {m['loss_range'][0]:.3f}-{m['loss_range'][1]:.3f} | {cells} | {note} |")
+  if not analysis['multipliers']:
+    lines.append('| - | - | needs >= 2 finished rungs of the baseline and of a variant | - |')
+  lines += ['', f'![loss against compute]({png_name})', '',
+            'FLOPs: kimijax.train.flops (6 N + causal attention + KDA state products per token, plus '
+            'Newton-Schulz for Muon). Epochs: tokens trained / tokens in the training split. Wall time '
+            'includes compilation and evals; tokens/s is the median logged rate.']
+  return '\n'.join(lines) + '\n'
+
+
+def plot(ladder, rows, analysis, out: pathlib.Path) -> pathlib.Path:
+  import matplotlib
+  import matplotlib.ticker
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  import numpy as np
+  fig, ax = plt.subplots(figsize=(7.5, 5))
+  variants = list(dict.fromkeys(r['variant'] for r in rows))
+  for i, v in enumerate(variants):
+    pts = [r for r in rows if r['variant'] == v]
+    c = np.array([r['flops'] / ladder_fit.PFLOPS_DAY for r in pts])
+    loss = np.array([r['final_eval_loss'] for r in pts])
+    ax.plot(c, loss, 'o', color=f'C{i}', label=f'{v} rungs')
+    grid = np.geomspace(c.min() / 1.5, c.max() * 1.5, 100)
+    fits = analysis['fits'].get(v, {})
+    if 'power_law' in fits:
+      f = fits['power_law']
+      ax.plot(grid, ladder_fit.predict(f, grid), '-', color=f'C{i}', lw=1.2,
+              label=f'{v}: {f["A"]:.3g} C^-{f["alpha"]:.4f}')
+    if 'with_offset' in fits:
+      f = fits['with_offset']
+      ax.plot(grid, ladder_fit.predict(f, grid), '--', color=f'C{i}', lw=1,
+              label=f'{v}: {f["E"]:.3g} + {f["A"]:.3g} C^-{f["alpha"]:.3f}')
+  ax.set(xscale='log', yscale='log', xlabel='training compute C (PFLOP/s-days)',
+         ylabel='final eval loss (nats/token)', title=f'ladder {ladder.name}')
+  ax.grid(alpha=0.3, which='both')
+  ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())    # losses as plain numbers
+  ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+  ax.legend(fontsize=7)
+  fig.suptitle(f'{len(rows)} rungs; fits by least squares (experiments/ladder_fit.py)', fontsize=8)
+  fig.savefig(out, dpi=110, bbox_inches='tight')
+  plt.close(fig)
+  return out
+
+
+def run_ladder(ladder: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, variants=None,
+               time_budget_s: float | None = None, publish: str | None = None, devices=None,
+               drop_checkpoints: bool = False) -> dict:
+  """Runs (or resumes) the ladder's rungs, then writes ladder.json / .md / .png; returns the json data."""
+  workdir = pathlib.Path(workdir)
+  planned = plan(ladder, workdir, variants)
+  runs = [r for r in planned if r['chosen']]
+  started = time.time()
+  trained, finished = [], []       # (FLOPs, seconds) of each rung trained in this call
+  for run in planned:     # finished rungs of the variants not run now still go into the report
+    if not run['chosen'] and runs_lib.is_finished(run['run_dir']):
+      finished.append({**run, 'figures': runs_lib.read_run(run['config'], run['run_dir'])})
+  for n, run in enumerate(runs, 1):
+    total = run['step_flops']['total'] * run['config'].train.steps
+    remaining = [r['step_flops']['total'] * r['config'].train.steps for r in runs[n - 1:]
+                 if not runs_lib.is_finished(r['run_dir'])]
+    model = rung_time_model(trained)
+    was_finished = runs_lib.is_finished(run['run_dir'])
+    if not was_finished and time_budget_s is not None:
+      this_rung = predict_seconds(model, [total])
+      if this_rung is not None and time.time() - started + this_rung > time_budget_s:
+        print(f'ladder: stopping before rung {n} of {len(runs)}: it would take ~{this_rung:.0f} s and end past '
+              f'the {time_budget_s:.0f} s budget; re-run the same command to continue', flush=True)
+        break
+    print(f"ladder: rung {n} of {len(runs)}: {run['variant']} {run['rung']['name']} "
+          f"({run['step_flops']['params']:,} params, {run['config'].train.steps} steps, {total:.3g} FLOPs); "
+          f"{eta_text(predict_seconds(model, remaining))}", flush=True)
+    began = time.time()
+    figures = runs_lib.train_run(run['config'], run['run_dir'], devices=devices, drop_checkpoints=drop_checkpoints)
+    if not was_finished:
+      trained.append((total, time.time() - began))
+    finished.append({**run, 'figures': figures})
+  finished.sort(key=lambda r: [p['run_dir'] for p in planned].index(r['run_dir']))
+  rows = [_rung_row(r) for r in finished]
+  analysis = analyse(ladder, rows)
+  prov = runs_lib.provenance()
+  workdir.mkdir(parents=True, exist_ok=True)
+  png = plot(ladder, rows, analysis, workdir / 'ladder.png') if rows else None
+  md = workdir / 'ladder.md'
+  md.write_text(markdown(ladder, rows, analysis, prov, png.name if png else '', len(planned)))
+  data = {'ladder': ladder.name, **prov, 'rule': ladder.rule, 'tokens_per_param': ladder.tokens_per_param,
+          'baseline': ladder.baseline, 'variants': {v: list(map(list, o)) for v, o in ladder.variants.items()},
+          'rungs': rows, **analysis, 'planned_rungs': len(planned), 'finished_rungs': len(rows)}
+  js = workdir / 'ladder.json'
+  js.write_text(runs_lib.to_json(data))
+  print(md.read_text())
+  print(f'wrote {md}, {js}' + (f', {png}' if png else '') + f' in {time.time() - started:.0f} s')
+  if publish and png:
+    for path in runs_lib.publish({'.md': md, '.png': png, '.json': js}, publish):
+      print(f'published {path}')
+  return data
+
+
+def define_flags():
+  from absl import flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file('config', None, 'configs/ladder.py:NAME', lock_config=True)
+  flags.DEFINE_string('workdir', None, 'output folder: <variant>/<rung>/ runs, ladder.json, ladder.md, ladder.png')
+  flags.DEFINE_list('variants', [], "variants to run (default: all); the report covers every finished one")
+  flags.DEFINE_float('time_budget_s', None, 'start no rung that would end past this many seconds')
+  flags.DEFINE_string('publish', None, 'also copy the report to PREFIX.md/.png/.json')
+  flags.DEFINE_bool('drop_finished_checkpoints', False, "remove a rung's checkpoints once it is finished "
+                    '(its figures stay), so that the workdir is small enough to carry between machines')
+  flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  from experiments.cli import user_errors
+  with user_errors():
+    f = flags.FLAGS
+    run_ladder(f.config, f.workdir, variants=f.variants or None, time_budget_s=f.time_budget_s, publish=f.publish,
+               drop_checkpoints=f.drop_finished_checkpoints)
+
+
+if __name__ == '__main__':
+  from absl import app
+  define_flags()
+  app.run(main)

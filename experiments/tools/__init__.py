@@ -1,0 +1,1 @@
+"""Developer tools: profiler summaries, Triton compiler reports, kernel ablations."""

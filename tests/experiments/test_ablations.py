@@ -1,0 +1,46 @@
+"""experiments/ablations/: the fixed verdict rule on hand-made seed values, and every arm of every
+ablation file is a valid config at both scales, with each claim naming arms that exist."""
+
+import pytest
+
+from experiments.ablations import (attention_residuals, common, kimi_linear_table1, long_context,
+                                   mqar_recall, muon_update_rms, qk_clip)
+from experiments.sweep import run_config
+from kimijax.config import validate
+
+
+def test_verdict_rule():
+  # Lower is better, published a < b.
+  assert common.verdict([1.0, 1.02], [1.5, 1.48], '<') == 'reproduces'
+  assert common.verdict([1.5, 1.48], [1.0, 1.02], '<') == 'refuted'
+  # Gap 0.01; standard error of the difference sqrt(0.02^2/2 * 2) = 0.02: inside 2 SE.
+  assert common.verdict([1.00, 1.04], [1.01, 1.05], '<') == 'inside seed noise'
+  assert common.verdict([1.00, 1.04], [1.01, 1.05], '=') == 'reproduces (inside seed noise)'
+  assert common.verdict([1.0, 1.01], [2.0, 2.01], '=') == 'refuted'
+  assert common.verdict([0.9, 0.92], [0.5, 0.52], '>') == 'reproduces'
+  assert common.verdict([1.0], [1.1], '<') == 'reproduces (1 seed: noise not measured)'
+  assert common.verdict([1.0], [1.1], '=').startswith('no verdict')
+  assert common.verdict([1.0, 1.0], [1.0, 1.0], '>') == 'tie (equal means)'
+  with pytest.raises(ValueError):
+    common.verdict([1.0], [1.0], '<=')
+
+
+CASES = [(kimi_linear_table1, kimi_linear_table1.ARMS, kimi_linear_table1.CLAIMS),
+         (attention_residuals, attention_residuals.ARMS + attention_residuals.NOT_RUNNABLE,
+          attention_residuals.CLAIMS),
+         (muon_update_rms, muon_update_rms.ARMS, muon_update_rms.CLAIMS),
+         (qk_clip, qk_clip.ARMS, qk_clip.CLAIMS), (long_context, long_context.ARMS, long_context.CLAIMS)]
+
+
+@pytest.mark.parametrize('scale', ['cpu', 'gpu'], ids=['cpu_scale', 'h200_scale'])   # an id 'gpu' would mark it GPU-only
+def test_every_arm_is_a_valid_config_and_every_claim_names_arms(scale):
+  cases = CASES + [(mqar_recall, mqar_recall.arms(scale), mqar_recall.claims(scale))]
+  for module, arms, claims in cases:
+    base = validate(module.base(scale))
+    names = [a.name for a in arms]
+    assert len(set(names)) == len(names)
+    for arm in arms:
+      if arm.runnable:
+        run_config(base, arm.overrides, 0)
+    for claim in claims:
+      assert claim.a in names and claim.b in names, (module.__name__, claim)

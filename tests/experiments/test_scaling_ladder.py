@@ -1,0 +1,98 @@
+"""experiments/scaling_ladder.py end to end on tiny rungs (2 variants x 2 rungs, one or two steps each:
+each run costs its compilations, so the fits' intervals are tested on synthetic ladders instead),
+resume of a half-finished ladder, and the report's fits against the rungs it lists."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from configs.ladder import get_config, rung
+from experiments import ladder_fit, runs, scaling_ladder
+
+ONE = jax.devices()[:1]
+
+
+def tiny_ladder():
+  c = get_config('smoke')
+  c.name = 'tiny'
+  b = c.base
+  b.train.seq_len, b.train.eval_batches, b.train.log_every, b.train.plot = 32, 1, 2, False
+  c.tokens_per_param = 0.02
+  c.rungs = [rung(d, head_dim=8, depth_per_width=8, batch_size=4) for d in (8, 16)]
+  # Variants that compile as fast as the baseline (the test times compilation, not training).
+  c.variants = {'rope': (), 'nope': (('model.position', 'nope'),)}
+  c.baseline = 'rope'
+  return c
+
+
+def test_ladder_runs_every_rung_reports_and_resumes(tmp_path, capsys):
+  ladder = tiny_ladder()
+  # A half-finished ladder: a first call for the baseline alone, whose time budget is spent after
+  # its first rung (the first rung always runs: there is no rate to judge by before it).
+  first = scaling_ladder.run_ladder(ladder, tmp_path, variants=['rope'], time_budget_s=0, devices=ONE)
+  assert 'stopping before rung 2 of 2' in capsys.readouterr().out
+  assert first['finished_rungs'] == 1 and first['planned_rungs'] == 4
+  assert not first['multipliers'] and (tmp_path / 'ladder.md').exists()
+  mtime = (tmp_path / 'rope' / 'd8' / 'done.json').stat().st_mtime
+  data = scaling_ladder.run_ladder(ladder, tmp_path, devices=ONE, drop_checkpoints=True)
+  out = capsys.readouterr().out
+  # Asked to, the call removed the checkpoints of the rungs it finished, and only those.
+  assert (tmp_path / 'rope' / 'd8' / 'checkpoints').exists()
+  assert not any((tmp_path / v / r / 'checkpoints').exists() for v, r in (('rope', 'd16'), ('nope', 'd8')))
+  assert 'rung 4 of 4' in out and 'ETA' in out and 'finished earlier, reused' in out
+  assert (tmp_path / 'rope' / 'd8' / 'done.json').stat().st_mtime == mtime   # reused, not retrained
+  assert data['finished_rungs'] == 4
+  for name in ('ladder.json', 'ladder.md', 'ladder.png'):
+    assert (tmp_path / name).exists()
+  saved = json.loads((tmp_path / 'ladder.json').read_text())
+  assert [r['rung'] for r in saved['rungs']] == ['d8', 'd16'] * 2
+  for variant in ('rope', 'nope'):
+    rows = [r for r in saved['rungs'] if r['variant'] == variant]
+    # Same tokens for both variants of a rung; params grow along the ladder.
+    assert [r['tokens'] for r in rows] == [r['tokens'] for r in saved['rungs'][:2]]
+    assert all(a['params'] < b['params'] for a, b in zip(rows, rows[1:]))
+    assert all(r['epochs'] is not None and 0 < r['epochs'] < 1 for r in rows)
+    # The reported fit is the least-squares line through the rungs it lists.
+    x = np.log([r['flops'] / ladder_fit.PFLOPS_DAY for r in rows])
+    y = np.log([r['final_eval_loss'] for r in rows])
+    slope, intercept = np.polyfit(x, y, 1)
+    fit = saved['fits'][variant]['power_law']
+    assert fit['alpha'] == pytest.approx(-slope, rel=1e-6, abs=1e-9)
+    assert fit['A'] == pytest.approx(np.exp(intercept), rel=1e-6)
+    assert 'with_offset' not in saved['fits'][variant]     # 2 rungs: the pure power law only
+  assert set(saved['multipliers']) == {'nope'}
+  md = (tmp_path / 'ladder.md').read_text()
+  assert '4 of 4 rungs finished' in md and 'Compute multiplier' in md
+
+
+def test_ladder_refuses_unknown_variant_and_folder_of_another_config(tmp_path):
+  ladder = tiny_ladder()
+  with pytest.raises(runs.WorkflowError, match="'sgd' is not a variant"):
+    scaling_ladder.plan(ladder, tmp_path, ['sgd'])
+  run_dir = tmp_path / 'rope' / 'd8'
+  run_dir.mkdir(parents=True)
+  (run_dir / 'config.json').write_text(json.dumps({'seed': 123}))
+  with pytest.raises(runs.WorkflowError, match='holds a run of another config'):
+    scaling_ladder.plan(ladder, tmp_path)
+  assert (run_dir / 'config.json').read_text() == json.dumps({'seed': 123})    # left as it was
+
+
+@pytest.mark.parametrize('name', ['smoke', 'gpu', 'gpu_attnres', 'gpu_hybrid'], ids=lambda n: f'ladder_{n}')   # an id 'gpu' would mark it GPU-only
+def test_every_named_ladder_plans_by_its_rule(tmp_path, name):
+  """Every rung of every ladder is a valid config (GPU ones too, counted on the CPU), tokens are
+  tokens_per_param x the baseline's parameters, and the rule ties width, depth and heads."""
+  ladder = get_config(name)
+  planned = scaling_ladder.plan(ladder, tmp_path)
+  assert len(planned) == len(ladder.rungs) * len(ladder.variants) and len(ladder.rungs) >= 3
+  base_runs = [r for r in planned if r['variant'] == ladder.baseline]
+  for r in base_runs:
+    t = r['config'].train
+    tokens = t.steps * t.batch_size * t.seq_len
+    needed = ladder.tokens_per_param * r['step_flops']['params']
+    assert needed <= tokens < needed + t.batch_size * t.seq_len
+    m = r['config'].model
+    assert m.d_model // m.num_heads in (16, 64) and m.mlp_dim == 3 * m.d_model
+  widths = [r['config'].model.d_model for r in base_runs]
+  assert widths == sorted(widths)

@@ -1,0 +1,86 @@
+"""experiments/sweep.py end to end on MQAR with a tiny model: 2 points x 2 seeds, the table's
+means and spreads against the runs' own metrics.jsonl, recall accuracy logged, a finished sweep
+reused, a half-finished run resumed to the same final loss, and bad input refused before training."""
+
+import json
+import shutil
+import statistics
+
+import jax
+import pytest
+
+from experiments import runs, sweep
+from tiny_config import make_config
+
+ONE = jax.devices()[:1]
+TINY_MQAR = {'model.d_model': 32, 'model.num_layers': 1, 'model.num_heads': 2, 'model.mlp_dim': 64,
+             'train.seq_len': 32, 'train.batch_size': 4, 'train.eval_batches': 1, 'train.plot': False,
+             'train.log_every': 1, 'train.steps': 4, 'train.eval_every': 2, 'train.checkpoint_every': 2,
+             'data.source': 'mqar', 'data.mqar_num_pairs': 4}
+
+
+def eval_records(run_dir):
+  return [json.loads(l) for l in (run_dir / 'metrics.jsonl').read_text().splitlines() if 'eval_loss' in l]
+
+
+def test_sweep_table_resume_and_reuse(tmp_path, capsys):
+  config = make_config(TINY_MQAR)
+  axes = sweep.parse_axes(['optimizer.learning_rate=1e-3,1e-2'], config)
+  assert axes == [('optimizer.learning_rate', [1e-3, 1e-2])]
+  data = sweep.run_sweep(config, axes, seeds=2, workdir=tmp_path, devices=ONE)
+  assert [p['label'] for p in data['points']] == ['learning_rate=0.001', 'learning_rate=0.01']
+  md = (tmp_path / 'sweep.md').read_text()
+  assert 'recall accuracy' in md and (tmp_path / 'loss_curves.png').exists()
+  for point in data['points']:
+    finals = []
+    for seed in (0, 1):
+      run_dir = tmp_path / 'runs' / f'{point["label"]},seed={seed}'
+      last = eval_records(run_dir)[-1]
+      assert last['step'] == 4 and 0.0 <= last['eval_recall_accuracy'] <= 1.0
+      finals.append(last['eval_loss'])
+    row = next(l for l in md.splitlines() if l.startswith(f'| {point["label"]} |'))
+    cells = [c.strip() for c in row.split('|')]
+    assert cells[2] == '2'
+    assert cells[4] == f'{statistics.fmean(finals):.4f} ± {statistics.stdev(finals):.4f}'
+  assert data['points'][0]['runs'][0]['seed'] != data['points'][0]['runs'][1]['seed']
+  assert data['points'][0]['runs'][0]['final_eval_loss'] != data['points'][0]['runs'][1]['final_eval_loss']
+
+  # Half-finished: drop one run's last checkpoint and its done marker; the sweep resumes it from
+  # step 2 and reproduces the uninterrupted final loss. The other runs are reused untouched.
+  victim = tmp_path / 'runs' / 'learning_rate=0.01,seed=1'
+  before = eval_records(victim)[-1]['eval_loss']
+  shutil.rmtree(victim / 'checkpoints' / '4')
+  (victim / 'done.json').unlink()
+  kept = tmp_path / 'runs' / 'learning_rate=0.001,seed=0' / 'done.json'
+  kept_mtime = kept.stat().st_mtime
+  capsys.readouterr()
+  again = sweep.run_sweep(config, axes, seeds=2, workdir=tmp_path, devices=ONE)
+  out = capsys.readouterr().out
+  assert out.count('finished earlier, reused') == 3 and 'resuming from step 2' in out
+  assert eval_records(victim)[-1]['eval_loss'] == pytest.approx(before, rel=1e-6)
+  assert kept.stat().st_mtime == kept_mtime
+  assert again['points'][1]['runs'][1]['final_eval_loss'] == pytest.approx(before, rel=1e-6)
+
+  # Interrupted before any checkpoint: it starts again from step 0, its earlier lines kept aside,
+  # and the new metrics.jsonl holds one curve.
+  shutil.rmtree(victim / 'checkpoints')
+  (victim / 'done.json').unlink()
+  sweep.run_sweep(config, axes, seeds=2, workdir=tmp_path, devices=ONE)
+  assert 'no checkpoint to resume from' in capsys.readouterr().out
+  assert len(list(victim.glob('metrics.interrupted-*.jsonl'))) == 1
+  steps = [r['step'] for r in eval_records(victim)]
+  assert steps == [2, 4] and eval_records(victim)[-1]['eval_loss'] == pytest.approx(before, rel=1e-6)
+
+
+def test_bad_sweeps_are_refused_before_training(tmp_path):
+  config = make_config(TINY_MQAR)
+  with pytest.raises(runs.WorkflowError, match="unknown config key 'optimizer.lr'"):
+    sweep.parse_axes(['optimizer.lr=1,2'], config)
+  with pytest.raises(runs.WorkflowError, match="train.steps is of type int"):
+    sweep.parse_axes(['train.steps=10,ten'], config)
+  with pytest.raises(runs.WorkflowError, match='expected KEY=V1,V2'):
+    sweep.parse_axes(['optimizer.name'], config)
+  from kimijax.config import ConfigError
+  with pytest.raises(ConfigError, match='optimizer.name'):
+    sweep.plan(config, sweep.named(sweep.parse_axes(['optimizer.name=adamw,sgd'], config)), 1, tmp_path)
+  assert not (tmp_path / 'runs').exists()
