@@ -151,3 +151,28 @@ def test_interpreted_decode_step_matches_xla_step():
   o_x, s_x = kda_lib.kda_step(one(q), one(k), one(v), one(g), one(beta), s0)
   o_p, s_p = kda_lib.kda_step(one(q), one(k), one(v), one(g), one(beta), s0, impl='pallas')
   assert _rel_rmse(o_p, o_x) < 1e-6 and _rel_rmse(s_p, s_x) < 1e-6
+
+
+@pytest.mark.parametrize('dtype,d', [(jnp.bfloat16, 128), (jnp.float32, 64)])
+def test_kernels_lower_to_triton_for_an_h200(dtype, d):
+  """Every KDA kernel of a training step (forward, the backward's recomputation, state_bwd,
+  scores_bwd) and the decode step go through the Pallas Triton lowering for an H200 on this
+  machine: what Triton cannot express fails here, not in device time."""
+  from experiments.tools.triton_report import lower_for_h200
+  from kernels_pallas.kda import kda_pallas, kda_step_pallas
+  spec = jax.ShapeDtypeStruct
+  b, t, h = 2, 200, 4
+  x = spec((b, t, h, d), dtype)
+  f32 = lambda *shape: spec(shape, jnp.float32)
+
+  def loss(q, k, v, g, beta, s0):
+    o, s = kda_pallas(q, k, v, g, beta, s0, scale=d ** -0.5)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+  module = lower_for_h200(jax.grad(loss, argnums=tuple(range(6))), x, x, x, f32(b, t, h, d), f32(b, t, h),
+                          f32(b, h, d, d))
+  for name in ('kda_scores_fwd', 'kda_wy_fwd', 'kda_state_fwd', 'kda_state_bwd', 'kda_scores_bwd'):
+    assert name in module, name
+  tok = spec((b, h, d), dtype)
+  step = lambda *a: kda_step_pallas(*a, scale=d ** -0.5)
+  assert 'kda_step' in lower_for_h200(step, tok, tok, tok, f32(b, h, d), f32(b, h), f32(b, h, d, d))
