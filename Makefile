@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTHON_CANDIDATES := python3.13 python3.12 python3 python $(wildcard $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3)
 
-.PHONY: run test clean-venv
+.PHONY: run test test-all clean-venv
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	@py=""; for c in $(PYTHON_CANDIDATES); do \
@@ -22,6 +22,9 @@ run: $(VENV)/.installed
 	$(PY) run.py --config=configs/default.py --workdir=runs/default
 
 test: $(VENV)/.installed
+	$(PY) -m pytest -q -m 'not long' tests
+
+test-all: $(VENV)/.installed
 	$(PY) -m pytest -q tests
 
 clean-venv:

@@ -52,7 +52,7 @@ def _sub_spec(d, nb):
   return pl.BlockSpec((None, SUB, None, d), lambda bi, hi, n, a: (bi, n * nb + a, hi, 0))
 
 
-def _chunk_spec(d, c, sub_grid):
+def _chunk_spec(d, c):
   """One chunk of [B, T, H, d] (d None: of [B, T, H]), grid (b, h, chunk[, sub-chunk])."""
   if d is None:
     return pl.BlockSpec((None, c, None), lambda bi, hi, n, *_: (bi, n, hi))
@@ -74,7 +74,7 @@ def scores_fwd(q, k, gc, beta, *, scale, c, interpret):
   return pl.pallas_call(
       kernel, grid=(b, h, t // c, nb),
       in_specs=[_sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(None, nb),
-                _chunk_spec(dk, c, True), _chunk_spec(dk, c, True)],
+                _chunk_spec(dk, c), _chunk_spec(dk, c)],
       out_specs=[_sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(c, nb), _sub_spec(c, nb)],
       out_shape=[_sds(q.shape, q.dtype), _sds(q.shape, q.dtype), _sds((b, t, h, c), q.dtype),
                  _sds((b, t, h, c), F32)],
@@ -86,7 +86,7 @@ def wy_fwd(n, k, v, gc, beta, *, c, with_t, interpret):
   """(w, u[, t]): w [B, T, H, K], u [B, T, H, V] in k's dtype; t [B, T, H, C] float32."""
   b, t, h, dk = k.shape
   dv = v.shape[-1]
-  spec = lambda d: _chunk_spec(d, c, False)
+  spec = lambda d: _chunk_spec(d, c)
   out_specs = [spec(dk), spec(dv)] + ([spec(c)] if with_t else [])
   out_shape = [_sds(k.shape, k.dtype), _sds(v.shape, k.dtype)] + ([_sds(n.shape, F32)] if with_t else [])
   kernel = functools.partial(wy_fwd_kernel, nb=c // SUB, dot_dtype=k.dtype)
@@ -150,7 +150,7 @@ def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, *, scale, c, interpret):
   """(dq, dk, dg, dbeta, dlast): float32; dg of G; dlast [B, N * C/16, H, K] per sub-chunk."""
   b, t, h, dk = q.shape
   nb = c // SUB
-  sub, whole = (lambda d: _sub_spec(d, nb)), (lambda d: _chunk_spec(d, c, True))
+  sub, whole = (lambda d: _sub_spec(d, nb)), (lambda d: _chunk_spec(d, c))
   kernel = functools.partial(scores_bwd_kernel, scale=scale, nb=nb, dot_dtype=q.dtype)
   return pl.pallas_call(
       kernel, grid=(b, h, t // c, nb),

@@ -7,6 +7,8 @@ import statistics
 import subprocess
 import sys
 
+import pytest
+
 from experiments.bench import bench_compare
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -41,6 +43,7 @@ def test_a_cut_short_comparison_still_reports_its_runs(tmp_path):
   assert 'stopping before run 3 of 4' in proc.stdout and '2 of 4 runs (time budget)' in proc.stdout
 
 
+@pytest.mark.long
 def test_compares_two_setups_on_one_device(tmp_path):
   proc, out = compare(tmp_path, '--config=configs/default.py:nope', rounds=2)
   assert proc.returncode == 0, proc.stderr[-2000:]

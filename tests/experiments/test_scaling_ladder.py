@@ -27,6 +27,7 @@ def tiny_ladder():
   return c
 
 
+@pytest.mark.long
 def test_ladder_runs_every_rung_reports_and_resumes(tmp_path, capsys):
   ladder = tiny_ladder()
   # A half-finished ladder: a first call for the baseline alone, whose time budget is spent after

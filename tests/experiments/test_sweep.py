@@ -23,6 +23,7 @@ def eval_records(run_dir):
   return [json.loads(l) for l in (run_dir / 'metrics.jsonl').read_text().splitlines() if 'eval_loss' in l]
 
 
+@pytest.mark.long
 def test_sweep_table_resume_and_reuse(tmp_path, capsys):
   config = make_config(TINY_MQAR)
   axes = sweep.parse_axes(['optimizer.learning_rate=1e-3,1e-2'], config)

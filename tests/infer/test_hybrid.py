@@ -51,7 +51,11 @@ def _model(cfg):
   return model, params, tokens
 
 
-@pytest.mark.parametrize('cfg', CASES.values(), ids=CASES.keys())
+LONG_CASES = ('3:1 KDA:MLA nope', 'KA mla nope, fused KDA kernels', 'KKA mla rope qlora, attnres_block')
+
+
+@pytest.mark.parametrize('cfg', [pytest.param(cfg, id=name, marks=[pytest.mark.long] if name in LONG_CASES else [])
+                                 for name, cfg in CASES.items()])
 def test_prefill_and_decode_equal_full_forward(cfg):
   model, params, tokens = _model(cfg)
   full, _ = model.apply({'params': params}, tokens)

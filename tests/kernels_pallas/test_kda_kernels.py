@@ -103,6 +103,7 @@ def test_gpu_bf16_matches_chunk_form_at_benchmark_shape():
   _compare(args, 'chunk', 5e-3, 1e-2)
 
 
+@pytest.mark.long
 def test_hybrid_training_with_pallas_follows_chunk():
   """50 AdamW steps of a 1 KDA + 1 MLA model on one fixed batch of 2 x 32 tokens from one seed:
   the losses with kda_impl='pallas' (interpreted) follow kda_impl='chunk' within 1e-2 relative."""

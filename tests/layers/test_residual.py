@@ -138,6 +138,7 @@ def attnres_leaves(tree, suffix):
           if jax.tree_util.keystr(k).endswith(f"['{suffix}']")}
 
 
+@pytest.mark.long
 def test_block_size_one_is_full_and_gradients_reach_every_query():
   full, block1 = cfg_for('attnres_full'), cfg_for('attnres_block', attnres_block_size=1)
   params = init_params(full)                      # non-zero pseudo-queries
@@ -214,6 +215,7 @@ def sharded_config(shape, remat=False):
   return config_lib.validate(c)
 
 
+@pytest.mark.long
 def test_sharded_and_remat_training_match_one_device():
   """3 real train steps (AdamW moves the zero pseudo-queries at step 1, so steps 2-3 run with
   non-uniform depth weights) on fsdp and data x fsdp x tensor meshes, and with remat, give the

@@ -116,6 +116,7 @@ def test_pallas_phase1_gradients_match_autodiff_of_xla():
   assert np.all(np.isfinite(dq))
 
 
+@pytest.mark.long
 def test_pallas_phase1_bf16_and_many_queries():
   """bf16 sources give bf16 outputs within one bf16 rounding of the float32 result; more than
   16 queries run in groups of 16, and their gradients too."""

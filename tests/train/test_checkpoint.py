@@ -155,6 +155,7 @@ def subprocess_env(cache_dir):
   return env
 
 
+@pytest.mark.long
 def test_sigkill_mid_save_resumes_from_last_complete_checkpoint(tmp_path, compile_cache):
   env, ckpt = subprocess_env(compile_cache), tmp_path / 'run' / 'checkpoints'
   command = run_py_command(tmp_path / 'run', KILL_FLAGS)

@@ -151,6 +151,7 @@ def make_config(steps):
   return config_lib.validate(c)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   one, two = tmp_path / 'one', tmp_path / 'two'
