@@ -9,8 +9,8 @@ Ladders (NAME):
   smoke        3 rungs x {adamw, muon}, CPU; 10 min on the shared 2-core CPU (byte-level stdlib corpus)
   gpu          5 rungs x {adamw, muon} on one H200, bf16 + cuDNN attention, the site-packages corpus
   gpu_attnres  the gpu rungs x {standard, block AttnRes (one block per layer, the Pallas kernels)}
-  gpu_hybrid   the gpu rungs x {all attention, 3:1 KDA:attention}; KDA runs its XLA chunk form
-               (6.5-7x slower than a fused kernel on the H200), so expect ~3x the gpu ladder's time;
+  gpu_hybrid   the gpu rungs x {all attention, 3:1 KDA:attention}; KDA runs the fused Pallas kernels
+               (still 2-2.6x slower than fla's on the H200; not yet timed in a ladder);
                depth 4 * ceil(d / 256) so that every rung holds whole 'KKKA' groups
 
 Rule for every ladder: width d sets the rest. Depth = d / 64 layers (smoke: d / 16), heads = d / 64
@@ -56,6 +56,7 @@ def _gpu(c: ml_collections.ConfigDict) -> None:
   b = c.base
   b.model.compute_dtype = 'bfloat16'    # as configs/bench_350m.py: bf16 matmuls, cuDNN attention
   b.model.attn_impl = 'cudnn'
+  b.model.kda_impl = 'pallas'           # the fused KDA kernels (kernels_pallas/kda)
   b.model.residual_dtype = 'float32'    # small models: keep the residual stream exact
   b.train.seq_len = 1024
   b.train.eval_batches = 16

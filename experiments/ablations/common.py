@@ -118,8 +118,8 @@ def sized(config, scale: str, *, d_model: int, num_layers: int, num_heads: int, 
             'train.steps': steps, 'train.eval_every': every, 'train.checkpoint_every': every,
             'optimizer.warmup_steps': max(steps // 20, 1)}
   if scale == 'gpu':
-    values.update({'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'cudnn', 'train.eval_batches': 16,
-                   'data.source': 'site_packages'})
+    values.update({'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'cudnn', 'model.kda_impl': 'pallas',
+                   'train.eval_batches': 16, 'data.source': 'site_packages'})
   values.update({k.replace('__', '.'): v for k, v in overrides.items()})
   return with_overrides(config, values)
 
