@@ -37,6 +37,11 @@ def dot_tn(x, y):
   return _dot(x, y, ((0,), (0,)))
 
 
+def einsum(spec, x, y):
+  """jnp.einsum at full float32 precision (the XLA parts of the backward)."""
+  return jnp.einsum(spec, x, y, precision=_HI)
+
+
 def iotas():
   """(row index, column index) of a [SUB, SUB] block, int32."""
   return (jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0),

@@ -19,13 +19,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.common import compiler_params
-from kernels_pallas.kda.blocks import F32, SUB
+from kernels_pallas.kda.blocks import F32, SUB, einsum as mm
 from kernels_pallas.kda.scores import scores_bwd_kernel, scores_fwd_kernel
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_bwd, wy_fwd_kernel
 
 CHUNK = 64
-_HI = jax.lax.Precision.HIGHEST
 
 
 def chunk_len(t: int) -> int:
@@ -203,7 +202,6 @@ def _core_bwd(scale, interpret, res, cotangents):
   (_, _, hs), x = _forward(q, k, v, g, beta, s0, scale, interpret, for_backward=True)
   ds0, dh, dv_new = state_bwd(x['qg'], x['kg'], x['w'], x['aqk'], x['gc'], do.astype(v.dtype),
                               ds_final.astype(F32), c=c, interpret=interpret)
-  mm = lambda spec, a, b_: jnp.einsum(spec, a, b_, precision=_HI)
   states = lambda s: jnp.moveaxis(s.reshape(b, h, nt, dk, s.shape[-1]), 2, 1)   # [B, N, H, K, V]
   hs, dh = states(hs), states(dh)
   ch = lambda x_: _chunk_view(x_, c)

@@ -2,7 +2,7 @@
 
 One program = one (batch, head) and one block of BV value columns; it walks the chunks in order
 (forward) or in reverse (backward) with its [K, BV] slice of the float32 state in registers. Per
-chunk of C tokens, with the intra-chunk tensors of intra_fwd.py (qg, kg, w, u, aqk) and the
+chunk of C tokens, with the intra-chunk tensors of scores.py and wy.py (qg, kg, aqk, w, u) and the
 chunk's total decay exp(G_C):
 
   forward    v_new = u - w S;  o = qg S + aqk v_new;  S <- exp(G_C) S + kg^T v_new

@@ -9,10 +9,9 @@ in XLA, from T (no inverse to differentiate).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from kernels_pallas.kda.blocks import F32, dot, inverse_blocks, rows
+from kernels_pallas.kda.blocks import F32, dot, einsum as mm, inverse_blocks, rows
 
 
 def wy_fwd_kernel(n_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, *t_ref, nb, dot_dtype):
@@ -38,8 +37,6 @@ def wy_bwd(t, dw, du, k, v, gc, beta):
   """Gradients through (w, u), on chunk views [B, N, C, H, *] float32 (t [B, N, C, H, C] as
   written by wy_fwd_kernel): (dn, dk, dv, dg, dbeta), dn strictly lower-triangular in (row,
   column), dg the gradient of the cumulative log-decay G."""
-  hi = jax.lax.Precision.HIGHEST
-  mm = lambda spec, a, b: jnp.einsum(spec, a, b, precision=hi)
   eg = jnp.exp(gc)
   x, y = beta[..., None] * eg * k, beta[..., None] * v
   dx, dy = mm('bnrhi,bnrhd->bnihd', t, dw), mm('bnrhi,bnrhd->bnihd', t, du)

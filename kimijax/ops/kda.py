@@ -343,22 +343,6 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
   return o.astype(v.dtype), (s_final if output_final_state else None)
 
 
-# ----------------------------------------------------------------------------- fused kernels
-
-
-def kda_fused(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False):
-  """KDA through the fused Pallas kernels of kernels_pallas/kda (interpreted off the GPU);
-  same arguments and results as kda_chunk (the kernels' chunk length is fixed at 64)."""
-  from kernels_pallas.common import kernels_interpreted
-  from kernels_pallas.kda import kda_pallas
-  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
-  initial_state = None if initial_state is None else jnp.asarray(initial_state)
-  _, _, _, dk, _ = _check_sequence_inputs("kda impl='pallas'", q, k, v, g, beta, initial_state)
-  o, s_final = kda_pallas(q, k, v, g, beta, initial_state, scale=_default_scale(scale, dk),
-                          interpret=kernels_interpreted())
-  return o, (s_final if output_final_state else None)
-
-
 # ----------------------------------------------------------------------------- dispatch
 
 
@@ -369,9 +353,17 @@ def _recurrent_impl(q, k, v, g, beta, *, scale, initial_state, output_final_stat
 
 
 def _fused_impl(q, k, v, g, beta, *, scale, initial_state, output_final_state, chunk_size):
-  del chunk_size   # the kernels' chunk length is fixed (64)
-  return kda_fused(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                   output_final_state=output_final_state)
+  """The fused Pallas kernels of kernels_pallas/kda (interpreted off the GPU); their chunk length
+  is fixed (64), so chunk_size is not used."""
+  del chunk_size
+  from kernels_pallas.common import kernels_interpreted
+  from kernels_pallas.kda import kda_pallas
+  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
+  initial_state = None if initial_state is None else jnp.asarray(initial_state)
+  _, _, _, dk, _ = _check_sequence_inputs("kda impl='pallas'", q, k, v, g, beta, initial_state)
+  o, s_final = kda_pallas(q, k, v, g, beta, initial_state, scale=_default_scale(scale, dk),
+                          interpret=kernels_interpreted())
+  return o, (s_final if output_final_state else None)
 
 
 # Every implementation takes kda's arguments (keywords after beta) and returns (o, state or None).
