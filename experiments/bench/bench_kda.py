@@ -30,6 +30,8 @@ flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
 flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
 flags.DEFINE_bool('stages', False, "also time each stage of impl='pallas' on its own (forward kernels, "
                   'the backward\'s recomputation, reverse state pass and input gradients)')
+flags.DEFINE_list('kda_tiles', [''], "with --stages: settings of kernels_pallas.kda.op.TILES to time the "
+                  "stages under, one per entry, each 'key=int/key=int' (e.g. warps_diag=2/heads_diag=8)")
 FLAGS = flags.FLAGS
 
 
@@ -117,7 +119,9 @@ def _stage_rows(shape, dtype_name):
   sbwd = jax.jit(lambda *a: op.scores_bwd(*a, scale=scale, **kw))
   cumsum = jax.jit(op.chunk_cumsum, static_argnums=1)
   sync = jax.block_until_ready
+  diag = jax.jit(lambda *a: op.diag_fwd(*a, scale=scale, interpret=interp))
   stages = [('chunk cumsum of g (XLA)', lambda: cumsum(g, c)),
+            ('diag_fwd (part of scores_fwd)', lambda: diag(q, k, gc, beta)),
             ('scores_fwd', lambda: scores(q, k, gc, beta)),
             ('wy_fwd', lambda: wy[False](n, k, v, gc, beta)),
             ('wy_fwd writing T', lambda: wy[True](n, k, v, gc, beta)),
@@ -178,8 +182,15 @@ def main(argv):
   print('|---|---|---|', flush=True)
   _jax_rows(shape, dtype)   # each row is printed as soon as it is timed
   if FLAGS.stages:
-    for row in _stage_rows(shape, dtype):
-      _print_row(row)
+    from kernels_pallas.common import parse_tiles, with_defaults
+    from kernels_pallas.kda import op
+    defaults = dict(op.TILES)
+    settings = [with_defaults(parse_tiles(text), defaults, 'kda pallas') for text in FLAGS.kda_tiles]
+    for text, tiles in zip(FLAGS.kda_tiles, settings):
+      op.TILES = tiles
+      for row in _stage_rows(shape, dtype):
+        _print_row([row[0] + (f' [{text}]' if text else '')] + row[1:])
+    op.TILES = defaults
   if 'fla' in FLAGS.impls and backend == 'gpu':
     for row in _fla_rows(shape):
       _print_row(row)

@@ -2,12 +2,13 @@
 
     o, s_final = kda_pallas(q, k, v, g, beta, s0, scale=..., interpret=...)
 
-Forward: the within-chunk cumulative log-decay G (XLA); scores (every 16-row sub-chunk of every
-chunk in parallel: qg, kg, aqk, N); wy (every chunk: w, u); state_fwd (the chunks in order, the
+Forward: the within-chunk cumulative log-decay G (XLA); the diagonal 16 x 16 score blocks (every
+token in parallel); scores (every 16-row sub-chunk of every chunk in parallel: qg, kg, aqk, N); wy (every chunk: w, u); state_fwd (the chunks in order, the
 state on chip: o and the final state). The backward keeps only the inputs: it recomputes the
 forward's per-chunk tensors and states, runs state_bwd (the chunks in reverse), forms the
 per-chunk cotangents and the UT transform's transpose in XLA (batched matmuls), and runs the
-scores backward kernel; see README.md in this folder.
+scores backward kernels (the diagonal blocks token by token, then every sub-chunk); see README.md
+in this folder.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import compiler_params
 from kernels_pallas.kda.blocks import F32, SUB, einsum as mm
-from kernels_pallas.kda.scores import scores_bwd_kernel, scores_fwd_kernel
+from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_bwd, wy_fwd_kernel
 
@@ -32,7 +32,17 @@ def chunk_len(t: int) -> int:
   return min(CHUNK, max(SUB, pl.next_power_of_2(t)))
 
 
-TILES = {'warps': 4, 'stages': 1}   # every KDA kernel's Triton settings
+# Triton settings (measured on an H200: experiments/results/bench_kda.md): warps of each kernel,
+# one pipelining depth; heads per program of the token-parallel kernels diag_fwd and diag_bwd,
+# features per program of scores_bwd, value columns per program of the state passes.
+TILES = {'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4, 'warps_state': 4, 'warps_diag_bwd': 4,
+         'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8, 'features_bwd': 64,
+         'value_block': 64}
+
+
+def _params(kernel):
+  from jax.experimental.pallas import triton as plgpu
+  return plgpu.CompilerParams(num_warps=TILES['warps_' + kernel], num_stages=TILES['stages'])
 
 
 def chunk_cumsum(g, c):
@@ -44,18 +54,22 @@ def chunk_cumsum(g, c):
 # ----------------------------------------------------------------------------- block specs
 
 
-def _sub_spec(d, nb):
-  """A 16-row sub-chunk of [B, T, H, d] (d None: of [B, T, H]), grid (b, h, chunk, sub-chunk)."""
+def _sub_spec(d, nb, sliced=False):
+  """A 16-row sub-chunk of [B, T, H, d] (d None: of [B, T, H]), grid (b, h, chunk, sub-chunk[,
+  feature slice]); sliced: the block is feature slice f of width d."""
   if d is None:
-    return pl.BlockSpec((None, SUB, None), lambda bi, hi, n, a: (bi, n * nb + a, hi))
-  return pl.BlockSpec((None, SUB, None, d), lambda bi, hi, n, a: (bi, n * nb + a, hi, 0))
+    return pl.BlockSpec((None, SUB, None), lambda bi, hi, n, a, *f: (bi, n * nb + a, hi))
+  return pl.BlockSpec((None, SUB, None, d),
+                      lambda bi, hi, n, a, *f: (bi, n * nb + a, hi, f[0] if sliced else 0))
 
 
-def _chunk_spec(d, c):
-  """One chunk of [B, T, H, d] (d None: of [B, T, H]), grid (b, h, chunk[, sub-chunk])."""
+def _chunk_spec(d, c, sliced=False):
+  """One chunk of [B, T, H, d] (d None: of [B, T, H]), grid (b, h, chunk[, sub-chunk, feature
+  slice]); sliced: the block is feature slice f (the last grid index) of width d."""
   if d is None:
     return pl.BlockSpec((None, c, None), lambda bi, hi, n, *_: (bi, n, hi))
-  return pl.BlockSpec((None, c, None, d), lambda bi, hi, n, *_: (bi, n, hi, 0))
+  return pl.BlockSpec((None, c, None, d),
+                      lambda bi, hi, n, *rest: (bi, n, hi, rest[-1] if sliced else 0))
 
 
 def _sds(shape, dtype):
@@ -65,20 +79,79 @@ def _sds(shape, dtype):
 # ----------------------------------------------------------------------------- kernel calls
 
 
+def _heads_per_program(h, key):
+  """Heads per program of a token-parallel kernel: the largest power of two dividing h and at
+  most TILES[key] (Triton blocks are powers of two)."""
+  hb = 1
+  while hb * 2 <= TILES[key] and h % (hb * 2) == 0:
+    hb *= 2
+  return hb
+
+
+def _diag_specs(hb, c):
+  """Block specs of the token-parallel kernels, grid (b, token, head group): token(d) is token t
+  of [B, T, H, d], sub(d) its 16-token sub-chunk (d None: of [B, T, H]); token_diag and sub_diag
+  the same rows of a [B, T, H, C] score array, columns of t's own sub-chunk."""
+  def token(d):
+    if d is None:
+      return pl.BlockSpec((None, 1, hb), lambda bi, ti, hi: (bi, ti, hi))
+    return pl.BlockSpec((None, 1, hb, d), lambda bi, ti, hi: (bi, ti, hi, 0))
+
+  def sub(d):
+    if d is None:
+      return pl.BlockSpec((None, SUB, hb), lambda bi, ti, hi: (bi, ti // SUB, hi))
+    return pl.BlockSpec((None, SUB, hb, d), lambda bi, ti, hi: (bi, ti // SUB, hi, 0))
+
+  cols = lambda ti: (ti % c) // SUB
+  token_diag = pl.BlockSpec((None, 1, hb, SUB), lambda bi, ti, hi: (bi, ti, hi, cols(ti)))
+  sub_diag = pl.BlockSpec((None, SUB, hb, SUB), lambda bi, ti, hi: (bi, ti // SUB, hi, cols(ti)))
+  return token, sub, token_diag, sub_diag
+
+
+def diag_fwd(q, k, gc, beta, *, scale, interpret):
+  """The diagonal 16 x 16 blocks of aqk (q's dtype) and n (float32), [B, T, H, 16]: row r of a
+  block at row r, one program per token and TILES['heads_diag'] heads."""
+  b, t, h, dk = q.shape
+  hb = _heads_per_program(h, 'heads_diag')
+  token, sub, _, _ = _diag_specs(hb, SUB)
+  return pl.pallas_call(
+      functools.partial(diag_fwd_kernel, scale=scale), grid=(b, t, h // hb),
+      in_specs=[token(dk), token(dk), token(dk), token(None), sub(dk), sub(dk)],
+      out_specs=[token(SUB), token(SUB)],
+      out_shape=[_sds((b, t, h, SUB), q.dtype), _sds((b, t, h, SUB), F32)],
+      compiler_params=_params('diag'), interpret=interpret, name='kda_diag_fwd',
+  )(q, k, gc, beta, k, gc)
+
+
+def diag_bwd(q, k, gc, beta, daqk, dn, *, scale, c, interpret):
+  """(qrow, rrow, ccol) [B, T, H, K] float32: the diagonal blocks' terms of the scores backward
+  (scores.diag_bwd_kernel), one program per token and TILES['heads_diag_bwd'] heads."""
+  b, t, h, dk = q.shape
+  hb = _heads_per_program(h, 'heads_diag_bwd')
+  token, sub, token_diag, sub_diag = _diag_specs(hb, c)
+  return pl.pallas_call(
+      functools.partial(diag_bwd_kernel, scale=scale), grid=(b, t, h // hb),
+      in_specs=[token(dk), token_diag, token_diag, sub(dk), sub(dk), sub(dk), sub(None), sub_diag, sub_diag],
+      out_specs=[token(dk)] * 3, out_shape=[_sds(q.shape, F32)] * 3,
+      compiler_params=_params('diag_bwd'), interpret=interpret, name='kda_diag_bwd',
+  )(gc, daqk, dn, q, k, gc, beta, daqk, dn)
+
+
 def scores_fwd(q, k, gc, beta, *, scale, c, interpret):
   """(qg, kg, aqk, n): qg, kg [B, T, H, K] and aqk [B, T, H, C] in q's dtype, n float32."""
   b, t, h, dk = q.shape
   nb = c // SUB
+  aqk_d, n_d = diag_fwd(q, k, gc, beta, scale=scale, interpret=interpret)
   kernel = functools.partial(scores_fwd_kernel, scale=scale, nb=nb, dot_dtype=q.dtype)
   return pl.pallas_call(
       kernel, grid=(b, h, t // c, nb),
       in_specs=[_sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(None, nb),
-                _chunk_spec(dk, c), _chunk_spec(dk, c)],
+                _chunk_spec(dk, c), _chunk_spec(dk, c), _sub_spec(SUB, nb), _sub_spec(SUB, nb)],
       out_specs=[_sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(c, nb), _sub_spec(c, nb)],
       out_shape=[_sds(q.shape, q.dtype), _sds(q.shape, q.dtype), _sds((b, t, h, c), q.dtype),
                  _sds((b, t, h, c), F32)],
-      compiler_params=compiler_params(TILES), interpret=interpret, name='kda_scores_fwd',
-  )(q, k, gc, beta, k, gc)
+      compiler_params=_params('scores'), interpret=interpret, name='kda_scores_fwd',
+  )(q, k, gc, beta, k, gc, aqk_d, n_d)
 
 
 def wy_fwd(n, k, v, gc, beta, *, c, with_t, interpret):
@@ -93,12 +166,12 @@ def wy_fwd(n, k, v, gc, beta, *, c, with_t, interpret):
       kernel, grid=(b, h, t // c),
       in_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(None)],
       out_specs=out_specs, out_shape=out_shape,
-      compiler_params=compiler_params(TILES), interpret=interpret, name='kda_wy_fwd',
+      compiler_params=_params('wy'), interpret=interpret, name='kda_wy_fwd',
   )(n, k, v, gc, beta)
 
 
 def value_block(dv: int) -> int:
-  return min(dv, 64)
+  return min(dv, TILES['value_block'])
 
 
 def _state_specs(t, dk, bv, c):
@@ -124,7 +197,7 @@ def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, interpret):
       kernel, grid=(b, h, dv // bv),
       in_specs=[whole(dk), whole(dk), whole(dk), cols, whole(c), whole(dk), state],
       out_specs=out_specs, out_shape=out_shape,
-      compiler_params=compiler_params(TILES), interpret=interpret, name='kda_state_fwd',
+      compiler_params=_params('state'), interpret=interpret, name='kda_state_fwd',
   )(qg, kg, w, u, aqk, gc, s0)
 
 
@@ -141,25 +214,32 @@ def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):
       out_specs=[state, per_chunk, cols],
       out_shape=[_sds((b, h, dk, dv), F32), _sds((b, h, (t // c) * dk, dv), F32),
                  _sds((b, t, h, dv), F32)],
-      compiler_params=compiler_params(TILES), interpret=interpret, name='kda_state_bwd',
+      compiler_params=_params('state'), interpret=interpret, name='kda_state_bwd',
   )(qg, kg, w, aqk, gc, do, ds_final)
 
 
 def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, *, scale, c, interpret):
-  """(dq, dk, dg, dbeta, dlast): float32; dg of G; dlast [B, N * C/16, H, K] per sub-chunk."""
+  """(dq, dk, dg, dbeta, dlast): float32; dg of G; dlast [B, N * C/16, H, K] per sub-chunk. One
+  program per sub-chunk and slice of TILES['features_bwd'] features."""
   b, t, h, dk = q.shape
   nb = c // SUB
+  bk = min(TILES['features_bwd'], dk)
+  nk = dk // bk
   sub, whole = (lambda d: _sub_spec(d, nb)), (lambda d: _chunk_spec(d, c))
+  sub_f, whole_f = _sub_spec(bk, nb, sliced=True), _chunk_spec(bk, c, sliced=True)
+  diag_terms = diag_bwd(q, k, gc, beta, daqk, dn, scale=scale, c=c, interpret=interpret)
   kernel = functools.partial(scores_bwd_kernel, scale=scale, nb=nb, dot_dtype=q.dtype)
-  return pl.pallas_call(
-      kernel, grid=(b, h, t // c, nb),
-      in_specs=[sub(dk), sub(dk), sub(dk), sub(None), sub(dk), sub(dk), sub(c), sub(c),
-                whole(dk), whole(dk), whole(dk), whole(None), whole(c), whole(c)],
-      out_specs=[sub(dk), sub(dk), sub(dk), sub(None),
-                 pl.BlockSpec((None, 1, None, dk), lambda bi, hi, n, a: (bi, n * nb + a, hi, 0))],
-      out_shape=[_sds(q.shape, F32)] * 3 + [_sds((b, t, h), F32), _sds((b, (t // c) * nb, h, dk), F32)],
-      compiler_params=compiler_params(TILES), interpret=interpret, name='kda_scores_bwd',
-  )(q, k, gc, beta, dqg, dkg, daqk, dn, q, k, gc, beta, daqk, dn)
+  dq, dk_, dg, dbeta, dlast = pl.pallas_call(
+      kernel, grid=(b, h, t // c, nb, nk),
+      in_specs=[sub_f, sub_f, sub_f, sub(None), sub_f, sub_f, sub(c), sub(c),
+                whole_f, whole_f, whole_f, whole(None), whole(c), whole(c), sub_f, sub_f, sub_f],
+      out_specs=[sub_f, sub_f, sub_f,
+                 pl.BlockSpec((None, SUB, None, None), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f)),
+                 pl.BlockSpec((None, 1, None, bk), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f))],
+      out_shape=[_sds(q.shape, F32)] * 3 + [_sds((b, t, h, nk), F32), _sds((b, (t // c) * nb, h, dk), F32)],
+      compiler_params=_params('scores_bwd'), interpret=interpret, name='kda_scores_bwd',
+  )(q, k, gc, beta, dqg, dkg, daqk, dn, q, k, gc, beta, daqk, dn, *diag_terms)
+  return dq, dk_, dg, jnp.sum(dbeta, axis=-1), dlast
 
 
 # ----------------------------------------------------------------------------- the op

@@ -1,21 +1,24 @@
 """KDA decay-weighted scores inside a chunk (SPEC §1): forward and backward kernels.
 
-One program = one 16-row sub-chunk a of one chunk of one (batch, head). With G the within-chunk
-inclusive cumulative sum of the log-decay (float32, non-increasing):
+With G the within-chunk inclusive cumulative sum of the log-decay (float32, non-increasing):
 
     aqk[r, i] = scale sum_d q_rd k_id exp(G_rd - G_id)      i <= r
     n[r, i]   = beta_r sum_d k_rd k_id exp(G_rd - G_id)     i < r      (N = Diag(beta) A_kk)
 
-and the chunk's direct terms qg = scale q exp(G), kg = k exp(G_C - G). A block (a, b) with b < a
-is one matmul of factors <= 1: its exponent is split at the first row p of sub-chunk a,
-G_r - G_i = (G_r - G_p) + (G_p - G_i), both parts <= 0. A diagonal block has no such split, so it
-is formed column by column from exp(G_r - G_j), with the exponent clamped to <= 0 before the exp
-and the entries above the diagonal masked. The backward kernel applies the transposes of the same
-products to the score gradients: for the rows of sub-chunk a (its queries and keys as rows r)
-and for its columns (its keys as columns i), in one program.
+and the chunk's direct terms qg = scale q exp(G), kg = k exp(G_C - G). The 16-row sub-chunks cut
+the [C, C] scores into blocks. A block (a, b) with b < a is one matmul of factors <= 1: its
+exponent is split at the first row p of sub-chunk a, G_r - G_i = (G_r - G_p) + (G_p - G_i), both
+parts <= 0. A diagonal block has no such split:
 
-The forward's diagonal blocks take exp(G_r - G_j) for all 16 x 16 pairs of a feature slice at
-once, as a [16, 16, FEATURES] tensor, walking the K features in such slices.
+- diag_fwd_kernel forms the diagonal blocks token by token: one program per token r (and a few
+  heads), walking the tokens j <= r of its sub-chunk, each exp(G_r - G_j) with an argument <= 0.
+  Only the causal half of each block is computed.
+- scores_fwd_kernel (one program per sub-chunk) writes qg, kg and the score rows, taking the
+  diagonal blocks from diag_fwd_kernel and forming the blocks below them as matmuls.
+- scores_bwd_kernel applies the transposes of the same products to the score gradients, for the
+  rows of sub-chunk a (its queries and keys as rows r) and for its columns (its keys as columns
+  i), one slice of the K features per program: every term is elementwise in the features except
+  dbeta, which each slice writes as a partial sum.
 """
 
 from __future__ import annotations
@@ -26,48 +29,43 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.kda.blocks import F32, SUB, dot, dot_nt, dot_tn, iotas, rows
 
-FEATURES = 32   # features per slice of the diagonal blocks' pairwise decay factors
-
-
 def _token(ref, j):
   """Row j (traced) of a ref as [1, width] float32."""
   return ref[pl.ds(j, 1), :].astype(F32)
 
 
-def _pair_decay(g):
-  """exp(G_r - G_j) for the 16 x 16 pairs (r, j) of a sub-chunk, [16, 16, F] from g [16, F],
-  with the exponent clamped to <= 0 (the pairs j > r, where it is positive, are masked later)."""
-  return jnp.exp(jnp.minimum(g[:, None, :] - g[None, :, :], 0.0))
+def diag_fwd_kernel(q_ref, k_ref, g_ref, b_ref, ks_ref, gs_ref, aqk_ref, akk_ref, *, scale):
+  """Row r of the diagonal blocks of aqk and n for a few heads: q, k, g, beta of token r ([1,
+  heads, K] and [1, heads]), k and g of its whole sub-chunk ([16, heads, K]). Writes aqk[r, j] and
+  n[r, j] for the 16 tokens j of the sub-chunk (zero above the diagonal), [1, heads, 16]."""
+  r = pl.program_id(1) % SUB
+  q, k, g = q_ref[0].astype(F32), k_ref[0].astype(F32), g_ref[0]
+  col = jax.lax.broadcasted_iota(jnp.int32, aqk_ref.shape[1:], 1)        # [heads, 16]
+
+  def token(j, carry):   # G is non-increasing, so G_r - G_j <= 0 for j <= r
+    aqk, akk = carry
+    kj = ks_ref[pl.ds(j, 1)][0].astype(F32) * jnp.exp(g - gs_ref[pl.ds(j, 1)][0])
+    return (jnp.where(col == j, jnp.sum(q * kj, axis=-1, keepdims=True), aqk),
+            jnp.where(col == j, jnp.sum(k * kj, axis=-1, keepdims=True), akk))
+
+  zeros = jnp.zeros(aqk_ref.shape[1:], F32)
+  aqk, akk = jax.lax.fori_loop(0, r + 1, token, (zeros, zeros))
+  aqk_ref[0] = (scale * aqk).astype(aqk_ref.dtype)
+  akk_ref[0] = jnp.where(col < r, b_ref[...].astype(F32).T * akk, 0.0)
 
 
-def _slices(dk):
-  width = min(FEATURES, dk)
-  return dk // width, lambda s: pl.ds(pl.multiple_of(s * width, width), width)
-
-
-def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, qg_ref, kg_ref, aqk_ref, n_ref, *,
-                      scale, nb, dot_dtype):
+def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, aqk_d_ref, n_d_ref,
+                      qg_ref, kg_ref, aqk_ref, n_ref, *, scale, nb, dot_dtype):
+  """Sub-chunk a of one chunk: qg, kg for its rows and its score rows aqk, n [16, C], with the
+  diagonal block taken from diag_fwd_kernel's output (aqk_d, n_d [16, 16])."""
   a = pl.program_id(3)
   c = nb * SUB
   qa, ka, ga = qa_ref[...].astype(F32), ka_ref[...].astype(F32), ga_ref[...]
   beta = ba_ref[...].astype(F32)[:, None]
   qg_ref[...] = (scale * qa * jnp.exp(ga)).astype(qg_ref.dtype)
   kg_ref[...] = (ka * jnp.exp(_token(g_ref, c - 1) - ga)).astype(kg_ref.dtype)
-
-  n_slices, cols = _slices(ka.shape[-1])
-
-  def diagonal(s, carry):   # the diagonal block, one feature slice
-    aqk, akk = carry
-    at = cols(s)
-    q_s, k_s = qa_ref[:, at].astype(F32), ka_ref[:, at].astype(F32)
-    ke = k_s[None, :, :] * _pair_decay(ga_ref[:, at])           # k_j exp(G_r - G_j) [r, j, F]
-    return aqk + jnp.sum(q_s[:, None, :] * ke, axis=2), akk + jnp.sum(k_s[:, None, :] * ke, axis=2)
-
-  zeros = jnp.zeros((SUB, SUB), F32)
-  aqk, akk = jax.lax.fori_loop(0, n_slices, diagonal, (zeros, zeros))
-  r_idx, c_idx = iotas()
-  aqk_ref[:, rows(a)] = jnp.where(r_idx >= c_idx, scale * aqk, 0.0).astype(aqk_ref.dtype)
-  n_ref[:, rows(a)] = jnp.where(r_idx > c_idx, beta * akk, 0.0)
+  aqk_ref[:, rows(a)] = aqk_d_ref[...].astype(aqk_ref.dtype)
+  n_ref[:, rows(a)] = n_d_ref[...]
 
   gp = _token(g_ref, a * SUB)                                  # anchor: the sub-chunk's first row
   row_f = jnp.exp(ga - gp)
@@ -80,16 +78,49 @@ def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, qg_ref, kg_r
     return carry
 
   def later(b, carry):    # blocks above the diagonal
-    aqk_ref[:, rows(b)] = zeros.astype(aqk_ref.dtype)
-    n_ref[:, rows(b)] = zeros
+    aqk_ref[:, rows(b)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+    n_ref[:, rows(b)] = jnp.zeros((SUB, SUB), F32)
     return carry
 
   jax.lax.fori_loop(0, a, earlier, None)
   jax.lax.fori_loop(a + 1, nb, later, None)
 
 
+def diag_bwd_kernel(g_ref, daqk_ref, dn_ref, qs_ref, ks_ref, gs_ref, bs_ref, daqk_s_ref, dn_s_ref,
+                    qrow_ref, rrow_ref, ccol_ref, *, scale):
+  """The diagonal blocks' part of the scores backward for token r and a few heads. Inputs: g of
+  token r [1, heads, K]; its row of the diagonal blocks of daqk and dn [1, heads, 16]; q, k, g,
+  beta of its sub-chunk [16, heads, K] and [16, heads]; the sub-chunk's rows of the diagonal
+  blocks of daqk and dn [16, heads, 16]. Outputs [1, heads, K], with E_ij = exp(G_i - G_j):
+
+    qrow_r = sum_{j <= r} daqk[r, j] k_j E_rj            (dq_r = scale qrow_r)
+    rrow_r = sum_{j < r} dn[r, j] k_j E_rj               (through n's row factor k_r)
+    ccol_r = sum_{i >= r} (scale daqk[i, r] q_i + beta_i dn[i, r] k_i) E_ir    (k_r as a column)
+
+  daqk and dn are zero above (and dn on) the diagonal, so the sums run over the whole loops."""
+  r = pl.program_id(1) % SUB
+  g = g_ref[0]
+  one = lambda ref, j: ref[pl.ds(j, 1)][0]          # token j of a sub-chunk block, [heads, ...]
+  grad = lambda ref, i, j: ref[pl.ds(i, 1), :, pl.ds(j, 1)][0].astype(F32)   # [heads, 1]
+
+  def row(j, carry):
+    qrow, rrow = carry
+    kj = one(ks_ref, j).astype(F32) * jnp.exp(g - one(gs_ref, j))
+    return qrow + grad(daqk_ref, 0, j) * kj, rrow + grad(dn_ref, 0, j) * kj
+
+  def column(i, ccol):
+    x = (scale * grad(daqk_s_ref, i, r) * one(qs_ref, i).astype(F32)
+         + grad(dn_s_ref, i, r) * one(bs_ref, i).astype(F32)[:, None] * one(ks_ref, i).astype(F32))
+    return ccol + x * jnp.exp(one(gs_ref, i) - g)
+
+  zero = jnp.zeros(g.shape, F32)
+  qrow, rrow = jax.lax.fori_loop(0, r + 1, row, (zero, zero))
+  qrow_ref[0], rrow_ref[0] = qrow, rrow
+  ccol_ref[0] = jax.lax.fori_loop(r, SUB, column, zero)
+
+
 def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_rows_ref, dn_rows_ref,
-                      q_ref, k_ref, g_ref, b_ref, daqk_ref, dn_ref,
+                      q_ref, k_ref, g_ref, b_ref, daqk_ref, dn_ref, qrow_ref, rrow_ref, ccol_ref,
                       dq_ref, dk_ref, dg_ref, dbeta_ref, dlast_ref, *, scale, nb, dot_dtype):
   """Gradients through the scores and the direct terms, for the rows of sub-chunk a.
 
@@ -98,14 +129,13 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
   cumulative log-decay's gradient, before the reverse cumulative sum), dbeta (through N), and
   dlast [1, K], this sub-chunk's part of the gradient of G_C through kg. With R_r = sum_i dN_ri
   k_i exp(G_r - G_i): dA_kk = Diag(beta) dN gives beta_r R_r to dk_r and sum_d k_rd R_rd to dbeta_r.
-  The diagonal block goes column by column here (one token j of the sub-chunk at a time): on the
-  H200 that measured faster than the pairwise [16, 16, F] form the forward uses.
+  The diagonal blocks' terms (qrow, rrow, ccol of diag_bwd_kernel) come in as inputs; this kernel
+  adds the blocks off the diagonal (matmuls) and the direct terms.
   """
   a = pl.program_id(3)
   c = nb * SUB
   qa, ka, ga = qa_ref[...].astype(F32), ka_ref[...].astype(F32), ga_ref[...]
   beta = ba_ref[...].astype(F32)[:, None]
-  rid = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
   qs = scale * qa
 
   # direct terms: qg = scale q exp(G), kg = k exp(G_C - G)
@@ -114,18 +144,8 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
   kg_term = dkg * ka * eg_end
   dlast_ref[...] = jnp.sum(kg_term, axis=0, keepdims=True)
 
-  def column(j, carry):   # the diagonal block, column j = token j of the sub-chunk
-    qrow, rrow, ccol = carry
-    tok = a * SUB + j
-    kj = _token(k_ref, tok)
-    e = jnp.exp(jnp.minimum(ga - _token(g_ref, tok), 0.0))     # exp(G_r - G_j), rows r >= j used
-    daq = jnp.where(rid >= j, daqk_rows_ref[:, pl.ds(tok, 1)].astype(F32), 0.0)   # [16, 1]
-    dnn = jnp.where(rid > j, dn_rows_ref[:, pl.ds(tok, 1)], 0.0)
-    vec = jnp.sum((daq * qs + dnn * beta * ka) * e, axis=0, keepdims=True)       # [1, K]
-    return qrow + daq * kj * e, rrow + dnn * kj * e, jnp.where(rid == j, vec, ccol)
-
   zero = jnp.zeros_like(ka)
-  qrow, rrow, ccol = jax.lax.fori_loop(0, SUB, column, (zero, zero, zero))
+  qrow, rrow, ccol = qrow_ref[...], rrow_ref[...], ccol_ref[...]
 
   # rows of a against earlier sub-chunks b < a (anchor: the first row p of a)
   gp = _token(g_ref, a * SUB)

@@ -80,6 +80,16 @@ def test_interpreted_short_sequence_uses_one_small_chunk():
   _compare(args, 'recurrent', 1e-4, 1e-4)
 
 
+@pytest.mark.usefixtures('_full_precision')
+def test_interpreted_kernels_match_recurrence_under_other_tiles(monkeypatch):
+  """Settings the defaults do not reach at these sizes: scores_bwd in two feature slices (its
+  dbeta as partial sums), one head per token-parallel program, value blocks of 16."""
+  from kernels_pallas.kda import op
+  monkeypatch.setattr(op, 'TILES', dict(op.TILES, features_bwd=16, heads_diag=1, heads_diag_bwd=1,
+                                        value_block=16))
+  _compare(_inputs(3, 1, 40, 2, 32, 32, spikes=True), 'recurrent', 2e-4, 2e-4)
+
+
 def test_rejects_head_dims_the_kernels_cannot_tile():
   args = _inputs(2, 1, 16, 1, 24, 16)
   with pytest.raises(ValueError, match=r"K = 24 must be a power of two >= 16"):
@@ -157,7 +167,7 @@ def test_interpreted_decode_step_matches_xla_step():
 @pytest.mark.parametrize('dtype,d', [(jnp.bfloat16, 128), (jnp.float32, 64)])
 def test_kernels_lower_to_triton_for_an_h200(dtype, d):
   """Every KDA kernel of a training step (forward, the backward's recomputation, state_bwd,
-  scores_bwd) and the decode step go through the Pallas Triton lowering for an H200 on this
+  diag_bwd, scores_bwd) and the decode step go through the Pallas Triton lowering for an H200 on this
   machine: what Triton cannot express fails here, not in device time."""
   from experiments.tools.triton_report import lower_for_h200
   from kernels_pallas.kda import kda_pallas, kda_step_pallas
@@ -172,7 +182,8 @@ def test_kernels_lower_to_triton_for_an_h200(dtype, d):
 
   module = lower_for_h200(jax.grad(loss, argnums=tuple(range(6))), x, x, x, f32(b, t, h, d), f32(b, t, h),
                           f32(b, h, d, d))
-  for name in ('kda_scores_fwd', 'kda_wy_fwd', 'kda_state_fwd', 'kda_state_bwd', 'kda_scores_bwd'):
+  for name in ('kda_diag_fwd', 'kda_scores_fwd', 'kda_wy_fwd', 'kda_state_fwd', 'kda_state_bwd',
+               'kda_diag_bwd', 'kda_scores_bwd'):
     assert name in module, name
   tok = spec((b, h, d), dtype)
   step = lambda *a: kda_step_pallas(*a, scale=d ** -0.5)
