@@ -111,6 +111,9 @@ def base_config() -> ml_collections.ConfigDict:
   t.grad_clip = 1.0             # global-norm clip; 0 disables
   t.plot = True                 # loss-curve PNG in the workdir at the end
   t.log_attnres = False         # log per-sublayer depth-attention weights (AttnRes) and input/output RMS
+  t.log_max_logits = True       # compute and log each attention layer's per-head max logit (SPEC §3);
+                                # False: no max-logit work runs, unless QK-Clip (optimizer.name='muonclip')
+                                # needs them, and then they are still logged (already computed, a few floats)
 
   c.optimizer = o = ml_collections.ConfigDict()
   o.name = 'adamw'              # 'adamw' | 'muon' (Moonlight, SPEC §2) | 'muonclip' (muon + QK-Clip, SPEC §3)
@@ -258,6 +261,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
               'checkpoint_every', 'keep_checkpoints'):
     _positive(f'train.{key}', t[key])
   _positive('train.grad_clip', t.grad_clip, zero_ok=True)
+  for key in ('log_attnres', 'log_max_logits'):
+    _one_of(f'train.{key}', t[key], (True, False))
 
   _one_of('optimizer.name', o.name, OPTIMIZERS)
   _one_of('optimizer.schedule', o.schedule, SCHEDULES)

@@ -20,7 +20,7 @@ from kimijax.train import checkpoint as ckpt_lib
 from kimijax.train import lock as lock_lib
 from kimijax.train import metrics as metrics_lib
 from kimijax.train.interrupt import Interrupted, StopOnInterrupt
-from kimijax.train.step import build_training
+from kimijax.train.step import build_training, computes_max_logits
 
 
 class NonFiniteError(FloatingPointError):
@@ -33,7 +33,7 @@ def _to_global(batch: dict, sharding) -> dict:
 
 def _train_record(step: int, m: dict) -> dict:
   record = {'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']), 'grad_norm': float(m['grad_norm'])}
-  per_layer = {name: float(np.max(v)) for name, v in m['max_logits'].items()}   # {'layer_<i>': [H]}
+  per_layer = {name: float(np.max(v)) for name, v in m.get('max_logits', {}).items()}   # {'layer_<i>': [H]}
   if per_layer:
     record['max_logit'] = max(per_layer.values())
     record.update({f'max_logit_{name}': value for name, value in per_layer.items()})
@@ -144,7 +144,8 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
     return {'already_finished': True, 'steps': start, 'final_loss': final_loss, 'eval_loss': eval_loss,
             'tokens': start * tokens_per_step, 'workdir': str(workdir.absolute())}
 
-  run = build_training(config, mesh, Transformer(config.model, log_attnres=config.train.log_attnres))
+  run = build_training(config, mesh, Transformer(config.model, log_attnres=config.train.log_attnres,
+                                                 max_logits=computes_max_logits(config)))
   abstract_state, train_step, eval_step = run.abstract_state, run.train_step, run.eval_step
   notices = []
   if start is not None:
