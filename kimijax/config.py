@@ -74,7 +74,10 @@ def base_config() -> ml_collections.ConfigDict:
   m.position = 'rope'
   m.rope_theta = 10000.0
   m.tie_embeddings = True
-  m.attn_impl = 'xla'           # kimijax.ops.attention.IMPLS: 'xla' | 'cudnn'
+  m.attn_impl = 'xla'           # kimijax.ops.attention.IMPLS: 'xla' (runs everywhere) | 'cudnn' (cuDNN flash
+                                # attention + a max-logit kernel) | 'tokamax' (tokamax's Mosaic GPU flash
+                                # attention, max logits from its residuals, MLA's value dim unpadded;
+                                # SPEC §5); both GPU ones need an NVIDIA GPU and compute_dtype='bfloat16'
   m.kda_impl = 'chunk'          # kimijax.ops.kda.IMPLS: 'recurrent' | 'chunk'
   m.norm_eps = 1e-6
   m.init_std = 0.02
@@ -196,6 +199,17 @@ def layer_kinds(model: ml_collections.ConfigDict) -> str:
 def kda_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
   """(heads, head dim) of the KDA layers; the head dim serves keys and values."""
   return model.kda_num_heads or model.num_heads, model.kda_head_dim or model.d_model // model.num_heads
+
+
+def portable(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A copy of the model config with the implementations that run on any machine ('xla' attention
+  and AttnRes, 'chunk' KDA unless 'recurrent'): same parameters, so shapes and counts of a GPU
+  config can be traced on a CPU."""
+  model = model.copy_and_resolve_references()
+  model.attn_impl, model.attnres_impl = 'xla', 'xla'
+  if model.kda_impl not in ('recurrent', 'chunk'):
+    model.kda_impl = 'chunk'
+  return model
 
 
 def num_kv_heads(model: ml_collections.ConfigDict) -> int:

@@ -192,7 +192,9 @@ def count_params(params) -> int:
 
 def parameter_counts(cfg: ml_collections.ConfigDict) -> dict[str, int]:
   """{part: parameters} of Transformer(cfg) from shapes alone (nothing is allocated): the
-  embedding, the head, each mixer kind, the MLPs, the norm gains, AttnRes, and 'total'."""
+  embedding, the head, each mixer kind, the MLPs, the norm gains, AttnRes, and 'total'. Traced
+  with the portable implementations (same parameters), so a GPU config counts on any machine."""
+  cfg = config_lib.portable(cfg)
   shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
   counts: dict[str, int] = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(nn.unbox(shapes['params']))[0]:

@@ -14,6 +14,7 @@ import tqdm
 from kimijax import config as config_lib
 from kimijax.data import data_report, eval_batches, make_loader
 from kimijax.model import Transformer, count_params
+from kimijax.ops import attention as attention_ops
 from kimijax.optim import describe as describe_optimizer
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train import checkpoint as ckpt_lib
@@ -47,6 +48,18 @@ def _train_record(step: int, m: dict) -> dict:
     if 'weights' in stats:    # one row per consumer, only the sources it sees (no NaN padding)
       record['attnres_weights'] = [[float(x) for x in row if not np.isnan(x)] for row in stats['weights']]
   return record
+
+
+def check_attention_impl(config: ml_collections.ConfigDict, devices=None) -> None:
+  """ConfigError when the attention layers' implementation cannot run on `devices` (default: all)
+  with the model's compute dtype (a GPU implementation off the GPU or in float32): one message
+  naming model.attn_impl, before anything compiles."""
+  if 'A' not in config_lib.layer_kinds(config.model):
+    return
+  platform = (devices or jax.devices())[0].platform
+  problem = attention_ops.unsupported(config.model.attn_impl, config.model.compute_dtype, platform)
+  if problem:
+    raise config_lib.ConfigError(problem)
 
 
 def position_buckets(seq_len: int) -> list[tuple[int, int]]:
@@ -116,6 +129,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
 
   # Everything that can fail on bad input is checked before any compile or step.
   lock_lib.check_workdir(workdir)
+  check_attention_impl(config, devices)
   train_loader = make_loader(config, 'train', process_index=pid, process_count=nproc)
   if config.model.vocab_size < train_loader.vocab_size:
     raise config_lib.ConfigError(f'model.vocab_size={config.model.vocab_size} is smaller than the '
