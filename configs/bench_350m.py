@@ -10,9 +10,13 @@ Expected: one H200, 2026-11-30: 392 ms/step (other runs that day up to 411 ms), 
           (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
           (muon_distributed.md).
 Variants: :hybrid (3 KDA : 1 attention, 18 + 6 layers, the fused Pallas KDA kernels; not yet
-          measured in the step), :remat (rematerialise each layer), :xla (attn_impl='xla'), :attnres_full,
+          measured in the step), :remat (rematerialise each layer), :xla (attn_impl='xla'),
+          :tokamax (attn_impl='tokamax': tokamax's Mosaic GPU flash attention, max logits from its
+          residuals; SPEC §5), :mla (the attention layers as Kimi Linear's MLA: kv rank 512, 128
+          no-position + 64 unrotated decoupled q/k dims, 128 value dims), :attnres_full,
           :attnres_block (8 blocks of 6 of the 48 sublayers, with the Pallas kernels),
-          :attnres_xla (AttnRes in plain XLA); combine with commas (:attnres_block,remat).
+          :attnres_xla (AttnRes in plain XLA); combine with commas (:hybrid,mla,tokamax).
+          tokamax against cuDNN, side by side: experiments/results/bench_attention.md.
 """
 
 from kimijax.config import base_config
@@ -43,6 +47,11 @@ def get_config(arg: str | None = None):
       m.layer_pattern = 'KKKA'
     elif variant == 'xla':
       m.attn_impl = 'xla'
+    elif variant == 'tokamax':
+      m.attn_impl = 'tokamax'
+    elif variant == 'mla':              # q/k 192 and v 128 dims per head: cuDNN pads v, tokamax does not
+      m.attention_kind = 'mla'
+      m.mla_kv_lora_rank, m.mla_qk_rope_head_dim, m.mla_v_head_dim, m.mla_rope = 512, 64, 128, False
     elif variant == 'attnres_full':     # XLA: Pallas compiles a kernel set per source count (2..49)
       m.residual = 'attnres_full'
     elif variant == 'attnres_block':      # 2 * 24 sublayers / 6 = 8 blocks
@@ -51,7 +60,7 @@ def get_config(arg: str | None = None):
       pass                                # applied after the loop, so that order does not matter
     else:
       raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'hybrid', 'remat', 'xla', "
-                       "'attnres_full', 'attnres_block', 'attnres_xla'")
+                       "'tokamax', 'mla', 'attnres_full', 'attnres_block', 'attnres_xla'")
   if 'attnres_xla' in variants:
     m.attnres_impl = 'xla'
   return c

@@ -74,7 +74,10 @@ def base_config() -> ml_collections.ConfigDict:
   m.position = 'rope'
   m.rope_theta = 10000.0
   m.tie_embeddings = True
-  m.attn_impl = 'xla'           # kimijax.ops.attention.IMPLS: 'xla' | 'cudnn'
+  m.attn_impl = 'xla'           # kimijax.ops.attention.IMPLS: 'xla' (runs everywhere) | 'cudnn' (cuDNN flash
+                                # attention + a max-logit kernel) | 'tokamax' (tokamax's Mosaic GPU flash
+                                # attention, max logits from its residuals, MLA's value dim unpadded;
+                                # SPEC §5); both GPU ones need an NVIDIA GPU and compute_dtype='bfloat16'
   m.kda_impl = 'chunk'          # kimijax.ops.kda.IMPLS: 'recurrent' | 'chunk'
   m.norm_eps = 1e-6
   m.init_std = 0.02
@@ -111,6 +114,9 @@ def base_config() -> ml_collections.ConfigDict:
   t.grad_clip = 1.0             # global-norm clip; 0 disables
   t.plot = True                 # loss-curve PNG in the workdir at the end
   t.log_attnres = False         # log per-sublayer depth-attention weights (AttnRes) and input/output RMS
+  t.log_max_logits = True       # compute and log each attention layer's per-head max logit (SPEC §3);
+                                # False: no max-logit work runs, unless QK-Clip (optimizer.name='muonclip')
+                                # needs them, and then they are still logged (already computed, a few floats)
 
   c.optimizer = o = ml_collections.ConfigDict()
   o.name = 'adamw'              # 'adamw' | 'muon' (Moonlight, SPEC §2) | 'muonclip' (muon + QK-Clip, SPEC §3)
@@ -195,6 +201,17 @@ def kda_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
   return model.kda_num_heads or model.num_heads, model.kda_head_dim or model.d_model // model.num_heads
 
 
+def portable(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A copy of the model config with the implementations that run on any machine ('xla' attention
+  and AttnRes, 'chunk' KDA unless 'recurrent'): same parameters, so shapes and counts of a GPU
+  config can be traced on a CPU."""
+  model = model.copy_and_resolve_references()
+  model.attn_impl, model.attnres_impl = 'xla', 'xla'
+  if model.kda_impl not in ('recurrent', 'chunk'):
+    model.kda_impl = 'chunk'
+  return model
+
+
 def num_kv_heads(model: ml_collections.ConfigDict) -> int:
   return model.num_kv_heads or model.num_heads
 
@@ -258,6 +275,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
               'checkpoint_every', 'keep_checkpoints'):
     _positive(f'train.{key}', t[key])
   _positive('train.grad_clip', t.grad_clip, zero_ok=True)
+  for key in ('log_attnres', 'log_max_logits'):
+    _one_of(f'train.{key}', t[key], (True, False))
 
   _one_of('optimizer.name', o.name, OPTIMIZERS)
   _one_of('optimizer.schedule', o.schedule, SCHEDULES)

@@ -11,7 +11,9 @@ SPEC §4; then a final depth-attention aggregator feeds the final norm).
     logits_btv, aux = model.apply({'params': params}, tokens_bt)
 
 `aux['max_logits']` is {'layer_<i>': [H] fp32} for each attention layer: its per-head max
-scaled logit over the batch (SPEC §3), for logging and QK-Clip.
+scaled logit over the batch (SPEC §3), for logging and QK-Clip. With
+`Transformer(cfg, max_logits=False)` nothing computes them and aux has no 'max_logits'
+(kimijax.train.step.computes_max_logits decides it from the config).
 
 With `Transformer(cfg, log_attnres=True)`, `aux['attnres']` also holds, averaged over batch and
 tokens (consumers: sublayers 0 .. L-1 in order, then the final aggregator):
@@ -58,11 +60,11 @@ def _cotangent_in_bwd(dtype, _, g):
 cotangent_in.defvjp(_cotangent_in_fwd, _cotangent_in_bwd)
 
 
-def make_mixer(cfg: ml_collections.ConfigDict, kind: str, dtype) -> nn.Module:
+def make_mixer(cfg: ml_collections.ConfigDict, kind: str, dtype, max_logits: bool = True) -> nn.Module:
   """The sequence mixer of a model.layer_pattern letter. Called as mixer(x_btd, positions_bt, cache)
   it returns (y_btd, max_logits [H] fp32 or None, new cache or None). max_logits is None for
-  mixers without softmax logits (KDA) and when decoding; the cache (kimijax/infer/cache.py) is
-  None in training."""
+  mixers without softmax logits (KDA), when decoding and when `max_logits` is False; the cache
+  (kimijax/infer/cache.py) is None in training."""
   if kind == 'K':
     heads, head_dim = config_lib.kda_dims(cfg)
     return KimiDeltaAttention(heads, head_dim, cfg.kda_impl, cfg.kda_short_conv, cfg.kda_output_gate,
@@ -72,10 +74,11 @@ def make_mixer(cfg: ml_collections.ConfigDict, kind: str, dtype) -> nn.Module:
     return MultiHeadLatentAttention(
         cfg.num_heads, cfg.mla_kv_lora_rank, cfg.mla_qk_nope_head_dim or cfg.d_model // cfg.num_heads,
         cfg.mla_qk_rope_head_dim, cfg.mla_v_head_dim, cfg.mla_q_lora_rank, cfg.rope_theta,
-        cfg.attn_impl, cfg.mla_latent_norm_eps, cfg.init_std, dtype, cfg.mla_rope, name='mla')
+        cfg.attn_impl, cfg.mla_latent_norm_eps, cfg.init_std, dtype, cfg.mla_rope, max_logits,
+        name='mla')
   if kind == 'A':
     return SelfAttention(cfg.num_heads, config_lib.num_kv_heads(cfg), cfg.position == 'rope',
-                         cfg.rope_theta, cfg.attn_impl, cfg.init_std, dtype, name='attention')
+                         cfg.rope_theta, cfg.attn_impl, cfg.init_std, dtype, max_logits, name='attention')
   raise ValueError(f'unknown layer kind {kind!r}')
 
 
@@ -90,6 +93,7 @@ class Layer(nn.Module):
   kind: str
   index: int
   log: bool = False
+  max_logits: bool = True
 
   @nn.compact
   def __call__(self, state, positions_bt, cache=None):
@@ -108,7 +112,7 @@ class Layer(nn.Module):
         stats['output_rms'].append(residual_lib.rms(y_btd))
       return res.write(state, y_btd, 2 * self.index + offset), extra
 
-    mixer = make_mixer(cfg, self.kind, dtype)
+    mixer = make_mixer(cfg, self.kind, dtype, self.max_logits)
     def run_mixer(x_btd):
       y_btd, max_logits_h, new_cache = mixer(x_btd, positions_bt, cache)
       return y_btd, (max_logits_h, new_cache)
@@ -126,6 +130,7 @@ class Transformer(nn.Module):
   or a decode step (T = 1 at positions_bt), and aux['cache'] holds the updated caches."""
   cfg: ml_collections.ConfigDict
   log_attnres: bool = False     # add aux['attnres'] (per-sublayer depth weights and RMS)
+  max_logits: bool = True       # compute aux['max_logits'] (False: no max-logit work at all)
 
   @nn.compact
   def __call__(self, tokens_bt, positions_bt=None, cache=None):
@@ -144,7 +149,7 @@ class Transformer(nn.Module):
     max_logits, stats, new_cache = {}, [], {}
     for i, kind in enumerate(config_lib.layer_kinds(cfg)):
       name = f'layer_{i}'
-      state, m, s, new_cache[name] = layer_cls(cfg, kind, i, self.log_attnres, name=name)(
+      state, m, s, new_cache[name] = layer_cls(cfg, kind, i, self.log_attnres, self.max_logits, name=name)(
           state, positions_bt, None if cache is None else cache[name])
       stats.append(s)
       if m is not None:
@@ -160,7 +165,7 @@ class Transformer(nn.Module):
     logits_btv = jnp.einsum('btd,dv->btv', x_btd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
     logits_btv = cotangent_in(logits_btv, dtype)
     logits_btv = nn.with_logical_constraint(logits_btv, ('act_batch', 'act_length', 'act_vocab'))
-    aux = {'max_logits': max_logits}
+    aux = {'max_logits': max_logits} if self.max_logits else {}
     if cache is not None:
       aux['cache'] = new_cache
     if self.log_attnres:
@@ -187,7 +192,9 @@ def count_params(params) -> int:
 
 def parameter_counts(cfg: ml_collections.ConfigDict) -> dict[str, int]:
   """{part: parameters} of Transformer(cfg) from shapes alone (nothing is allocated): the
-  embedding, the head, each mixer kind, the MLPs, the norm gains, AttnRes, and 'total'."""
+  embedding, the head, each mixer kind, the MLPs, the norm gains, AttnRes, and 'total'. Traced
+  with the portable implementations (same parameters), so a GPU config counts on any machine."""
+  cfg = config_lib.portable(cfg)
   shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
   counts: dict[str, int] = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(nn.unbox(shapes['params']))[0]:

@@ -74,7 +74,7 @@ def generate(model: nn.Module, params, prompt_bt, *, max_new_tokens: int, temper
 def load_for_generation(workdir):
   """(config, model, params) from the latest checkpoint in workdir (its config.json), laid out
   data-parallel over this host's devices. Off a GPU, GPU-only implementation choices of the run
-  (attn_impl 'cudnn', attnres_impl 'pallas') become 'xla', so a GPU run generates on a CPU."""
+  (attn_impl 'cudnn' or 'tokamax', attnres_impl 'pallas') become 'xla', so a GPU run generates on a CPU."""
   config = load_run_config(workdir)
   if jax.default_backend() != 'gpu':
     config.model.attn_impl = config.model.attnres_impl = 'xla'

@@ -24,7 +24,8 @@ def apply_rope(x_bthd, positions_bt, theta: float):
 class SelfAttention(nn.Module):
   """Causal self-attention. x [B, T, D] -> (y [B, T, D], max_logits [H] fp32, cache).
 
-  Without a cache: training, max logits returned, cache None. With a cache {'k', 'v'}
+  Without a cache: training, max logits returned (None when `max_logits` is False: nothing
+  computes them), cache None. With a cache {'k', 'v'}
   [B, S_max, Hkv, Dh]: a prefill from position 0 (T tokens) or a decode step (T = 1); the keys and
   values are written at positions_bt[0] onwards and max_logits is None.
 
@@ -38,6 +39,7 @@ class SelfAttention(nn.Module):
   impl: str
   init_std: float
   dtype: jnp.dtype = jnp.float32
+  max_logits: bool = True       # return the per-head max logits in training (SPEC §3)
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, cache=None):
@@ -59,8 +61,9 @@ class SelfAttention(nn.Module):
     names = ('act_batch', 'act_length', 'act_heads', None)
     q, k, v = (nn.with_logical_constraint(t, names) for t in (q, k, v))
     if cache is None:
-      o_bthd, max_logits_h = attention(q, k, v, causal=True, impl=self.impl, return_max_logits=True,
-                                       spec=nn.logical_to_mesh_axes(names))
+      result = attention(q, k, v, causal=True, impl=self.impl, return_max_logits=self.max_logits,
+                         spec=nn.logical_to_mesh_axes(names))
+      o_bthd, max_logits_h = result if self.max_logits else (result, None)
       new_cache = None
     else:   # write this call's keys/values at their positions; prefill starts at position 0
       start = positions_bt[0, 0]

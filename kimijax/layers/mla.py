@@ -35,7 +35,12 @@ def _write(buffer_bs, x_bt, start):
 
 
 class MultiHeadLatentAttention(nn.Module):
-  """x [B, T, D] -> (y [B, T, D], max_logits [H] fp32, cache or None)."""
+  """x [B, T, D] -> (y [B, T, D], max_logits [H] fp32 or None, cache or None). max_logits is None
+  when decoding and when `max_logits` is False (then nothing computes them).
+
+  Training and prefill attend in full form: q and k have qk_nope_head_dim + qk_rope_head_dim
+  dims per head and v has v_head_dim (192 and 128 in Kimi Linear); an implementation that needs
+  one head dim pads v itself (ops.attention's 'cudnn'), so this layer never pads."""
   num_heads: int
   kv_lora_rank: int
   qk_nope_head_dim: int
@@ -48,6 +53,7 @@ class MultiHeadLatentAttention(nn.Module):
   init_std: float = 0.02
   dtype: jnp.dtype = jnp.float32
   rope: bool = True                   # rotate the decoupled dims; False: keep them unrotated
+  max_logits: bool = True             # return the per-head max logits in training (SPEC §3)
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, cache=None):
@@ -95,8 +101,9 @@ class MultiHeadLatentAttention(nn.Module):
       q, k = q_nope, k_nope
     act = ('act_batch', 'act_length', 'act_heads', None)
     q, k, v = (nn.with_logical_constraint(t, act) for t in (q, k, v))
-    o, max_logits_h = attention(q, k, v, causal=True, impl=self.impl, scale=scale, return_max_logits=True,
-                                spec=nn.logical_to_mesh_axes(act))
+    result = attention(q, k, v, causal=True, impl=self.impl, scale=scale, return_max_logits=self.max_logits,
+                       spec=nn.logical_to_mesh_axes(act))
+    o, max_logits_h = result if self.max_logits else (result, None)
     return jnp.einsum('bthk,hkd->btd', o, w_o), max_logits_h, new_cache
 
   def _decode(self, q_nope, q_rope, c, k_rope, w_k_nope, w_v, cache, pos, scale):

@@ -1,11 +1,21 @@
 """Softmax attention with one dispatch point for its implementations.
 
-`attention(q, k, v, impl=...)` runs one of IMPLS: 'xla' (plain einsums, runs everywhere) or
-'cudnn' (fused flash attention on NVIDIA GPUs). With `return_max_logits=True` it also returns,
-per query head, the largest scaled and causally masked logit over the batch and all positions
-(SPEC §3, the S_max^h that QK-Clip needs). That value is exact for every implementation and
-carries no gradient; `max_logits_blocked` is its portable reference. Decoding over a cache goes
-through `decode_attention`.
+`attention(q, k, v, impl=...)` runs one of IMPLS:
+
+    'xla'      plain einsums; runs everywhere (the CPU default and the reference)
+    'cudnn'    cuDNN's fused flash attention (NVIDIA GPU, bf16/fp16); one head dim, so a smaller
+               value dim (MLA's 128 beside 192) is padded; max logits by a second fused kernel
+               over q and k (max_logits_kernel)
+    'tokamax'  tokamax's Mosaic GPU flash attention (NVIDIA GPU, bf16/fp16; forward and backward
+               on Hopper), GQA and an unequal value dim natively; its forward keeps the per-row
+               max of the scaled, masked logits, so the max logits cost nothing extra (SPEC §5)
+
+With `return_max_logits=True` it also returns, per query head, the largest scaled and causally
+masked logit over the batch and all positions (SPEC §3, the S_max^h that QK-Clip needs). That
+value is exact for every implementation and carries no gradient; `max_logits_blocked` is its
+portable reference. Without it no max-logit work runs. Decoding over a cache goes through
+`decode_attention`. The GPU implementations raise a ValueError naming the fix on float32 inputs
+or without a GPU (`unsupported`), before any compute.
 """
 
 from __future__ import annotations
@@ -97,15 +107,12 @@ def max_logits_blocked(q, k, *, causal=True, scale=None, block=512):
   return jnp.max(jax.lax.map(one_block, (q_nbthd, rows)), axis=0)
 
 
-def max_logits_kernel(q, k, *, causal=True, scale=None, spec: P | None = None):
-  """Exact per-head max logit [H] by the fused Pallas kernel (kernels_pallas/attention/
-  max_logits.py; interpreted off the GPU). Under a mesh of several devices made current by
-  jax.set_mesh, with q and k [B, T|S, H|Hkv, D] laid out as `spec` (batch and head axes; a
-  sharded length or feature axis is gathered), each device runs the kernel on its own batch
-  rows and heads and the per-head maxima are reduced across the batch shards: q and k are never
-  gathered. Heads (or a batch) that do not divide over their mesh axes stay whole per device."""
-  from kernels_pallas.attention.max_logits import max_logits as kernel   # imports the Triton lowering
-  from kernels_pallas.common import kernels_interpreted
+def _kernel_layout(q, k, spec: P | None):
+  """How a kernel that XLA cannot partition runs per shard under the current mesh, for q and k
+  [B, T|S, H|Hkv, D] laid out as `spec`: (the spec of such arrays per shard: batch and head axes
+  kept, a sharded length or feature axis gathered; the spec of a per-head result [H]; the pmax
+  over the batch axes that makes per-shard maxima whole, or None). Heads (or a batch) that do not
+  divide over their mesh axes stay whole per device."""
   batch, _, heads = (tuple(spec or ()) + (None,) * 3)[:3]
   mesh = jax.sharding.get_abstract_mesh()
   size = lambda entry: 1 if mesh.empty else math.prod(mesh.shape[a] for a in spec_axes(entry))
@@ -113,17 +120,51 @@ def max_logits_kernel(q, k, *, causal=True, scale=None, spec: P | None = None):
     heads = None
   if q.shape[0] % size(batch):
     batch = None
-  run = lambda q, k: kernel(q, k, causal=causal, scale=scale, interpret=kernels_interpreted())
-  rows = P(batch, None, heads, None)
   max_over_batch = (lambda m: jax.lax.pmax(m, spec_axes(batch))) if spec_axes(batch) else None
-  return run_per_shard(run, (q, k), in_specs=(rows, rows), out_specs=P(heads),
+  return P(batch, None, heads, None), P(heads), max_over_batch
+
+
+def max_logits_kernel(q, k, *, causal=True, scale=None, spec: P | None = None):
+  """Exact per-head max logit [H] by the fused Pallas kernel (kernels_pallas/attention/
+  max_logits.py; interpreted off the GPU). Under a mesh of several devices made current by
+  jax.set_mesh, with q and k [B, T|S, H|Hkv, D] laid out as `spec` (batch and head axes; a
+  sharded length or feature axis is gathered), each device runs the kernel on its own batch
+  rows and heads and the per-head maxima are reduced across the batch shards: q and k are never
+  gathered."""
+  from kernels_pallas.attention.max_logits import max_logits as kernel   # imports the Triton lowering
+  from kernels_pallas.common import kernels_interpreted
+  run = lambda q, k: kernel(q, k, causal=causal, scale=scale, interpret=kernels_interpreted())
+  rows, per_head, max_over_batch = _kernel_layout(q, k, spec)
+  return run_per_shard(run, (q, k), in_specs=(rows, rows), out_specs=per_head,
                        across_shards=max_over_batch)
 
 
+GPU_IMPLS = ('cudnn', 'tokamax')
+
+
+def unsupported(impl: str, dtype, platform: str | None = None) -> str | None:
+  """Why attention `impl` cannot run on inputs of `dtype` on `platform` (default: JAX's default
+  backend), or None when it can. The GPU implementations need bf16 or fp16 and an NVIDIA GPU."""
+  if impl not in GPU_IMPLS:
+    return None
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    return (f"attention impl={impl!r} needs bfloat16 or float16 inputs, got {jnp.dtype(dtype)}; "
+            "set model.compute_dtype='bfloat16' or use impl='xla'")
+  platform = platform or jax.default_backend()
+  if platform != 'gpu':
+    return (f"attention impl={impl!r} needs an NVIDIA GPU, but JAX runs on {platform!r} here; "
+            "use impl='xla' (model.attn_impl='xla') off the GPU")
+  return None
+
+
+def _check_supported(impl, q):
+  problem = unsupported(impl, q.dtype)
+  if problem:
+    raise ValueError(problem)
+
+
 def _cudnn_attention(q, k, v, causal, scale, return_max_logits, spec):
-  if q.dtype not in (jnp.bfloat16, jnp.float16):
-    raise ValueError(f"attention impl='cudnn' needs bfloat16 or float16 inputs, got {q.dtype}; "
-                     "set model.compute_dtype='bfloat16' or use impl='xla'")
+  _check_supported('cudnn', q)
   t, s = q.shape[1], k.shape[1]
   dv = v.shape[-1]
   if dv != q.shape[-1]:   # cuDNN wants one head dim: pad v (MLA's value dim may differ), slice after
@@ -144,7 +185,52 @@ def _cudnn_attention(q, k, v, causal, scale, return_max_logits, spec):
   return out, max_logits_kernel(q, k, causal=causal, scale=scale, spec=spec)
 
 
-IMPLS = {'xla': _xla_attention, 'cudnn': _cudnn_attention}
+def flash_attention_tokamax(q, k, v, *, causal=True, scale=None, return_max_logits=False,
+                            spec: P | None = None, op=None):
+  """(out [B, T, H, Dv], max_logits [H] fp32 or None) by tokamax's flash attention: the one place
+  kimijax calls tokamax. q [B, T, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] (GQA: query head h
+  reads key/value head h // (H / Hkv), as here); when T < S the queries are the last T positions.
+
+  tokamax 0.0.17's public dot_product_attention does not return the softmax residuals, so this
+  calls its op object, PallasMosaicGpuFlashAttention (tokamax._src, not public), with
+  return_residuals=True. The residuals are (row max, row sum), each [B, H, T]. The kernel keeps its
+  running row max in base-2 units, log2(e) * scale * q . k over the unmasked keys, and multiplies
+  it by 1 / log2(e) before writing it, so the row max is max_j scale * q_i . k_j in natural units, the
+  logits' own scale (masked keys excluded; with causal masking every row sees at least its own
+  key). Hence max_logits[h] = max over b and i of row_max[b, h, i]: exact up to the two float32
+  roundings of that scaling (~2e-7 relative). tests/ops/test_attention_tokamax.py pins each of
+  these assumptions. Under a mesh the kernel (a Mosaic GPU custom call that XLA cannot partition)
+  runs per shard, like max_logits_kernel. `op` substitutes another tokamax attention op with the
+  same interface (the tests pass tokamax's XLA reference, which runs on a CPU)."""
+  from tokamax._src.ops.attention import base, pallas_mosaic_gpu
+  op = pallas_mosaic_gpu.PallasMosaicGpuFlashAttention() if op is None else op
+  q, k, v = (jnp.asarray(x) for x in (q, k, v))   # tokamax type-checks for jax arrays
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  # Key j is visible to query row i when j <= i + offset: offset S - T aligns the mask bottom-right
+  # (offset 0 is tokamax's plain causal mask, computed in the kernel; otherwise a per-row key end).
+  mask = base.CausalMask(offset=k.shape[1] - q.shape[1]) if causal else None
+
+  def run(q, k, v):
+    if not return_max_logits:
+      return op(q, k, v, logits_scale=scale, mask=mask)
+    out, (row_max_bht, _) = op(q, k, v, logits_scale=scale, mask=mask, return_residuals=True)
+    return out, jax.lax.stop_gradient(jnp.max(row_max_bht, axis=(0, 2)))
+
+  rows, per_head, max_over_batch = _kernel_layout(q, k, spec)
+  if not return_max_logits:
+    return run_per_shard(run, (q, k, v), in_specs=(rows,) * 3, out_specs=rows), None
+  across = None if max_over_batch is None else (lambda outs: (outs[0], max_over_batch(outs[1])))
+  return run_per_shard(run, (q, k, v), in_specs=(rows,) * 3, out_specs=(rows, per_head),
+                       across_shards=across)
+
+
+def _tokamax_attention(q, k, v, causal, scale, return_max_logits, spec):
+  _check_supported('tokamax', q)
+  return flash_attention_tokamax(q, k, v, causal=causal, scale=scale,
+                                 return_max_logits=return_max_logits, spec=spec)
+
+
+IMPLS = {'xla': _xla_attention, 'cudnn': _cudnn_attention, 'tokamax': _tokamax_attention}
 
 
 def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits=False,
@@ -152,10 +238,10 @@ def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits
   """Scaled dot-product attention with GQA.
 
   Args:
-    q: [B, T, H, D] queries. k, v: [B, S, Hkv, D] keys and values, H % Hkv == 0. When T < S
-      the queries are the last T positions (decoding with a cache).
+    q: [B, T, H, D] queries. k: [B, S, Hkv, D] keys, v: [B, S, Hkv, Dv] values, H % Hkv == 0.
+      When T < S the queries are the last T positions (decoding with a cache).
     causal: mask keys after each query's position.
-    impl: a key of IMPLS, 'xla' or 'cudnn'.
+    impl: a key of IMPLS: 'xla', 'cudnn' or 'tokamax'.
     scale: softmax scale, default D ** -0.5.
     return_max_logits: also return max_logits [H] fp32 = max over batch, queries and unmasked keys
       of scale * q . k (SPEC §3).
@@ -163,7 +249,7 @@ def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits
       per shard; None: not sharded).
 
   Returns:
-    out [B, T, H, D] in q's dtype, or (out, max_logits) when return_max_logits.
+    out [B, T, H, Dv] in q's dtype, or (out, max_logits) when return_max_logits.
   """
   _check_shapes(q, k, v)
   scale = q.shape[-1] ** -0.5 if scale is None else scale

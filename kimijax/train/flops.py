@@ -31,11 +31,7 @@ from kimijax import config as config_lib
 def abstract_params(config: ml_collections.ConfigDict):
   """The model's parameters as ShapeDtypeStructs (no memory, no compile). Traced with the XLA
   implementations, which have the same parameters, so that a GPU config counts on any machine."""
-  model_config = config.model.copy_and_resolve_references()
-  model_config.attn_impl, model_config.attnres_impl = 'xla', 'xla'
-  if model_config.kda_impl not in ('recurrent', 'chunk'):
-    model_config.kda_impl = 'chunk'
-  return _abstract_params(model_config.to_json())
+  return _abstract_params(config_lib.portable(config.model).to_json())
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,13 +14,14 @@ import tqdm
 from kimijax import config as config_lib
 from kimijax.data import data_report, eval_batches, make_loader
 from kimijax.model import Transformer, count_params
+from kimijax.ops import attention as attention_ops
 from kimijax.optim import describe as describe_optimizer
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train import checkpoint as ckpt_lib
 from kimijax.train import lock as lock_lib
 from kimijax.train import metrics as metrics_lib
 from kimijax.train.interrupt import Interrupted, StopOnInterrupt
-from kimijax.train.step import build_training
+from kimijax.train.step import build_training, computes_max_logits
 
 
 class NonFiniteError(FloatingPointError):
@@ -33,7 +34,7 @@ def _to_global(batch: dict, sharding) -> dict:
 
 def _train_record(step: int, m: dict) -> dict:
   record = {'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']), 'grad_norm': float(m['grad_norm'])}
-  per_layer = {name: float(np.max(v)) for name, v in m['max_logits'].items()}   # {'layer_<i>': [H]}
+  per_layer = {name: float(np.max(v)) for name, v in m.get('max_logits', {}).items()}   # {'layer_<i>': [H]}
   if per_layer:
     record['max_logit'] = max(per_layer.values())
     record.update({f'max_logit_{name}': value for name, value in per_layer.items()})
@@ -47,6 +48,18 @@ def _train_record(step: int, m: dict) -> dict:
     if 'weights' in stats:    # one row per consumer, only the sources it sees (no NaN padding)
       record['attnres_weights'] = [[float(x) for x in row if not np.isnan(x)] for row in stats['weights']]
   return record
+
+
+def check_attention_impl(config: ml_collections.ConfigDict, devices=None) -> None:
+  """ConfigError when the attention layers' implementation cannot run on `devices` (default: all)
+  with the model's compute dtype (a GPU implementation off the GPU or in float32): one message
+  naming model.attn_impl, before anything compiles."""
+  if 'A' not in config_lib.layer_kinds(config.model):
+    return
+  platform = (devices or jax.devices())[0].platform
+  problem = attention_ops.unsupported(config.model.attn_impl, config.model.compute_dtype, platform)
+  if problem:
+    raise config_lib.ConfigError(problem)
 
 
 def position_buckets(seq_len: int) -> list[tuple[int, int]]:
@@ -116,6 +129,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
 
   # Everything that can fail on bad input is checked before any compile or step.
   lock_lib.check_workdir(workdir)
+  check_attention_impl(config, devices)
   train_loader = make_loader(config, 'train', process_index=pid, process_count=nproc)
   if config.model.vocab_size < train_loader.vocab_size:
     raise config_lib.ConfigError(f'model.vocab_size={config.model.vocab_size} is smaller than the '
@@ -144,7 +158,8 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
     return {'already_finished': True, 'steps': start, 'final_loss': final_loss, 'eval_loss': eval_loss,
             'tokens': start * tokens_per_step, 'workdir': str(workdir.absolute())}
 
-  run = build_training(config, mesh, Transformer(config.model, log_attnres=config.train.log_attnres))
+  run = build_training(config, mesh, Transformer(config.model, log_attnres=config.train.log_attnres,
+                                                 max_logits=computes_max_logits(config)))
   abstract_state, train_step, eval_step = run.abstract_state, run.train_step, run.eval_step
   notices = []
   if start is not None:

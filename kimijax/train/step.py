@@ -45,13 +45,20 @@ def update_rms(updates, labels) -> dict:
   return {f'update_rms_{g}': jnp.sqrt(sums[g] / counts[g]) for g in sorted(sums)}
 
 
+def computes_max_logits(config: ml_collections.ConfigDict) -> bool:
+  """Whether the forward pass computes the attention layers' max logits: for the log
+  (train.log_max_logits) or for QK-Clip (optimizer.name='muonclip'), which needs them."""
+  return bool(config.train.log_max_logits) or config.optimizer.name == 'muonclip'
+
+
 def make_train_step(model, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                     param_groups=None):
   """(state, batch) -> (state, metrics). A step whose loss or gradients are not finite leaves the
   state unchanged and reports finite=False; the loop stops on it.
 
   The optimizer gets the forward pass's per-head max logits as `max_logits=` (QK-Clip uses them;
-  other transforms ignore them). `param_groups` (params -> pytree of group names, e.g.
+  other transforms ignore them); metrics['max_logits'] holds them when the model computes them
+  (aux['max_logits']), and is absent otherwise. `param_groups` (params -> pytree of group names, e.g.
   kimijax.optim.param_groups(config)) adds update_rms_<group> to the metrics; with QK-Clip in the
   optimizer, `qk_clip_heads` is the number of query heads clipped this step."""
   loss_fn = make_loss_fn(model)
@@ -62,12 +69,13 @@ def make_train_step(model, optimizer: optax.GradientTransformation, schedule: op
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params,
-                                          max_logits=aux['max_logits'])
+                                          max_logits=aux.get('max_logits'))
     new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                      opt_state=opt_state)
     new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
-    metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step),
-               'max_logits': aux['max_logits'], 'finite': finite}
+    metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step), 'finite': finite}
+    if 'max_logits' in aux:
+      metrics['max_logits'] = aux['max_logits']
     if param_groups is not None:
       metrics.update(update_rms(updates, param_groups(state.params)))
     clipped = heads_clipped(opt_state)
@@ -83,7 +91,10 @@ def make_train_step(model, optimizer: optax.GradientTransformation, schedule: op
 def make_eval_step(model):
   """(params, batch) -> sums over the batch's masked tokens, float32: 'nll' (token nll), 'tokens',
   'correct' (argmax prediction == target; on MQAR the exact recall of a queried value), and
-  'nll_by_position' / 'tokens_by_position' [T] (the same sums per position in the sequence)."""
+  'nll_by_position' / 'tokens_by_position' [T] (the same sums per position in the sequence).
+  Nothing here reads max logits, so a Transformer evaluates without computing them."""
+  if isinstance(model, Transformer):
+    model = model.clone(max_logits=False)
   def eval_step(params, batch):
     logits_btv, _ = model.apply({'params': params}, batch['inputs'])
     targets, mask = batch['targets'], batch['mask'].astype(jnp.float32)
@@ -132,8 +143,13 @@ class Training(NamedTuple):
 
 
 def build_training(config: ml_collections.ConfigDict, mesh: Mesh, model: nn.Module | None = None) -> Training:
-  """Model (default Transformer(config.model)), optimizer, schedule, state layout and jitted steps."""
-  model = Transformer(config.model) if model is None else model
+  """Model (default Transformer(config.model), with max logits as computes_max_logits(config)
+  says), optimizer, schedule, state layout and jitted steps."""
+  if model is None:
+    model = Transformer(config.model, max_logits=computes_max_logits(config))
+  if config.optimizer.name == 'muonclip' and not getattr(model, 'max_logits', True):
+    raise ValueError("optimizer.name='muonclip' needs the model's max logits (QK-Clip); build it with "
+                     'Transformer(..., max_logits=True)')
   schedule = make_schedule(config)
   optimizer = make_optimizer(config, schedule)
   abstract_state, shardings = state_shardings(model, optimizer, config, mesh)

@@ -58,6 +58,9 @@ def _cases(tmp: pathlib.Path) -> dict:
                    + ['--config.optimizer.learning_rate=1e6', '--config.train.grad_clip=0.0',
                       '--config.optimizer.warmup_steps=0', '--config.train.steps=30', '--config.train.eval_every=1000'],
                    'NonFiniteError: loss or gradients became NaN/Inf at step'),
+      'tokamax off the gpu': (run + ['--config=configs/default.py', f'--workdir={tmp}/tk'] + TINY_FLAGS
+                              + ['--config.model.attn_impl=tokamax', '--config.model.compute_dtype=bfloat16'],
+                              "ConfigError: attention impl='tokamax' needs an NVIDIA GPU"),
       'peers never come': (run + ['--config=configs/default.py', f'--workdir={tmp}/mp', '--num_processes=2',
                                   '--process_id=0', f'--coordinator_address=127.0.0.1:{_free_port()}',
                                   '--peer_timeout_s=3'] + TINY_FLAGS,
@@ -81,7 +84,7 @@ def results(tmp_path_factory):
 
 CASE_NAMES = ['missing config file', 'unknown variant', 'workdir is a file', 'max_new_tokens', 'top_k',
               'num_samples', 'temperature', 'prompt not utf-8', 'generate without a run', 'eval without a run',
-              'plot_attnres on a non-run', 'nan stop', 'peers never come']
+              'plot_attnres on a non-run', 'nan stop', 'tokamax off the gpu', 'peers never come']
 
 
 @pytest.mark.parametrize('name', CASE_NAMES)

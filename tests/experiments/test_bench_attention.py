@@ -1,0 +1,35 @@
+"""experiments/bench/bench_attention.py on the CPU: tiny shapes through 'xla' (timed) and the GPU
+implementations (a cell saying why they cannot run here), the shape parser and the FLOP count."""
+
+import re
+
+import pytest
+
+from experiments.bench import bench_attention
+
+
+def test_tiny_shapes_give_one_row_per_implementation_and_max_logit_setting():
+  got = list(bench_attention.rows(['2x16x16x2x1x8x8', '2x1x16x2x2x8x8'], ['xla', 'tokamax'], repeats=1, warmup=1))
+  assert [r[1:3] for r in got] == [['xla', 'no'], ['xla', 'yes'], ['tokamax', 'no'], ['tokamax', 'yes'],
+                                   ['xla (decode_attention)', '-'], ['tokamax', '-']]
+  timed = r'\d+\.\d\d \(\d+\.\d\d\)'
+  for row in got[:2]:
+    assert re.fullmatch(timed + r', .* TFLOP/s', row[3]) and re.fullmatch(timed, row[4]), row
+  assert re.fullmatch(timed + r', .* TFLOP/s', got[4][3]) and got[4][4] == '-'      # decoding: forward only
+  assert all(cell.startswith('n/a: needs bfloat16') for row in got if row[1] == 'tokamax' for cell in row[3:])
+
+
+def test_xla_is_skipped_above_the_length_limit():
+  (row, _) = bench_attention.rows(['1x8x32x1x1x8x8'], ['xla'], skip_xla_above=16)
+  assert row[3] == row[4] == 'skipped (S > --skip_xla_above=16)'
+
+
+def test_shapes_and_flops():
+  assert bench_attention.parse_shape('mla_4k') == (8, 4096, 4096, 16, 16, 192, 128)
+  with pytest.raises(ValueError, match="'8x4096' is neither a name"):
+    bench_attention.parse_shape('8x4096')
+  # T == S: T (T + 1) / 2 pairs; T < S: each query also sees the S - T earlier keys.
+  assert bench_attention.forward_tflop((1, 4, 4, 1, 1, 3, 2)) == 2 * 10 * 5 / 1e12
+  assert bench_attention.forward_tflop((1, 2, 5, 1, 1, 3, 2)) == 2 * (2 * 3 + 3) * 5 / 1e12
+  # SPEC §5's cuDNN figure: 0.96 ms at (8, 4096, 16, 128) is ~575 TFLOP/s.
+  assert abs(bench_attention.forward_tflop(bench_attention.SHAPES['mha_4k']) / 0.96e-3 - 573) < 2
