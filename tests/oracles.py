@@ -300,14 +300,25 @@ class NpAdamW:
 # ----------------------------------------------------------------------------- AttnRes (SPEC §4)
 
 
-def np_depth_attention(sources, w, gain, eps):
-  """float64: alpha_i = softmax_i(w . (gain * v_i / rms(v_i))), h = sum_i alpha_i v_i.
+def np_depth_attention(sources, w, gain, eps, *, key_norm=True, depth_weights='softmax'):
+  """float64 SPEC §4 depth attention and its two ablated switches. Keys k_i = gain * v_i / rms(v_i)
+  with rms(v) = sqrt(mean_d v^2 + eps) (key_norm), or k_i = v_i (key_norm=False: no norm and no
+  gain; pass gain=None); logits s_i = w . k_i; alpha = softmax_i(s) ('softmax') or
+  alpha_i = 1 / (1 + exp(-s_i)) ('sigmoid'); h = sum_i alpha_i v_i.
   Returns (h [..., D], alpha [N, ...])."""
   v = np.stack(sources).astype(np.float64)
-  keys = gain * v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
-  logits = keys @ w
-  alpha = np.exp(logits - logits.max(axis=0))
-  alpha /= alpha.sum(axis=0)
+  if key_norm:
+    keys = gain * v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
+  else:
+    assert gain is None, 'without the key norm there is no key gain'
+    keys = v
+  logits = keys @ np.asarray(w, np.float64)
+  if depth_weights == 'sigmoid':
+    alpha = 1 / (1 + np.exp(-logits))
+  else:
+    assert depth_weights == 'softmax', depth_weights
+    alpha = np.exp(logits - logits.max(axis=0))
+    alpha /= alpha.sum(axis=0)
   return np.einsum('n...,n...d->...d', alpha, v), alpha
 
 
