@@ -337,7 +337,9 @@ def np_attnres_forward(cfg, params, tokens):
 
   Every sublayer output is kept; consumer l (sublayer index, or L for the final aggregator) with
   block size S sees b_0 = embedding, the sums of the blocks [kS, (k+1)S) that end at or before l,
-  and the sum of the outputs of its own block before l when there are any.
+  and the sum of the outputs of its own block before l when there are any, and weighs them by
+  np_depth_attention with cfg.attnres_key_norm and cfg.attnres_depth_weights (the key gain only
+  with the key norm). Sublayer 0 has no parameters and takes the embedding itself (weight 1).
   """
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
   tokens = np.asarray(tokens)
@@ -353,8 +355,11 @@ def np_attnres_forward(cfg, params, tokens):
       sources.append(sum(outputs[n * S:l]))
     if q is None:                 # sublayer 0: the embedding alone, no parameters
       assert l == 0 and len(sources) == 1
-      q = {'attnres_query': np.zeros(cfg.d_model), 'attnres_key_scale': np.ones(cfg.d_model)}
-    h, alpha = np_depth_attention(sources, q['attnres_query'], q['attnres_key_scale'], cfg.norm_eps)
+      h, alpha = emb, np.ones((1,) + emb.shape[:-1])
+    else:
+      assert ('attnres_key_scale' in q) == cfg.attnres_key_norm, sorted(q)
+      h, alpha = np_depth_attention(sources, q['attnres_query'], q.get('attnres_key_scale'), cfg.norm_eps,
+                                    key_norm=cfg.attnres_key_norm, depth_weights=cfg.attnres_depth_weights)
     weights.append(alpha.mean(axis=(1, 2)))
     in_rms.append(np.sqrt(np.mean(h * h)))
     return h
