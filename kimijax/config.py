@@ -24,6 +24,7 @@ MLA_VIEWS = ('fused', 'per_part')   # muon's MLA matrices; kimijax/optim/routing
 ATTN_IMPLS = attention_ops.IMPLS
 KDA_IMPLS = kda_ops.IMPLS
 ATTNRES_IMPLS = attnres_ops.IMPLS
+ATTNRES_DEPTH_WEIGHTS = attnres_ops.DEPTH_WEIGHTS   # SPEC §4 and its sigmoid ablation
 ATTENTION_KINDS = ('mha', 'gqa', 'mla')
 KDA_OUTPUT_GATES = ('sigmoid', 'swish', 'none')
 POSITIONS = ('rope', 'nope')
@@ -70,7 +71,12 @@ def base_config() -> ml_collections.ConfigDict:
   m.attnres_block_size = 4      # attnres_block: sublayers per block (attention and MLP count one each);
                                 # the last block takes the rest when it does not divide 2 * num_layers
   m.attnres_impl = 'xla'        # AttnRes: 'xla' | 'pallas' (GPU kernels in kernels_pallas/attnres/: phase 1,
-                                # and phase 2 fused with the pre-norm)
+                                # and phase 2 fused with the pre-norm; the default variant below only)
+  m.attnres_key_norm = True     # AttnRes depth keys: True: RMSNorm(v_i) with a learned gain (SPEC §4);
+                                # False: the raw sources v_i, no gain (the paper's "no key RMSNorm" ablation)
+  m.attnres_depth_weights = 'softmax'  # AttnRes weights over sources: 'softmax' over depth (SPEC §4) |
+                                # 'sigmoid': sigmoid(logit) per source, not normalised (the paper's ablation).
+                                # Maths of both switches: kimijax/ops/attnres.py; a non-default one needs 'xla'
   m.position = 'rope'
   m.rope_theta = 10000.0
   m.tie_embeddings = True
@@ -257,6 +263,18 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     raise ConfigError(f'model.attnres_block_size={m.attnres_block_size!r} must be a positive integer '
                       '(sublayers per block; 1 is Full AttnRes)')
   _one_of('model.attnres_impl', m.attnres_impl, ATTNRES_IMPLS)
+  if not isinstance(m.attnres_key_norm, bool):
+    raise ConfigError(f'model.attnres_key_norm={m.attnres_key_norm!r} is not allowed; allowed values: '
+                      '[True, False]')
+  _one_of('model.attnres_depth_weights', m.attnres_depth_weights, ATTNRES_DEPTH_WEIGHTS)
+  if (m.residual != 'standard' and not ATTNRES_IMPLS[m.attnres_impl].all_variants
+      and not attnres_ops.is_default_variant(m.attnres_key_norm, m.attnres_depth_weights)):
+    changed = [f'model.{k}={m[k]!r}' for k, default in (('attnres_key_norm', True),
+                                                         ('attnres_depth_weights', 'softmax'))
+               if m[k] != default]
+    raise ConfigError(f"{' and '.join(changed)} need{'s' * (len(changed) == 1)} model.attnres_impl='xla': "
+                      f"model.attnres_impl={m.attnres_impl!r} implements only SPEC §4's softmax over "
+                      "RMS-normalised keys (model.attnres_key_norm=True, model.attnres_depth_weights='softmax')")
   if m.residual != 'standard' and m.attnres_impl == 'pallas' and m.d_model % 16:
     raise ConfigError(f"model.attnres_impl='pallas' needs model.d_model divisible by 16; got {m.d_model}")
   _one_of('model.position', m.position, POSITIONS)

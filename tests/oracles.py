@@ -300,14 +300,25 @@ class NpAdamW:
 # ----------------------------------------------------------------------------- AttnRes (SPEC §4)
 
 
-def np_depth_attention(sources, w, gain, eps):
-  """float64: alpha_i = softmax_i(w . (gain * v_i / rms(v_i))), h = sum_i alpha_i v_i.
+def np_depth_attention(sources, w, gain, eps, *, key_norm=True, depth_weights='softmax'):
+  """float64 SPEC §4 depth attention and its two ablated switches. Keys k_i = gain * v_i / rms(v_i)
+  with rms(v) = sqrt(mean_d v^2 + eps) (key_norm), or k_i = v_i (key_norm=False: no norm and no
+  gain; pass gain=None); logits s_i = w . k_i; alpha = softmax_i(s) ('softmax') or
+  alpha_i = 1 / (1 + exp(-s_i)) ('sigmoid'); h = sum_i alpha_i v_i.
   Returns (h [..., D], alpha [N, ...])."""
   v = np.stack(sources).astype(np.float64)
-  keys = gain * v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
-  logits = keys @ w
-  alpha = np.exp(logits - logits.max(axis=0))
-  alpha /= alpha.sum(axis=0)
+  if key_norm:
+    keys = gain * v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
+  else:
+    assert gain is None, 'without the key norm there is no key gain'
+    keys = v
+  logits = keys @ np.asarray(w, np.float64)
+  if depth_weights == 'sigmoid':
+    alpha = 1 / (1 + np.exp(-logits))
+  else:
+    assert depth_weights == 'softmax', depth_weights
+    alpha = np.exp(logits - logits.max(axis=0))
+    alpha /= alpha.sum(axis=0)
   return np.einsum('n...,n...d->...d', alpha, v), alpha
 
 
@@ -326,7 +337,9 @@ def np_attnres_forward(cfg, params, tokens):
 
   Every sublayer output is kept; consumer l (sublayer index, or L for the final aggregator) with
   block size S sees b_0 = embedding, the sums of the blocks [kS, (k+1)S) that end at or before l,
-  and the sum of the outputs of its own block before l when there are any.
+  and the sum of the outputs of its own block before l when there are any, and weighs them by
+  np_depth_attention with cfg.attnres_key_norm and cfg.attnres_depth_weights (the key gain only
+  with the key norm). Sublayer 0 has no parameters and takes the embedding itself (weight 1).
   """
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
   tokens = np.asarray(tokens)
@@ -342,8 +355,11 @@ def np_attnres_forward(cfg, params, tokens):
       sources.append(sum(outputs[n * S:l]))
     if q is None:                 # sublayer 0: the embedding alone, no parameters
       assert l == 0 and len(sources) == 1
-      q = {'attnres_query': np.zeros(cfg.d_model), 'attnres_key_scale': np.ones(cfg.d_model)}
-    h, alpha = np_depth_attention(sources, q['attnres_query'], q['attnres_key_scale'], cfg.norm_eps)
+      h, alpha = emb, np.ones((1,) + emb.shape[:-1])
+    else:
+      assert ('attnres_key_scale' in q) == cfg.attnres_key_norm, sorted(q)
+      h, alpha = np_depth_attention(sources, q['attnres_query'], q.get('attnres_key_scale'), cfg.norm_eps,
+                                    key_norm=cfg.attnres_key_norm, depth_weights=cfg.attnres_depth_weights)
     weights.append(alpha.mean(axis=(1, 2)))
     in_rms.append(np.sqrt(np.mean(h * h)))
     return h

@@ -15,11 +15,17 @@ gradient, for the per-sublayer statistics.
 
 `start` must run inside the model's compact method: an AttnRes start creates every consumer's
 parameters there, in a child 'attnres' holding, per consumer '<name>' ('layer_<i>_mixer',
-'layer_<i>_mlp', 'final'), 'attnres_query' (w, init 0) and 'attnres_key_scale' (g, init 1), both
-[D] float32 and replicated (logical axis 'norm'). Sublayer 0 sees only the embedding (its softmax
-is over one source), so it has none: 2d parameters for each of the other L - 1 sublayers and the
-final aggregator. `w` is the consumer's depth-attention weights averaged over batch and tokens
-([sources] float32) when the strategy logs (`log=True`), else None.
+'layer_<i>_mlp', 'final'), 'attnres_query' (w, init 0) and, with the key norm
+(model.attnres_key_norm, the default), 'attnres_key_scale' (g, init 1), both [D] float32 and
+replicated (logical axis 'norm'). Sublayer 0 sees only the embedding (its input is the embedding
+itself, in every variant), so it has none: 2d parameters (d without the key norm) for each of the
+other L - 1 sublayers and the final aggregator. `w` is the consumer's depth-attention weights
+averaged over batch and tokens ([sources] float32) when the strategy logs (`log=True`), else None.
+
+Variants (SPEC §4's ablations; kimijax.ops.attnres's docstring has the maths): the AttnRes
+strategies hand model.attnres_key_norm and model.attnres_depth_weights to every op call as
+key_norm / depth_weights; the ops, not this module, decide what they change. Only the parameters
+depend on them here: without the key norm there is no key gain.
 
   standard        state h; read -> Norm(h) (and h); write -> h + y (the usual pre-norm residual
                   stream).
@@ -64,14 +70,18 @@ def _constrain(x_btd):
 
 
 class AttnResQuery(nn.Module):
-  """One consumer's parameters: pseudo-query w [D] (zeros) and key-norm gain g [D] (ones).
-  Returns the effective query w * g (the gain folded into the query; see kimijax.ops.attnres)."""
+  """One consumer's parameters: pseudo-query w [D] (zeros) and, with `key_gain`, the key-norm
+  gain g [D] (ones). Returns the effective query w * g (the gain folded into the query; see
+  kimijax.ops.attnres), or w without the key norm (no norm, so no gain)."""
   dim: int
+  key_gain: bool = True
 
   @nn.compact
   def __call__(self):
     w = self.param('attnres_query', nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)),
                    (self.dim,), jnp.float32)
+    if not self.key_gain:
+      return w
     g = self.param('attnres_key_scale', nn.with_logical_partitioning(nn.initializers.ones, ('norm',)),
                    (self.dim,), jnp.float32)
     return w * g
@@ -88,11 +98,12 @@ class AttnResQueries(nn.Module):
   """Every consumer's AttnResQuery -> [L + 1, D] effective queries (row 0, sublayer 0: zeros)."""
   num_sublayers: int
   dim: int
+  key_gain: bool = True
 
   @nn.compact
   def __call__(self):
     rows = [jnp.zeros((self.dim,), jnp.float32)]
-    rows += [AttnResQuery(self.dim, name=consumer_name(l, self.num_sublayers))()
+    rows += [AttnResQuery(self.dim, self.key_gain, name=consumer_name(l, self.num_sublayers))()
              for l in range(1, self.num_sublayers + 1)]
     return jnp.stack(rows)
 
@@ -128,7 +139,8 @@ class AttnResState:
 @dataclasses.dataclass(frozen=True)
 class AttnResidual:
   """Block Attention Residuals with `block_size` sublayers per block (1: Full AttnRes) over
-  `num_sublayers` sublayers; both phases by `impl` (a key of kimijax.ops.attnres.IMPLS).
+  `num_sublayers` sublayers; both phases by `impl` (a key of kimijax.ops.attnres.IMPLS), with the
+  variant `key_norm`, `depth_weights` (handed to every op call).
   defer_add: a write within a block leaves its output pending, and the next read's merge_norm
   adds it to the partial sum (for an implementation whose merge adds in the same pass, one pass
   fewer than a separate add; not under remat, where the pending output would be one more tensor
@@ -140,9 +152,16 @@ class AttnResidual:
   impl: str = 'xla'
   log: bool = False
   defer_add: bool = False
+  key_norm: bool = True
+  depth_weights: str = 'softmax'
+
+  @property
+  def variant(self) -> dict:
+    """The variant's keyword arguments for the kimijax.ops.attnres calls."""
+    return {'key_norm': self.key_norm, 'depth_weights': self.depth_weights}
 
   def start(self, x_btd):
-    queries = AttnResQueries(self.num_sublayers, x_btd.shape[-1], name='attnres')()
+    queries = AttnResQueries(self.num_sublayers, x_btd.shape[-1], self.key_norm, name='attnres')()
     return AttnResState(queries=queries, blocks=(_constrain(x_btd),), partial=None, pending=None,
                         inter=None)
 
@@ -173,7 +192,7 @@ class AttnResidual:
     if state.inter is None:      # the block's first read: phase 1 for all its consumers
       stop = min(start + self.block_size, self.num_sublayers + 1)
       outs, lse, blocks = phase1(state.blocks, state.queries[start:stop], eps=self.eps,
-                                 impl=self.impl, spec=spec)
+                                 impl=self.impl, spec=spec, **self.variant)
       # Later blocks take the block sums from phase 1's output: with 'pallas' their gradient
       # is then summed inside its backward kernel.
       state = state.replace(blocks=blocks, inter=(outs, lse))
@@ -185,19 +204,21 @@ class AttnResidual:
     # Phase 2 and the pre-norm in one op ('pallas': fused, the merged input never written).
     x_btd, partial = merge_norm(o_btd, lse_bt, state.partial, query_d, norm.gain(o_btd.shape[-1]),
                                 eps=self.eps, norm_eps=norm.eps, dtype=norm.dtype, addend=pending,
-                                impl=self.impl, spec=spec)
+                                impl=self.impl, spec=spec, **self.variant)
     h_btd = None
     if self.log:                 # for the statistics only: training does not change with logging
       h_btd = jax.lax.stop_gradient(_constrain(
-          merge_partial(o_btd, lse_bt, state.partial, query_d, eps=self.eps)))
+          merge_partial(o_btd, lse_bt, state.partial, query_d, eps=self.eps, **self.variant)))
     # The next partial sum takes p from merge_norm ('pallas' then adds its gradient in-kernel).
     return _constrain(x_btd), h_btd, w_n, state.replace(partial=partial)
 
   def _mean_weights(self, sources, query_d):
-    """The depth-attention weights [sources] averaged over batch and tokens (for logging)."""
+    """The depth-attention weights [sources] averaged over batch and tokens (for logging; with
+    sigmoid weights a row need not sum to 1)."""
     if len(sources) == 1:
       return jnp.ones((1,), jnp.float32)
-    alpha_nbt = depth_attention_list(sources, query_d, eps=self.eps, return_weights=True)[1]
+    alpha_nbt = depth_attention_list(sources, query_d, eps=self.eps, return_weights=True,
+                                     **self.variant)[1]
     return jnp.mean(alpha_nbt, axis=tuple(range(1, alpha_nbt.ndim)))
 
   def write(self, state: AttnResState, y_btd, sublayer: int):
@@ -236,7 +257,8 @@ def make_residual(cfg: ml_collections.ConfigDict, *, log: bool = False):
   if cfg.residual in ('attnres_full', 'attnres_block'):
     return AttnResidual(block_size(cfg), num_sublayers(cfg), eps=cfg.norm_eps, impl=cfg.attnres_impl,
                         log=log, defer_add=attnres_ops.IMPLS[cfg.attnres_impl].adds_in_merge
-                        and not cfg.remat)
+                        and not cfg.remat, key_norm=cfg.attnres_key_norm,
+                        depth_weights=cfg.attnres_depth_weights)
   raise ValueError(f'model.residual={cfg.residual!r} is unknown')
 
 

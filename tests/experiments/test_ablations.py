@@ -1,5 +1,6 @@
-"""experiments/ablations/: the fixed verdict rule on hand-made seed values, and every arm of every
-ablation file is a valid config at both scales, with each claim naming arms that exist."""
+"""experiments/ablations/: the fixed verdict rule on hand-made seed values, every arm of every
+ablation file is a valid config at both scales, with each claim naming arms that exist, and the
+AttnRes file's arms are the paper table's, the two ablated switches included."""
 
 import pytest
 
@@ -26,8 +27,7 @@ def test_verdict_rule():
 
 
 CASES = [(kimi_linear_table1, kimi_linear_table1.ARMS, kimi_linear_table1.CLAIMS),
-         (attention_residuals, attention_residuals.ARMS + attention_residuals.NOT_RUNNABLE,
-          attention_residuals.CLAIMS),
+         (attention_residuals, attention_residuals.ARMS, attention_residuals.CLAIMS),
          (muon_update_rms, muon_update_rms.ARMS, muon_update_rms.CLAIMS),
          (qk_clip, qk_clip.ARMS, qk_clip.CLAIMS), (long_context, long_context.ARMS, long_context.CLAIMS)]
 
@@ -44,3 +44,27 @@ def test_every_arm_is_a_valid_config_and_every_claim_names_arms(scale):
         run_config(base, arm.overrides, 0)
     for claim in claims:
       assert claim.a in names and claim.b in names, (module.__name__, claim)
+
+
+@pytest.mark.parametrize('scale', ['cpu', 'gpu'], ids=['cpu_scale', 'h200_scale'])
+def test_attention_residuals_runs_every_arm_of_the_paper_table(scale):
+  """The AttnRes file's arms are the paper's (SPEC §4), all runnable: standard, Full, Block
+  S = 2 / 4 / 8 / 16, and Full without the key norm and with sigmoid weights, those two on the
+  XLA path at both scales (the gpu base picks the Pallas kernels, which implement neither)."""
+  arms = {a.name: a for a in attention_residuals.ARMS}
+  assert list(arms) == ['standard', 'full', 'block2', 'block4', 'block8', 'block16', 'no_key_norm', 'sigmoid']
+  assert all(a.runnable and a.published for a in arms.values())
+  base = validate(attention_residuals.base(scale))
+  model = {name: run_config(base, arm.overrides, 0).model for name, arm in arms.items()}
+  for name, want in (('full', (True, 'softmax')), ('no_key_norm', (False, 'softmax')),
+                     ('sigmoid', (True, 'sigmoid'))):
+    m = model[name]
+    assert (m.residual, m.attnres_impl) == ('attnres_full', 'xla'), name
+    assert (m.attnres_key_norm, m.attnres_depth_weights) == want, name
+  for s in (2, 4, 8, 16):
+    m = model[f'block{s}']
+    assert (m.residual, m.attnres_block_size, m.attnres_key_norm, m.attnres_depth_weights) == \
+        ('attnres_block', s, True, 'softmax')
+  claims = {(c.a, c.relation, c.b) for c in attention_residuals.CLAIMS}
+  assert {('full', '<', 'no_key_norm'), ('full', '<', 'sigmoid'), ('no_key_norm', '<', 'standard'),
+          ('sigmoid', '<', 'standard')} <= claims

@@ -6,6 +6,8 @@ the parameters, config checks and the logged statistics.
 """
 
 import json
+import re
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -15,6 +17,7 @@ import pytest
 
 from kimijax import config as config_lib
 from kimijax.layers import residual as residual_lib
+from kimijax.layers.norms import RMSNorm
 from kimijax.model import Transformer
 
 from helpers import (B, RTOL, STEPS, T, cross_entropy, init_params, random_tokens, rel_err,
@@ -312,3 +315,129 @@ def test_training_logs_depth_statistics_and_plot_script_draws_them(tmp_path):
   assert all(p.stat().st_size > 5000 for p in paths if p.suffix == '.png')
   saved = json.loads((tmp_path / 'figures' / 'attnres_stats.json').read_text())['run']
   assert saved['weights'][0] == [1.0, None, None]             # NaN padding saved as null
+
+
+# ----------------------------------------------------------------------------- the ablated variants
+# SPEC §4's "no key RMSNorm" and "sigmoid" arms (model.attnres_key_norm, model.attnres_depth_weights;
+# kimijax.ops.attnres has the maths), XLA only.
+
+
+def variant_cfg(residual, block, key_norm, depth_weights, **overrides):
+  return cfg_for(residual, attnres_block_size=block, attnres_key_norm=key_norm,
+                 attnres_depth_weights=depth_weights, **overrides)
+
+
+VARIANTS = [('attnres_full', 1, False, 'softmax'), ('attnres_full', 1, True, 'sigmoid'),
+            ('attnres_block', 3, False, 'softmax'), ('attnres_block', 3, True, 'sigmoid'),
+            ('attnres_block', 2, False, 'sigmoid')]
+
+
+@pytest.mark.parametrize('residual,block,key_norm,depth_weights', VARIANTS)
+def test_variant_forward_matches_numpy_reference(residual, block, key_norm, depth_weights):
+  """Each variant's whole-model forward against the float64 oracle (random non-zero queries and,
+  with the key norm, gains): logits, the logged depth weights and input RMS. Without the key norm
+  no consumer has a key gain (d parameters each). The variant changes the logits: the default
+  model on the same parameters (unit gains added where missing) gives others."""
+  cfg = variant_cfg(residual, block, key_norm, depth_weights)
+  params = init_params(cfg)
+  assert len(attnres_leaves(params, 'attnres_key_scale')) == (2 * cfg.num_layers if key_norm else 0)
+  assert len(attnres_leaves(params, 'attnres_query')) == 2 * cfg.num_layers
+  tokens = random_tokens(cfg)
+  logits, aux = forward(cfg, params, tokens, log=True)
+  ref_logits, ref_w, ref_in, ref_out = np_attnres_forward(cfg, params, tokens)
+  assert rel_err(logits, ref_logits) <= 1e-5
+  st = aux['attnres']
+  for row, ref in zip(np.asarray(st['weights']), ref_w):
+    np.testing.assert_allclose(row[:len(ref)], ref, rtol=1e-5, atol=1e-6)
+    assert np.all(np.isnan(row[len(ref):]))
+  np.testing.assert_allclose(st['input_rms'], ref_in, rtol=1e-5)
+  np.testing.assert_allclose(st['output_rms'], ref_out, rtol=1e-5)
+
+  with_gains = jax.tree.map(lambda x: x, params)
+  for consumer in with_gains['attnres'].values():
+    consumer.setdefault('attnres_key_scale', jnp.ones((cfg.d_model,), jnp.float32))
+  default_logits = np_attnres_forward(cfg_for(residual, attnres_block_size=block), with_gains, tokens)[0]
+  assert rel_err(ref_logits, default_logits) > 1e-3
+
+
+@pytest.mark.parametrize('residual,block,key_norm,depth_weights',
+                         [VARIANTS[0], VARIANTS[3], VARIANTS[4]])
+def test_zero_queries_equal_standard_model_in_every_variant(residual, block, key_norm, depth_weights):
+  """At zero queries softmax (either key) takes the mean of the sources and sigmoid half their
+  sum; every consumer normalises its input, so each variant also starts as the standard model."""
+  std_cfg = cfg_for('standard', norm_eps=1e-12)
+  cfg = variant_cfg(residual, block, key_norm, depth_weights, norm_eps=1e-12)
+  std_params = init_params(std_cfg)
+  tokens = random_tokens(cfg)
+  ref_logits = forward(std_cfg, std_params, tokens)[0]
+  logits = forward(cfg, copy_shared(std_params, cfg), tokens)[0]
+  assert rel_err(logits, np.asarray(ref_logits, np.float64)) <= 1e-5
+
+
+class SublayerStack(nn.Module):
+  """A residual strategy driven as the model drives it (start, read, write, the final read), over
+  small tanh(Dense) sublayers: the strategy's own graph, cheap to differentiate."""
+  res: Any
+
+  @nn.compact
+  def __call__(self, x_btd):
+    state = self.res.start(x_btd)
+    for l in range(self.res.num_sublayers):
+      x, _, _, state = self.res.read(state, l, RMSNorm(1e-6, name=f'norm_{l}'))
+      state = self.res.write(state, jnp.tanh(nn.Dense(x.shape[-1], name=f'f_{l}')(x)), l)
+    return self.res.read(state, self.res.num_sublayers, RMSNorm(1e-6, name='final_norm'))[0]
+
+
+@pytest.mark.parametrize('block', [1, 2])
+@pytest.mark.parametrize('key_norm,depth_weights', [(False, 'softmax'), (True, 'sigmoid'), (False, 'sigmoid')])
+def test_variant_gradients_are_finite_and_reach_every_query(block, key_norm, depth_weights):
+  """Full (S = 1) and block (S = 2 over 3 sublayers: the one-source phase 1 of block 0, a merge,
+  a last block of 1 left as a partial sum for the final aggregator) AttnRes in each variant: from
+  the initial state (queries 0) and from random queries every gradient is finite and every
+  pseudo-query's is non-zero."""
+  res = residual_lib.AttnResidual(block, 3, key_norm=key_norm, depth_weights=depth_weights)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((B, T, 16)), jnp.float32)
+  target = jnp.asarray(np.random.default_rng(3).standard_normal((B, T, 16)), jnp.float32)
+  model = SublayerStack(res)
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), x)['params'])
+  loss = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({'params': p}, x) * target)))
+  moved = jax.tree.map(lambda a: a, params)
+  rng = np.random.default_rng(4)
+  for consumer in moved['attnres'].values():
+    consumer['attnres_query'] = jnp.asarray(0.5 * rng.standard_normal(16), jnp.float32)
+  for p in (params, moved):
+    grads = loss(p)
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+    queries = attnres_leaves(grads, 'attnres_query')
+    assert len(queries) == 3 and len(attnres_leaves(grads, 'attnres_key_scale')) == 3 * key_norm
+    for name, g in queries.items():
+      assert np.max(np.abs(g)) > 0, name
+
+
+@pytest.mark.parametrize('key,value,message', [
+    ('attnres_key_norm', None, r'model.attnres_key_norm=None is not allowed; allowed values: \[True, False\]'),
+    ('attnres_depth_weights', 'tanh',
+     r"model.attnres_depth_weights='tanh' is not allowed; allowed values: \['softmax', 'sigmoid'\]")])
+def test_config_rejects_bad_variant_values(key, value, message):
+  c = config_lib.base_config()
+  c.model.residual = 'attnres_full'
+  c.model[key] = value
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(c)
+
+
+def test_config_says_the_variants_need_the_xla_path():
+  """The fused Pallas kernels implement SPEC §4's default alone: another variant with
+  attnres_impl='pallas' is one ConfigError naming the switch and asking for 'xla'; with 'xla'
+  both switches (alone or together) validate, for full and block AttnRes."""
+  for residual in ('attnres_full', 'attnres_block'):
+    for key_norm, depth_weights in ((False, 'softmax'), (True, 'sigmoid'), (False, 'sigmoid')):
+      c = config_lib.base_config()
+      c.model.update(dict(residual=residual, attnres_key_norm=key_norm, attnres_depth_weights=depth_weights))
+      config_lib.validate(c)
+      c.model.attnres_impl = 'pallas'
+      switch = 'model.attnres_key_norm=False' if not key_norm else "model.attnres_depth_weights='sigmoid'"
+      with pytest.raises(config_lib.ConfigError,
+                         match=f"{re.escape(switch)}.* model.attnres_impl='xla': model.attnres_impl='pallas' "
+                               "implements only"):
+        config_lib.validate(c)

@@ -1,7 +1,8 @@
 """Attention Residuals' ops (SPEC §4; kimijax.ops.attnres): depth attention, and Block AttnRes in
 two phases (phase 1 over a block's fixed sources, phase 2 merged with the consumer's pre-norm),
 each implementation against float64 NumPy (tests/oracles.py) and the Pallas kernels' hand-written
-backward (interpreted on the CPU) against jax.grad of the XLA form, also per shard on a mesh.
+backward (interpreted on the CPU) against jax.grad of the XLA form, also per shard on a mesh;
+then the ablated variants (no key norm, sigmoid weights; 'xla' only) against the same oracle.
 
 The oracle applies the key gain to the normalised keys; the model folds it into the query.
 """
@@ -17,7 +18,7 @@ from kimijax.ops.attnres import (depth_attention, depth_attention_list, merge_no
                                  phase1)
 
 from helpers import B, T, random_block, random_merge, rel_err
-from oracles import np_depth_attention, np_merge_norm
+from oracles import np_depth_attention, np_merge_norm, np_rmsnorm
 
 
 @pytest.fixture(autouse=True)
@@ -275,3 +276,112 @@ def test_pallas_kernels_under_a_mesh_run_per_shard():
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+# ----------------------------------------------------------------------------- the ablated variants
+
+
+VARIANTS = [(False, 'softmax'), (True, 'sigmoid'), (False, 'sigmoid')]     # (key_norm, depth_weights)
+VARIANT_IDS = ['no_key_norm', 'sigmoid', 'no_key_norm+sigmoid']
+
+
+def variant_sources(n=5, d=16, seed=0):
+  """Sources of different scales (moderate: raw keys without the norm would saturate on 30x
+  ones) and a query, float32 NumPy."""
+  rng = np.random.default_rng(seed)
+  scales = np.array([0.1, 1.0, 3.0, 0.3, 2.0])[:n, None, None, None]
+  return ((rng.standard_normal((n, B, T, d)) * scales).astype(np.float32),
+          (0.3 * rng.standard_normal(d)).astype(np.float32))
+
+
+@pytest.mark.parametrize('key_norm,depth_weights', VARIANTS, ids=VARIANT_IDS)
+def test_depth_attention_variants_match_numpy(key_norm, depth_weights):
+  """SPEC §4's ablated switches against the float64 transcription: both forms, the weights, the
+  zero query (softmax: the mean; sigmoid: half the sum), bf16 sources, and the query gradient
+  against central differences of the float64 oracle (finite, and the op's own autodiff)."""
+  sources, query = variant_sources()
+  variant = dict(key_norm=key_norm, depth_weights=depth_weights)
+  gain = 1.0 if key_norm else None
+  ref, alpha = np_depth_attention(list(sources), query, gain, 1e-6, **variant)
+  assert alpha.min() < 0.05 and alpha.max() > 0.7, 'weights should be far from uniform'
+  default, _ = np_depth_attention(list(sources), query, 1.0, 1e-6)
+  assert rel_err(ref, default) > 1e-2, 'the variant should change the result'
+
+  got = jax.jit(lambda v, q: depth_attention(v, q, **variant))(jnp.asarray(sources), jnp.asarray(query))
+  assert got.shape == (B, T, 16) and got.dtype == jnp.float32 and rel_err(got, ref) <= 1e-5
+  h, w = depth_attention_list(list(jnp.asarray(sources)), jnp.asarray(query), return_weights=True, **variant)
+  assert rel_err(h, ref) <= 1e-5
+  np.testing.assert_allclose(w, alpha, rtol=1e-5, atol=1e-6)
+
+  zero = depth_attention(jnp.asarray(sources), jnp.zeros(16), **variant)
+  want = sources.mean(0) if depth_weights == 'softmax' else 0.5 * sources.sum(0)
+  np.testing.assert_allclose(zero, want, rtol=1e-5, atol=1e-6)
+
+  got16 = depth_attention(jnp.asarray(sources, jnp.bfloat16), jnp.asarray(query), **variant)
+  ref16, _ = np_depth_attention(list(np.asarray(jnp.asarray(sources, jnp.bfloat16), np.float64)),
+                                query, gain, 1e-6, **variant)
+  assert got16.dtype == jnp.bfloat16 and rel_err(got16, ref16) <= 2 ** -8
+
+  proj = np.random.default_rng(9).standard_normal((B, T, 16))
+  dq = jax.grad(lambda q: jnp.sum(depth_attention(jnp.asarray(sources), q, **variant) * proj))(
+      jnp.asarray(query))
+  step, want_dq = 1e-6, np.zeros(16)
+  for k in range(16):
+    e = np.eye(16)[k] * step
+    plus = np_depth_attention(list(sources), query + e, gain, 1e-6, **variant)[0]
+    minus = np_depth_attention(list(sources), query - e, gain, 1e-6, **variant)[0]
+    want_dq[k] = np.sum((plus - minus) * proj) / (2 * step)
+  assert np.all(np.isfinite(dq)) and rel_err(dq, want_dq) <= 1e-4
+
+
+@pytest.mark.parametrize('n', [1, 3])
+@pytest.mark.parametrize('key_norm,depth_weights', VARIANTS, ids=VARIANT_IDS)
+def test_two_phases_equal_one_attention_in_every_variant(key_norm, depth_weights, n):
+  """impl='xla': phase 1 over n block sums (n = 1: block 0, the embedding alone), then phase 2
+  with each consumer's partial sum, is the float64 variant's depth attention over [block sums,
+  partial]; merge_norm is that input RMS-normalised with the gain. Sources, gradients finite."""
+  sources, _ = variant_sources(n=n + 1, seed=n)
+  sources, partial = list(sources[:n]), sources[n]
+  queries = (0.3 * np.random.default_rng(4).standard_normal((3, 16))).astype(np.float32)
+  variant = dict(key_norm=key_norm, depth_weights=depth_weights)
+  gain = 1.0 if key_norm else None
+  scale = (1 + 0.3 * np.random.default_rng(5).standard_normal(16)).astype(np.float32)
+  outs, lse, _ = phase1([jnp.asarray(v) for v in sources], jnp.asarray(queries), **variant)
+  assert len(outs) == 3 and lse.shape == (3, B, T)
+  for j, q in enumerate(queries):
+    want, _ = np_depth_attention(sources, q, gain, 1e-6, **variant)
+    assert rel_err(outs[j], want) <= 1e-5
+    merged = merge_partial(outs[j], lse[j], jnp.asarray(partial), jnp.asarray(q), **variant)
+    want, _ = np_depth_attention(sources + [partial], q, gain, 1e-6, **variant)
+    assert rel_err(merged, want) <= 1e-5
+    x, p = merge_norm(outs[j], lse[j], jnp.asarray(partial), jnp.asarray(q), jnp.asarray(scale),
+                      eps=1e-6, norm_eps=1e-5, impl='xla', **variant)
+    np.testing.assert_array_equal(p, partial)
+    assert rel_err(x, np_rmsnorm(want, scale, 1e-5)) <= 1e-5
+
+  def loss(vs, p, qs):
+    outs, lse, _ = phase1(vs, qs, **variant)
+    return sum(jnp.sum(merge_norm(o, l, p, q, jnp.asarray(scale), impl='xla', **variant)[0] * (j + 1))
+               for j, (o, l, q) in enumerate(zip(outs, lse, qs)))
+  grads = jax.grad(loss, argnums=(0, 1, 2))([jnp.asarray(v) for v in sources], jnp.asarray(partial),
+                                            jnp.asarray(queries))
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+  assert np.max(np.abs(grads[2])) > 0
+
+
+def test_variant_errors_name_the_argument_and_the_pallas_kernels_refuse_them():
+  """The fused kernels implement SPEC §4's default alone: another variant with impl='pallas' is
+  one ValueError saying to use 'xla', before any kernel runs; bad values name the allowed ones."""
+  sources, _, queries = random_block(n=2, s=2)
+  vs, qs = [jnp.asarray(v) for v in sources], jnp.asarray(queries)
+  o, lse, partial, q, scale = random_merge((B, T, 16))
+  for variant in (dict(key_norm=False), dict(depth_weights='sigmoid')):
+    with pytest.raises(ValueError, match=r"attnres phase1: impl='pallas' implements only key_norm=True, "
+                                         r"depth_weights='softmax'.*use impl='xla'"):
+      phase1(vs, qs, impl='pallas', **variant)
+    with pytest.raises(ValueError, match=r"attnres merge_norm: impl='pallas' implements only"):
+      merge_norm(o, lse, partial, q, scale, impl='pallas', **variant)
+  with pytest.raises(ValueError, match=r"depth_weights must be one of \('softmax', 'sigmoid'\); got 'tanh'"):
+    depth_attention(jnp.stack(vs), qs[0], depth_weights='tanh')
+  with pytest.raises(ValueError, match=r'attnres phase1: key_norm must be True or False; got 1'):
+    phase1(vs, qs, key_norm=1)
+  with pytest.raises(ValueError, match=r'attnres merge_partial: depth_weights must be one of'):
+    merge_partial(o, lse, partial, q, depth_weights='relu')
