@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -21,10 +23,12 @@ def causal_depthwise_conv(x, w, prefix=None):
 
 
 class ShortConv(nn.Module):
-  """Depthwise causal conv of [B, T, H, D] over T, no bias; kernel [width, H, D].
+  """Depthwise causal conv of [B, T, H, D] over T, no bias; kernel [width, H, D], then
+  `activation` (None: identity), inside the module so that nn.remat(ShortConv) recomputes both.
   Returns (y, new prefix [B, width-1, H, D])."""
   width: int = 4
   dtype: jnp.dtype = jnp.float32
+  activation: Callable | None = None
 
   @nn.compact
   def __call__(self, x_bthd, prefix=None):
@@ -35,4 +39,5 @@ class ShortConv(nn.Module):
 
     w = self.param('kernel', nn.with_logical_partitioning(init, ('conv_width', 'heads', 'head_dim')),
                    (self.width,) + x_bthd.shape[2:], jnp.float32)
-    return causal_depthwise_conv(x_bthd.astype(self.dtype), w, prefix)
+    y, new_prefix = causal_depthwise_conv(x_bthd.astype(self.dtype), w, prefix)
+    return (y if self.activation is None else self.activation(y)), new_prefix

@@ -9,6 +9,10 @@
                                                            the norm's eps is output_norm_eps
 
 Decode cache per sequence: the last 3 conv inputs of q, k and v, and the float32 state [H, K, V].
+
+Memory: the elementwise stages between the matmuls (conv + SiLU + L2 norm, the decay gate, the
+output norm and gate) are recomputed in the backward pass (nn.remat / jax.checkpoint), so a
+training step keeps only the projections' outputs and the op's own residuals of a KDA layer.
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ def l2_normalise(x, eps: float = 1e-6):
   """x / sqrt(sum(x^2) + eps) over the last axis, in float32."""
   x = x.astype(jnp.float32)
   return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _silu_l2(x):
+  return l2_normalise(jax.nn.silu(x))
+
+
+ACTIVATIONS = {'q': _silu_l2, 'k': _silu_l2, 'v': jax.nn.silu}   # after each short conv
 
 
 def _a_log_init(key, shape, dtype):
@@ -65,6 +76,21 @@ class KimiDeltaAttention(nn.Module):
     b = weight(self, f'{name}_b', (rank, self.num_heads, self.head_dim), ('latent', 'heads', 'head_dim'))
     return jnp.einsum('btr,rhk->bthk', jnp.einsum('btd,dr->btr', x_btd, a), b)
 
+  def _log_decay(self, f, a_log, dt_bias):
+    """g [B, T, H, K] float32 from the gate projection f."""
+    f = f.astype(jnp.float32) + dt_bias
+    if self.gate_lower_bound:
+      return self.gate_lower_bound * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * f)
+    return -jnp.exp(a_log)[:, None] * jax.nn.softplus(f)
+
+  def _norm_and_gate(self, o, gain, gate):
+    """RMSNorm_per_head(o) * gain * act(gate) in float32 (gate None: no output gate), in self.dtype."""
+    o = rms_normalise(o, self.output_norm_eps) * gain
+    if gate is not None:
+      gate = gate.astype(jnp.float32)
+      o = o * (jax.nn.sigmoid(gate) if self.output_gate == 'sigmoid' else jax.nn.silu(gate))
+    return o.astype(self.dtype)
+
   @nn.compact
   def __call__(self, x_btd, positions_bt=None, cache=None):
     del positions_bt   # KDA has no positional encoding: the decay orders the sequence
@@ -74,16 +100,16 @@ class KimiDeltaAttention(nn.Module):
     names = ('embed', 'heads', 'head_dim')
     q, k, v = (jnp.einsum('btd,dhk->bthk', x_btd, weight(self, f'{n}_proj', (d, h, hd), names))
                for n in ('q', 'k', 'v'))
-    new_cache = {}
-    if self.short_conv:
-      convs = []
-      for name, t in (('q', q), ('k', k), ('v', v)):
+    new_cache, outs = {}, []
+    for name, t in (('q', q), ('k', k), ('v', v)):
+      if self.short_conv:
         prefix = None if cache is None else cache[f'conv_{name}']
-        out, new_cache[f'conv_{name}'] = ShortConv(CONV_WIDTH, self.dtype, name=f'{name}_conv')(t, prefix)
-        convs.append(out)
-      q, k, v = convs
-    q, k = l2_normalise(jax.nn.silu(q)), l2_normalise(jax.nn.silu(k))
-    v = jax.nn.silu(v)
+        conv = nn.remat(ShortConv)(CONV_WIDTH, self.dtype, ACTIVATIONS[name], name=f'{name}_conv')
+        t, new_cache[f'conv_{name}'] = conv(t, prefix)
+      else:
+        t = jax.checkpoint(ACTIVATIONS[name])(t)
+      outs.append(t)
+    q, k, v = outs
     act = ('act_batch', 'act_length', 'act_heads', None)
     q, k, v = (nn.with_logical_constraint(t, act) for t in (q, k, v))
 
@@ -92,11 +118,7 @@ class KimiDeltaAttention(nn.Module):
     a_log = self.param('A_log', nn.with_logical_partitioning(_a_log_init, ('heads',)), (h,), jnp.float32)
     dt_bias = self.param('dt_bias', nn.with_logical_partitioning(_dt_bias_init, ('heads', 'head_dim')),
                          (h, hd), jnp.float32)
-    f = self._low_rank('f', x_btd, hd).astype(jnp.float32) + dt_bias
-    if self.gate_lower_bound:
-      g = self.gate_lower_bound * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * f)
-    else:
-      g = -jnp.exp(a_log)[:, None] * jax.nn.softplus(f)
+    g = jax.checkpoint(self._log_decay)(self._low_rank('f', x_btd, hd), a_log, dt_bias)
 
     if cache is None:
       o, _ = kda(q, k, v, g, beta, impl=self.impl)
@@ -110,11 +132,8 @@ class KimiDeltaAttention(nn.Module):
 
     gain = self.param('o_norm', nn.with_logical_partitioning(nn.initializers.ones, ('head_dim',)),
                       (hd,), jnp.float32)
-    o = rms_normalise(o, self.output_norm_eps) * gain
-    if self.output_gate != 'none':
-      gate = self._low_rank('g', x_btd, hd).astype(jnp.float32)
-      o = o * (jax.nn.sigmoid(gate) if self.output_gate == 'sigmoid' else jax.nn.silu(gate))
-    o = nn.with_logical_constraint(o.astype(self.dtype), act)
+    gate = None if self.output_gate == 'none' else self._low_rank('g', x_btd, hd)
+    o = nn.with_logical_constraint(jax.checkpoint(self._norm_and_gate)(o, gain, gate), act)
     y = jnp.einsum('bthk,hkd->btd', o, weight(self, 'o_proj', (h, hd, d), ('heads', 'head_dim', 'embed')))
     return y, None, (new_cache if cache is not None else None)
 
