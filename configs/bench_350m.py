@@ -1,7 +1,9 @@
 """~350M-parameter full-attention LM at sequence length 4096, for GPU throughput benchmarks.
 
 Run:      python -m experiments.bench.bench_train --config=configs/bench_350m.py
-Expected: one H200, 2026-11-30: 392 ms/step (other runs that day up to 411 ms), 167k tokens/s,
+Expected: one H200, 2026-12-01, tokamax attention: 390.6 ms/step against 400.0 with :cudnn (one
+          run each, bench_compare.py; experiments/results/bench_attention.md), 73.5 GiB peak.
+          2026-11-30 with cuDNN: 392 ms/step (other runs that day up to 411 ms), 167k tokens/s,
           44.9% MFU, 73.5 GiB peak
           (table and breakdown in experiments/results/bench_train.md); :attnres_block 420.1 ms
           against 400.0 standard on one GPU (+5.0%; +4.8% on another machine;
@@ -9,13 +11,15 @@ Expected: one H200, 2026-11-30: 392 ms/step (other runs that day up to 411 ms), 
           :attnres_full 1053 ms
           (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
           (muon_distributed.md).
-Variants: :hybrid (3 KDA : 1 attention, 18 + 6 layers, the fused Pallas KDA kernels; not yet
-          measured in the step), :remat (rematerialise each layer), :xla (attn_impl='xla'),
-          :tokamax (attn_impl='tokamax': tokamax's Mosaic GPU flash attention, max logits from its
-          residuals; SPEC §5), :mla (the attention layers as Kimi Linear's MLA: kv rank 512, 128
+          :hybrid 698 ms/step, 100 GiB (2026-12-01, before the KDA layer recomputed its elementwise
+          stages; experiments/results/bench_kda.md).
+Variants: :hybrid (3 KDA : 1 attention, 18 + 6 layers, the fused Pallas KDA kernels),
+          :remat (rematerialise each layer), :xla (attn_impl='xla'),
+          :cudnn (cuDNN attention and the fused max-logit kernel instead of tokamax's Mosaic GPU
+          flash attention, whose residuals give the max logits; SPEC §5), :mla (the attention layers as Kimi Linear's MLA: kv rank 512, 128
           no-position + 64 unrotated decoupled q/k dims, 128 value dims), :attnres_full,
           :attnres_block (8 blocks of 6 of the 48 sublayers, with the Pallas kernels),
-          :attnres_xla (AttnRes in plain XLA); combine with commas (:hybrid,mla,tokamax).
+          :attnres_xla (AttnRes in plain XLA); combine with commas (:hybrid,mla,cudnn).
           tokamax against cuDNN, side by side: experiments/results/bench_attention.md.
 """
 
@@ -30,7 +34,7 @@ def get_config(arg: str | None = None):
   m.num_layers = 24
   m.num_heads = 8                     # head_dim 128
   m.mlp_dim = 2816
-  m.attn_impl = 'cudnn'
+  m.attn_impl = 'tokamax'             # max logits from the kernel's residuals; ':cudnn' for cuDNN
   m.kda_impl = 'pallas'               # used by the KDA layers of :hybrid
   m.compute_dtype = 'bfloat16'
   m.tie_embeddings = True
@@ -47,8 +51,8 @@ def get_config(arg: str | None = None):
       m.layer_pattern = 'KKKA'
     elif variant == 'xla':
       m.attn_impl = 'xla'
-    elif variant == 'tokamax':
-      m.attn_impl = 'tokamax'
+    elif variant == 'cudnn':
+      m.attn_impl = 'cudnn'
     elif variant == 'mla':              # q/k 192 and v 128 dims per head: cuDNN pads v, tokamax does not
       m.attention_kind = 'mla'
       m.mla_kv_lora_rank, m.mla_qk_rope_head_dim, m.mla_v_head_dim, m.mla_rope = 512, 64, 128, False
@@ -60,7 +64,7 @@ def get_config(arg: str | None = None):
       pass                                # applied after the loop, so that order does not matter
     else:
       raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'hybrid', 'remat', 'xla', "
-                       "'tokamax', 'mla', 'attnres_full', 'attnres_block', 'attnres_xla'")
+                       "'cudnn', 'mla', 'attnres_full', 'attnres_block', 'attnres_xla'")
   if 'attnres_xla' in variants:
     m.attnres_impl = 'xla'
   return c

@@ -7,7 +7,7 @@ variants.
 
 Ladders (NAME):
   smoke        3 rungs x {adamw, muon}, CPU; 10 min on the shared 2-core CPU (byte-level stdlib corpus)
-  gpu          5 rungs x {adamw, muon} on one H200, bf16 + cuDNN attention, the site-packages corpus
+  gpu          5 rungs x {adamw, muon} on one H200, bf16 + tokamax attention, the site-packages corpus
   gpu_attnres  the gpu rungs x {standard, block AttnRes (one block per layer, the Pallas kernels)}
   gpu_hybrid   the gpu rungs x {all attention, 3:1 KDA:attention}; KDA runs the fused Pallas kernels
                (still 2-2.6x slower than fla's on the H200; not yet timed in a ladder);
@@ -54,8 +54,8 @@ def _smoke(c: ml_collections.ConfigDict) -> None:
 
 def _gpu(c: ml_collections.ConfigDict) -> None:
   b = c.base
-  b.model.compute_dtype = 'bfloat16'    # as configs/bench_350m.py: bf16 matmuls, cuDNN attention
-  b.model.attn_impl = 'cudnn'
+  b.model.compute_dtype = 'bfloat16'    # as configs/bench_350m.py: bf16 matmuls, tokamax attention
+  b.model.attn_impl = 'tokamax'
   b.model.kda_impl = 'pallas'           # the fused KDA kernels (kernels_pallas/kda)
   b.model.residual_dtype = 'float32'    # small models: keep the residual stream exact
   b.train.seq_len = 1024

@@ -109,7 +109,7 @@ def sized(config, scale: str, *, d_model: int, num_layers: int, num_heads: int, 
           batch_size: int, steps: int, **overrides):
   """config at an ablation's size: width, depth, heads, SwiGLU 3 d, tokens per step, steps (evals
   and checkpoints every steps / 5, warmup 5%). scale 'gpu' adds the H200 settings of
-  configs/bench_350m.py (bf16, cuDNN attention), 16 eval batches and the site-packages corpus.
+  configs/bench_350m.py (bf16, tokamax attention), 16 eval batches and the site-packages corpus.
   Keys in `overrides` are written with '__' for '.' (model__attn_impl='xla')."""
   from experiments.runs import with_overrides
   every = max(steps // 5, 1)
@@ -118,7 +118,7 @@ def sized(config, scale: str, *, d_model: int, num_layers: int, num_heads: int, 
             'train.steps': steps, 'train.eval_every': every, 'train.checkpoint_every': every,
             'optimizer.warmup_steps': max(steps // 20, 1)}
   if scale == 'gpu':
-    values.update({'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'cudnn', 'model.kda_impl': 'pallas',
+    values.update({'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'tokamax', 'model.kda_impl': 'pallas',
                    'train.eval_batches': 16, 'data.source': 'site_packages'})
   values.update({k.replace('__', '.'): v for k, v in overrides.items()})
   return with_overrides(config, values)
