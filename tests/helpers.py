@@ -151,3 +151,40 @@ def train_steps(config, devices):
     state, metrics = train_step(state, gbatch)
     history.append({k: np.asarray(metrics[k]) for k in ('loss', 'grad_norm', 'finite')})
   return history, state, mesh, gbatch
+
+
+# ----------------------------------------------------------------------------- tiny run.py trainings
+
+
+# configs/default.py shrunk to a few seconds a step on one CPU device, for run.py in subprocesses
+# (tests/train/test_multiprocess.py, tests/experiments/test_launch_local.py). A constant lr from
+# step 1, so that the schedule does not depend on train.steps (a resumed run follows the same
+# curve) and every step moves the parameters (the default warmup starts at lr 0).
+TINY_RUN = {
+    'model.d_model': 64, 'model.num_layers': 2, 'model.mlp_dim': 128,
+    'train.seq_len': 64, 'train.batch_size': 4, 'train.log_every': 1, 'train.eval_batches': 2,
+    'train.plot': False, 'optimizer.schedule': 'constant', 'optimizer.warmup_steps': 0,
+}
+
+
+def tiny_run_overrides(every: int) -> dict:
+  """TINY_RUN with an eval and a checkpoint every `every` steps (and at the last)."""
+  return dict(TINY_RUN, **{'train.eval_every': every, 'train.checkpoint_every': every})
+
+
+def run_py_args(workdir, overrides: dict, steps: int) -> list[str]:
+  """run.py's arguments for configs/default.py with `overrides` for `steps` steps."""
+  return (['--config=configs/default.py', f'--workdir={workdir}']
+          + [f'--config.{k}={v}' for k, v in dict(overrides, **{'train.steps': steps}).items()])
+
+
+def train_losses(workdir) -> dict:
+  """{step: train loss} of a run's metrics.jsonl."""
+  from kimijax.train.metrics import read_metrics
+  return {r['step']: r['loss'] for r in read_metrics(workdir) if 'loss' in r}
+
+
+def eval_losses(workdir) -> dict:
+  """{step: eval loss} of a run's metrics.jsonl."""
+  from kimijax.train.metrics import read_metrics
+  return {r['step']: r['eval_loss'] for r in read_metrics(workdir) if 'eval_loss' in r}

@@ -20,12 +20,12 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import eval_losses, run_py_args, tiny_run_overrides, train_losses
 from kimijax import config as config_lib
 from kimijax.model import Transformer
 from kimijax.optim import make_optimizer
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.checkpoint import Checkpointer
-from kimijax.train.metrics import read_metrics
 from kimijax.train.state import state_shardings
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -33,15 +33,7 @@ TIMEOUT_S = 240
 RTOL = 1e-5
 FIRST, TOTAL = 5, 7   # the 2-process run stops at FIRST, then resumes to TOTAL
 
-OVERRIDES = {
-    'model.d_model': 64, 'model.num_layers': 2, 'model.mlp_dim': 128,
-    'train.seq_len': 64, 'train.batch_size': 4, 'train.log_every': 1,
-    'train.eval_every': FIRST, 'train.checkpoint_every': FIRST, 'train.eval_batches': 2,
-    'train.plot': False,
-    # Constant lr from step 1, so that the schedule does not depend on train.steps and every
-    # step moves the parameters (the default warmup starts at lr 0).
-    'optimizer.schedule': 'constant', 'optimizer.warmup_steps': 0,
-}
+OVERRIDES = tiny_run_overrides(FIRST)
 
 
 def free_port() -> int:
@@ -65,9 +57,7 @@ def child_env() -> dict:
 
 
 def command(workdir, steps, *extra):
-  overrides = dict(OVERRIDES, **{'train.steps': steps})
-  return ([sys.executable, str(REPO / 'run.py'), '--config=configs/default.py', f'--workdir={workdir}']
-          + [f'--config.{k}={v}' for k, v in overrides.items()] + list(extra))
+  return [sys.executable, str(REPO / 'run.py')] + run_py_args(workdir, OVERRIDES, steps) + list(extra)
 
 
 def distributed(workdir, steps, *extra, num_processes=2):
@@ -113,14 +103,6 @@ def run_all(commands, logdir: pathlib.Path, name: str) -> list[str]:
                     + err.read_text()[-4000:])
     pytest.fail(f'{name}: {failure}\n' + '\n'.join(report), pytrace=False)
   return [out.read_text() for out, _ in logs]
-
-
-def train_losses(workdir) -> dict:
-  return {r['step']: r['loss'] for r in read_metrics(workdir) if 'loss' in r}
-
-
-def eval_losses(workdir) -> dict:
-  return {r['step']: r['eval_loss'] for r in read_metrics(workdir) if 'eval_loss' in r}
 
 
 def restore(workdir, step):
