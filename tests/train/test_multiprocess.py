@@ -5,7 +5,8 @@ collectives, coordinator on 127.0.0.1): a 2-device data-parallel mesh where ever
 its half of the global batch. The reference is one `run.py` process on one device with the same
 global batch. Both processes checkpoint into the same workdir; a second 2-process launch resumes
 from that checkpoint and must continue the single-process loss curve, and the checkpoint restores
-to the single-process parameters.
+to the single-process parameters. A run may also change its process count on resume (two
+processes, then one, then two again) and still follow the single-process curve.
 """
 
 import importlib.util
@@ -26,6 +27,7 @@ from kimijax.model import Transformer
 from kimijax.optim import make_optimizer
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.checkpoint import Checkpointer
+from kimijax.train.metrics import read_metrics
 from kimijax.train.state import state_shardings
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -176,3 +178,36 @@ def test_two_processes_match_one_process(tmp_path):
   assert got_data == ref_data
   for (path, r), g in zip(jax.tree_util.tree_leaves_with_path(ref_params), jax.tree.leaves(got_params)):
     np.testing.assert_allclose(g, r, rtol=0, atol=3e-4, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.long
+@pytest.mark.slow
+def test_resume_across_process_counts(tmp_path):
+  """Two processes train to step 3, one process resumes to 5, two processes resume to 7: the
+  checkpoint written by two processes restores in one and the reverse, and the losses are those
+  of one uninterrupted process."""
+  one, mixed, logs = tmp_path / 'one', tmp_path / 'mixed', tmp_path / 'logs'
+  first, second = 3, FIRST
+
+  outs = run_all([command(one, TOTAL)] + distributed(mixed, first), logs, 'two_to_3')
+  assert re.search(r"mesh \{'data': 2, 'fsdp': 1, 'tensor': 1\}", outs[1]), outs[1]
+  assert (mixed / 'checkpoints' / str(first)).is_dir()
+
+  (out,) = run_all([command(mixed, second)], logs, 'one_to_5')
+  assert re.search(rf"mesh \{{'data': 1, 'fsdp': 1, 'tensor': 1\}}, .*resuming from step {first}", out), out
+
+  outs = run_all(distributed(mixed, TOTAL), logs, 'two_to_7')
+  assert re.search(rf"mesh \{{'data': 2, 'fsdp': 1, 'tensor': 1\}}, .*resuming from step {second}", outs[0]), outs[0]
+
+  # One record per step: each resume replaced nothing and repeated nothing in metrics.jsonl.
+  assert [r['step'] for r in read_metrics(mixed) if 'loss' in r] == list(range(1, TOTAL + 1))
+  ref, got = train_losses(one), train_losses(mixed)
+  assert sorted(ref) == list(range(1, TOTAL + 1))
+  assert len(set(ref.values())) == TOTAL, f'the loss should change every step: {ref}'
+  np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=RTOL, atol=0)
+  ref_eval, got_eval = eval_losses(one), eval_losses(mixed)
+  assert sorted(ref_eval) == [FIRST, TOTAL] and sorted(got_eval) == [first, FIRST, TOTAL]
+  np.testing.assert_allclose([got_eval[s] for s in (FIRST, TOTAL)], [ref_eval[s] for s in (FIRST, TOTAL)],
+                             rtol=RTOL, atol=0)
+  # The data iterator continued where each run stopped: the final checkpoints agree on it.
+  assert restore(mixed, TOTAL)[1] == restore(one, TOTAL)[1]
