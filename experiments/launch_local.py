@@ -26,28 +26,31 @@ The environment is passed on unchanged otherwise (e.g. NCCL_* settings).
 --program runs something other than run.py: a Python script (path ending in .py) or a module
 name (`experiments.foo`, run with -m); it must accept the three distributed flags above.
 
-The issue-19 runs on one host with two H200s (experiments/results/multi_gpu.md has the
-criteria and the results). S holds the settings every run shares: 50 steps, global batch 32
-(16 sequences per GPU), a learning rate schedule that does not depend on train.steps (so that a
-resumed run follows the same curve), one checkpoint at the end:
+The issue-19 runs on one host with two H200s (experiments/results/multi_gpu.md: all the
+commands, including the resume across process counts, the criteria and the results). S holds
+what the runs share: 50 steps, 16 sequences of 4096 tokens per GPU, a learning-rate schedule
+that does not depend on train.steps, one checkpoint at the end:
 
-    S='--config.train.steps=50 --config.train.batch_size=32 --config.train.log_every=5
-       --config.train.eval_every=50 --config.train.checkpoint_every=50 --config.train.plot=False
+    S='--config.train.steps=50 --config.train.checkpoint_every=50 --config.train.log_every=5
+       --config.train.eval_every=50 --config.train.plot=False --config.train.batch_size=32
        --config.optimizer.schedule=constant --config.optimizer.warmup_steps=10'
-    # one process over both GPUs, then two processes of one GPU each, data parallel
+    # data parallel: one process over both GPUs, then two processes of one GPU each
     python -m experiments.launch_local --num_processes=1 --gpus_per_process=2 -- \
         --config=configs/bench_350m.py --workdir=runs/mgpu/data_1proc $S
     python -m experiments.launch_local --num_processes=2 --gpus_per_process=1 -- \
         --config=configs/bench_350m.py --workdir=runs/mgpu/data_2proc $S
-    # the same with parameters, gradients and optimizer states sharded over the GPUs
-    ... --workdir=runs/mgpu/fsdp_1proc $S --config.mesh.data=1 --config.mesh.fsdp=2
-    ... --workdir=runs/mgpu/fsdp_2proc $S --config.mesh.data=1 --config.mesh.fsdp=2
-    # the 3:1 KDA:attention hybrid: --config=configs/bench_350m.py:hybrid, same four runs
+    # fsdp (parameters, gradients and optimizer states sharded over the GPUs): the same two
+    # commands with --workdir=runs/mgpu/fsdp_1proc, fsdp_2proc and
+    # --config.mesh.data=1 --config.mesh.fsdp=2 at the end
+    # the per-GPU reference: --num_processes=1 --gpus_per_process=1, $S --config.train.batch_size=16
+    # the 3:1 KDA:attention hybrid: --config=configs/bench_350m.py:hybrid, the same runs
 
-Each run prints run.py's lines, prefixed: process 0's `[0] kimijax: 341.9M parameters, mesh
-{'data': 2, 'fsdp': 1, 'tensor': 1}, 131072 tokens/step, fresh start`, process 1's `[1] kimijax:
-process 1 of 2 waiting up to 300 s ...`, the eval loss at step 50 and process 0's summary; the
-per-step losses and tokens/s are in WORKDIR/metrics.jsonl (written by process 0).
+A two-process launch prints `launch_local: 2 processes joined at 127.0.0.1:PORT: 0 on GPU 0;
+1 on GPU 1; logs in DIR/process_<i>.log`, then run.py's lines with their process index: both
+processes' `[I] kimijax: process I of 2 waiting up to 300 s ...`, process 0's `[0] kimijax:
+341.9M parameters, mesh {'data': 2, 'fsdp': 1, 'tensor': 1}, 131072 tokens/step, fresh start`,
+its eval loss at step 50 and summary, and `launch_local: all 2 processes finished`. The losses
+and tokens/s per step are in WORKDIR/metrics.jsonl (written by process 0).
 """
 
 from __future__ import annotations
