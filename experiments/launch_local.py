@@ -262,12 +262,17 @@ class Launch:
   def _pump(self, i: int, stream) -> None:
     prefix = f'[{i:>{self.width}}] '
     with self.log_path(i).open('wb') as log:
-      for raw in iter(stream.readline, b''):
+      console = True
+      for raw in iter(stream.readline, b''):   # read to the end, so that the process never blocks
         log.write(raw)
         log.flush()
-        with self.lock:
-          self.out.write(prefix + _screen_line(raw) + '\n')
-          self.out.flush()
+        if console:
+          try:
+            with self.lock:
+              self.out.write(prefix + _screen_line(raw) + '\n')
+              self.out.flush()
+          except (OSError, ValueError):   # the console went away: keep the log
+            console = False
     stream.close()
 
   def running(self) -> list[int]:
@@ -282,8 +287,10 @@ class Launch:
       pid = self.popens[i].pid
       try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-      except ChildProcessError:
-        info = True
+      except ChildProcessError:   # reaped already (not by this class): its id may be reused
+        self.codes[i] = self.popens[i].wait()
+        ended.append(i)
+        continue
       if info is None:
         continue
       sent = set(self.sent.get(i, ()))
@@ -414,8 +421,11 @@ def _fail(run: Launch, i: int, grace_s: float, say) -> int:
   """Stops the others after process i failed; the one message; EXIT_FAILED."""
   ended_before = {j: c for j, c in run.codes.items() if j != i}
   run.stop(signal.SIGTERM, grace_s)
-  others = [f'{j} {describe_exit(ended_before[j])} on its own' if j in ended_before
-            else f'{j} {run.describe(j)}' for j in range(len(run.processes)) if j != i]
+  def other(j):
+    if j not in ended_before:
+      return f'{j} {run.describe(j)}'
+    return f'{j} had finished' if ended_before[j] == 0 else f'{j} {describe_exit(ended_before[j])} on its own'
+  others = [other(j) for j in range(len(run.processes)) if j != i]
   say(f'process {i} of {len(run.processes)} failed: it {run.describe(i)}'
       + (f' (other processes: {", ".join(others)})' if others else '')
       + f'. Its log is {run.log_path(i)}; last lines:\n' + run.tail(i).rstrip('\n'))
