@@ -3,8 +3,9 @@
     o, s_final = kda_pallas(q, k, v, g, beta, s0, scale=..., interpret=...)
 
 Forward: the within-chunk cumulative log-decay G (XLA); the diagonal 16 x 16 score blocks (every
-token in parallel); scores (every 16-row sub-chunk of every chunk in parallel: qg, kg, aqk, N); wy (every chunk: w, u); state_fwd (the chunks in order, the
-state on chip: o and the final state). The backward keeps only the inputs: it recomputes the
+token in parallel); scores (every 16-row sub-chunk of every chunk in parallel: qg, kg, aqk, N);
+wy (every chunk: w, u); state_fwd (the chunks in order, the state on chip: o and the final
+state). The backward keeps only the inputs: it recomputes the
 forward's per-chunk tensors and states, runs state_bwd (the chunks in reverse), forms the
 per-chunk cotangents and the UT transform's transpose in XLA (batched matmuls), and runs the
 scores backward kernels (the diagonal blocks token by token, then every sub-chunk); see README.md

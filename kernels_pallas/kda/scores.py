@@ -27,14 +27,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.kda.blocks import F32, SUB, dot, dot_nt, dot_tn, iotas, rows
+from kernels_pallas.kda.blocks import F32, SUB, dot, dot_nt, dot_tn, rows
+
 
 def _token(ref, j):
   """Row j (traced) of a ref as [1, width] float32."""
   return ref[pl.ds(j, 1), :].astype(F32)
 
 
-def diag_fwd_kernel(q_ref, k_ref, g_ref, b_ref, ks_ref, gs_ref, aqk_ref, akk_ref, *, scale):
+def diag_fwd_kernel(q_ref, k_ref, g_ref, b_ref, k_sub_ref, g_sub_ref, aqk_ref, akk_ref, *, scale):
   """Row r of the diagonal blocks of aqk and n for a few heads: q, k, g, beta of token r ([1,
   heads, K] and [1, heads]), k and g of its whole sub-chunk ([16, heads, K]). Writes aqk[r, j] and
   n[r, j] for the 16 tokens j of the sub-chunk (zero above the diagonal), [1, heads, 16]."""
@@ -44,7 +45,7 @@ def diag_fwd_kernel(q_ref, k_ref, g_ref, b_ref, ks_ref, gs_ref, aqk_ref, akk_ref
 
   def token(j, carry):   # G is non-increasing, so G_r - G_j <= 0 for j <= r
     aqk, akk = carry
-    kj = ks_ref[pl.ds(j, 1)][0].astype(F32) * jnp.exp(g - gs_ref[pl.ds(j, 1)][0])
+    kj = k_sub_ref[pl.ds(j, 1)][0].astype(F32) * jnp.exp(g - g_sub_ref[pl.ds(j, 1)][0])
     return (jnp.where(col == j, jnp.sum(q * kj, axis=-1, keepdims=True), aqk),
             jnp.where(col == j, jnp.sum(k * kj, axis=-1, keepdims=True), akk))
 
@@ -86,8 +87,8 @@ def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, aqk_d_ref, n
   jax.lax.fori_loop(a + 1, nb, later, None)
 
 
-def diag_bwd_kernel(g_ref, daqk_ref, dn_ref, qs_ref, ks_ref, gs_ref, bs_ref, daqk_s_ref, dn_s_ref,
-                    qrow_ref, rrow_ref, ccol_ref, *, scale):
+def diag_bwd_kernel(g_ref, daqk_ref, dn_ref, q_sub_ref, k_sub_ref, g_sub_ref, beta_sub_ref, daqk_sub_ref,
+                    dn_sub_ref, qrow_ref, rrow_ref, ccol_ref, *, scale):
   """The diagonal blocks' part of the scores backward for token r and a few heads. Inputs: g of
   token r [1, heads, K]; its row of the diagonal blocks of daqk and dn [1, heads, 16]; q, k, g,
   beta of its sub-chunk [16, heads, K] and [16, heads]; the sub-chunk's rows of the diagonal
@@ -105,13 +106,14 @@ def diag_bwd_kernel(g_ref, daqk_ref, dn_ref, qs_ref, ks_ref, gs_ref, bs_ref, daq
 
   def row(j, carry):
     qrow, rrow = carry
-    kj = one(ks_ref, j).astype(F32) * jnp.exp(g - one(gs_ref, j))
+    kj = one(k_sub_ref, j).astype(F32) * jnp.exp(g - one(g_sub_ref, j))
     return qrow + grad(daqk_ref, 0, j) * kj, rrow + grad(dn_ref, 0, j) * kj
 
   def column(i, ccol):
-    x = (scale * grad(daqk_s_ref, i, r) * one(qs_ref, i).astype(F32)
-         + grad(dn_s_ref, i, r) * one(bs_ref, i).astype(F32)[:, None] * one(ks_ref, i).astype(F32))
-    return ccol + x * jnp.exp(one(gs_ref, i) - g)
+    beta_i = one(beta_sub_ref, i).astype(F32)[:, None]
+    x = (scale * grad(daqk_sub_ref, i, r) * one(q_sub_ref, i).astype(F32)
+         + grad(dn_sub_ref, i, r) * beta_i * one(k_sub_ref, i).astype(F32))
+    return ccol + x * jnp.exp(one(g_sub_ref, i) - g)
 
   zero = jnp.zeros(g.shape, F32)
   qrow, rrow = jax.lax.fori_loop(0, r + 1, row, (zero, zero))
