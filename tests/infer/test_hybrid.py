@@ -51,7 +51,8 @@ def _model(cfg):
   return model, params, tokens
 
 
-LONG_CASES = ('3:1 KDA:MLA nope', 'KA mla nope, fused KDA kernels', 'KKA mla rope qlora, attnres_block')
+LONG_CASES = ('3:1 KDA:MLA nope', 'KA mla nope, fused KDA kernels', 'KKA mla rope qlora, attnres_block',
+              'KA gqa rope')
 
 
 @pytest.mark.parametrize('cfg', [pytest.param(cfg, id=name, marks=[pytest.mark.long] if name in LONG_CASES else [])
@@ -82,6 +83,7 @@ def test_kda_cache_does_not_grow_with_context():
   assert long['layer_3']['latent'].shape == (1, 4096, cfg.mla_kv_lora_rank)
 
 
+@pytest.mark.long
 def test_greedy_generation_matches_argmax_of_full_forward():
   cfg = CASES['3:1 KDA:MLA nope']
   model, params, tokens = _model(cfg)

@@ -143,6 +143,7 @@ def run(tmp_path, name, tau, steps=30):
   return [r for r in read_metrics(tmp_path / name) if 'loss' in r]
 
 
+@pytest.mark.long
 def test_muonclip_holds_max_logit_near_tau(tmp_path):
   # Observed on CPU: muon reaches ~3.2 tau by step 30; muonclip starts clipping at step ~17 and
   # then stays within [1.03, 1.39] tau (the excess is one step's growth after the clip).
@@ -185,6 +186,7 @@ def sharded_run(shape, devices, batches):
   return losses, heads, jax.tree.map(np.asarray, state.params)
 
 
+@pytest.mark.long
 def test_muonclip_train_step_sharded_matches_one_device():
   """data=2 x fsdp=2 x tensor=2 against one device: same losses, the same number of clipped
   heads (all 16 at the first step), same parameters after 3 steps."""
