@@ -39,15 +39,22 @@ class FrozenTiles(dict):
     return hash(tuple(sorted(self.items())))
 
 
+def power_of_two_divisor(n: int, at_most: int) -> int:
+  """The largest power of two that divides n and is <= at_most (Triton block shapes are powers
+  of two); 1 when only 1 does."""
+  p = 1 << (max(at_most, 1).bit_length() - 1)
+  while n % p:
+    p //= 2
+  return p
+
+
 def feature_chunk(d: int, target: int = 64) -> int:
   """The largest power of two <= target dividing d (at least 16): the feature tile of kernels
   that walk a row of d features in chunks (Triton block shapes are powers of two)."""
-  c = 1 << (target.bit_length() - 1)
-  while c >= 16:
-    if d % c == 0:
-      return c
-    c //= 2
-  raise ValueError(f'the Pallas kernels need the feature dim (d_model) divisible by 16; got {d}')
+  c = power_of_two_divisor(d, target)
+  if c < 16:
+    raise ValueError(f'the Pallas kernels need the feature dim (d_model) divisible by 16; got {d}')
+  return c
 
 
 def round_up(m: int, quantum: int) -> int:

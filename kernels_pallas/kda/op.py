@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from kernels_pallas.common import power_of_two_divisor
 from kernels_pallas.kda.blocks import F32, SUB, einsum as mm
 from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
@@ -81,18 +82,13 @@ def _sds(shape, dtype):
 
 
 def _heads_per_program(h, key):
-  """Heads per program of a token-parallel kernel: the largest power of two dividing h and at
-  most TILES[key] (Triton blocks are powers of two)."""
-  hb = 1
-  while hb * 2 <= TILES[key] and h % (hb * 2) == 0:
-    hb *= 2
-  return hb
+  """Heads per program of a token-parallel kernel: at most TILES[key], dividing h."""
+  return power_of_two_divisor(h, TILES[key])
 
 
-def _diag_specs(hb, c):
+def _token_specs(hb):
   """Block specs of the token-parallel kernels, grid (b, token, head group): token(d) is token t
-  of [B, T, H, d], sub(d) its 16-token sub-chunk (d None: of [B, T, H]); token_diag and sub_diag
-  the same rows of a [B, T, H, C] score array, columns of t's own sub-chunk."""
+  of [B, T, H, d], sub(d) its 16-token sub-chunk (d None: of [B, T, H])."""
   def token(d):
     if d is None:
       return pl.BlockSpec((None, 1, hb), lambda bi, ti, hi: (bi, ti, hi))
@@ -103,10 +99,15 @@ def _diag_specs(hb, c):
       return pl.BlockSpec((None, SUB, hb), lambda bi, ti, hi: (bi, ti // SUB, hi))
     return pl.BlockSpec((None, SUB, hb, d), lambda bi, ti, hi: (bi, ti // SUB, hi, 0))
 
+  return token, sub
+
+
+def _score_diag_specs(hb, c):
+  """The same grid's blocks of a [B, T, H, C] score array: token t's row and its sub-chunk's
+  rows, the columns of t's own sub-chunk (its diagonal block)."""
   cols = lambda ti: (ti % c) // SUB
-  token_diag = pl.BlockSpec((None, 1, hb, SUB), lambda bi, ti, hi: (bi, ti, hi, cols(ti)))
-  sub_diag = pl.BlockSpec((None, SUB, hb, SUB), lambda bi, ti, hi: (bi, ti // SUB, hi, cols(ti)))
-  return token, sub, token_diag, sub_diag
+  return (pl.BlockSpec((None, 1, hb, SUB), lambda bi, ti, hi: (bi, ti, hi, cols(ti))),
+          pl.BlockSpec((None, SUB, hb, SUB), lambda bi, ti, hi: (bi, ti // SUB, hi, cols(ti))))
 
 
 def diag_fwd(q, k, gc, beta, *, scale, interpret):
@@ -114,7 +115,7 @@ def diag_fwd(q, k, gc, beta, *, scale, interpret):
   block at row r, one program per token and TILES['heads_diag'] heads."""
   b, t, h, dk = q.shape
   hb = _heads_per_program(h, 'heads_diag')
-  token, sub, _, _ = _diag_specs(hb, SUB)
+  token, sub = _token_specs(hb)
   return pl.pallas_call(
       functools.partial(diag_fwd_kernel, scale=scale), grid=(b, t, h // hb),
       in_specs=[token(dk), token(dk), token(dk), token(None), sub(dk), sub(dk)],
@@ -129,7 +130,8 @@ def diag_bwd(q, k, gc, beta, daqk, dn, *, scale, c, interpret):
   (scores.diag_bwd_kernel), one program per token and TILES['heads_diag_bwd'] heads."""
   b, t, h, dk = q.shape
   hb = _heads_per_program(h, 'heads_diag_bwd')
-  token, sub, token_diag, sub_diag = _diag_specs(hb, c)
+  token, sub = _token_specs(hb)
+  token_diag, sub_diag = _score_diag_specs(hb, c)
   return pl.pallas_call(
       functools.partial(diag_bwd_kernel, scale=scale), grid=(b, t, h // hb),
       in_specs=[token(dk), token_diag, token_diag, sub(dk), sub(dk), sub(dk), sub(None), sub_diag, sub_diag],
