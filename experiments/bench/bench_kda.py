@@ -107,7 +107,7 @@ def _stage_rows(shape, dtype_name):
   c, scale = op.chunk_len(t), d ** -0.5
   interp = jax.default_backend() != 'gpu'
   kw = dict(c=c, interpret=interp)
-  gc = op.chunk_cumsum(g, c)
+  gc = op.chunk_cumsum(g, c, interpret=interp)
   scores = jax.jit(lambda *a: op.scores_fwd(*a, scale=scale, **kw))
   qg, kg, aqk, n = scores(q, k, gc, beta)
   wy = {with_t: jax.jit(lambda *a, with_t=with_t: op.wy_fwd(*a, with_t=with_t, **kw)) for with_t in (False, True)}
@@ -117,10 +117,11 @@ def _stage_rows(shape, dtype_name):
   bwd = jax.jit(lambda *a: op.state_bwd(*a, **kw))
   f32 = lambda x: x.astype(jnp.float32)
   sbwd = jax.jit(lambda *a: op.scores_bwd(*a, scale=scale, **kw))
-  cumsum = jax.jit(op.chunk_cumsum, static_argnums=1)
+  cumsum = {rev: jax.jit(lambda x, rev=rev: op.chunk_cumsum(x, c, reverse=rev, interpret=interp)) for rev in (False, True)}
   sync = jax.block_until_ready
   diag = jax.jit(lambda *a: op.diag_fwd(*a, scale=scale, interpret=interp))
-  stages = [('chunk cumsum of g (XLA)', lambda: cumsum(g, c)),
+  stages = [('chunk_cumsum', lambda: cumsum[False](g)),
+            ('chunk_cumsum reverse (backward)', lambda: cumsum[True](g)),
             ('diag_fwd (part of scores_fwd)', lambda: diag(q, k, gc, beta)),
             ('scores_fwd', lambda: scores(q, k, gc, beta)),
             ('wy_fwd', lambda: wy[False](n, k, v, gc, beta)),

@@ -37,9 +37,11 @@ def dot_tn(x, y):
   return _dot(x, y, ((0,), (0,)))
 
 
-def einsum(spec, x, y):
-  """jnp.einsum at full float32 precision (the XLA parts of the backward)."""
-  return jnp.einsum(spec, x, y, precision=_HI)
+def einsum(spec, x, y, dtype=F32):
+  """jnp.einsum for the XLA parts of the backward: operands cast to the dot dtype, float32
+  accumulation; full precision when that dtype is float32."""
+  return jnp.einsum(spec, x.astype(dtype), y.astype(dtype), precision=_HI if dtype == F32 else None,
+                    preferred_element_type=F32)
 
 
 def iotas():

@@ -2,13 +2,14 @@
 
     o, s_final = kda_pallas(q, k, v, g, beta, s0, scale=..., interpret=...)
 
-Forward: the within-chunk cumulative log-decay G (XLA); the diagonal 16 x 16 score blocks (every
-token in parallel); scores (every 16-row sub-chunk of every chunk in parallel: qg, kg, aqk, N);
-wy (every chunk: w, u); state_fwd (the chunks in order, the state on chip: o and the final
-state). The backward keeps only the inputs: it recomputes the
-forward's per-chunk tensors and states, runs state_bwd (the chunks in reverse), forms the
-per-chunk cotangents and the UT transform's transpose in XLA (batched matmuls), and runs the
-scores backward kernels (the diagonal blocks token by token, then every sub-chunk); see README.md
+Forward: the within-chunk cumulative log-decay G (cumsum.py); the diagonal 16 x 16 score blocks
+(every token in parallel); scores (every 16-row sub-chunk of every chunk in parallel: qg, kg,
+aqk, N); wy (every chunk: w, u); state_fwd (the chunks in order, the state on chip: o and the
+final state). The backward keeps only the inputs: it recomputes the forward's per-chunk tensors
+(state_fwd then writes the states h and v_new instead of o), runs state_bwd (the chunks in
+reverse), forms the per-chunk cotangents and the UT transform's transpose in XLA (batched matmuls
+with dot-dtype operands), runs the scores backward kernels (the diagonal blocks token by token,
+then every sub-chunk) and the reverse cumulative sum that turns dG into dg; see README.md
 in this folder.
 """
 
@@ -21,7 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.common import power_of_two_divisor
-from kernels_pallas.kda.blocks import F32, SUB, einsum as mm
+from kernels_pallas.kda.blocks import F32, SUB, einsum
+from kernels_pallas.kda.cumsum import chunk_cumsum_kernel
 from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_bwd, wy_fwd_kernel
@@ -37,7 +39,7 @@ def chunk_len(t: int) -> int:
 # Triton settings (measured on an H200: experiments/results/bench_kda.md): warps of each kernel,
 # one pipelining depth; heads per program of the token-parallel kernels diag_fwd and diag_bwd,
 # features per program of scores_bwd, value columns per program of the state passes.
-TILES = {'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4, 'warps_state': 4, 'warps_diag_bwd': 4,
+TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4, 'warps_state': 4, 'warps_diag_bwd': 4,
          'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8, 'features_bwd': 64,
          'value_block': 64}
 
@@ -45,12 +47,6 @@ TILES = {'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4, 'warps_state': 4, 'w
 def _params(kernel):
   from jax.experimental.pallas import triton as plgpu
   return plgpu.CompilerParams(num_warps=TILES['warps_' + kernel], num_stages=TILES['stages'])
-
-
-def chunk_cumsum(g, c):
-  """Within-chunk inclusive cumulative sum of g [B, T, H, K] (T a multiple of c), float32."""
-  b, t, h, dk = g.shape
-  return jnp.cumsum(g.astype(F32).reshape(b, t // c, c, h, dk), axis=2).reshape(b, t, h, dk)
 
 
 # ----------------------------------------------------------------------------- block specs
@@ -76,6 +72,18 @@ def _chunk_spec(d, c, sliced=False):
 
 def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def chunk_cumsum(x, c, *, reverse=False, interpret=False):
+  """Within-chunk inclusive cumulative sum of x [B, T, H, K] (T a multiple of c), float32;
+  reverse: the sum from each row to the chunk's end."""
+  b, t, h, dk = x.shape
+  spec = _chunk_spec(dk, c)
+  return pl.pallas_call(
+      functools.partial(chunk_cumsum_kernel, reverse=reverse), grid=(b, h, t // c),
+      in_specs=[spec], out_specs=spec, out_shape=_sds(x.shape, F32),
+      compiler_params=_params('cumsum'), interpret=interpret, name='kda_chunk_cumsum',
+  )(x)
 
 
 # ----------------------------------------------------------------------------- kernel calls
@@ -186,15 +194,16 @@ def _state_specs(t, dk, bv, c):
 
 
 def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, interpret):
-  """(o [B, T, H, V], s_final [B, H, K, V] float32[, h [B, H, N*K, V] float32])."""
+  """(o [B, T, H, V] in out_dtype, s_final [B, H, K, V] float32); with_h (for the backward):
+  (v_new [B, T, H, V], s_final, h [B, H, N*K, V]), v_new and h in the dot dtype, no o."""
   b, t, h, dk = qg.shape
   dv = u.shape[-1]
   bv = value_block(dv)
   whole, cols, state, per_chunk = _state_specs(t, dk, bv, c)
   out_specs = [cols, state] + ([per_chunk] if with_h else [])
-  out_shape = [_sds((b, t, h, dv), out_dtype), _sds((b, h, dk, dv), F32)]
+  out_shape = [_sds((b, t, h, dv), qg.dtype if with_h else out_dtype), _sds((b, h, dk, dv), F32)]
   if with_h:
-    out_shape.append(_sds((b, h, (t // c) * dk, dv), F32))
+    out_shape.append(_sds((b, h, (t // c) * dk, dv), qg.dtype))
   kernel = functools.partial(state_fwd_kernel, nt=t // c, c=c, dot_dtype=qg.dtype)
   return pl.pallas_call(
       kernel, grid=(b, h, dv // bv),
@@ -205,7 +214,7 @@ def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, interpret):
 
 
 def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):
-  """(ds0 [B, H, K, V], dh [B, H, N*K, V], dv_new [B, T, H, V]), all float32."""
+  """(ds0 [B, H, K, V] float32, dh [B, H, N*K, V] in the dot dtype, dv_new [B, T, H, V] float32)."""
   b, t, h, dk = qg.shape
   dv = do.shape[-1]
   bv = value_block(dv)
@@ -215,7 +224,7 @@ def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):
       kernel, grid=(b, h, dv // bv),
       in_specs=[whole(dk), whole(dk), whole(dk), whole(c), whole(dk), cols, state],
       out_specs=[state, per_chunk, cols],
-      out_shape=[_sds((b, h, dk, dv), F32), _sds((b, h, (t // c) * dk, dv), F32),
+      out_shape=[_sds((b, h, dk, dv), F32), _sds((b, h, (t // c) * dk, dv), qg.dtype),
                  _sds((b, t, h, dv), F32)],
       compiler_params=_params('state'), interpret=interpret, name='kda_state_bwd',
   )(qg, kg, w, aqk, gc, do, ds_final)
@@ -250,12 +259,12 @@ def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, *, scale, c, interpret):
 
 def _forward(q, k, v, g, beta, s0, scale, interpret, for_backward):
   c = chunk_len(q.shape[1])
-  gc = chunk_cumsum(g, c)
+  gc = chunk_cumsum(g, c, interpret=interpret)
   qg, kg, aqk, n = scores_fwd(q, k, gc, beta, scale=scale, c=c, interpret=interpret)
   w, u, *t = wy_fwd(n, k, v, gc, beta, c=c, with_t=for_backward, interpret=interpret)
   outs = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=for_backward,
                    interpret=interpret)
-  return outs, dict(gc=gc, qg=qg, kg=kg, aqk=aqk, w=w, u=u, t=t[0] if t else None)
+  return outs, dict(gc=gc, qg=qg, kg=kg, aqk=aqk, w=w, t=t[0] if t else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -271,9 +280,9 @@ def _core_fwd(q, k, v, g, beta, s0, scale, interpret):
 
 
 def _chunk_view(x, c):
-  """[B, T, H, *] -> [B, N, C, H, *] float32 (a reshape)."""
+  """[B, T, H, *] -> [B, N, C, H, *] (a reshape)."""
   b, t = x.shape[:2]
-  return x.astype(F32).reshape(b, t // c, c, *x.shape[2:])
+  return x.reshape(b, t // c, c, *x.shape[2:])
 
 
 def _core_bwd(scale, interpret, res, cotangents):
@@ -282,28 +291,30 @@ def _core_bwd(scale, interpret, res, cotangents):
   b, t, h, dk = q.shape
   c = chunk_len(t)
   nt = t // c
-  (_, _, hs), x = _forward(q, k, v, g, beta, s0, scale, interpret, for_backward=True)
+  dot_dtype = q.dtype
+  mm = lambda spec, x_, y_: einsum(spec, x_, y_, dot_dtype)
+  (v_new, _, hs), x = _forward(q, k, v, g, beta, s0, scale, interpret, for_backward=True)
   ds0, dh, dv_new = state_bwd(x['qg'], x['kg'], x['w'], x['aqk'], x['gc'], do.astype(v.dtype),
                               ds_final.astype(F32), c=c, interpret=interpret)
   states = lambda s: jnp.moveaxis(s.reshape(b, h, nt, dk, s.shape[-1]), 2, 1)   # [B, N, H, K, V]
   hs, dh = states(hs), states(dh)
   ch = lambda x_: _chunk_view(x_, c)
-  do_c, dvn_c = ch(do), ch(dv_new)
-  v_new = ch(x['u']) - mm('bnchk,bnhkv->bnchv', ch(x['w']), hs)
+  do_c, dvn_c, v_new = ch(do), ch(dv_new), ch(v_new)
   dqg = mm('bnchv,bnhkv->bnchk', do_c, hs)
   dkg = mm('bnchv,bnhkv->bnchk', v_new, dh)
   dw = -mm('bnchv,bnhkv->bnchk', dvn_c, hs)
   daqk = jnp.where(jnp.tri(c, dtype=bool)[:, None, :], mm('bnchv,bnihv->bnchi', do_c, v_new), 0.0)
-  ddecay = jnp.sum(hs * dh, axis=-1)                                              # [B, N, H, K]
-  dn, dk_wy, dv, dg_wy, dbeta_wy = wy_bwd(ch(x['t']), dw, dvn_c, ch(k), ch(v), ch(x['gc']), ch(beta))
+  ddecay = jnp.sum(hs.astype(F32) * dh.astype(F32), axis=-1)                      # [B, N, H, K]
+  dn, dk_wy, dv, dg_wy, dbeta_wy = wy_bwd(ch(x['t']), dw, dvn_c, ch(k), ch(v), ch(x['gc']), ch(beta),
+                                          dot_dtype)
   flat = lambda y: y.reshape(b, t, *y.shape[3:])
   dq, dk_s, dg_s, dbeta_s, dlast = scores_bwd(
       q, k, x['gc'], beta, flat(dqg).astype(q.dtype), flat(dkg).astype(q.dtype),
       flat(daqk), flat(dn), scale=scale, c=c, interpret=interpret)
-  d_cum = ch(dg_s) + dg_wy                                  # gradient of G, [B, N, C, H, K]
   g_end = ch(x['gc'])[:, :, -1]                             # G_C, [B, N, H, K]
   d_end = jnp.sum(dlast.reshape(b, nt, c // SUB, h, dk), axis=2) + ddecay * jnp.exp(g_end)
-  dg = jnp.flip(jnp.cumsum(jnp.flip(d_cum, 2), axis=2), 2) + d_end[:, :, None]
+  # dg_i = sum over rows r >= i of the chunk of dG_r, plus G_C's gradient (every g of the chunk)
+  dg = ch(chunk_cumsum(dg_s + flat(dg_wy), c, reverse=True, interpret=interpret)) + d_end[:, :, None]
   cast = lambda y, like: y.astype(like.dtype)
   return (cast(dq, q), cast(flat(ch(dk_s) + dk_wy), k), cast(flat(dv), v), cast(flat(dg), g),
           cast(dbeta_s + flat(dbeta_wy), beta), cast(ds0, s0))

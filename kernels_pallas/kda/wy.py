@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas.kda.blocks import F32, dot, einsum as mm, inverse_blocks, rows
+from kernels_pallas.kda.blocks import F32, dot, einsum, inverse_blocks, rows
 
 
 def wy_fwd_kernel(n_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, *t_ref, nb, dot_dtype):
@@ -33,16 +33,19 @@ def wy_fwd_kernel(n_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, *t_ref, nb
         t_ref[0][rows(a), rows(b)] = t[a][b] if b <= a else jnp.zeros_like(t[a][a])
 
 
-def wy_bwd(t, dw, du, k, v, gc, beta):
-  """Gradients through (w, u), on chunk views [B, N, C, H, *] float32 (t [B, N, C, H, C] as
-  written by wy_fwd_kernel): (dn, dk, dv, dg, dbeta), dn strictly lower-triangular in (row,
-  column), dg the gradient of the cumulative log-decay G."""
+def wy_bwd(t, dw, du, k, v, gc, beta, dot_dtype):
+  """Gradients through (w, u), on chunk views [B, N, C, H, *] (t [B, N, C, H, C] float32 as
+  written by wy_fwd_kernel; the products take dot_dtype operands, float32 accumulation): (dn, dk,
+  dv, dg, dbeta) float32, dn strictly lower-triangular in (row, column), dg the gradient of the
+  cumulative log-decay G."""
+  mm = lambda spec, x_, y_: einsum(spec, x_, y_, dot_dtype)
   eg = jnp.exp(gc)
-  x, y = beta[..., None] * eg * k, beta[..., None] * v
+  k, v, beta = k.astype(F32), v.astype(F32), beta.astype(F32)[..., None]
+  x, y = beta * eg * k, beta * v
   dx, dy = mm('bnrhi,bnrhd->bnihd', t, dw), mm('bnrhi,bnrhd->bnihd', t, du)
   dt = mm('bnrhd,bnihd->bnrhi', dw, x) + mm('bnrhd,bnihd->bnrhi', du, y)
   c = t.shape[2]
   below = jnp.tri(c, k=-1, dtype=bool)[:, None, :]
   dn = -jnp.where(below, mm('bnmhr,bnmhi->bnrhi', t, mm('bnmhj,bnihj->bnmhi', dt, t)), 0.0)
   dbeta = jnp.sum(dx * eg * k, axis=-1) + jnp.sum(dy * v, axis=-1)
-  return dn, beta[..., None] * eg * dx, beta[..., None] * dy, dx * x, dbeta
+  return dn, beta * eg * dx, beta * dy, dx * x, dbeta
