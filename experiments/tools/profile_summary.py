@@ -3,12 +3,17 @@
     python -m experiments.bench.bench_train --config=configs/bench_350m.py --profile_dir=/tmp/prof
     python -m experiments.tools.profile_summary /tmp/prof [--steps=3] [--top=25]
 
+    # which JAX operation each fusion came from: dump the optimised HLO of the same run
+    XLA_FLAGS=--xla_dump_to=/tmp/hlo python -m experiments.bench.bench_train ... --profile_dir=/tmp/prof
+    python -m experiments.tools.profile_summary /tmp/prof --hlo_dump=/tmp/hlo
+
 Reads the newest perfetto_trace.json.gz under the directory (jax.profiler.trace with
 create_perfetto_trace=True; bench_train.py profiles 3 steps), sums the durations of the complete
 ('X') events of every device process ('/device:GPU:0', ...) by event name, and prints ms per step
 for each kind (matmul, attention, collective, custom call, other fusion or kernel) and for the
 `--top` names. Device events can overlap (several streams), so the sum can exceed the step time.
-A CPU trace has no device process and is refused.
+A CPU trace has no device process and is refused. With --hlo_dump, each listed op also shows the
+op_name and source line XLA recorded for it in the newest optimised train-step module of the dump.
 """
 
 from __future__ import annotations
@@ -18,11 +23,14 @@ import glob
 import gzip
 import json
 import os
+import re
 
 from absl import app, flags
 
 flags.DEFINE_integer('steps', 3, 'steps the trace holds (bench_train.py --profile_dir profiles 3)')
 flags.DEFINE_integer('top', 25, 'how many op names to list')
+flags.DEFINE_string('hlo_dump', None, 'an XLA_FLAGS=--xla_dump_to directory of the profiled run: name '
+                    'the JAX operation behind each listed op')
 FLAGS = flags.FLAGS
 
 # First match wins; matched against the lower-cased event name.
@@ -71,6 +79,28 @@ def newest_trace(directory: str) -> str:
   return max(paths, key=os.path.getmtime)
 
 
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
+
+
+def hlo_origins(directory: str) -> dict[str, str]:
+  """{op name as the trace spells it ('.' -> '_'): 'op_name (file:line)'} from the newest optimised
+  HLO module of a train step in an XLA dump directory."""
+  paths = [p for p in glob.glob(os.path.join(directory, '*after_optimizations.txt')) if 'train_step' in p]
+  if not paths:
+    raise SystemExit(f'profile_summary: no optimised train-step HLO (*train_step*after_optimizations.txt) '
+                     f'under {directory!r}')
+  origins = {}
+  with open(max(paths, key=os.path.getmtime)) as f:
+    for line in f:
+      name, op = _INSTRUCTION.match(line), re.search(r'op_name="([^"]*)"', line)
+      if not (name and op):
+        continue
+      src, at = re.search(r'source_file="([^"]*)"', line), re.search(r'source_line=(\d+)', line)
+      where = f' ({os.path.basename(src.group(1))}:{at.group(1) if at else "?"})' if src else ''
+      origins.setdefault(name.group(1).replace('.', '_'), op.group(1)[-90:] + where)
+  return origins
+
+
 def main(argv):
   if len(argv) != 2:
     raise app.UsageError('usage: profile_summary.py PROFILE_DIR [--steps=N] [--top=N]')
@@ -85,9 +115,11 @@ def main(argv):
   print('| kind | ms / step |\n|---|---|')
   for kind, ms in by_kind.items():
     print(f'| {kind} | {ms:.2f} |')
-  print(f'\n| op (top {FLAGS.top}) | kind | ms / step |\n|---|---|---|')
+  origins = hlo_origins(FLAGS.hlo_dump) if FLAGS.hlo_dump else None
+  print(f'\n| op (top {FLAGS.top}) | kind | ms / step |' + (' from |' if origins else '') + '\n|---|---|---|'
+        + ('---|' if origins else ''))
   for name, ms in by_name[:FLAGS.top]:
-    print(f'| {name[:90]} | {kind_of(name)} | {ms:.2f} |')
+    print(f'| {name[:90]} | {kind_of(name)} | {ms:.2f} |' + (f' {origins.get(name, "")} |' if origins else ''))
 
 
 if __name__ == '__main__':

@@ -52,3 +52,19 @@ def test_cli_reads_newest_trace_and_refuses_cpu_traces(tmp_path, capsys):
       profile_summary.main(['profile_summary', str(cpu.parent)])
   finally:
     profile_summary.FLAGS.unparse_flags()
+
+
+def test_hlo_origins_name_the_jax_operation_of_each_fusion(tmp_path):
+  """A fusion's trace name ('loop_add_fusion_18') maps to the op_name and source line recorded
+  in the newest optimised train-step module; other modules of the dump are not read."""
+  line = ('  %loop_add_fusion.18 = bf16[16,4096,1024]{2,1,0} fusion(%p0, %p1), kind=kLoop, '
+          'calls=%fused_add.18, metadata={op_name="jit(train_step)/jvp(Model)/layer_3/kda/add" '
+          'source_file="/repo/kimijax/layers/kda.py" source_line=120}\n')
+  (tmp_path / 'module_0101.jit_train_step.sm_9.0_gpu_after_optimizations.txt').write_text(
+      'HloModule jit_train_step\n' + line + '  ROOT %tuple.1 = (f32[]) tuple(%x)\n')
+  (tmp_path / 'module_0001.jit_other.sm_9.0_gpu_after_optimizations.txt').write_text(
+      line.replace('layer_3', 'elsewhere'))
+  origins = profile_summary.hlo_origins(str(tmp_path))
+  assert origins == {'loop_add_fusion_18': 'jit(train_step)/jvp(Model)/layer_3/kda/add (kda.py:120)'}
+  with pytest.raises(SystemExit, match='no optimised train-step HLO'):
+    profile_summary.hlo_origins(str(tmp_path / 'missing'))
