@@ -109,9 +109,11 @@ def _stage_rows(shape, dtype_name):
   kw = dict(c=c, interpret=interp)
   gc = op.chunk_cumsum(g, c, interpret=interp)
   scores = jax.jit(lambda *a: op.scores_fwd(*a, scale=scale, **kw))
-  qg, kg, aqk, n = scores(q, k, gc, beta)
-  wy = {with_t: jax.jit(lambda *a, with_t=with_t: op.wy_fwd(*a, with_t=with_t, **kw)) for with_t in (False, True)}
-  w, u = wy[False](n, k, v, gc, beta)
+  aqk, n = scores(q, k, gc, beta)
+  inverse = jax.jit(lambda n: op.wy_inverse(n, dtype=dtype, **kw))
+  t_inv = inverse(n)
+  apply = jax.jit(lambda *a: op.wy_apply(*a, scale=scale, **kw))
+  qg, kg, w, u = apply(t_inv, q, k, v, gc, beta)
   state = {with_h: jax.jit(lambda *a, with_h=with_h: op.state_fwd(*a, out_dtype=dtype, with_h=with_h, **kw))
            for with_h in (False, True)}
   bwd = jax.jit(lambda *a: op.state_bwd(*a, **kw))
@@ -124,10 +126,10 @@ def _stage_rows(shape, dtype_name):
             ('chunk_cumsum reverse (backward)', lambda: cumsum[True](g)),
             ('diag_fwd (part of scores_fwd)', lambda: diag(q, k, gc, beta)),
             ('scores_fwd', lambda: scores(q, k, gc, beta)),
-            ('wy_fwd', lambda: wy[False](n, k, v, gc, beta)),
-            ('wy_fwd writing T', lambda: wy[True](n, k, v, gc, beta)),
+            ('wy_inverse', lambda: inverse(n)),
+            ('wy_apply (forward and backward)', lambda: apply(t_inv, q, k, v, gc, beta)),
             ('state_fwd', lambda: state[False](qg, kg, w, u, aqk, gc, s0)),
-            ('state_fwd writing h', lambda: state[True](qg, kg, w, u, aqk, gc, s0)),
+            ('state_fwd writing h, v_new (backward)', lambda: state[True](qg, kg, w, u, aqk, gc, s0)),
             ('state_bwd', lambda: bwd(qg, kg, w, aqk, gc, do, s0)),
             ('scores_bwd', lambda: sbwd(q, k, gc, beta, qg, kg, f32(aqk), n))]
   return [[f'pallas stage: {name}', '%.2f (%.2f)' % _time(fn, FLAGS.repeats, FLAGS.warmup, sync), '']

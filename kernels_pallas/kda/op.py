@@ -3,14 +3,15 @@
     o, s_final = kda_pallas(q, k, v, g, beta, s0, scale=..., interpret=...)
 
 Forward: the within-chunk cumulative log-decay G (cumsum.py); the diagonal 16 x 16 score blocks
-(every token in parallel); scores (every 16-row sub-chunk of every chunk in parallel: qg, kg,
-aqk, N); wy (every chunk: w, u); state_fwd (the chunks in order, the state on chip: o and the
-final state). The backward keeps only the inputs: it recomputes the forward's per-chunk tensors
-(state_fwd then writes the states h and v_new instead of o), runs state_bwd (the chunks in
-reverse), forms the per-chunk cotangents and the UT transform's transpose in XLA (batched matmuls
-with dot-dtype operands), runs the scores backward kernels (the diagonal blocks token by token,
-then every sub-chunk) and the reverse cumulative sum that turns dG into dg; see README.md
-in this folder.
+(every token in parallel); the scores aqk and N (every 16-row sub-chunk of every chunk in
+parallel); T = (I + N)^-1 (wy_inverse, every chunk); qg, kg, w, u from T (wy_apply, every
+chunk); state_fwd (the chunks in order, the state on chip: o and the final state). The backward
+keeps the inputs, aqk and T (each [B, T, H, C] in the dot dtype): it recomputes G and wy_apply's
+outputs, reruns the state pass writing the states h and v_new instead of o, runs state_bwd (the
+chunks in reverse), forms the per-chunk cotangents and the UT transform's transpose in XLA
+(batched matmuls with dot-dtype operands), runs the scores backward kernels (the diagonal blocks
+token by token, then every sub-chunk) and the reverse cumulative sum that turns dG into dg; see
+README.md in this folder.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from kernels_pallas.common import power_of_two_divisor
@@ -26,9 +28,12 @@ from kernels_pallas.kda.blocks import F32, SUB, einsum
 from kernels_pallas.kda.cumsum import chunk_cumsum_kernel
 from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
-from kernels_pallas.kda.wy import wy_bwd, wy_fwd_kernel
+from kernels_pallas.kda.wy import wy_apply_kernel, wy_bwd, wy_inverse_kernel
 
 CHUNK = 64
+# checkpoint_name of the residuals worth keeping (aqk, T): a caller that rematerialises around the
+# op with jax.checkpoint_policies.save_only_these_names(SAVED) keeps them and recomputes the rest.
+SAVED = 'kda_saved'
 
 
 def chunk_len(t: int) -> int:
@@ -39,7 +44,7 @@ def chunk_len(t: int) -> int:
 # Triton settings (measured on an H200: experiments/results/bench_kda.md): warps of each kernel,
 # one pipelining depth; heads per program of the token-parallel kernels diag_fwd and diag_bwd,
 # features per program of scores_bwd, value columns per program of the state passes.
-TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4, 'warps_state': 4, 'warps_diag_bwd': 4,
+TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4, 'warps_apply': 4, 'warps_state': 4, 'warps_diag_bwd': 4,
          'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8, 'features_bwd': 64,
          'value_block': 64}
 
@@ -149,7 +154,7 @@ def diag_bwd(q, k, gc, beta, daqk, dn, *, scale, c, interpret):
 
 
 def scores_fwd(q, k, gc, beta, *, scale, c, interpret):
-  """(qg, kg, aqk, n): qg, kg [B, T, H, K] and aqk [B, T, H, C] in q's dtype, n float32."""
+  """(aqk [B, T, H, C] in q's dtype, n [B, T, H, C] float32)."""
   b, t, h, dk = q.shape
   nb = c // SUB
   aqk_d, n_d = diag_fwd(q, k, gc, beta, scale=scale, interpret=interpret)
@@ -158,27 +163,36 @@ def scores_fwd(q, k, gc, beta, *, scale, c, interpret):
       kernel, grid=(b, h, t // c, nb),
       in_specs=[_sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(None, nb),
                 _chunk_spec(dk, c), _chunk_spec(dk, c), _sub_spec(SUB, nb), _sub_spec(SUB, nb)],
-      out_specs=[_sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(c, nb), _sub_spec(c, nb)],
-      out_shape=[_sds(q.shape, q.dtype), _sds(q.shape, q.dtype), _sds((b, t, h, c), q.dtype),
-                 _sds((b, t, h, c), F32)],
+      out_specs=[_sub_spec(c, nb), _sub_spec(c, nb)],
+      out_shape=[_sds((b, t, h, c), q.dtype), _sds((b, t, h, c), F32)],
       compiler_params=_params('scores'), interpret=interpret, name='kda_scores_fwd',
   )(q, k, gc, beta, k, gc, aqk_d, n_d)
 
 
-def wy_fwd(n, k, v, gc, beta, *, c, with_t, interpret):
-  """(w, u[, t]): w [B, T, H, K], u [B, T, H, V] in k's dtype; t [B, T, H, C] float32."""
-  b, t, h, dk = k.shape
+def wy_inverse(n, *, c, dtype, interpret):
+  """T = (I + N)^-1 per chunk, [B, T, H, C] in dtype (the dot dtype), zero above the diagonal."""
+  b, t, h, _ = n.shape
+  spec = _chunk_spec(c, c)
+  return pl.pallas_call(
+      functools.partial(wy_inverse_kernel, nb=c // SUB), grid=(b, h, t // c),
+      in_specs=[spec], out_specs=spec, out_shape=_sds(n.shape, dtype),
+      compiler_params=_params('wy'), interpret=interpret, name='kda_wy_inverse',
+  )(n)
+
+
+def wy_apply(t_inv, q, k, v, gc, beta, *, scale, c, interpret):
+  """(qg, kg, w [B, T, H, K], u [B, T, H, V]) in q's dtype, from T (wy_inverse) per chunk."""
+  b, t, h, dk = q.shape
   dv = v.shape[-1]
   spec = lambda d: _chunk_spec(d, c)
-  out_specs = [spec(dk), spec(dv)] + ([spec(c)] if with_t else [])
-  out_shape = [_sds(k.shape, k.dtype), _sds(v.shape, k.dtype)] + ([_sds(n.shape, F32)] if with_t else [])
-  kernel = functools.partial(wy_fwd_kernel, nb=c // SUB, dot_dtype=k.dtype)
+  kernel = functools.partial(wy_apply_kernel, scale=scale, dot_dtype=q.dtype)
   return pl.pallas_call(
       kernel, grid=(b, h, t // c),
-      in_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(None)],
-      out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_params('wy'), interpret=interpret, name='kda_wy_fwd',
-  )(n, k, v, gc, beta)
+      in_specs=[spec(c), spec(dk), spec(dk), spec(dv), spec(dk), spec(None)],
+      out_specs=[spec(dk), spec(dk), spec(dk), spec(dv)],
+      out_shape=[_sds(q.shape, q.dtype)] * 3 + [_sds(v.shape, q.dtype)],
+      compiler_params=_params('apply'), interpret=interpret, name='kda_wy_apply',
+  )(t_inv, q, k, v, gc, beta)
 
 
 def value_block(dv: int) -> int:
@@ -257,26 +271,28 @@ def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, *, scale, c, interpret):
 # ----------------------------------------------------------------------------- the op
 
 
-def _forward(q, k, v, g, beta, s0, scale, interpret, for_backward):
+def _forward(q, k, v, g, beta, s0, scale, interpret):
+  """(o, s_final) and the tensors the backward keeps besides the inputs: aqk and T."""
   c = chunk_len(q.shape[1])
   gc = chunk_cumsum(g, c, interpret=interpret)
-  qg, kg, aqk, n = scores_fwd(q, k, gc, beta, scale=scale, c=c, interpret=interpret)
-  w, u, *t = wy_fwd(n, k, v, gc, beta, c=c, with_t=for_backward, interpret=interpret)
-  outs = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=for_backward,
-                   interpret=interpret)
-  return outs, dict(gc=gc, qg=qg, kg=kg, aqk=aqk, w=w, t=t[0] if t else None)
+  aqk, n = scores_fwd(q, k, gc, beta, scale=scale, c=c, interpret=interpret)
+  t_inv = wy_inverse(n, c=c, dtype=q.dtype, interpret=interpret)
+  qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, interpret=interpret)
+  o, s_final = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=False,
+                         interpret=interpret)
+  return (o, s_final), (aqk, t_inv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def kda_core(q, k, v, g, beta, s0, scale, interpret):
   """q, k [B, T, H, K] (the dot dtype), v [B, T, H, V], g [B, T, H, K] float32 log-decay, beta
   [B, T, H], s0 [B, H, K, V] float32; T a multiple of chunk_len(T). Returns (o, s_final)."""
-  (o, s_final), _ = _forward(q, k, v, g, beta, s0, scale, interpret, for_backward=False)
-  return o, s_final
+  return _forward(q, k, v, g, beta, s0, scale, interpret)[0]
 
 
 def _core_fwd(q, k, v, g, beta, s0, scale, interpret):
-  return kda_core(q, k, v, g, beta, s0, scale, interpret), (q, k, v, g, beta, s0)
+  outs, saved = _forward(q, k, v, g, beta, s0, scale, interpret)
+  return outs, (q, k, v, g, beta, s0) + tuple(checkpoint_name(x, SAVED) for x in saved)
 
 
 def _chunk_view(x, c):
@@ -286,16 +302,19 @@ def _chunk_view(x, c):
 
 
 def _core_bwd(scale, interpret, res, cotangents):
-  q, k, v, g, beta, s0 = res
+  q, k, v, g, beta, s0, aqk, t_inv = res
   do, ds_final = cotangents
   b, t, h, dk = q.shape
   c = chunk_len(t)
   nt = t // c
   dot_dtype = q.dtype
   mm = lambda spec, x_, y_: einsum(spec, x_, y_, dot_dtype)
-  (v_new, _, hs), x = _forward(q, k, v, g, beta, s0, scale, interpret, for_backward=True)
-  ds0, dh, dv_new = state_bwd(x['qg'], x['kg'], x['w'], x['aqk'], x['gc'], do.astype(v.dtype),
-                              ds_final.astype(F32), c=c, interpret=interpret)
+  gc = chunk_cumsum(g, c, interpret=interpret)
+  qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, interpret=interpret)
+  v_new, _, hs = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=True,
+                           interpret=interpret)
+  ds0, dh, dv_new = state_bwd(qg, kg, w, aqk, gc, do.astype(v.dtype), ds_final.astype(F32), c=c,
+                              interpret=interpret)
   states = lambda s: jnp.moveaxis(s.reshape(b, h, nt, dk, s.shape[-1]), 2, 1)   # [B, N, H, K, V]
   hs, dh = states(hs), states(dh)
   ch = lambda x_: _chunk_view(x_, c)
@@ -305,13 +324,12 @@ def _core_bwd(scale, interpret, res, cotangents):
   dw = -mm('bnchv,bnhkv->bnchk', dvn_c, hs)
   daqk = jnp.where(jnp.tri(c, dtype=bool)[:, None, :], mm('bnchv,bnihv->bnchi', do_c, v_new), 0.0)
   ddecay = jnp.sum(hs.astype(F32) * dh.astype(F32), axis=-1)                      # [B, N, H, K]
-  dn, dk_wy, dv, dg_wy, dbeta_wy = wy_bwd(ch(x['t']), dw, dvn_c, ch(k), ch(v), ch(x['gc']), ch(beta),
-                                          dot_dtype)
+  dn, dk_wy, dv, dg_wy, dbeta_wy = wy_bwd(ch(t_inv), dw, dvn_c, ch(k), ch(v), ch(gc), ch(beta), dot_dtype)
   flat = lambda y: y.reshape(b, t, *y.shape[3:])
   dq, dk_s, dg_s, dbeta_s, dlast = scores_bwd(
-      q, k, x['gc'], beta, flat(dqg).astype(q.dtype), flat(dkg).astype(q.dtype),
+      q, k, gc, beta, flat(dqg).astype(q.dtype), flat(dkg).astype(q.dtype),
       flat(daqk), flat(dn), scale=scale, c=c, interpret=interpret)
-  g_end = ch(x['gc'])[:, :, -1]                             # G_C, [B, N, H, K]
+  g_end = ch(gc)[:, :, -1]                             # G_C, [B, N, H, K]
   d_end = jnp.sum(dlast.reshape(b, nt, c // SUB, h, dk), axis=2) + ddecay * jnp.exp(g_end)
   # dg_i = sum over rows r >= i of the chunk of dG_r, plus G_C's gradient (every g of the chunk)
   dg = ch(chunk_cumsum(dg_s + flat(dg_wy), c, reverse=True, interpret=interpret)) + d_end[:, :, None]

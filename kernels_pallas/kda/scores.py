@@ -5,7 +5,8 @@ With G the within-chunk inclusive cumulative sum of the log-decay (float32, non-
     aqk[r, i] = scale sum_d q_rd k_id exp(G_rd - G_id)      i <= r
     n[r, i]   = beta_r sum_d k_rd k_id exp(G_rd - G_id)     i < r      (N = Diag(beta) A_kk)
 
-and the chunk's direct terms qg = scale q exp(G), kg = k exp(G_C - G). The 16-row sub-chunks cut
+and the chunk's direct terms qg = scale q exp(G), kg = k exp(G_C - G) (written by wy.py's
+wy_apply_kernel; their gradients are taken here). The 16-row sub-chunks cut
 the [C, C] scores into blocks. A block (a, b) with b < a is one matmul of factors <= 1: its
 exponent is split at the first row p of sub-chunk a, G_r - G_i = (G_r - G_p) + (G_p - G_i), both
 parts <= 0. A diagonal block has no such split:
@@ -13,7 +14,7 @@ parts <= 0. A diagonal block has no such split:
 - diag_fwd_kernel forms the diagonal blocks token by token: one program per token r (and a few
   heads), walking the tokens j <= r of its sub-chunk, each exp(G_r - G_j) with an argument <= 0.
   Only the causal half of each block is computed.
-- scores_fwd_kernel (one program per sub-chunk) writes qg, kg and the score rows, taking the
+- scores_fwd_kernel (one program per sub-chunk) writes the score rows, taking the
   diagonal blocks from diag_fwd_kernel and forming the blocks below them as matmuls.
 - scores_bwd_kernel applies the transposes of the same products to the score gradients, for the
   rows of sub-chunk a (its queries and keys as rows r) and for its columns (its keys as columns
@@ -56,15 +57,12 @@ def diag_fwd_kernel(q_ref, k_ref, g_ref, b_ref, k_sub_ref, g_sub_ref, aqk_ref, a
 
 
 def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, aqk_d_ref, n_d_ref,
-                      qg_ref, kg_ref, aqk_ref, n_ref, *, scale, nb, dot_dtype):
-  """Sub-chunk a of one chunk: qg, kg for its rows and its score rows aqk, n [16, C], with the
-  diagonal block taken from diag_fwd_kernel's output (aqk_d, n_d [16, 16])."""
+                      aqk_ref, n_ref, *, scale, nb, dot_dtype):
+  """Sub-chunk a of one chunk: its score rows aqk, n [16, C], with the diagonal block taken from
+  diag_fwd_kernel's output (aqk_d, n_d [16, 16])."""
   a = pl.program_id(3)
-  c = nb * SUB
   qa, ka, ga = qa_ref[...].astype(F32), ka_ref[...].astype(F32), ga_ref[...]
   beta = ba_ref[...].astype(F32)[:, None]
-  qg_ref[...] = (scale * qa * jnp.exp(ga)).astype(qg_ref.dtype)
-  kg_ref[...] = (ka * jnp.exp(_token(g_ref, c - 1) - ga)).astype(kg_ref.dtype)
   aqk_ref[:, rows(a)] = aqk_d_ref[...].astype(aqk_ref.dtype)
   n_ref[:, rows(a)] = n_d_ref[...]
 

@@ -24,7 +24,7 @@ def causal_depthwise_conv(x, w, prefix=None):
 
 class ShortConv(nn.Module):
   """Depthwise causal conv of [B, T, H, D] over T, no bias; kernel [width, H, D], then
-  `activation` (None: identity), inside the module so that nn.remat(ShortConv) recomputes both.
+  `activation` (None: identity), inside the module so that a rematerialised caller recomputes both.
   Returns (y, new prefix [B, width-1, H, D])."""
   width: int = 4
   dtype: jnp.dtype = jnp.float32

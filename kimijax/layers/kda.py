@@ -10,9 +10,14 @@
 
 Decode cache per sequence: the last 3 conv inputs of q, k and v, and the float32 state [H, K, V].
 
-Memory: the elementwise stages between the matmuls (conv + SiLU + L2 norm, the decay gate, the
-output norm and gate) are recomputed in the backward pass (nn.remat / jax.checkpoint), so a
-training step keeps only the projections' outputs and the op's own residuals of a KDA layer.
+Memory: the short convolutions, activations, gate and op run as one rematerialised region that
+keeps only its inputs and what the op names worth keeping (kimijax.ops.kda.SAVED: the fused
+kernels' aqk and T, the chunk form's per-chunk states): the op's inputs (q, k, v after their
+activations, the float32 g) are recomputed from the projections in the backward pass, and the
+op's forward kernels, whose outputs the backward does not need, are not rerun. The output norm
+and gate and the second matmul of each low-rank projection are recomputed too, so a training step
+keeps the layer input, the q/k/v projections, the op's output and named residuals, and the
+rank-sized bottlenecks of a KDA layer.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ import jax.numpy as jnp
 from kimijax.layers.conv import ShortConv
 from kimijax.layers.norms import rms_normalise
 from kimijax.layers.params import weight
-from kimijax.ops.kda import kda, kda_step
+from kimijax.ops.kda import SAVED, kda, kda_step
 
 CONV_WIDTH = 4
+_KEEP_NAMED = jax.checkpoint_policies.save_only_these_names(SAVED)
 
 
 def l2_normalise(x, eps: float = 1e-6):
@@ -69,27 +75,57 @@ class KimiDeltaAttention(nn.Module):
   output_norm_eps: float = 1e-5       # eps of the per-head output RMSNorm (the model's rms_norm_eps
                                       # in Kimi Linear's release)
 
-  def _low_rank(self, name, x_btd, rank):
-    """[B, T, D] -> [B, T, H, K] through a rank-`rank` bottleneck."""
-    d = x_btd.shape[-1]
-    a = weight(self, f'{name}_a', (d, rank), ('embed', 'latent'))
-    b = weight(self, f'{name}_b', (rank, self.num_heads, self.head_dim), ('latent', 'heads', 'head_dim'))
-    return jnp.einsum('btr,rhk->bthk', jnp.einsum('btd,dr->btr', x_btd, a), b)
+  def _low_rank_weights(self, name, d, rank):
+    """The two factors of a rank-`rank` projection [D] -> [H, K]."""
+    return (weight(self, f'{name}_a', (d, rank), ('embed', 'latent')),
+            weight(self, f'{name}_b', (rank, self.num_heads, self.head_dim), ('latent', 'heads', 'head_dim')))
 
-  def _log_decay(self, f, a_log, dt_bias):
-    """g [B, T, H, K] float32 from the gate projection f."""
-    f = f.astype(jnp.float32) + dt_bias
+  def _log_decay(self, f_lat, f_b, a_log, dt_bias):
+    """g [B, T, H, K] float32 from the gate projection's bottleneck f_lat [B, T, rank]."""
+    f = jnp.einsum('btr,rhk->bthk', f_lat, f_b).astype(jnp.float32) + dt_bias
     if self.gate_lower_bound:
       return self.gate_lower_bound * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * f)
     return -jnp.exp(a_log)[:, None] * jax.nn.softplus(f)
 
-  def _norm_and_gate(self, o, gain, gate):
-    """RMSNorm_per_head(o) * gain * act(gate) in float32 (gate None: no output gate), in self.dtype."""
+  def _gated_output(self, o, gain, g_lat, g_b, w_o):
+    """W_o (RMSNorm_per_head(o) * gain * act(W_g2 g_lat)), the norm and gate in float32 (g_lat None:
+    no output gate), the matmuls in self.dtype."""
     o = rms_normalise(o, self.output_norm_eps) * gain
-    if gate is not None:
-      gate = gate.astype(jnp.float32)
+    if g_lat is not None:
+      gate = jnp.einsum('btr,rhk->bthk', g_lat, g_b).astype(jnp.float32)
       o = o * (jax.nn.sigmoid(gate) if self.output_gate == 'sigmoid' else jax.nn.silu(gate))
-    return o.astype(self.dtype)
+    o = nn.with_logical_constraint(o.astype(self.dtype), ('act_batch', 'act_length', 'act_heads', None))
+    return jnp.einsum('bthk,hkd->btd', o, w_o)
+
+  def _mix(self, q, k, v, f_lat, f_b, beta, cache):
+    """The short convolutions and activations, the decay gate and the op: (o, new cache)."""
+    new_cache, outs = {}, []
+    for name, t in (('q', q), ('k', k), ('v', v)):
+      if self.short_conv:
+        prefix = None if cache is None else cache[f'conv_{name}']
+        conv = ShortConv(CONV_WIDTH, self.dtype, ACTIVATIONS[name], name=f'{name}_conv')
+        t, new_cache[f'conv_{name}'] = conv(t, prefix)
+      else:
+        t = ACTIVATIONS[name](t)
+      outs.append(t.astype(self.dtype))
+    act = ('act_batch', 'act_length', 'act_heads', None)
+    q, k, v = (nn.with_logical_constraint(t, act) for t in outs)
+    h, hd = self.num_heads, self.head_dim
+    a_log = self.param('A_log', nn.with_logical_partitioning(_a_log_init, ('heads',)), (h,), jnp.float32)
+    dt_bias = self.param('dt_bias', nn.with_logical_partitioning(_dt_bias_init, ('heads', 'head_dim')),
+                         (h, hd), jnp.float32)
+    g = self._log_decay(f_lat, f_b, a_log, dt_bias)
+
+    if cache is None:
+      o, _ = kda(q, k, v, g, beta, impl=self.impl)
+    elif q.shape[1] == 1:       # decode: one token, O(1) in the context length
+      o, new_cache['state'] = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache['state'],
+                                       impl=self.impl)
+      o = o[:, None]
+    else:                       # prefill (or a chunk of it) from the cached state
+      o, new_cache['state'] = kda(q, k, v, g, beta, impl=self.impl, initial_state=cache['state'],
+                                  output_final_state=True)
+    return o, new_cache
 
   @nn.compact
   def __call__(self, x_btd, positions_bt=None, cache=None):
@@ -100,41 +136,20 @@ class KimiDeltaAttention(nn.Module):
     names = ('embed', 'heads', 'head_dim')
     q, k, v = (jnp.einsum('btd,dhk->bthk', x_btd, weight(self, f'{n}_proj', (d, h, hd), names))
                for n in ('q', 'k', 'v'))
-    new_cache, outs = {}, []
-    for name, t in (('q', q), ('k', k), ('v', v)):
-      if self.short_conv:
-        prefix = None if cache is None else cache[f'conv_{name}']
-        conv = nn.remat(ShortConv)(CONV_WIDTH, self.dtype, ACTIVATIONS[name], name=f'{name}_conv')
-        t, new_cache[f'conv_{name}'] = conv(t, prefix)
-      else:
-        t = jax.checkpoint(ACTIVATIONS[name])(t)
-      outs.append(t)
-    q, k, v = outs
-    act = ('act_batch', 'act_length', 'act_heads', None)
-    q, k, v = (nn.with_logical_constraint(t, act) for t in (q, k, v))
-
     beta = jax.nn.sigmoid(jnp.einsum('btd,dh->bth', x_btd, weight(self, 'b_proj', (d, h), ('embed', 'heads'))
                                      ).astype(jnp.float32))
-    a_log = self.param('A_log', nn.with_logical_partitioning(_a_log_init, ('heads',)), (h,), jnp.float32)
-    dt_bias = self.param('dt_bias', nn.with_logical_partitioning(_dt_bias_init, ('heads', 'head_dim')),
-                         (h, hd), jnp.float32)
-    g = jax.checkpoint(self._log_decay)(self._low_rank('f', x_btd, hd), a_log, dt_bias)
-
-    if cache is None:
-      o, _ = kda(q, k, v, g, beta, impl=self.impl)
-    elif x_btd.shape[1] == 1:   # decode: one token, O(1) in the context length
-      o, new_cache['state'] = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache['state'],
-                                          impl=self.impl)
-      o = o[:, None]
-    else:                       # prefill (or a chunk of it) from the cached state
-      o, new_cache['state'] = kda(q, k, v, g, beta, impl=self.impl, initial_state=cache['state'],
-                                  output_final_state=True)
+    f_a, f_b = self._low_rank_weights('f', d, hd)
+    mix = nn.remat(type(self)._mix, policy=_KEEP_NAMED, prevent_cse=True)
+    o, new_cache = mix(self, q, k, v, jnp.einsum('btd,dr->btr', x_btd, f_a), f_b, beta, cache)
 
     gain = self.param('o_norm', nn.with_logical_partitioning(nn.initializers.ones, ('head_dim',)),
                       (hd,), jnp.float32)
-    gate = None if self.output_gate == 'none' else self._low_rank('g', x_btd, hd)
-    o = nn.with_logical_constraint(jax.checkpoint(self._norm_and_gate)(o, gain, gate), act)
-    y = jnp.einsum('bthk,hkd->btd', o, weight(self, 'o_proj', (h, hd, d), ('heads', 'head_dim', 'embed')))
+    g_lat = g_b = None
+    if self.output_gate != 'none':
+      g_a, g_b = self._low_rank_weights('g', d, hd)
+      g_lat = jnp.einsum('btd,dr->btr', x_btd, g_a)
+    w_o = weight(self, 'o_proj', (h, hd, d), ('heads', 'head_dim', 'embed'))
+    y = jax.checkpoint(self._gated_output)(o, gain, g_lat, g_b, w_o)
     return y, None, (new_cache if cache is not None else None)
 
   @staticmethod

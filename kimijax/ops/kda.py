@@ -24,6 +24,9 @@ import numbers
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from kernels_pallas.kda.op import SAVED   # noqa: F401 - the implementations' residual name, public here
 
 _EXACT = lax.Precision.HIGHEST
 _SUB = 16   # sub-chunk length inside a chunk (the anchoring unit of the chunk form)
@@ -289,7 +292,9 @@ def _chunk_intra(chunk, *, scale, sub):
 
 
 def _chunk_state_step(s, x):
-  """Carry the state [..., K, V] across one chunk and read the chunk's outputs [..., C, V]."""
+  """Carry the state [..., K, V] across one chunk and read the chunk's outputs [..., C, V]. The
+  state entering the chunk is the residual worth keeping (SAVED): the rest is cheap to recompute."""
+  s = checkpoint_name(s, SAVED)
   v_new = x['u'] - jnp.einsum('...ck,...kv->...cv', x['w'], s)           # U - W S
   o = jnp.einsum('...ck,...kv->...cv', x['qg'], s) + jnp.einsum('...ci,...iv->...cv', x['a_qk'], v_new)
   s = x['decay'][..., :, None] * s + jnp.einsum('...ck,...cv->...kv', x['kg'], v_new)

@@ -182,7 +182,7 @@ def test_kernels_lower_to_triton_for_an_h200(dtype, d):
 
   module = lower_for_h200(jax.grad(loss, argnums=tuple(range(6))), x, x, x, f32(b, t, h, d), f32(b, t, h),
                           f32(b, h, d, d))
-  for name in ('kda_chunk_cumsum', 'kda_diag_fwd', 'kda_scores_fwd', 'kda_wy_fwd', 'kda_state_fwd', 'kda_state_bwd',
+  for name in ('kda_chunk_cumsum', 'kda_diag_fwd', 'kda_scores_fwd', 'kda_wy_inverse', 'kda_wy_apply', 'kda_state_fwd', 'kda_state_bwd',
                'kda_diag_bwd', 'kda_scores_bwd'):
     assert name in module, name
   tok = spec((b, h, d), dtype)
