@@ -11,8 +11,8 @@ Expected: one H200, 2026-12-01, tokamax attention: 390.6 ms/step against 400.0 w
           :attnres_full 1053 ms
           (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
           (muon_distributed.md).
-          :hybrid 698 ms/step, 100 GiB (2026-12-01, before the KDA layer recomputed its elementwise
-          stages; experiments/results/bench_kda.md).
+          :hybrid 618 ms/step, 106k tokens/s, 92.5 GiB (2026-12-01, before the KDA backward kept aqk
+          and T and the layer stopped keeping the op's inputs; experiments/results/bench_kda.md).
 Variants: :hybrid (3 KDA : 1 attention, 18 + 6 layers, the fused Pallas KDA kernels),
           :remat (rematerialise each layer), :xla (attn_impl='xla'),
           :cudnn (cuDNN attention and the fused max-logit kernel instead of tokamax's Mosaic GPU

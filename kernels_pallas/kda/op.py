@@ -44,7 +44,7 @@ def chunk_len(t: int) -> int:
 # Triton settings (measured on an H200: experiments/results/bench_kda.md): warps of each kernel,
 # one pipelining depth; heads per program of the token-parallel kernels diag_fwd and diag_bwd,
 # features per program of scores_bwd, value columns per program of the state passes.
-TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4, 'warps_apply': 4, 'warps_state': 4, 'warps_diag_bwd': 4,
+TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4, 'warps_apply': 8, 'warps_state': 4, 'warps_diag_bwd': 4,
          'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8, 'features_bwd': 64,
          'value_block': 64}
 
