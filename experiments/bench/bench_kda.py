@@ -87,8 +87,8 @@ def _jax_rows(shape, dtype_name):
 
 def _stage_rows(shape, dtype_name):
   """Each Pallas kernel of impl='pallas' on its own (kernels_pallas/kda/op.py), jitted separately;
-  the backward's XLA part (per-chunk cotangents, the UT transform's transpose, the reverse
-  cumulative sum) is what the forward+backward time leaves over."""
+  what the forward+backward time leaves over is XLA's share (padding, casts, the sums of the
+  partial gradients)."""
   import jax
   import jax.numpy as jnp
 
@@ -120,6 +120,11 @@ def _stage_rows(shape, dtype_name):
   f32 = lambda x: x.astype(jnp.float32)
   sbwd = jax.jit(lambda *a: op.scores_bwd(*a, scale=scale, **kw))
   cumsum = {rev: jax.jit(lambda x, rev=rev: op.chunk_cumsum(x, c, reverse=rev, interpret=interp)) for rev in (False, True)}
+  v_new, _, hs = state[True](qg, kg, w, u, aqk, gc, s0)
+  _, dh, dv_new = bwd(qg, kg, w, aqk, gc, do, s0)
+  cot = jax.jit(lambda *a: op.chunk_cotangents(*a, **kw))
+  dw = cot(hs, dh, do, dv_new, v_new)[2]
+  wy_back = jax.jit(lambda *a: op.wy_backward(*a, **kw))
   sync = jax.block_until_ready
   diag = jax.jit(lambda *a: op.diag_fwd(*a, scale=scale, interpret=interp))
   stages = [('chunk_cumsum', lambda: cumsum[False](g)),
@@ -131,6 +136,8 @@ def _stage_rows(shape, dtype_name):
             ('state_fwd', lambda: state[False](qg, kg, w, u, aqk, gc, s0)),
             ('state_fwd writing h, v_new (backward)', lambda: state[True](qg, kg, w, u, aqk, gc, s0)),
             ('state_bwd', lambda: bwd(qg, kg, w, aqk, gc, do, s0)),
+            ('chunk_cotangents', lambda: cot(hs, dh, do, dv_new, v_new)),
+            ('wy_backward', lambda: wy_back(t_inv, dw, dv_new, k, v, gc, beta)),
             ('scores_bwd', lambda: sbwd(q, k, gc, beta, qg, kg, f32(aqk), n))]
   return [[f'pallas stage: {name}', '%.2f (%.2f)' % _time(fn, FLAGS.repeats, FLAGS.warmup, sync), '']
           for name, fn in stages]

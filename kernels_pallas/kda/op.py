@@ -8,8 +8,8 @@ parallel); T = (I + N)^-1 (wy_inverse, every chunk); qg, kg, w, u from T (wy_app
 chunk); state_fwd (the chunks in order, the state on chip: o and the final state). The backward
 keeps the inputs, aqk and T (each [B, T, H, C] in the dot dtype): it recomputes G and wy_apply's
 outputs, reruns the state pass writing the states h and v_new instead of o, runs state_bwd (the
-chunks in reverse), forms the per-chunk cotangents and the UT transform's transpose in XLA
-(batched matmuls with dot-dtype operands), runs the scores backward kernels (the diagonal blocks
+chunks in reverse), forms the per-chunk cotangents and the UT transform's transpose
+(cotangents.py, one program per chunk), runs the scores backward kernels (the diagonal blocks
 token by token, then every sub-chunk) and the reverse cumulative sum that turns dG into dg; see
 README.md in this folder.
 """
@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.common import power_of_two_divisor
 from kernels_pallas.kda.blocks import F32, SUB, einsum
+from kernels_pallas.kda.cotangents import chunk_cotangents_kernel, wy_bwd_kernel
 from kernels_pallas.kda.cumsum import chunk_cumsum_kernel
 from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
@@ -44,7 +45,9 @@ def chunk_len(t: int) -> int:
 # Triton settings (measured on an H200: experiments/results/bench_kda.md): warps of each kernel,
 # one pipelining depth; heads per program of the token-parallel kernels diag_fwd and diag_bwd,
 # features per program of scores_bwd, value columns per program of the state passes.
-TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4, 'warps_apply': 8, 'warps_state': 4, 'warps_diag_bwd': 4,
+# fused_cotangents: 1 forms the backward's per-chunk cotangents and the UT transpose in the
+# cotangents.py kernels, 0 in batched XLA matmuls (not yet timed against each other on a GPU).
+TILES = {'fused_cotangents': 1, 'warps_cotangents': 8, 'warps_wy_bwd': 8, 'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4, 'warps_apply': 8, 'warps_state': 4, 'warps_diag_bwd': 4,
          'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8, 'features_bwd': 64,
          'value_block': 64}
 
@@ -244,6 +247,61 @@ def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):
   )(qg, kg, w, aqk, gc, do, ds_final)
 
 
+def chunk_cotangents(hs, dh, do, dv_new, v_new, *, c, interpret):
+  """(dqg, dkg, dw) [B, T, H, K] in the dot dtype, daqk [B, T, H, C] float32, ddecay [B, N, H, K]
+  float32, from h and dh [B, H, N*K, V] (the state passes' layout)."""
+  b, t, h, dv = do.shape
+  dk = hs.shape[2] // (t // c)
+  spec = lambda d: _chunk_spec(d, c)
+  state = pl.BlockSpec((None, None, dk, dv), lambda bi, hi, n: (bi, hi, n, 0))
+  decay = pl.BlockSpec((None, None, None, dk), lambda bi, hi, n: (bi, n, hi, 0))
+  dt = hs.dtype
+  return pl.pallas_call(
+      functools.partial(chunk_cotangents_kernel, dot_dtype=dt), grid=(b, h, t // c),
+      in_specs=[state, state, spec(dv), spec(dv), spec(dv)],
+      out_specs=[spec(dk)] * 3 + [spec(c), decay],
+      out_shape=[_sds((b, t, h, dk), dt)] * 3 + [_sds((b, t, h, c), F32), _sds((b, t // c, h, dk), F32)],
+      compiler_params=_params('cotangents'), interpret=interpret, name='kda_chunk_cotangents',
+  )(hs, dh, do, dv_new, v_new)
+
+
+def wy_backward(t_inv, dw, dv_new, k, v, gc, beta, *, c, interpret):
+  """(dn [B, T, H, C], dk [B, T, H, K], dv [B, T, H, V], dg [B, T, H, K], dbeta [B, T, H]),
+  float32: the gradients through w and u (cotangents.wy_bwd_kernel)."""
+  b, t, h, dk = k.shape
+  dv = v.shape[-1]
+  spec = lambda d: _chunk_spec(d, c)
+  return pl.pallas_call(
+      functools.partial(wy_bwd_kernel, dot_dtype=t_inv.dtype), grid=(b, h, t // c),
+      in_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(dv), spec(dk), spec(None)],
+      out_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(None)],
+      out_shape=[_sds((b, t, h, c), F32), _sds(k.shape, F32), _sds(v.shape, F32), _sds(k.shape, F32),
+                 _sds((b, t, h), F32)],
+      compiler_params=_params('wy_bwd'), interpret=interpret, name='kda_wy_bwd',
+  )(t_inv, dw, dv_new, k, v, gc, beta)
+
+
+def _xla_cotangents(hs, dh, do, dv_new, v_new, t_inv, k, v, gc, beta, c):
+  """The same as chunk_cotangents + wy_backward in batched XLA matmuls over [B, N, C, H, *] views
+  (TILES['fused_cotangents'] = 0), returned in the same flat layouts."""
+  b, t, h, dk = k.shape
+  nt = t // c
+  dot_dtype = hs.dtype
+  mm = lambda spec, x_, y_: einsum(spec, x_, y_, dot_dtype)
+  states = lambda s: jnp.moveaxis(s.reshape(b, h, nt, dk, s.shape[-1]), 2, 1)   # [B, N, H, K, V]
+  hs, dh = states(hs), states(dh)
+  ch = lambda x_: _chunk_view(x_, c)
+  do_c, dvn_c, v_new = ch(do), ch(dv_new), ch(v_new)
+  dqg = mm('bnchv,bnhkv->bnchk', do_c, hs)
+  dkg = mm('bnchv,bnhkv->bnchk', v_new, dh)
+  dw = -mm('bnchv,bnhkv->bnchk', dvn_c, hs)
+  daqk = jnp.where(jnp.tri(c, dtype=bool)[:, None, :], mm('bnchv,bnihv->bnchi', do_c, v_new), 0.0)
+  ddecay = jnp.sum(hs.astype(F32) * dh.astype(F32), axis=-1)                      # [B, N, H, K]
+  wy = wy_bwd(ch(t_inv), dw, dvn_c, ch(k), ch(v), ch(gc), ch(beta), dot_dtype)
+  flat = lambda y: y.reshape(b, t, *y.shape[3:])
+  return (flat(dqg).astype(dot_dtype), flat(dkg).astype(dot_dtype), flat(daqk), ddecay) + tuple(map(flat, wy))
+
+
 def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, *, scale, c, interpret):
   """(dq, dk, dg, dbeta, dlast): float32; dg of G; dlast [B, N * C/16, H, K] per sub-chunk. One
   program per sub-chunk and slice of TILES['features_bwd'] features."""
@@ -307,35 +365,29 @@ def _core_bwd(scale, interpret, res, cotangents):
   b, t, h, dk = q.shape
   c = chunk_len(t)
   nt = t // c
-  dot_dtype = q.dtype
-  mm = lambda spec, x_, y_: einsum(spec, x_, y_, dot_dtype)
   gc = chunk_cumsum(g, c, interpret=interpret)
   qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, interpret=interpret)
   v_new, _, hs = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=True,
                            interpret=interpret)
   ds0, dh, dv_new = state_bwd(qg, kg, w, aqk, gc, do.astype(v.dtype), ds_final.astype(F32), c=c,
                               interpret=interpret)
-  states = lambda s: jnp.moveaxis(s.reshape(b, h, nt, dk, s.shape[-1]), 2, 1)   # [B, N, H, K, V]
-  hs, dh = states(hs), states(dh)
+  if TILES['fused_cotangents']:
+    dqg, dkg, dw, daqk, ddecay = chunk_cotangents(hs, dh, do.astype(v.dtype), dv_new, v_new, c=c,
+                                                  interpret=interpret)
+    dn, dk_wy, dv, dg_wy, dbeta_wy = wy_backward(t_inv, dw, dv_new, k, v, gc, beta, c=c, interpret=interpret)
+  else:
+    dqg, dkg, daqk, ddecay, dn, dk_wy, dv, dg_wy, dbeta_wy = _xla_cotangents(
+        hs, dh, do, dv_new, v_new, t_inv, k, v, gc, beta, c)
+  dq, dk_s, dg_s, dbeta_s, dlast = scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, scale=scale, c=c,
+                                              interpret=interpret)
   ch = lambda x_: _chunk_view(x_, c)
-  do_c, dvn_c, v_new = ch(do), ch(dv_new), ch(v_new)
-  dqg = mm('bnchv,bnhkv->bnchk', do_c, hs)
-  dkg = mm('bnchv,bnhkv->bnchk', v_new, dh)
-  dw = -mm('bnchv,bnhkv->bnchk', dvn_c, hs)
-  daqk = jnp.where(jnp.tri(c, dtype=bool)[:, None, :], mm('bnchv,bnihv->bnchi', do_c, v_new), 0.0)
-  ddecay = jnp.sum(hs.astype(F32) * dh.astype(F32), axis=-1)                      # [B, N, H, K]
-  dn, dk_wy, dv, dg_wy, dbeta_wy = wy_bwd(ch(t_inv), dw, dvn_c, ch(k), ch(v), ch(gc), ch(beta), dot_dtype)
-  flat = lambda y: y.reshape(b, t, *y.shape[3:])
-  dq, dk_s, dg_s, dbeta_s, dlast = scores_bwd(
-      q, k, gc, beta, flat(dqg).astype(q.dtype), flat(dkg).astype(q.dtype),
-      flat(daqk), flat(dn), scale=scale, c=c, interpret=interpret)
   g_end = ch(gc)[:, :, -1]                             # G_C, [B, N, H, K]
   d_end = jnp.sum(dlast.reshape(b, nt, c // SUB, h, dk), axis=2) + ddecay * jnp.exp(g_end)
   # dg_i = sum over rows r >= i of the chunk of dG_r, plus G_C's gradient (every g of the chunk)
-  dg = ch(chunk_cumsum(dg_s + flat(dg_wy), c, reverse=True, interpret=interpret)) + d_end[:, :, None]
+  dg = ch(chunk_cumsum(dg_s + dg_wy, c, reverse=True, interpret=interpret)) + d_end[:, :, None]
   cast = lambda y, like: y.astype(like.dtype)
-  return (cast(dq, q), cast(flat(ch(dk_s) + dk_wy), k), cast(flat(dv), v), cast(flat(dg), g),
-          cast(dbeta_s + flat(dbeta_wy), beta), cast(ds0, s0))
+  return (cast(dq, q), cast(dk_s + dk_wy, k), cast(dv, v), cast(dg.reshape(g.shape), g),
+          cast(dbeta_s + dbeta_wy, beta), cast(ds0, s0))
 
 
 kda_core.defvjp(_core_fwd, _core_bwd)

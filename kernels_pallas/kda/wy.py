@@ -6,7 +6,8 @@ block products in float32 (full-precision dots) and writes T in the dot dtype, t
 later product reads it in. wy_apply_kernel: one program per chunk applies T on the tensor cores
 (dot dtype operands, float32 accumulation) for W and U and writes the chunk's direct terms
 qg = scale q exp(G) and kg = k exp(G_C - G); the backward reruns it from the saved T. wy_bwd: the
-transpose of the map in XLA, from T (no inverse to differentiate).
+transpose of the map in XLA, from T (no inverse to differentiate), the reference for
+cotangents.wy_bwd_kernel (op.TILES['fused_cotangents'] = 0).
 """
 
 from __future__ import annotations

@@ -83,10 +83,11 @@ def test_interpreted_short_sequence_uses_one_small_chunk():
 @pytest.mark.usefixtures('_full_precision')
 def test_interpreted_kernels_match_recurrence_under_other_tiles(monkeypatch):
   """Settings the defaults do not reach at these sizes: scores_bwd in two feature slices (its
-  dbeta as partial sums), one head per token-parallel program, value blocks of 16."""
+  dbeta as partial sums), one head per token-parallel program, value blocks of 16, and the
+  backward's cotangents in XLA instead of their kernels."""
   from kernels_pallas.kda import op
   monkeypatch.setattr(op, 'TILES', dict(op.TILES, features_bwd=16, heads_diag=1, heads_diag_bwd=1,
-                                        value_block=16))
+                                        value_block=16, fused_cotangents=0))
   _compare(_inputs(3, 1, 40, 2, 32, 32, spikes=True), 'recurrent', 2e-4, 2e-4)
 
 
@@ -182,7 +183,7 @@ def test_kernels_lower_to_triton_for_an_h200(dtype, d):
 
   module = lower_for_h200(jax.grad(loss, argnums=tuple(range(6))), x, x, x, f32(b, t, h, d), f32(b, t, h),
                           f32(b, h, d, d))
-  for name in ('kda_chunk_cumsum', 'kda_diag_fwd', 'kda_scores_fwd', 'kda_wy_inverse', 'kda_wy_apply', 'kda_state_fwd', 'kda_state_bwd',
+  for name in ('kda_chunk_cumsum', 'kda_diag_fwd', 'kda_scores_fwd', 'kda_wy_inverse', 'kda_wy_apply', 'kda_state_fwd', 'kda_state_bwd', 'kda_chunk_cotangents', 'kda_wy_bwd',
                'kda_diag_bwd', 'kda_scores_bwd'):
     assert name in module, name
   tok = spec((b, h, d), dtype)
