@@ -132,20 +132,13 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
   The diagonal blocks' terms (qrow, rrow, ccol of diag_bwd_kernel) come in as inputs; this kernel
   adds the blocks off the diagonal (matmuls) and the direct terms.
   """
+  # Each output is written, and each partial sum folded, as soon as its terms exist, so that few
+  # [16, features] float32 tensors are live at once (the kernel is register-bound).
   a = pl.program_id(3)
   c = nb * SUB
-  qa, ka, ga = qa_ref[...].astype(F32), ka_ref[...].astype(F32), ga_ref[...]
+  ka, ga = ka_ref[...].astype(F32), ga_ref[...]
   beta = ba_ref[...].astype(F32)[:, None]
-  qs = scale * qa
-
-  # direct terms: qg = scale q exp(G), kg = k exp(G_C - G)
-  eg, eg_end = jnp.exp(ga), jnp.exp(_token(g_ref, c - 1) - ga)
-  dqg, dkg = dqg_ref[...].astype(F32), dkg_ref[...].astype(F32)
-  kg_term = dkg * ka * eg_end
-  dlast_ref[...] = jnp.sum(kg_term, axis=0, keepdims=True)
-
   zero = jnp.zeros_like(ka)
-  qrow, rrow, ccol = qrow_ref[...], rrow_ref[...], ccol_ref[...]
 
   # rows of a against earlier sub-chunks b < a (anchor: the first row p of a)
   gp = _token(g_ref, a * SUB)
@@ -157,8 +150,22 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
 
   qrow_o, rrow_o = jax.lax.fori_loop(0, a, earlier, (zero, zero))
   row_f = jnp.exp(ga - gp)
-  qrow = scale * (qrow + row_f * qrow_o)          # the gradient of q through the scores
-  rrow = rrow + row_f * rrow_o
+  qrow = scale * (qrow_ref[...] + row_f * qrow_o)     # the gradient of q through the scores
+  rrow = rrow_ref[...] + row_f * rrow_o               # R_r: dk_r gets beta_r R_r, dbeta_r k_r . R_r
+
+  # direct terms qg = scale q exp(G), kg = k exp(G_C - G), and the rows' terms
+  qa = qa_ref[...].astype(F32)
+  eg = jnp.exp(ga)
+  dqg = dqg_ref[...].astype(F32)
+  dq_ref[...] = (scale * eg * dqg + qrow).astype(dq_ref.dtype)
+  dbeta_ref[...] = jnp.sum(ka * rrow, axis=1)
+  rrow = beta * rrow
+  eg_end = jnp.exp(_token(g_ref, c - 1) - ga)
+  dkg = dkg_ref[...].astype(F32)
+  kg_term = dkg * ka * eg_end
+  dlast_ref[...] = jnp.sum(kg_term, axis=0, keepdims=True)
+  dg = scale * qa * eg * dqg - kg_term + qa * qrow + ka * rrow
+  dk = eg_end * dkg + rrow
 
   # columns of a against later sub-chunks m > a (anchor: the first row of m)
   def later(m, ccol_o):
@@ -170,8 +177,6 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
             + dot_tn(dn_ref[rows(m), rows(a)].astype(dot_dtype), km))
     return ccol_o + jnp.exp(gpm - ga) * part
 
-  ccol = ccol + jax.lax.fori_loop(a + 1, nb, later, zero)
-  dq_ref[...] = (scale * eg * dqg + qrow).astype(dq_ref.dtype)
-  dk_ref[...] = (eg_end * dkg + beta * rrow + ccol).astype(dk_ref.dtype)
-  dg_ref[...] = qs * eg * dqg - kg_term + qa * qrow + ka * (beta * rrow) - ka * ccol
-  dbeta_ref[...] = jnp.sum(ka * rrow, axis=1)
+  ccol = ccol_ref[...] + jax.lax.fori_loop(a + 1, nb, later, zero)
+  dk_ref[...] = (dk + ccol).astype(dk_ref.dtype)
+  dg_ref[...] = dg - ka * ccol
