@@ -10,14 +10,14 @@
 
 Decode cache per sequence: the last 3 conv inputs of q, k and v, and the float32 state [H, K, V].
 
-Memory: the short convolutions, activations, gate and op run as one rematerialised region that
-keeps only its inputs and what the op names worth keeping (kimijax.ops.kda.SAVED: the fused
-kernels' aqk and T, the chunk form's per-chunk states): the op's inputs (q, k, v after their
-activations, the float32 g) are recomputed from the projections in the backward pass, and the
-op's forward kernels, whose outputs the backward does not need, are not rerun. The output norm
-and gate and the second matmul of each low-rank projection are recomputed too, so a training step
-keeps the layer input, the q/k/v projections, the op's output and named residuals, and the
-rank-sized bottlenecks of a KDA layer.
+Memory: the short convolutions and activations, beta, the decay gate and the op run as one
+rematerialised region that keeps only its inputs (the layer input and the q/k/v projections) and
+what the op names worth keeping (kimijax.ops.kda.SAVED: the fused kernels' aqk and T, the chunk
+form's per-chunk states). The op's inputs (q, k, v after their activations, the float32 g) are
+recomputed in the backward pass; the op's forward kernels, whose outputs the backward does not
+need, are not rerun. The output norm and gate are recomputed too, so a training step keeps the
+layer input, the q/k/v projections, the op's output and named residuals, and the output gate's
+rank-sized bottleneck of a KDA layer.
 """
 
 from __future__ import annotations
@@ -97,8 +97,10 @@ class KimiDeltaAttention(nn.Module):
     o = nn.with_logical_constraint(o.astype(self.dtype), ('act_batch', 'act_length', 'act_heads', None))
     return jnp.einsum('bthk,hkd->btd', o, w_o)
 
-  def _mix(self, q, k, v, f_lat, f_b, beta, cache):
-    """The short convolutions and activations, the decay gate and the op: (o, new cache)."""
+  def _mix(self, x_btd, q, k, v, cache):
+    """From the layer input and its q/k/v projections: the short convolutions and activations,
+    beta, the decay gate and the op, (o, new cache). The parameters are created in the order of
+    the layer's definition (SPEC §1), which fixes their initial values for a given seed."""
     new_cache, outs = {}, []
     for name, t in (('q', q), ('k', k), ('v', v)):
       if self.short_conv:
@@ -111,10 +113,14 @@ class KimiDeltaAttention(nn.Module):
     act = ('act_batch', 'act_length', 'act_heads', None)
     q, k, v = (nn.with_logical_constraint(t, act) for t in outs)
     h, hd = self.num_heads, self.head_dim
+    d = x_btd.shape[-1]
+    beta = jax.nn.sigmoid(jnp.einsum('btd,dh->bth', x_btd, weight(self, 'b_proj', (d, h), ('embed', 'heads'))
+                                     ).astype(jnp.float32))
     a_log = self.param('A_log', nn.with_logical_partitioning(_a_log_init, ('heads',)), (h,), jnp.float32)
     dt_bias = self.param('dt_bias', nn.with_logical_partitioning(_dt_bias_init, ('heads', 'head_dim')),
                          (h, hd), jnp.float32)
-    g = self._log_decay(f_lat, f_b, a_log, dt_bias)
+    f_a, f_b = self._low_rank_weights('f', d, hd)
+    g = self._log_decay(jnp.einsum('btd,dr->btr', x_btd, f_a), f_b, a_log, dt_bias)
 
     if cache is None:
       o, _ = kda(q, k, v, g, beta, impl=self.impl)
@@ -136,11 +142,8 @@ class KimiDeltaAttention(nn.Module):
     names = ('embed', 'heads', 'head_dim')
     q, k, v = (jnp.einsum('btd,dhk->bthk', x_btd, weight(self, f'{n}_proj', (d, h, hd), names))
                for n in ('q', 'k', 'v'))
-    beta = jax.nn.sigmoid(jnp.einsum('btd,dh->bth', x_btd, weight(self, 'b_proj', (d, h), ('embed', 'heads'))
-                                     ).astype(jnp.float32))
-    f_a, f_b = self._low_rank_weights('f', d, hd)
     mix = nn.remat(type(self)._mix, policy=_KEEP_NAMED, prevent_cse=True)
-    o, new_cache = mix(self, q, k, v, jnp.einsum('btd,dr->btr', x_btd, f_a), f_b, beta, cache)
+    o, new_cache = mix(self, x_btd, q, k, v, cache)
 
     gain = self.param('o_norm', nn.with_logical_partitioning(nn.initializers.ones, ('head_dim',)),
                       (hd,), jnp.float32)

@@ -67,8 +67,8 @@ def test_prefill_then_decode_equals_parallel(case):
 def test_backward_keeps_only_matmul_outputs_and_the_named_residuals(case):
   """What the layer's backward keeps, per token, is bounded by: 5 bf16 tensors of H * K (the layer
   input, the q/k/v projections, the op's output), the fused op's two named residuals aqk and T
-  (bf16, H * C each with C = 64), the two rank-K bottlenecks of the gate projections (bf16) and
-  beta (float32, H, twice). The op's inputs (q, k, v after conv + SiLU + L2 norm, the float32 g),
+  (bf16, H * C each with C = 64), at most two rank-K bottlenecks of the gate projections (bf16)
+  and beta (float32, H, twice). The op's inputs (q, k, v after conv + SiLU + L2 norm, the float32 g),
   the gate projections' outputs and the elementwise intermediates are recomputed: keeping the op's
   inputs and the projections took 26 bytes per token and channel at K = 128, their float32
   intermediates 99."""
