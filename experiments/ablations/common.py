@@ -80,7 +80,7 @@ def report(title: str, arms: list[Arm], claims: list[Claim], data: dict, command
   from experiments.runs import fmt_mean
   points = {p['label']: p for p in data['points']}
   lines = [f'# {title}', '', f'Date: {data["date"]}. Hardware: {data["hardware"]}.', '', 'Command:', '',
-           f'    {data["command"]}', '', commands.strip(), '',
+           f'    {data["command"]}', '', "The file's commands:", '', commands.strip('\n'), '',
            '| arm | seeds | final eval loss (ours) | accuracy (ours) | published |', '|---|---|---|---|---|']
   for arm in arms:
     if arm.name not in points:
