@@ -10,7 +10,7 @@ Ladders (NAME):
   gpu          5 rungs x {adamw, muon} on one H200, bf16 + tokamax attention, the site-packages corpus
   gpu_attnres  the gpu rungs x {standard, block AttnRes (one block per layer, the Pallas kernels)}
   gpu_hybrid   the gpu rungs x {all attention, 3:1 KDA:attention}; KDA runs the fused Pallas kernels
-               (still 2-2.6x slower than fla's on the H200; not yet timed in a ladder);
+               (about 1.13x fla's time on the H200 at (8, 4096, 16, 128); not yet timed in a ladder);
                depth 4 * ceil(d / 256) so that every rung holds whole 'KKKA' groups
 
 Rule for every ladder: width d sets the rest. Depth = d / 64 layers (smoke: d / 16), heads = d / 64
