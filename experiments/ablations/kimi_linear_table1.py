@@ -11,8 +11,9 @@ RoPE, on the eval loss of the longest-context position bucket (the report's clai
 benchmarks, Table 5: NoPE 54.5 vs RoPE 51.8).
 Expected runtime (estimates, not measured): cpu, 10 arms x 1 seed of a 0.2M-parameter model, 100
 steps: ~25 min on the 2-core CPU (KDA's chunk form dominates). gpu: 10 arms x 2 seeds, ~28M
-parameters, 1000 steps of 16 x 2048 tokens (33M tokens), ~5 min per run with the XLA KDA chunk
-form: ~100 min on one H200, i.e. split it with --arms over several calls (runs resume and are reused).
+parameters, 1000 steps of 16 x 2048 tokens (33M tokens), estimated at ~5 min per run for the XLA
+KDA chunk form (the fused Pallas kernels, the GPU default, are ~5x faster per KDA op): up to ~100
+min on one H200, i.e. split it with --arms over several calls (runs resume and are reused).
 """
 
 from experiments.ablations import common
