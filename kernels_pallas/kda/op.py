@@ -47,9 +47,10 @@ def chunk_len(t: int) -> int:
 # features per program of scores_bwd, value columns per program of the state passes.
 # fused_cotangents: 1 forms the backward's per-chunk cotangents and the UT transpose in the
 # cotangents.py kernels, 0 in batched XLA matmuls (not yet timed against each other on a GPU).
-TILES = {'fused_cotangents': 1, 'warps_cotangents': 8, 'warps_wy_bwd': 8, 'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4, 'warps_apply': 8, 'warps_state': 4, 'warps_diag_bwd': 4,
-         'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8, 'features_bwd': 64,
-         'value_block': 64}
+TILES = {'fused_cotangents': 1, 'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4,
+         'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 8, 'warps_wy_bwd': 8,
+         'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
+         'features_bwd': 64, 'value_block': 64}
 
 
 def _params(kernel):
