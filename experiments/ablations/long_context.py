@@ -12,8 +12,9 @@ verdict compares the loss of the last bucket (the longest contexts). The publish
 Kimi Linear report's long-context average (Table 5: Kimi Linear 54.5 against MLA 52.2), so the
 hybrid's long-context loss should be the lower. MLA with NoPE as in the report.
 Expected runtime: cpu, 3 runs of a 0.2M model at T = 1024, 150 steps: about 17 min on the 2-core
-CPU (measured 2026-12-01 while a test run shared it). gpu: 3 runs of a ~25M model at T = 8192, batch 4, 1000 steps with the fused Pallas KDA
-kernels: ~25 min on one H200 (an estimate made for the XLA chunk form, so an upper bound).
+CPU (measured 2026-12-01 while a test run shared it). gpu: 3 runs of a ~25M model at T = 8192,
+batch 4, 1000 steps with the fused Pallas KDA kernels: ~25 min on one H200 (an estimate made for
+the XLA chunk form, so an upper bound).
 """
 
 from experiments.ablations import common

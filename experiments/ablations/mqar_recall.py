@@ -12,7 +12,8 @@ every pair at these sizes, a fixed-size recurrent state loses recall as pairs gr
 attention layer restores it; so attention >= hybrid >= all-KDA, the gap growing with the pairs.
 Expected runtime: cpu, 9 arms x 1 seed, 0.1M models, 300 steps at T <= 256: about 45 min on the
 2-core CPU shared with a test run (measured 2026-12-01; no arm learned the task at this size:
-experiments/results/ablation_mqar_recall.md). gpu: 9 arms x 2 seeds, ~6M models, 2000 steps at T up to 2048: ~30 min (estimate).
+experiments/results/ablation_mqar_recall.md). gpu: 9 arms x 2 seeds, ~6M models, 2000 steps at T
+up to 2048: ~30 min (estimate).
 """
 
 from experiments.ablations import common

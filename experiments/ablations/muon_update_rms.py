@@ -9,8 +9,8 @@ RMS through rms_scale = 0.2 sqrt(max(A, B)) scaling). Published validation loss 
 3.679; 0.05 -> 3.503; 0.1 -> 3.374; 0.2 -> 3.325; 0.4 -> 3.314; 0.8 -> 3.543: every scale beats
 AdamW, the optimum lies at 0.2-0.4, and both ends are worse.
 Expected runtime: cpu, 6 arms x 2 seeds of configs/default.py shrunk to d=128, 2 layers, 200 steps:
-about 18 min on the 2-core CPU (measured 2026-12-01). gpu: 6 arms x 2 seeds of a ~25M model, 1500 steps of
-16 x 1024 tokens: ~1.5 min per run, ~20 min on one H200 (estimate).
+about 18 min on the 2-core CPU (measured 2026-12-01). gpu: 6 arms x 2 seeds of a ~25M model,
+1500 steps of 16 x 1024 tokens: ~1.5 min per run, ~20 min on one H200 (estimate).
 """
 
 from experiments.ablations import common

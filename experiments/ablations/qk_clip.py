@@ -11,7 +11,8 @@ run's peak, and the lr is high enough for logits to grow. The report's claims: w
 max logit is capped at tau, and the loss curves with and without it coincide. The sweep's
 loss_curves.png holds both trajectories (max-logit panel) and the loss curves.
 Expected runtime: cpu, 2 arms x 2 seeds of configs/default.py (3.5M, 300 steps): about 10 min per
-run, 40 min in all, on the 2-core CPU (measured 2026-12-01: 1.8-2.0 s per step, the machine idle). gpu: 2 arms x 2 seeds of a ~25M model, 1500 steps: ~6 min on one H200 (estimate).
+run, 40 min in all, on the 2-core CPU (measured 2026-12-01: 1.8-2.0 s per step, the machine
+idle). gpu: 2 arms x 2 seeds of a ~25M model, 1500 steps: ~6 min on one H200 (estimate).
 """
 
 from experiments.ablations import common

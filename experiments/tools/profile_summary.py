@@ -116,10 +116,10 @@ def main(argv):
   for kind, ms in by_kind.items():
     print(f'| {kind} | {ms:.2f} |')
   origins = hlo_origins(FLAGS.hlo_dump) if FLAGS.hlo_dump else None
-  print(f'\n| op (top {FLAGS.top}) | kind | ms / step |' + (' from |' if origins else '') + '\n|---|---|---|'
-        + ('---|' if origins else ''))
+  extra = lambda text: f' {text} |' if origins is not None else ''
+  print(f'\n| op (top {FLAGS.top}) | kind | ms / step |{extra("from")}\n|---|---|---|{extra("---")}')
   for name, ms in by_name[:FLAGS.top]:
-    print(f'| {name[:90]} | {kind_of(name)} | {ms:.2f} |' + (f' {origins.get(name, "")} |' if origins else ''))
+    print(f'| {name[:90]} | {kind_of(name)} | {ms:.2f} |' + extra(origins.get(name, '') if origins else ''))
 
 
 if __name__ == '__main__':

@@ -44,10 +44,10 @@ def einsum(spec, x, y, dtype=F32):
                     preferred_element_type=F32)
 
 
-def iotas():
-  """(row index, column index) of a [SUB, SUB] block, int32."""
-  return (jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0),
-          jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1))
+def iotas(n=SUB):
+  """(row index, column index) of an [n, n] block, int32."""
+  return (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0),
+          jax.lax.broadcasted_iota(jnp.int32, (n, n), 1))
 
 
 def unit_lower_inverse(n):

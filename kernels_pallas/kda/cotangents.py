@@ -17,15 +17,13 @@ operands XLA transposed into batch-major layouts first.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from kernels_pallas.kda.blocks import F32, dot_nt, dot_tn
+from kernels_pallas.kda.blocks import F32, dot_nt, dot_tn, iotas
 
 
 def _causal(c, strict):
-  r = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-  j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  r, j = iotas(c)
   return r > j if strict else r >= j
 
 

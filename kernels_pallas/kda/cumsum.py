@@ -12,10 +12,9 @@ the FMA dot 5x (experiments/results/bench_kda.md).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from kernels_pallas.kda.blocks import F32, dot
+from kernels_pallas.kda.blocks import F32, dot, iotas
 
 
 def chunk_cumsum_kernel(x_ref, o_ref, *, reverse):
@@ -23,9 +22,8 @@ def chunk_cumsum_kernel(x_ref, o_ref, *, reverse):
   if not reverse:
     o_ref[...] = jnp.cumsum(x, axis=0)
     return
-  c = x.shape[0]
-  upper = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1) >= jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-  upper = upper.astype(jnp.bfloat16)
+  r, j = iotas(x.shape[0])
+  upper = (j >= r).astype(jnp.bfloat16)
   total = jnp.zeros(x.shape, F32)
   for _ in range(3):                      # x = x_1 + x_2 + x_3 + O(2^-24 |x|), each x_i in bf16
     part = x.astype(jnp.bfloat16)

@@ -370,11 +370,10 @@ def _core_bwd(scale, interpret, res, cotangents):
   qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, interpret=interpret)
   v_new, _, hs = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=True,
                            interpret=interpret)
-  ds0, dh, dv_new = state_bwd(qg, kg, w, aqk, gc, do.astype(v.dtype), ds_final.astype(F32), c=c,
-                              interpret=interpret)
+  do = do.astype(v.dtype)
+  ds0, dh, dv_new = state_bwd(qg, kg, w, aqk, gc, do, ds_final.astype(F32), c=c, interpret=interpret)
   if TILES['fused_cotangents']:
-    dqg, dkg, dw, daqk, ddecay = chunk_cotangents(hs, dh, do.astype(v.dtype), dv_new, v_new, c=c,
-                                                  interpret=interpret)
+    dqg, dkg, dw, daqk, ddecay = chunk_cotangents(hs, dh, do, dv_new, v_new, c=c, interpret=interpret)
     dn, dk_wy, dv, dg_wy, dbeta_wy = wy_backward(t_inv, dw, dv_new, k, v, gc, beta, c=c, interpret=interpret)
   else:
     dqg, dkg, daqk, ddecay, dn, dk_wy, dv, dg_wy, dbeta_wy = _xla_cotangents(
