@@ -37,13 +37,6 @@ def dot_tn(x, y):
   return _dot(x, y, ((0,), (0,)))
 
 
-def einsum(spec, x, y, dtype=F32):
-  """jnp.einsum for the XLA parts of the backward: operands cast to the dot dtype, float32
-  accumulation; full precision when that dtype is float32."""
-  return jnp.einsum(spec, x.astype(dtype), y.astype(dtype), precision=_HI if dtype == F32 else None,
-                    preferred_element_type=F32)
-
-
 def iotas(n=SUB):
   """(row index, column index) of an [n, n] block, int32."""
   return (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0),

@@ -24,12 +24,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from kernels_pallas.common import power_of_two_divisor
-from kernels_pallas.kda.blocks import F32, SUB, einsum
+from kernels_pallas.kda.blocks import F32, SUB
 from kernels_pallas.kda.cotangents import chunk_cotangents_kernel, wy_bwd_kernel
 from kernels_pallas.kda.cumsum import chunk_cumsum_kernel
 from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
-from kernels_pallas.kda.wy import wy_apply_kernel, wy_bwd, wy_inverse_kernel
+from kernels_pallas.kda.wy import wy_apply_kernel, wy_inverse_kernel
 
 CHUNK = 64
 # checkpoint_name of the residuals worth keeping (aqk, T): a caller that rematerialises around the
@@ -45,9 +45,7 @@ def chunk_len(t: int) -> int:
 # Triton settings (measured on an H200: experiments/results/bench_kda.md): warps of each kernel,
 # one pipelining depth; heads per program of the token-parallel kernels diag_fwd and diag_bwd,
 # features per program of scores_bwd, value columns per program of the state passes.
-# fused_cotangents: 1 forms the backward's per-chunk cotangents and the UT transpose in the
-# cotangents.py kernels, 0 in batched XLA matmuls (not yet timed against each other on a GPU).
-TILES = {'fused_cotangents': 1, 'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4,
+TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 8, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
          'features_bwd': 64, 'value_block': 64}
@@ -282,27 +280,6 @@ def wy_backward(t_inv, dw, dv_new, k, v, gc, beta, *, c, interpret):
   )(t_inv, dw, dv_new, k, v, gc, beta)
 
 
-def _xla_cotangents(hs, dh, do, dv_new, v_new, t_inv, k, v, gc, beta, c):
-  """The same as chunk_cotangents + wy_backward in batched XLA matmuls over [B, N, C, H, *] views
-  (TILES['fused_cotangents'] = 0), returned in the same flat layouts."""
-  b, t, h, dk = k.shape
-  nt = t // c
-  dot_dtype = hs.dtype
-  mm = lambda spec, x_, y_: einsum(spec, x_, y_, dot_dtype)
-  states = lambda s: jnp.moveaxis(s.reshape(b, h, nt, dk, s.shape[-1]), 2, 1)   # [B, N, H, K, V]
-  hs, dh = states(hs), states(dh)
-  ch = lambda x_: _chunk_view(x_, c)
-  do_c, dvn_c, v_new = ch(do), ch(dv_new), ch(v_new)
-  dqg = mm('bnchv,bnhkv->bnchk', do_c, hs)
-  dkg = mm('bnchv,bnhkv->bnchk', v_new, dh)
-  dw = -mm('bnchv,bnhkv->bnchk', dvn_c, hs)
-  daqk = jnp.where(jnp.tri(c, dtype=bool)[:, None, :], mm('bnchv,bnihv->bnchi', do_c, v_new), 0.0)
-  ddecay = jnp.sum(hs.astype(F32) * dh.astype(F32), axis=-1)                      # [B, N, H, K]
-  wy = wy_bwd(ch(t_inv), dw, dvn_c, ch(k), ch(v), ch(gc), ch(beta), dot_dtype)
-  flat = lambda y: y.reshape(b, t, *y.shape[3:])
-  return (flat(dqg).astype(dot_dtype), flat(dkg).astype(dot_dtype), flat(daqk), ddecay) + tuple(map(flat, wy))
-
-
 def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, *, scale, c, interpret):
   """(dq, dk, dg, dbeta, dlast): float32; dg of G; dlast [B, N * C/16, H, K] per sub-chunk. One
   program per sub-chunk and slice of TILES['features_bwd'] features."""
@@ -372,12 +349,8 @@ def _core_bwd(scale, interpret, res, cotangents):
                            interpret=interpret)
   do = do.astype(v.dtype)
   ds0, dh, dv_new = state_bwd(qg, kg, w, aqk, gc, do, ds_final.astype(F32), c=c, interpret=interpret)
-  if TILES['fused_cotangents']:
-    dqg, dkg, dw, daqk, ddecay = chunk_cotangents(hs, dh, do, dv_new, v_new, c=c, interpret=interpret)
-    dn, dk_wy, dv, dg_wy, dbeta_wy = wy_backward(t_inv, dw, dv_new, k, v, gc, beta, c=c, interpret=interpret)
-  else:
-    dqg, dkg, daqk, ddecay, dn, dk_wy, dv, dg_wy, dbeta_wy = _xla_cotangents(
-        hs, dh, do, dv_new, v_new, t_inv, k, v, gc, beta, c)
+  dqg, dkg, dw, daqk, ddecay = chunk_cotangents(hs, dh, do, dv_new, v_new, c=c, interpret=interpret)
+  dn, dk_wy, dv, dg_wy, dbeta_wy = wy_backward(t_inv, dw, dv_new, k, v, gc, beta, c=c, interpret=interpret)
   dq, dk_s, dg_s, dbeta_s, dlast = scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, scale=scale, c=c,
                                               interpret=interpret)
   ch = lambda x_: _chunk_view(x_, c)

@@ -5,9 +5,8 @@ wy_inverse_kernel: one program per chunk forms T's 16 x 16 blocks by forward sub
 block products in float32 (full-precision dots) and writes T in the dot dtype, the dtype every
 later product reads it in. wy_apply_kernel: one program per chunk applies T on the tensor cores
 (dot dtype operands, float32 accumulation) for W and U and writes the chunk's direct terms
-qg = scale q exp(G) and kg = k exp(G_C - G); the backward reruns it from the saved T. wy_bwd: the
-transpose of the map in XLA, from T (no inverse to differentiate), the reference for
-cotangents.wy_bwd_kernel (op.TILES['fused_cotangents'] = 0).
+qg = scale q exp(G) and kg = k exp(G_C - G); the backward reruns it from the saved T
+(its transpose is cotangents.wy_bwd_kernel).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.kda.blocks import F32, dot, einsum, inverse_blocks, rows
+from kernels_pallas.kda.blocks import F32, dot, inverse_blocks, rows
 
 
 def wy_inverse_kernel(n_ref, t_ref, *, nb):
@@ -38,21 +37,3 @@ def wy_apply_kernel(t_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kg_ref,
   t = t_ref[...].astype(dot_dtype)
   w_ref[...] = dot(t, (beta * eg * k).astype(dot_dtype)).astype(w_ref.dtype)
   u_ref[...] = dot(t, (beta * v_ref[...].astype(F32)).astype(dot_dtype)).astype(u_ref.dtype)
-
-
-def wy_bwd(t, dw, du, k, v, gc, beta, dot_dtype):
-  """Gradients through (w, u), on chunk views [B, N, C, H, *] (t [B, N, C, H, C] as written
-  by wy_inverse_kernel; the products take dot_dtype operands, float32 accumulation): (dn, dk,
-  dv, dg, dbeta) float32, dn strictly lower-triangular in (row, column), dg the gradient of the
-  cumulative log-decay G."""
-  mm = lambda spec, x_, y_: einsum(spec, x_, y_, dot_dtype)
-  eg = jnp.exp(gc)
-  k, v, beta = k.astype(F32), v.astype(F32), beta.astype(F32)[..., None]
-  x, y = beta * eg * k, beta * v
-  dx, dy = mm('bnrhi,bnrhd->bnihd', t, dw), mm('bnrhi,bnrhd->bnihd', t, du)
-  dt = mm('bnrhd,bnihd->bnrhi', dw, x) + mm('bnrhd,bnihd->bnrhi', du, y)
-  c = t.shape[2]
-  below = jnp.tri(c, k=-1, dtype=bool)[:, None, :]
-  dn = -jnp.where(below, mm('bnmhr,bnmhi->bnrhi', t, mm('bnmhj,bnihj->bnmhi', dt, t)), 0.0)
-  dbeta = jnp.sum(dx * eg * k, axis=-1) + jnp.sum(dy * v, axis=-1)
-  return dn, beta * eg * dx, beta * dy, dx * x, dbeta

@@ -83,11 +83,10 @@ def test_interpreted_short_sequence_uses_one_small_chunk():
 @pytest.mark.usefixtures('_full_precision')
 def test_interpreted_kernels_match_recurrence_under_other_tiles(monkeypatch):
   """Settings the defaults do not reach at these sizes: scores_bwd in two feature slices (its
-  dbeta as partial sums), one head per token-parallel program, value blocks of 16, and the
-  backward's cotangents in XLA instead of their kernels."""
+  dbeta as partial sums), one head per token-parallel program, and value blocks of 16."""
   from kernels_pallas.kda import op
   monkeypatch.setattr(op, 'TILES', dict(op.TILES, features_bwd=16, heads_diag=1, heads_diag_bwd=1,
-                                        value_block=16, fused_cotangents=0))
+                                        value_block=16))
   _compare(_inputs(3, 1, 40, 2, 32, 32, spikes=True), 'recurrent', 2e-4, 2e-4)
 
 
