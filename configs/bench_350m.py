@@ -11,9 +11,11 @@ Expected: one H200, 2026-12-01, tokamax attention: 390.6 ms/step against 400.0 w
           :attnres_full 1053 ms
           (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
           (muon_distributed.md).
-          :hybrid 618 ms/step, 106k tokens/s, 92.5 GiB (2026-12-01, before the KDA backward kept aqk
-          and T and the layer stopped keeping the op's inputs; experiments/results/bench_kda.md).
+          :hybrid 547.5 ms/step, 119.7k tokens/s, 76.1 GiB (2026-12-01; 0.71x all-attention's 391.4
+          ms in the same session; experiments/results/bench_kda.md).
 Variants: :hybrid (3 KDA : 1 attention, 18 + 6 layers, the fused Pallas KDA kernels),
+          :kda_recompute (with :hybrid: the KDA layers recompute their q/k/v projections in the
+          backward, 6 bytes per token and channel less, estimated 6.8 GiB less here and ~12 ms more),
           :remat (rematerialise each layer), :xla (attn_impl='xla'),
           :cudnn (cuDNN attention and the fused max-logit kernel instead of tokamax's Mosaic GPU
           flash attention, whose residuals give the max logits; SPEC §5), :mla (the attention layers as Kimi Linear's MLA: kv rank 512, 128
@@ -36,6 +38,7 @@ def get_config(arg: str | None = None):
   m.mlp_dim = 2816
   m.attn_impl = 'tokamax'             # max logits from the kernel's residuals; ':cudnn' for cuDNN
   m.kda_impl = 'pallas'               # used by the KDA layers of :hybrid
+  m.kda_conv_impl = 'pallas'          # their short convs: the fused conv + activation kernels
   m.compute_dtype = 'bfloat16'
   m.tie_embeddings = True
   m.residual_dtype = 'bfloat16'      # 2.6% faster than float32 here (see results)
@@ -49,6 +52,8 @@ def get_config(arg: str | None = None):
       m.remat = True
     elif variant == 'hybrid':
       m.layer_pattern = 'KKKA'
+    elif variant == 'kda_recompute':      # KDA layers recompute their q/k/v projections in the backward
+      m.kda_recompute_projections = True
     elif variant == 'xla':
       m.attn_impl = 'xla'
     elif variant == 'cudnn':
@@ -63,7 +68,7 @@ def get_config(arg: str | None = None):
     elif variant == 'attnres_xla':        # AttnRes phase 1 in plain XLA instead of the Pallas kernels
       pass                                # applied after the loop, so that order does not matter
     else:
-      raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'hybrid', 'remat', 'xla', "
+      raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'hybrid', 'kda_recompute', 'remat', 'xla', "
                        "'cudnn', 'mla', 'attnres_full', 'attnres_block', 'attnres_xla'")
   if 'attnres_xla' in variants:
     m.attnres_impl = 'xla'

@@ -12,7 +12,7 @@ from typing import Any
 import ml_collections
 
 from kimijax.data.pipeline import SOURCES as DATA_SOURCES, default_data_config
-from kimijax.ops import attention as attention_ops, attnres as attnres_ops, kda as kda_ops
+from kimijax.ops import attention as attention_ops, attnres as attnres_ops, kda as kda_ops, short_conv as short_conv_ops
 
 # Letters accepted in model.layer_pattern: one letter per mixer sublayer kind.
 LAYER_KINDS = {'A': 'full attention (model.attention_kind)', 'K': 'Kimi Delta Attention'}
@@ -23,6 +23,7 @@ MLA_VIEWS = ('fused', 'per_part')   # muon's MLA matrices; kimijax/optim/routing
 # Each op module holds a dict of the implementations it dispatches to; only built ones are listed.
 ATTN_IMPLS = attention_ops.IMPLS
 KDA_IMPLS = kda_ops.IMPLS
+SHORT_CONV_IMPLS = short_conv_ops.IMPLS
 ATTNRES_IMPLS = attnres_ops.IMPLS
 ATTNRES_DEPTH_WEIGHTS = attnres_ops.DEPTH_WEIGHTS   # SPEC §4 and its sigmoid ablation
 ATTENTION_KINDS = ('mha', 'gqa', 'mla')
@@ -94,6 +95,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.kda_num_heads = 0           # 0: num_heads
   m.kda_head_dim = 0            # 0: d_model // num_heads (key and value head dim)
   m.kda_short_conv = True       # depthwise causal conv (kernel 4) + SiLU on q, k, v
+  m.kda_conv_impl = 'xla'       # kimijax.ops.short_conv.IMPLS: 'xla' | 'pallas' (the fused conv kernels)
+  m.kda_recompute_projections = False  # True: KDA's backward recomputes its q/k/v projections instead of
+                                # keeping them (6 bytes per token and channel less in bf16, 3 matmuls more)
   m.kda_output_gate = 'sigmoid' # 'sigmoid' | 'swish' | 'none' (report Table 1)
   m.kda_gate_lower_bound = 0.0  # 0: -exp(A_log) softplus gate; in [-5, 0): bounded sigmoid gate
   m.kda_output_norm_eps = 1e-5  # eps of KDA's per-head output RMSNorm (Kimi Linear: its rms_norm_eps)
@@ -209,12 +213,13 @@ def kda_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
 
 def portable(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A copy of the model config with the implementations that run on any machine ('xla' attention
-  and AttnRes, 'chunk' KDA unless 'recurrent'): same parameters, so shapes and counts of a GPU
+  and AttnRes, 'chunk' KDA unless 'recurrent', 'xla' short convs): same parameters, so shapes and counts of a GPU
   config can be traced on a CPU."""
   model = model.copy_and_resolve_references()
   model.attn_impl, model.attnres_impl = 'xla', 'xla'
   if model.kda_impl not in ('recurrent', 'chunk'):
     model.kda_impl = 'chunk'
+  model.kda_conv_impl = 'xla'
   return model
 
 
@@ -280,12 +285,14 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _one_of('model.position', m.position, POSITIONS)
   _one_of('model.attn_impl', m.attn_impl, ATTN_IMPLS)
   _one_of('model.kda_impl', m.kda_impl, KDA_IMPLS)
+  _one_of('model.kda_conv_impl', m.kda_conv_impl, SHORT_CONV_IMPLS)
   _one_of('model.compute_dtype', m.compute_dtype, DTYPES)
   _one_of('model.residual_dtype', m.residual_dtype, DTYPES)
   _positive('model.norm_eps', m.norm_eps)
   _positive('model.mla_latent_norm_eps', m.mla_latent_norm_eps)
   _positive('model.kda_output_norm_eps', m.kda_output_norm_eps)
   _one_of('model.mla_rope', m.mla_rope, (True, False))
+  _one_of('model.kda_recompute_projections', m.kda_recompute_projections, (True, False))
   _positive('model.init_std', m.init_std)
   _positive('model.rope_theta', m.rope_theta)
 

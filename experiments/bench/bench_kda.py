@@ -3,12 +3,13 @@
     python -m experiments.bench.bench_kda                             # GPU, SPEC §5 shape B=8 T=4096 H=16 D=128
     python -m experiments.bench.bench_kda --batch=1 --seq_len=2048 --heads=2 --head_dim=64 --dtype=float32   # CPU
 
-Times kimijax's 'recurrent' and 'chunk' implementations (and 'pallas' once it exists) on random
+Times kimijax's implementations ('recurrent', 'chunk', 'pallas': --impls) on random
 inputs of one shape (q, k L2-normalised; g = -exp(U(-7, 0.5)), the range of the KDA gate at
 init; beta = sigmoid(N(0, 1))). forward: o from (q, k, v, g, beta); forward+backward: the
 gradients of sum(o * do) with respect to all five inputs. On a GPU where `import fla` works, fla's
 Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (SPEC §5: 1.77 ms /
-10.0 ms at the default shape on an H200). Each figure is the median (and min) of --repeats timed
+10.0 ms at the default shape on an H200). --short_conv adds the layer's short conv + activation
+(kimijax.ops.short_conv) under each of its impls. Each figure is the median (and min) of --repeats timed
 calls after --warmup calls; prints a Markdown table.
 """
 
@@ -32,6 +33,8 @@ flags.DEFINE_bool('stages', False, "also time each stage of impl='pallas' on its
                   'the backward\'s recomputation, reverse state pass and input gradients)')
 flags.DEFINE_list('kda_tiles', [''], "with --stages: settings of kernels_pallas.kda.op.TILES to time the "
                   "stages under, one per entry, each 'key=int/key=int' (e.g. warps_diag=2/heads_diag=8)")
+flags.DEFINE_bool('short_conv', False, "also time the KDA layer's short conv + SiLU + L2 norm "
+                  '(kimijax.ops.short_conv, one of q, k, v at the same shape) under each of its impls')
 FLAGS = flags.FLAGS
 
 
@@ -143,6 +146,31 @@ def _stage_rows(shape, dtype_name):
           for name, fn in stages]
 
 
+def _short_conv_rows(shape, dtype_name):
+  """kimijax.ops.short_conv with 'silu_l2' (q's and k's activation) on x [B, T, H, K]: forward, and
+  the gradients of sum(y * dy) with respect to x and the taps."""
+  import jax
+  import jax.numpy as jnp
+
+  from kimijax.ops import short_conv as sc
+
+  keys = jax.random.split(jax.random.key(2), 3)
+  x = jax.random.normal(keys[0], shape, jnp.dtype(dtype_name))
+  w = jax.random.uniform(keys[1], (4,) + shape[2:], jnp.float32, -0.5, 0.5)
+  dy = jax.random.normal(keys[2], shape, jnp.dtype(dtype_name))
+  rows = []
+  for impl in sc.IMPLS:
+    fn = lambda x, w, impl=impl: sc.short_conv(x, w, 'silu_l2', impl=impl)[0]
+    loss = lambda x, w, dy, fn=fn: jnp.sum(fn(x, w).astype(jnp.float32) * dy.astype(jnp.float32))
+    calls = ((jax.jit(fn), (x, w)), (jax.jit(jax.grad(loss, argnums=(0, 1))), (x, w, dy)))
+    row = [f'short_conv {impl} (silu_l2)'] + [
+        '%.2f (%.2f)' % _time(lambda f=f, a=a: f(*a), FLAGS.repeats, FLAGS.warmup, jax.block_until_ready)
+        for f, a in calls]
+    rows.append(row)
+    _print_row(row)
+  return rows
+
+
 def _fla_rows(shape):
   """fla's Triton chunk_kda on the same shape (bf16), when PyTorch + fla + a CUDA device exist."""
   try:
@@ -191,6 +219,8 @@ def main(argv):
   print('| implementation | forward ms | forward+backward ms |')
   print('|---|---|---|', flush=True)
   _jax_rows(shape, dtype)   # each row is printed as soon as it is timed
+  if FLAGS.short_conv:
+    _short_conv_rows(shape, dtype)
   if FLAGS.stages:
     from kernels_pallas.common import parse_tiles, with_defaults
     from kernels_pallas.kda import op

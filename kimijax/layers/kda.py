@@ -10,14 +10,14 @@
 
 Decode cache per sequence: the last 3 conv inputs of q, k and v, and the float32 state [H, K, V].
 
-Memory: the short convolutions and activations, beta, the decay gate and the op run as one
-rematerialised region that keeps only its inputs (the layer input and the q/k/v projections) and
-what the op names worth keeping (kimijax.ops.kda.SAVED: the fused kernels' aqk and T, the chunk
-form's per-chunk states). The op's inputs (q, k, v after their activations, the float32 g) are
-recomputed in the backward pass; the op's forward kernels, whose outputs the backward does not
-need, are not rerun. The output norm and gate are recomputed too, so a training step keeps the
-layer input, the q/k/v projections, the op's output and named residuals, and the output gate's
-rank-sized bottleneck of a KDA layer.
+Memory: the q/k/v projections, the short convolutions and activations, beta, the decay gate and
+the op run as one rematerialised region that keeps only the layer input, what the op names worth
+keeping (kimijax.ops.kda.SAVED: the fused kernels' aqk and T, the chunk form's per-chunk states)
+and, unless recompute_projections, the projections' outputs (PROJECTIONS). The op's inputs (q, k,
+v after their activations, the float32 g) are recomputed in the backward pass; the op's forward
+kernels, whose outputs the backward does not need, are not rerun. The output norm and gate are
+recomputed too, so a training step keeps the layer input, the q/k/v projections (or not), the
+op's output and named residuals, and the output gate's rank-sized bottleneck of a KDA layer.
 """
 
 from __future__ import annotations
@@ -27,27 +27,17 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from kimijax.layers.conv import ShortConv
 from kimijax.layers.norms import rms_normalise
 from kimijax.layers.params import weight
 from kimijax.ops.kda import SAVED, kda, kda_step
+from kimijax.ops.short_conv import activate
 
 CONV_WIDTH = 4
-_KEEP_NAMED = jax.checkpoint_policies.save_only_these_names(SAVED)
-
-
-def l2_normalise(x, eps: float = 1e-6):
-  """x / sqrt(sum(x^2) + eps) over the last axis, in float32."""
-  x = x.astype(jnp.float32)
-  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def _silu_l2(x):
-  return l2_normalise(jax.nn.silu(x))
-
-
-ACTIVATIONS = {'q': _silu_l2, 'k': _silu_l2, 'v': jax.nn.silu}   # after each short conv
+PROJECTIONS = 'kda_projections'   # checkpoint_name of the q/k/v projections' outputs
+ACTIVATIONS = {'q': 'silu_l2', 'k': 'silu_l2', 'v': 'silu'}   # after each short conv (kimijax.ops.short_conv)
 
 
 def _a_log_init(key, shape, dtype):
@@ -74,6 +64,9 @@ class KimiDeltaAttention(nn.Module):
   dtype: jnp.dtype = jnp.float32
   output_norm_eps: float = 1e-5       # eps of the per-head output RMSNorm (the model's rms_norm_eps
                                       # in Kimi Linear's release)
+  conv_impl: str = 'xla'              # the short convs' implementation (kimijax.ops.short_conv.IMPLS)
+  recompute_projections: bool = False  # True: the backward recomputes the q/k/v projections from the
+                                       # layer input instead of keeping them (3 bf16 [B, T, H, K] less)
 
   def _low_rank_weights(self, name, d, rank):
     """The two factors of a rank-`rank` projection [D] -> [H, K]."""
@@ -97,18 +90,20 @@ class KimiDeltaAttention(nn.Module):
     o = nn.with_logical_constraint(o.astype(self.dtype), ('act_batch', 'act_length', 'act_heads', None))
     return jnp.einsum('bthk,hkd->btd', o, w_o)
 
-  def _mix(self, x_btd, q, k, v, cache):
-    """From the layer input and its q/k/v projections: the short convolutions and activations,
-    beta, the decay gate and the op, (o, new cache). The parameters are created in the order of
-    the layer's definition (SPEC §1), which fixes their initial values for a given seed."""
+  def _mix(self, x_btd, w_qkv, cache):
+    """From the layer input and the q/k/v projection weights: the projections (tagged PROJECTIONS),
+    the short convolutions and activations, beta, the decay gate and the op, (o, new cache). The
+    parameters are created in the order of the layer's definition (SPEC §1), which fixes their
+    initial values for a given seed."""
+    q, k, v = (checkpoint_name(jnp.einsum('btd,dhk->bthk', x_btd, w), PROJECTIONS) for w in w_qkv)
     new_cache, outs = {}, []
     for name, t in (('q', q), ('k', k), ('v', v)):
       if self.short_conv:
         prefix = None if cache is None else cache[f'conv_{name}']
-        conv = ShortConv(CONV_WIDTH, self.dtype, ACTIVATIONS[name], name=f'{name}_conv')
+        conv = ShortConv(CONV_WIDTH, self.dtype, ACTIVATIONS[name], self.conv_impl, name=f'{name}_conv')
         t, new_cache[f'conv_{name}'] = conv(t, prefix)
       else:
-        t = ACTIVATIONS[name](t)
+        t = activate(t, ACTIVATIONS[name])
       outs.append(t.astype(self.dtype))
     act = ('act_batch', 'act_length', 'act_heads', None)
     q, k, v = (nn.with_logical_constraint(t, act) for t in outs)
@@ -140,10 +135,11 @@ class KimiDeltaAttention(nn.Module):
     d = x_btd.shape[-1]
     x_btd = x_btd.astype(self.dtype)
     names = ('embed', 'heads', 'head_dim')
-    q, k, v = (jnp.einsum('btd,dhk->bthk', x_btd, weight(self, f'{n}_proj', (d, h, hd), names))
-               for n in ('q', 'k', 'v'))
-    mix = nn.remat(type(self)._mix, policy=_KEEP_NAMED, prevent_cse=True)
-    o, new_cache = mix(self, x_btd, q, k, v, cache)
+    w_qkv = [weight(self, f'{n}_proj', (d, h, hd), names) for n in ('q', 'k', 'v')]
+    kept = (SAVED,) if self.recompute_projections else (SAVED, PROJECTIONS)
+    mix = nn.remat(type(self)._mix, policy=jax.checkpoint_policies.save_only_these_names(*kept),
+                   prevent_cse=True)
+    o, new_cache = mix(self, x_btd, w_qkv, cache)
 
     gain = self.param('o_norm', nn.with_logical_partitioning(nn.initializers.ones, ('head_dim',)),
                       (hd,), jnp.float32)

@@ -26,7 +26,8 @@ from kimijax.config import base_config
 MUST_MATCH = ('model',)
 # Keys inside MUST_MATCH that choose how to compute, not what: a checkpoint restores under any of
 # their values (e.g. trained with cuDNN attention on a GPU, evaluated with 'xla' on a CPU).
-MAY_DIFFER = ('model.attn_impl', 'model.kda_impl', 'model.attnres_impl', 'model.remat')
+MAY_DIFFER = ('model.attn_impl', 'model.kda_impl', 'model.kda_conv_impl', 'model.kda_recompute_projections',
+              'model.attnres_impl', 'model.remat')
 
 
 class CheckpointError(RuntimeError):

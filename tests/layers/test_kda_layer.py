@@ -2,6 +2,8 @@
 path (conv states + float32 state) against its parallel path, token by token (the oracle:
 tests/oracles.py)."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,8 +24,8 @@ CASES = {
 }
 
 
-def _setup(case, impl='chunk'):
-  layer = KimiDeltaAttention(H, K, impl=impl, init_std=0.3, **case)
+def _setup(case, impl='chunk', head_dim=K, conv_impl='xla'):
+  layer = KimiDeltaAttention(H, head_dim, impl=impl, init_std=0.3, conv_impl=conv_impl, **case)
   x = jax.random.normal(jax.random.key(1), (B, T, D))
   params = nn.unbox(layer.init(jax.random.key(0), x)['params'])
   return layer, params, x
@@ -37,6 +39,23 @@ def test_layer_matches_numpy(case):
                      output_gate=case['output_gate'], lower_bound=case['gate_lower_bound'])
   assert max_logits is None and cache is None
   np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+def test_layer_with_the_fused_conv_kernels_matches_numpy_and_the_plain_conv():
+  """conv_impl='pallas' (K = 16, the kernels' smallest head dim): the output against the NumPy
+  layer, and every parameter's gradient against the layer with the plain (XLA) convs."""
+  case = CASES['default']
+  layer, params, x = _setup(case, head_dim=16, conv_impl='pallas')
+  plain = KimiDeltaAttention(H, 16, init_std=0.3, **case)
+  ref = np_kda_layer(params, np.asarray(x, np.float64), short_conv=True, output_gate='sigmoid',
+                     lower_bound=0.0)
+  np.testing.assert_allclose(layer.apply({'params': params}, x)[0], ref, rtol=1e-4,
+                             atol=1e-5 * np.abs(ref).max())
+  grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply({'params': p}, x)[0] ** 2))(params) for m in (layer, plain)]
+  for path, got in jax.tree_util.tree_leaves_with_path(grads[0]):
+    want = functools.reduce(lambda tree, key: tree[key.key], path, grads[1])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()),
+                               err_msg=jax.tree_util.keystr(path))
 
 
 def test_parameter_initialisation():
@@ -63,22 +82,33 @@ def test_prefill_then_decode_equals_parallel(case):
                              atol=1e-5 * float(jnp.abs(y_full).max()))
 
 
+@pytest.mark.parametrize('recompute', [False, True], ids=['keep_projections', 'recompute_projections'])
 @pytest.mark.parametrize('case', ['default', 'swish_noconv_bounded'])
-def test_backward_keeps_only_matmul_outputs_and_the_named_residuals(case):
+def test_backward_keeps_only_matmul_outputs_and_the_named_residuals(case, recompute):
   """What the layer's backward keeps, per token, is bounded by: 5 bf16 tensors of H * K (the layer
-  input, the q/k/v projections, the op's output), the fused op's two named residuals aqk and T
-  (bf16, H * C each with C = 64), at most two rank-K bottlenecks of the gate projections (bf16)
-  and beta (float32, H, twice). The op's inputs (q, k, v after conv + SiLU + L2 norm, the float32 g),
-  the gate projections' outputs and the elementwise intermediates are recomputed: keeping the op's
-  inputs and the projections took 26 bytes per token and channel at K = 128, their float32
-  intermediates 99."""
+  input, the q/k/v projections, the op's output; 2 with recompute_projections), the fused op's two
+  named residuals aqk and T (bf16, H * C each with C = 64), at most two rank-K bottlenecks of the
+  gate projections (bf16) and beta (float32, H, twice). The op's inputs (q, k, v after conv + SiLU +
+  L2 norm, the float32 g), the gate projections' outputs and the elementwise intermediates are
+  recomputed: keeping the op's inputs and the projections took 26 bytes per token and channel at
+  K = 128, their float32 intermediates 99."""
   bsz, t, h, k, c = 2, 256, 4, 32, 64
-  layer = KimiDeltaAttention(h, k, impl='pallas', dtype=jnp.bfloat16, **CASES[case])
+  layer = KimiDeltaAttention(h, k, impl='pallas', dtype=jnp.bfloat16, recompute_projections=recompute,
+                             **CASES[case])
   x = jnp.zeros((bsz, t, h * k), jnp.bfloat16)
   params = jax.eval_shape(layer.init, jax.random.key(0), x)
   loss = lambda p, x: jnp.sum(layer.apply(p, x)[0].astype(jnp.float32))
   residuals = jax.eval_shape(lambda p, x: jax.vjp(loss, p, x)[1], params, x)
   kept = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(residuals))
-  per_token = 2 * 5 * h * k + 2 * 2 * h * c + 2 * 2 * k + 4 * 2 * h
+  per_token = 2 * (2 if recompute else 5) * h * k + 2 * 2 * h * c + 2 * 2 * k + 4 * 2 * h
   assert kept <= per_token * bsz * t + 4 * sum(
       a.size for a in jax.tree_util.tree_leaves(params)), kept / (bsz * t)
+
+
+def test_recomputed_projections_give_the_same_gradients():
+  case = CASES['default']
+  layer, params, x = _setup(case)
+  again = KimiDeltaAttention(H, K, init_std=0.3, recompute_projections=True, **case)
+  grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply({'params': p}, x)[0] ** 2))(params) for m in (layer, again)]
+  for got, want in zip(jax.tree_util.tree_leaves(grads[1]), jax.tree_util.tree_leaves(grads[0])):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))

@@ -1,0 +1,164 @@
+"""KDA's short convolution and its activation (SPEC §1) as Pallas (Triton) kernels, with a VJP.
+
+    y = short_conv_pallas(x, w, activation, interpret=...)
+
+x [B, T, H, K], w [W, H, K] float32 (W taps), activation 'none' | 'silu' | 'silu_l2' (SiLU, then
+each head's K features divided by their L2 norm, eps L2_EPS):
+
+    z[t] = sum_j w[j] x[t - W + 1 + j]   (x = 0 before the first token),   y = act(z)
+
+Three kernels, one program per TILES['rows'] tokens and TILES['heads'] heads (every K feature of
+a head, for the L2 norm), each reading its W shifted row windows from the whole-sequence block
+of its input with masked loads (rows outside [0, T) read as zero):
+
+- `short_conv_fwd`: z and the activation in one pass, y in x's dtype;
+- `short_conv_dz`: the backward's first pass: recomputes z, takes the activation's transpose
+  (dz = dact(z)^T dy) and writes dz in x's dtype, and each program's part of dw (sum over its
+  rows of x[t - W + 1 + j] dz[t], float32, from the float32 dz), summed over programs in XLA;
+- `short_conv_dx`: dx[t] = sum_j w[j] dz[t + W - 1 - j], the same conv with its taps mirrored.
+
+All arithmetic is float32; the backward keeps only x (and w), and y is never read back.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas.common import compiler_params, power_of_two_divisor, round_up
+
+F32 = jnp.float32
+L2_EPS = 1e-6
+ACTIVATIONS = ('none', 'silu', 'silu_l2')
+# rows (tokens) and heads per program, Triton warps and pipelining stages
+TILES = {'rows': 32, 'heads': 1, 'warps': 8, 'stages': 1}
+
+
+def _window(ref, start, shape, t):
+  """Rows start + [0, rows) of a whole-sequence block [T, heads, K] as float32, [rows, heads, K];
+  rows outside [0, t) read as zero (loaded through clamped indices under a mask)."""
+  rows, hb, dk = shape
+  r = start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1, 1), 0)
+  idx = (jnp.clip(r, 0, t - 1), jax.lax.broadcasted_iota(jnp.int32, (1, hb, 1), 1),
+         jax.lax.broadcasted_iota(jnp.int32, (1, 1, dk), 2))
+  from jax.experimental.pallas import triton as plgpu
+  inside = jnp.broadcast_to((r >= 0) & (r < t), shape)
+  return plgpu.load(ref.at[idx], mask=inside, other=0).astype(F32)
+
+
+def _sigmoid(z):
+  return 1.0 / (1.0 + jnp.exp(-z))
+
+
+def _activate(z, activation):
+  if activation == 'none':
+    return z
+  a = z * _sigmoid(z)
+  if activation == 'silu':
+    return a
+  return a * jax.lax.rsqrt(jnp.sum(a * a, axis=-1, keepdims=True) + L2_EPS)
+
+
+def _activate_transpose(z, dy, activation):
+  """dz from dy through act at z: SiLU' = s (1 + z (1 - s)); the L2 norm's transpose is
+  n (dy - y sum(dy y)) with n = 1 / sqrt(sum a^2 + eps), y = a n."""
+  if activation == 'none':
+    return dy
+  s = _sigmoid(z)
+  a = z * s
+  if activation == 'silu_l2':
+    n = jax.lax.rsqrt(jnp.sum(a * a, axis=-1, keepdims=True) + L2_EPS)
+    y = a * n
+    dy = n * (dy - y * jnp.sum(dy * y, axis=-1, keepdims=True))
+  return dy * s * (1.0 + z * (1.0 - s))
+
+
+def _conv(x_ref, w_ref, shape, t, sign):
+  """sum_j w[j] x[t0 + rows + sign (j - W + 1)] for this program's rows t0 + [0, rows)."""
+  width = w_ref.shape[0]
+  t0 = pl.program_id(1) * shape[0]
+  return sum(w_ref[j][None] * _window(x_ref, t0 + sign * (j - width + 1), shape, t) for j in range(width))
+
+
+def _fwd_kernel(x_ref, w_ref, y_ref, *, t, sign, activation):
+  y_ref[...] = _activate(_conv(x_ref, w_ref, y_ref.shape, t, sign), activation).astype(y_ref.dtype)
+
+
+def _dz_kernel(x_ref, w_ref, dy_ref, dz_ref, dw_ref, *, t, activation):
+  width, shape = w_ref.shape[0], dz_ref.shape
+  t0 = pl.program_id(1) * shape[0]
+  xs = [_window(x_ref, t0 + j - width + 1, shape, t) for j in range(width)]
+  z = sum(w_ref[j][None] * xs[j] for j in range(width))
+  dz = _activate_transpose(z, dy_ref[...].astype(F32), activation)
+  dz_ref[...] = dz.astype(dz_ref.dtype)
+  for j in range(width):
+    dw_ref[j] = jnp.sum(xs[j] * dz, axis=0)
+
+
+def _specs(tp, hb, dk, width, rows):
+  whole = pl.BlockSpec((None, tp, hb, dk), lambda bi, ti, hi: (bi, 0, hi, 0))
+  tile = pl.BlockSpec((None, rows, hb, dk), lambda bi, ti, hi: (bi, ti, hi, 0))
+  taps = pl.BlockSpec((width, hb, dk), lambda bi, ti, hi: (0, hi, 0))
+  return whole, tile, taps
+
+
+def _tiles(x):
+  b, tp, h, dk = x.shape
+  return b, tp, h, dk, TILES['rows'], power_of_two_divisor(h, TILES['heads'])
+
+
+def _conv_call(x, w, *, sign, activation, interpret, name):
+  b, tp, h, dk, rows, hb = _tiles(x)
+  whole, tile, taps = _specs(tp, hb, dk, w.shape[0], rows)
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, t=tp, sign=sign, activation=activation), grid=(b, tp // rows, h // hb),
+      in_specs=[whole, taps], out_specs=tile, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      compiler_params=compiler_params(TILES), interpret=interpret, name=name,
+  )(x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _short_conv(x, w, activation, interpret):
+  return _conv_call(x, w, sign=1, activation=activation, interpret=interpret, name='short_conv_fwd')
+
+
+def _short_conv_fwd(x, w, activation, interpret):
+  return _short_conv(x, w, activation, interpret), (x, w)
+
+
+def _short_conv_bwd(activation, interpret, res, dy):
+  x, w = res
+  b, tp, h, dk, rows, hb = _tiles(x)
+  width = w.shape[0]
+  whole, tile, taps = _specs(tp, hb, dk, width, rows)
+  part = pl.BlockSpec((None, None, width, hb, dk), lambda bi, ti, hi: (bi, ti, 0, hi, 0))
+  dz, dw_parts = pl.pallas_call(
+      functools.partial(_dz_kernel, t=tp, activation=activation), grid=(b, tp // rows, h // hb),
+      in_specs=[whole, taps, tile], out_specs=[tile, part],
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
+                 jax.ShapeDtypeStruct((b, tp // rows, width, h, dk), F32)],
+      compiler_params=compiler_params(TILES), interpret=interpret, name='short_conv_dz',
+  )(x, w, dy.astype(x.dtype))
+  dx = _conv_call(dz, w, sign=-1, activation='none', interpret=interpret, name='short_conv_dx')
+  return dx, jnp.sum(dw_parts, axis=(0, 1)).astype(w.dtype)
+
+
+_short_conv.defvjp(_short_conv_fwd, _short_conv_bwd)
+
+
+def short_conv_pallas(x, w, activation='none', *, interpret=False):
+  """act(causal depthwise conv of x [B, T, H, K] with taps w [W, H, K]) in x's dtype (see the
+  module docstring; kimijax.ops.short_conv checks the arguments); any T, K a power of two >= 16.
+  Differentiable in x and w."""
+  dk = x.shape[-1]
+  if dk < 16 or dk & (dk - 1):
+    raise ValueError(f"short_conv impl='pallas': K = {dk} must be a power of two >= 16 (x {list(x.shape)}); "
+                     "use impl='xla' for other sizes")
+  t = x.shape[1]
+  pad = round_up(t, TILES['rows']) - t
+  xp = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
+  y = _short_conv(xp, w.astype(F32), activation, bool(interpret))
+  return y[:, :t] if pad else y

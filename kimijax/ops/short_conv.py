@@ -1,0 +1,82 @@
+"""KDA's short convolution with its activation (SPEC §1): the op and its implementations.
+
+    y, next_prefix = short_conv(x, w, activation, prefix=None, impl='xla')
+
+x [B, T, H, K], taps w [W, H, K] (float32 parameters); y[t] = act(sum_j w[j] x[t - W + 1 + j]),
+channel by channel, with `prefix` [B, W-1, H, K] (the inputs just before x: the decode state)
+or zeros before the first token. activation: 'none' | 'silu' | 'silu_l2' (SiLU, then each head's
+K features divided by their L2 norm, eps L2_EPS). Returns y and the last W-1 inputs (the next
+prefix). IMPLS holds the implementations by name:
+
+- 'xla': the conv and the activation in x's dtype (the L2 norm in float32), XLA autodiff;
+- 'pallas': kernels_pallas/short_conv (one fused pass each way, float32 arithmetic, the
+  backward recomputes the conv; interpreted off the GPU) for training and full prefills;
+  with a prefix (decoding and chunked prefill, never differentiated) it runs the 'xla' form.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.short_conv.conv import ACTIVATIONS, L2_EPS
+
+
+def l2_normalise(x, eps: float = L2_EPS):
+  """x / sqrt(sum(x^2) + eps) over the last axis, in float32."""
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def activate(x, activation: str):
+  """The activation after the conv, by name (also used alone when a layer has no conv)."""
+  if activation == 'none':
+    return x
+  a = jax.nn.silu(x)
+  return l2_normalise(a) if activation == 'silu_l2' else a
+
+
+def causal_depthwise_conv(x, w, prefix=None):
+  """sum_j w[j] x[t - W + 1 + j] in x's dtype; returns (y, the last W-1 inputs)."""
+  width, t = w.shape[0], x.shape[1]
+  if prefix is None:
+    prefix = jnp.zeros((x.shape[0], width - 1) + x.shape[2:], x.dtype)
+  padded = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)          # [B, T+W-1, ...]
+  y = sum(padded[:, j: j + t] * w[j].astype(x.dtype) for j in range(width))
+  return y, padded[:, t:]
+
+
+def _xla(x, w, activation, prefix):
+  y, next_prefix = causal_depthwise_conv(x, w, prefix)
+  return activate(y, activation), next_prefix
+
+
+def _last_inputs(x, width):
+  """The last W-1 rows of x (zeros in front when T < W-1): the next prefix."""
+  pad = max(width - 1 - x.shape[1], 0)
+  x = jnp.pad(x, ((0, 0), (pad, 0)) + ((0, 0),) * (x.ndim - 2)) if pad else x
+  return x[:, x.shape[1] - (width - 1):]
+
+
+def _pallas(x, w, activation, prefix):
+  if prefix is not None:
+    return _xla(x, w, activation, prefix)
+  from kernels_pallas.common import kernels_interpreted
+  from kernels_pallas.short_conv import short_conv_pallas
+  y = short_conv_pallas(x, w, activation, interpret=kernels_interpreted())
+  return y, _last_inputs(x, w.shape[0])
+
+
+IMPLS = {'xla': _xla, 'pallas': _pallas}
+
+
+def short_conv(x, w, activation: str = 'none', prefix=None, *, impl: str = 'xla'):
+  """The short conv through one dispatch point: impl, a key of IMPLS ('xla' | 'pallas')."""
+  if impl not in IMPLS:
+    raise ValueError(f'short_conv impl={impl!r} is unknown; allowed: {tuple(IMPLS)}')
+  if activation not in ACTIVATIONS:
+    raise ValueError(f'short_conv: activation={activation!r} is unknown; allowed: {ACTIVATIONS}')
+  if x.ndim != 4 or w.ndim != 3 or w.shape[1:] != x.shape[2:]:
+    raise ValueError(f'short_conv: x must be [B, T, H, K] and w [W, H, K]; got x {list(x.shape)}, '
+                     f'w {list(w.shape)}')
+  return IMPLS[impl](x, w, activation, prefix)
