@@ -141,7 +141,7 @@ def _stage_rows(shape, dtype_name):
             ('state_bwd', lambda: bwd(qg, kg, w, aqk, gc, do, s0)),
             ('chunk_cotangents', lambda: cot(hs, dh, do, dv_new, v_new)),
             ('wy_backward', lambda: wy_back(t_inv, dw, dv_new, k, v, gc, beta)),
-            ('scores_bwd', lambda: sbwd(q, k, gc, beta, qg, kg, f32(aqk), n))]
+            ('scores_bwd', lambda: sbwd(q, k, gc, beta, qg, kg, f32(aqk), n, f32(k), gc, beta))]
   return [[f'pallas stage: {name}', '%.2f (%.2f)' % _time(fn, FLAGS.repeats, FLAGS.warmup, sync), '']
           for name, fn in stages]
 

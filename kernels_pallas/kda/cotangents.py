@@ -55,5 +55,5 @@ def wy_bwd_kernel(t_ref, dw_ref, du_ref, k_ref, v_ref, g_ref, beta_ref, dn_ref, 
   dg_ref[...] = dx * beta * egk
   dbeta = jnp.sum(dx * egk, axis=1)
   dy = dot_tn(t, du)
-  dv_ref[...] = beta * dy
+  dv_ref[...] = (beta * dy).astype(dv_ref.dtype)
   dbeta_ref[...] = dbeta + jnp.sum(dy * v_ref[...].astype(F32), axis=1)

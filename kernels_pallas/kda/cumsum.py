@@ -17,10 +17,13 @@ import jax.numpy as jnp
 from kernels_pallas.kda.blocks import F32, dot, iotas
 
 
-def chunk_cumsum_kernel(x_ref, o_ref, *, reverse):
+def chunk_cumsum_kernel(x_ref, *refs, reverse):
+  """refs: (o_ref,) or (add_ref, o_ref) with add [K] added to every row of the result."""
+  *add_ref, o_ref = refs
   x = x_ref[...].astype(F32)
   if not reverse:
-    o_ref[...] = jnp.cumsum(x, axis=0)
+    total = jnp.cumsum(x, axis=0)
+    o_ref[...] = total + add_ref[0][...][None, :] if add_ref else total
     return
   r, j = iotas(x.shape[0])
   upper = (j >= r).astype(jnp.bfloat16)
@@ -29,4 +32,4 @@ def chunk_cumsum_kernel(x_ref, o_ref, *, reverse):
     part = x.astype(jnp.bfloat16)
     total += dot(upper, part)
     x = x - part.astype(F32)
-  o_ref[...] = total
+  o_ref[...] = total + add_ref[0][...][None, :] if add_ref else total

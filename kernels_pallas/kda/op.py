@@ -27,7 +27,8 @@ from kernels_pallas.common import power_of_two_divisor
 from kernels_pallas.kda.blocks import F32, SUB
 from kernels_pallas.kda.cotangents import chunk_cotangents_kernel, wy_bwd_kernel
 from kernels_pallas.kda.cumsum import chunk_cumsum_kernel
-from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
+from kernels_pallas.kda.scores import (diag_bwd_columns_kernel, diag_bwd_kernel, diag_fwd_columns_kernel,
+                                       diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel)
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_apply_kernel, wy_inverse_kernel
 
@@ -45,10 +46,13 @@ def chunk_len(t: int) -> int:
 # Triton settings (measured on an H200: experiments/results/bench_kda.md): warps of each kernel,
 # one pipelining depth; heads per program of the token-parallel kernels diag_fwd and diag_bwd,
 # features per program of scores_bwd, value columns per program of the state passes.
+# diag_columns: 0 forms the diagonal score blocks one program per token (measured), 1 one program
+# per sub-chunk, column by column (scores.diag_*_columns_kernel, heads_columns heads and
+# warps_columns warps per program; not yet timed on a GPU).
 TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 8, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
-         'features_bwd': 64, 'value_block': 64}
+         'features_bwd': 64, 'value_block': 64, 'diag_columns': 0, 'heads_columns': 1, 'warps_columns': 4}
 
 
 def _params(kernel):
@@ -81,16 +85,18 @@ def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def chunk_cumsum(x, c, *, reverse=False, interpret=False):
+def chunk_cumsum(x, c, *, reverse=False, add=None, interpret=False):
   """Within-chunk inclusive cumulative sum of x [B, T, H, K] (T a multiple of c), float32;
-  reverse: the sum from each row to the chunk's end."""
+  reverse: the sum from each row to the chunk's end; add [B, T/c, H, K]: a row added to every
+  row of its chunk's result."""
   b, t, h, dk = x.shape
   spec = _chunk_spec(dk, c)
+  per_chunk = [pl.BlockSpec((None, None, None, dk), lambda bi, hi, n: (bi, n, hi, 0))] if add is not None else []
   return pl.pallas_call(
       functools.partial(chunk_cumsum_kernel, reverse=reverse), grid=(b, h, t // c),
-      in_specs=[spec], out_specs=spec, out_shape=_sds(x.shape, F32),
+      in_specs=[spec] + per_chunk, out_specs=spec, out_shape=_sds(x.shape, F32),
       compiler_params=_params('cumsum'), interpret=interpret, name='kda_chunk_cumsum',
-  )(x)
+  )(x, *([] if add is None else [add]))
 
 
 # ----------------------------------------------------------------------------- kernel calls
@@ -125,25 +131,55 @@ def _score_diag_specs(hb, c):
           pl.BlockSpec((None, SUB, hb, SUB), lambda bi, ti, hi: (bi, ti // SUB, hi, cols(ti))))
 
 
+def _column_specs(h, c=SUB):
+  """Grid (b, sub-chunk, head group) of the column-form diagonal kernels: sub(d) is the sub-chunk
+  of [B, T, H, d] (d None: of [B, T, H]), diag its diagonal block of a [B, T, H, C] score array;
+  and the heads per program."""
+  hb = _heads_per_program(h, 'heads_columns')
+
+  def sub(d):
+    if d is None:
+      return pl.BlockSpec((None, SUB, hb), lambda bi, si, hi: (bi, si, hi))
+    return pl.BlockSpec((None, SUB, hb, d), lambda bi, si, hi: (bi, si, hi, 0))
+
+  diag = pl.BlockSpec((None, SUB, hb, SUB), lambda bi, si, hi: (bi, si, hi, si % (c // SUB)))
+  return sub, diag, hb
+
+
 def diag_fwd(q, k, gc, beta, *, scale, interpret):
   """The diagonal 16 x 16 blocks of aqk (q's dtype) and n (float32), [B, T, H, 16]: row r of a
-  block at row r, one program per token and TILES['heads_diag'] heads."""
+  block at row r; one program per sub-chunk (TILES['diag_columns']) or per token."""
   b, t, h, dk = q.shape
+  out_shape = [_sds((b, t, h, SUB), q.dtype), _sds((b, t, h, SUB), F32)]
+  if TILES['diag_columns']:
+    sub, _, hb = _column_specs(h)
+    return pl.pallas_call(
+        functools.partial(diag_fwd_columns_kernel, scale=scale), grid=(b, t // SUB, h // hb),
+        in_specs=[sub(dk), sub(dk), sub(dk), sub(None)], out_specs=[sub(SUB), sub(SUB)], out_shape=out_shape,
+        compiler_params=_params('columns'), interpret=interpret, name='kda_diag_fwd',
+    )(q, k, gc, beta)
   hb = _heads_per_program(h, 'heads_diag')
   token, sub = _token_specs(hb)
   return pl.pallas_call(
       functools.partial(diag_fwd_kernel, scale=scale), grid=(b, t, h // hb),
       in_specs=[token(dk), token(dk), token(dk), token(None), sub(dk), sub(dk)],
-      out_specs=[token(SUB), token(SUB)],
-      out_shape=[_sds((b, t, h, SUB), q.dtype), _sds((b, t, h, SUB), F32)],
+      out_specs=[token(SUB), token(SUB)], out_shape=out_shape,
       compiler_params=_params('diag'), interpret=interpret, name='kda_diag_fwd',
   )(q, k, gc, beta, k, gc)
 
 
 def diag_bwd(q, k, gc, beta, daqk, dn, *, scale, c, interpret):
   """(qrow, rrow, ccol) [B, T, H, K] float32: the diagonal blocks' terms of the scores backward
-  (scores.diag_bwd_kernel), one program per token and TILES['heads_diag_bwd'] heads."""
+  (scores.diag_bwd_kernel), one program per sub-chunk (TILES['diag_columns']) or per token."""
   b, t, h, dk = q.shape
+  if TILES['diag_columns']:
+    sub, diag, hb = _column_specs(h, c)
+    return pl.pallas_call(
+        functools.partial(diag_bwd_columns_kernel, scale=scale), grid=(b, t // SUB, h // hb),
+        in_specs=[sub(dk), sub(dk), sub(dk), sub(None), diag, diag], out_specs=[sub(dk)] * 3,
+        out_shape=[_sds(q.shape, F32)] * 3,
+        compiler_params=_params('columns'), interpret=interpret, name='kda_diag_bwd',
+    )(q, k, gc, beta, daqk, dn)
   hb = _heads_per_program(h, 'heads_diag_bwd')
   token, sub = _token_specs(hb)
   token_diag, sub_diag = _score_diag_specs(hb, c)
@@ -265,8 +301,8 @@ def chunk_cotangents(hs, dh, do, dv_new, v_new, *, c, interpret):
 
 
 def wy_backward(t_inv, dw, dv_new, k, v, gc, beta, *, c, interpret):
-  """(dn [B, T, H, C], dk [B, T, H, K], dv [B, T, H, V], dg [B, T, H, K], dbeta [B, T, H]),
-  float32: the gradients through w and u (cotangents.wy_bwd_kernel)."""
+  """(dn [B, T, H, C], dk [B, T, H, K], dv [B, T, H, V] in v's dtype (final), dg [B, T, H, K], dbeta
+  [B, T, H]), float32 but dv: the gradients through w and u (cotangents.wy_bwd_kernel)."""
   b, t, h, dk = k.shape
   dv = v.shape[-1]
   spec = lambda d: _chunk_spec(d, c)
@@ -274,15 +310,17 @@ def wy_backward(t_inv, dw, dv_new, k, v, gc, beta, *, c, interpret):
       functools.partial(wy_bwd_kernel, dot_dtype=t_inv.dtype), grid=(b, h, t // c),
       in_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(dv), spec(dk), spec(None)],
       out_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(None)],
-      out_shape=[_sds((b, t, h, c), F32), _sds(k.shape, F32), _sds(v.shape, F32), _sds(k.shape, F32),
+      out_shape=[_sds((b, t, h, c), F32), _sds(k.shape, F32), _sds(v.shape, v.dtype), _sds(k.shape, F32),
                  _sds((b, t, h), F32)],
       compiler_params=_params('wy_bwd'), interpret=interpret, name='kda_wy_bwd',
   )(t_inv, dw, dv_new, k, v, gc, beta)
 
 
-def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, *, scale, c, interpret):
-  """(dq, dk, dg, dbeta, dlast): float32; dg of G; dlast [B, N * C/16, H, K] per sub-chunk. One
-  program per sub-chunk and slice of TILES['features_bwd'] features."""
+def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, dk_wy, dg_wy, dbeta_wy, *, scale, c, interpret):
+  """(dq in q's dtype, dk in k's dtype, dg float32, dbeta float32, dlast): the gradients through
+  the scores and the direct terms plus the UT transform's (dk_wy, dg_wy, dbeta_wy: added in the
+  kernel, so dq and dk are final); dg of G; dlast [B, N * C/16, H, K] per sub-chunk. One program
+  per sub-chunk and slice of TILES['features_bwd'] features."""
   b, t, h, dk = q.shape
   nb = c // SUB
   bk = min(TILES['features_bwd'], dk)
@@ -294,13 +332,15 @@ def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, *, scale, c, interpret):
   dq, dk_, dg, dbeta, dlast = pl.pallas_call(
       kernel, grid=(b, h, t // c, nb, nk),
       in_specs=[sub_f, sub_f, sub_f, sub(None), sub_f, sub_f, sub(c), sub(c),
-                whole_f, whole_f, whole_f, whole(None), whole(c), whole(c), sub_f, sub_f, sub_f],
+                whole_f, whole_f, whole_f, whole(None), whole(c), whole(c), sub_f, sub_f, sub_f,
+                sub_f, sub_f, sub(None)],
       out_specs=[sub_f, sub_f, sub_f,
                  pl.BlockSpec((None, SUB, None, None), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f)),
                  pl.BlockSpec((None, 1, None, bk), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f))],
-      out_shape=[_sds(q.shape, F32)] * 3 + [_sds((b, t, h, nk), F32), _sds((b, (t // c) * nb, h, dk), F32)],
+      out_shape=[_sds(q.shape, q.dtype), _sds(k.shape, k.dtype), _sds(q.shape, F32),
+                 _sds((b, t, h, nk), F32), _sds((b, (t // c) * nb, h, dk), F32)],
       compiler_params=_params('scores_bwd'), interpret=interpret, name='kda_scores_bwd',
-  )(q, k, gc, beta, dqg, dkg, daqk, dn, q, k, gc, beta, daqk, dn, *diag_terms)
+  )(q, k, gc, beta, dqg, dkg, daqk, dn, q, k, gc, beta, daqk, dn, *diag_terms, dk_wy, dg_wy, dbeta_wy)
   return dq, dk_, dg, jnp.sum(dbeta, axis=-1), dlast
 
 
@@ -351,16 +391,13 @@ def _core_bwd(scale, interpret, res, cotangents):
   ds0, dh, dv_new = state_bwd(qg, kg, w, aqk, gc, do, ds_final.astype(F32), c=c, interpret=interpret)
   dqg, dkg, dw, daqk, ddecay = chunk_cotangents(hs, dh, do, dv_new, v_new, c=c, interpret=interpret)
   dn, dk_wy, dv, dg_wy, dbeta_wy = wy_backward(t_inv, dw, dv_new, k, v, gc, beta, c=c, interpret=interpret)
-  dq, dk_s, dg_s, dbeta_s, dlast = scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, scale=scale, c=c,
-                                              interpret=interpret)
-  ch = lambda x_: _chunk_view(x_, c)
-  g_end = ch(gc)[:, :, -1]                             # G_C, [B, N, H, K]
+  dq, dk_, dg_s, dbeta, dlast = scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, dk_wy, dg_wy, dbeta_wy,
+                                           scale=scale, c=c, interpret=interpret)
+  g_end = _chunk_view(gc, c)[:, :, -1]                 # G_C, [B, N, H, K]
   d_end = jnp.sum(dlast.reshape(b, nt, c // SUB, h, dk), axis=2) + ddecay * jnp.exp(g_end)
   # dg_i = sum over rows r >= i of the chunk of dG_r, plus G_C's gradient (every g of the chunk)
-  dg = ch(chunk_cumsum(dg_s + dg_wy, c, reverse=True, interpret=interpret)) + d_end[:, :, None]
-  cast = lambda y, like: y.astype(like.dtype)
-  return (cast(dq, q), cast(dk_s + dk_wy, k), cast(dv, v), cast(dg.reshape(g.shape), g),
-          cast(dbeta_s + dbeta_wy, beta), cast(ds0, s0))
+  dg = chunk_cumsum(dg_s, c, reverse=True, add=d_end, interpret=interpret)
+  return dq, dk_, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), ds0
 
 
 kda_core.defvjp(_core_fwd, _core_bwd)

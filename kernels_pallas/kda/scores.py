@@ -13,7 +13,10 @@ parts <= 0. A diagonal block has no such split:
 
 - diag_fwd_kernel forms the diagonal blocks token by token: one program per token r (and a few
   heads), walking the tokens j <= r of its sub-chunk, each exp(G_r - G_j) with an argument <= 0.
-  Only the causal half of each block is computed.
+  Only the causal half of each block is computed. diag_fwd_columns_kernel forms them one program
+  per sub-chunk, column by column (each token's rows read once; the non-causal half of each
+  column masked before its exp); diag_bwd_kernel and diag_bwd_columns_kernel are the same two
+  forms of the backward (op.TILES['diag_columns'] chooses).
 - scores_fwd_kernel (one program per sub-chunk) writes the score rows, taking the
   diagonal blocks from diag_fwd_kernel and forming the blocks below them as matmuls.
 - scores_bwd_kernel applies the transposes of the same products to the score gradients, for the
@@ -54,6 +57,26 @@ def diag_fwd_kernel(q_ref, k_ref, g_ref, b_ref, k_sub_ref, g_sub_ref, aqk_ref, a
   aqk, akk = jax.lax.fori_loop(0, r + 1, token, (zeros, zeros))
   aqk_ref[0] = (scale * aqk).astype(aqk_ref.dtype)
   akk_ref[0] = jnp.where(col < r, b_ref[...].astype(F32).T * akk, 0.0)
+
+
+def diag_fwd_columns_kernel(q_ref, k_ref, g_ref, b_ref, aqk_ref, n_ref, *, scale):
+  """The diagonal blocks of aqk and n for one sub-chunk and a few heads, column by column: q, k,
+  g [16, heads, K], beta [16, heads] in; aqk, n [16, heads, 16] out. Column j takes the rows
+  r >= j, whose exp(G_r - G_j) have arguments <= 0 (the others are masked before the exp)."""
+  q, k, g = q_ref[...].astype(F32), k_ref[...].astype(F32), g_ref[...]
+  row = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1, 1), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, aqk_ref.shape, 2)
+
+  def column(j, carry):
+    aqk, akk = carry
+    kj = k_ref[pl.ds(j, 1)].astype(F32) * jnp.exp(jnp.where(row >= j, g - g_ref[pl.ds(j, 1)], -jnp.inf))
+    return (jnp.where(col == j, jnp.sum(q * kj, axis=-1, keepdims=True), aqk),
+            jnp.where(col == j, jnp.sum(k * kj, axis=-1, keepdims=True), akk))
+
+  zeros = jnp.zeros(aqk_ref.shape, F32)
+  aqk, akk = jax.lax.fori_loop(0, SUB, column, (zeros, zeros))
+  aqk_ref[...] = (scale * aqk).astype(aqk_ref.dtype)
+  n_ref[...] = jnp.where(col < row, b_ref[...].astype(F32)[:, :, None] * akk, 0.0)
 
 
 def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, aqk_d_ref, n_d_ref,
@@ -119,8 +142,31 @@ def diag_bwd_kernel(g_ref, daqk_ref, dn_ref, q_sub_ref, k_sub_ref, g_sub_ref, be
   ccol_ref[0] = jax.lax.fori_loop(r, SUB, column, zero)
 
 
+def diag_bwd_columns_kernel(q_ref, k_ref, g_ref, b_ref, daqk_ref, dn_ref, qrow_ref, rrow_ref, ccol_ref, *,
+                            scale):
+  """diag_bwd_kernel's qrow, rrow, ccol for one sub-chunk and a few heads, column by column: q, k,
+  g [16, heads, K], beta [16, heads] and the diagonal blocks of daqk and dn [16, heads, 16] in.
+  Column j adds its terms to the rows r >= j of qrow and rrow and writes row j of ccol."""
+  q, k, g = q_ref[...].astype(F32), k_ref[...].astype(F32), g_ref[...]
+  beta = b_ref[...].astype(F32)[:, :, None]
+  row = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1, 1), 0)
+
+  def column(j, carry):
+    qrow, rrow = carry
+    e = jnp.exp(jnp.where(row >= j, g - g_ref[pl.ds(j, 1)], -jnp.inf))     # E_rj, zero for r < j
+    daqk = daqk_ref[:, :, pl.ds(j, 1)].astype(F32)                          # [16, heads, 1]
+    dn = dn_ref[:, :, pl.ds(j, 1)].astype(F32)
+    ekj = e * k_ref[pl.ds(j, 1)].astype(F32)
+    ccol_ref[pl.ds(j, 1)] = jnp.sum((scale * daqk * q + beta * dn * k) * e, axis=0, keepdims=True)
+    return qrow + daqk * ekj, rrow + dn * ekj
+
+  zero = jnp.zeros(q.shape, F32)
+  qrow_ref[...], rrow_ref[...] = jax.lax.fori_loop(0, SUB, column, (zero, zero))
+
+
 def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_rows_ref, dn_rows_ref,
                       q_ref, k_ref, g_ref, b_ref, daqk_ref, dn_ref, qrow_ref, rrow_ref, ccol_ref,
+                      dk_wy_ref, dg_wy_ref, dbeta_wy_ref,
                       dq_ref, dk_ref, dg_ref, dbeta_ref, dlast_ref, *, scale, nb, dot_dtype):
   """Gradients through the scores and the direct terms, for the rows of sub-chunk a.
 
@@ -129,8 +175,9 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
   cumulative log-decay's gradient, before the reverse cumulative sum), dbeta (through N), and
   dlast [1, K], this sub-chunk's part of the gradient of G_C through kg. With R_r = sum_i dN_ri
   k_i exp(G_r - G_i): dA_kk = Diag(beta) dN gives beta_r R_r to dk_r and sum_d k_rd R_rd to dbeta_r.
-  The diagonal blocks' terms (qrow, rrow, ccol of diag_bwd_kernel) come in as inputs; this kernel
-  adds the blocks off the diagonal (matmuls) and the direct terms.
+  The diagonal blocks' terms (qrow, rrow, ccol of diag_bwd_kernel) and the UT transform's
+  gradients of k, G and beta (dk_wy, dg_wy, dbeta_wy) come in as inputs; this kernel adds the
+  blocks off the diagonal (matmuls) and the direct terms, so dq and dk leave it final.
   """
   # Each output is written, and each partial sum folded, as soon as its terms exist, so that few
   # [16, features] float32 tensors are live at once (the kernel is register-bound).
@@ -158,7 +205,8 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
   eg = jnp.exp(ga)
   dqg = dqg_ref[...].astype(F32)
   dq_ref[...] = (scale * eg * dqg + qrow).astype(dq_ref.dtype)
-  dbeta_ref[...] = jnp.sum(ka * rrow, axis=1)
+  first_slice = pl.program_id(4) == 0                 # dbeta_wy goes into one slice's partial sum
+  dbeta_ref[...] = jnp.sum(ka * rrow, axis=1) + jnp.where(first_slice, dbeta_wy_ref[...].astype(F32), 0.0)
   rrow = beta * rrow
   eg_end = jnp.exp(_token(g_ref, c - 1) - ga)
   dkg = dkg_ref[...].astype(F32)
@@ -178,5 +226,5 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
     return ccol_o + jnp.exp(gpm - ga) * part
 
   ccol = ccol_ref[...] + jax.lax.fori_loop(a + 1, nb, later, zero)
-  dk_ref[...] = (dk + ccol).astype(dk_ref.dtype)
-  dg_ref[...] = dg - ka * ccol
+  dk_ref[...] = (dk + ccol + dk_wy_ref[...]).astype(dk_ref.dtype)
+  dg_ref[...] = dg - ka * ccol + dg_wy_ref[...]

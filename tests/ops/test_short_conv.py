@@ -90,6 +90,18 @@ def test_bad_arguments_name_what_is_wrong():
     sc.short_conv(x, jnp.zeros((4, 3, 24)))
 
 
+def test_kernels_lower_to_triton_for_an_h200():
+  """The three kernels of a training step go through the Pallas Triton lowering for an H200 here."""
+  from experiments.tools.triton_report import lower_for_h200
+  from kernels_pallas.short_conv import short_conv_pallas
+  x = jax.ShapeDtypeStruct((2, 100, 4, 128), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((4, 4, 128), jnp.float32)
+  loss = lambda x, w: jnp.sum(short_conv_pallas(x, w, 'silu_l2').astype(jnp.float32))
+  module = lower_for_h200(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+  for name in ('short_conv_fwd', 'short_conv_dz', 'short_conv_dx'):
+    assert name in module, name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize('activation', ['silu', 'silu_l2'])
 def test_gpu_bf16_matches_float32_plain_form(activation):
