@@ -84,11 +84,10 @@ def test_interpreted_short_sequence_uses_one_small_chunk():
 def test_interpreted_kernels_match_recurrence_under_other_tiles(monkeypatch):
   """Settings the defaults do not reach at these sizes: scores_bwd in two feature slices (its
   dbeta as partial sums), the diagonal blocks with one head per program, and value blocks of 16;
-  then the diagonal blocks column by column (one program per sub-chunk), with one and two heads
-  per program."""
+  then the diagonal blocks column by column (one program per sub-chunk, two heads per program)."""
   from kernels_pallas.kda import op
   for tiles in (dict(features_bwd=16, heads_diag=1, heads_diag_bwd=1, value_block=16),
-                dict(diag_columns=1), dict(diag_columns=1, heads_columns=2)):
+                dict(diag_columns=1, heads_columns=2)):
     monkeypatch.setattr(op, 'TILES', dict(op.TILES, **tiles))
     _compare(_inputs(3, 1, 40, 2, 32, 32, spikes=True), 'recurrent', 2e-4, 2e-4)
 

@@ -41,16 +41,21 @@ def test_layer_matches_numpy(case):
   np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 
 
-def test_layer_with_the_fused_conv_kernels_matches_numpy_and_the_plain_conv():
-  """conv_impl='pallas' (K = 16, the kernels' smallest head dim): the output against the NumPy
-  layer, and every parameter's gradient against the layer with the plain (XLA) convs."""
-  case = CASES['default']
-  layer, params, x = _setup(case, head_dim=16, conv_impl='pallas')
-  plain = KimiDeltaAttention(H, 16, init_std=0.3, **case)
+def test_layer_with_the_fused_conv_kernels_matches_numpy():
+  """conv_impl='pallas' (K = 16, the kernels' smallest head dim) against the NumPy layer."""
+  layer, params, x = _setup(CASES['default'], head_dim=16, conv_impl='pallas')
   ref = np_kda_layer(params, np.asarray(x, np.float64), short_conv=True, output_gate='sigmoid',
                      lower_bound=0.0)
   np.testing.assert_allclose(layer.apply({'params': params}, x)[0], ref, rtol=1e-4,
                              atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.long
+def test_layer_with_the_fused_conv_kernels_has_the_plain_convs_gradients():
+  """Every parameter's gradient with conv_impl='pallas' against the layer with the XLA convs."""
+  case = CASES['default']
+  layer, params, x = _setup(case, head_dim=16, conv_impl='pallas')
+  plain = KimiDeltaAttention(H, 16, init_std=0.3, **case)
   grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply({'params': p}, x)[0] ** 2))(params) for m in (layer, plain)]
   for path, got in jax.tree_util.tree_leaves_with_path(grads[0]):
     want = functools.reduce(lambda tree, key: tree[key.key], path, grads[1])
