@@ -286,6 +286,11 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _one_of('model.attn_impl', m.attn_impl, ATTN_IMPLS)
   _one_of('model.kda_impl', m.kda_impl, KDA_IMPLS)
   _one_of('model.kda_conv_impl', m.kda_conv_impl, SHORT_CONV_IMPLS)
+  head_dim = kda_dims(m)[1]
+  for key in ('kda_impl', 'kda_conv_impl'):
+    if m[key] == 'pallas' and 'K' in layer_kinds(m) and (head_dim < 16 or head_dim & (head_dim - 1)):
+      raise ConfigError(f"model.{key}='pallas' needs the KDA head dim (model.kda_head_dim, or d_model // "
+                        f"num_heads) a power of two >= 16; got {head_dim}")
   _one_of('model.compute_dtype', m.compute_dtype, DTYPES)
   _one_of('model.residual_dtype', m.residual_dtype, DTYPES)
   _positive('model.norm_eps', m.norm_eps)

@@ -28,7 +28,7 @@ ARMS = [
     common.Arm('no_gate', {'model.kda_output_gate': 'none'}, '9.25 / 5.67'),
     common.Arm('swish_gate', {'model.kda_output_gate': 'swish'}, '9.43 / 5.81'),
     common.Arm('no_conv', {'model.kda_short_conv': False}, '9.29 / 5.70'),
-    common.Arm('rope', {'model.mla_qk_rope_head_dim': 32, 'model.attn_impl': 'xla'},
+    common.Arm('rope', {'model.mla_rope': True, 'model.attn_impl': 'xla'},
                'long-context avg 51.8 vs NoPE 54.5 (Table 5)'),
 ]
 SOURCE = 'Kimi Linear Table 1 (val ppl)'

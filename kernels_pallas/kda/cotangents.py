@@ -10,7 +10,8 @@ state passes), do the output gradient, v_new = u - w h and dv_new its gradient (
                             dN = -strict_tril(T^T dT T^T) (T = (I + N)^-1, so nothing is
                             inverted), then dk, dv, dG and dbeta through x and y
 
-Dots take dot-dtype operands with float32 accumulation; the elementwise terms are float32.
+Dots take dot-dtype operands with float32 accumulation; the elementwise terms are float32, and
+the outputs float32 but dv (final here: written in v's dtype).
 Writing these per chunk replaces the batched XLA matmuls over [B, N, C, H, *] views, whose
 operands XLA transposed into batch-major layouts first.
 """

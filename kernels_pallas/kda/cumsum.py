@@ -5,8 +5,9 @@ forward) is a scan down the block's rows. The reverse inclusive sum (dg from dG,
 Triton backend has no reverse scan) multiplies the block by the [C, C] upper triangle of ones on
 the tensor cores: the ones are exact in bf16 and the block is split into three bf16 parts whose
 sum is the float32 value, so three bf16 dots with float32 accumulation give the float32 sums (a
-float32 "IEEE" dot runs on the FMA units, about 5x slower here). Either way one read and one
-write of the tensor; XLA's cumulative sum over the chunk axis took about 2x the forward's and
+float32 "IEEE" dot runs on the FMA units, about 5x slower here), and adds a per-chunk row (the
+gradient of the chunk's total decay, which every g of the chunk receives). Either way one read
+and one write of the tensor; XLA's cumulative sum over the chunk axis took about 2x the forward's and
 the FMA dot 5x (experiments/results/bench_kda.md).
 """
 
@@ -18,12 +19,11 @@ from kernels_pallas.kda.blocks import F32, dot, iotas
 
 
 def chunk_cumsum_kernel(x_ref, *refs, reverse):
-  """refs: (o_ref,) or (add_ref, o_ref) with add [K] added to every row of the result."""
+  """refs: (o_ref,), or with reverse (add_ref, o_ref): add [K] added to every row of the result."""
   *add_ref, o_ref = refs
   x = x_ref[...].astype(F32)
   if not reverse:
-    total = jnp.cumsum(x, axis=0)
-    o_ref[...] = total + add_ref[0][...][None, :] if add_ref else total
+    o_ref[...] = jnp.cumsum(x, axis=0)
     return
   r, j = iotas(x.shape[0])
   upper = (j >= r).astype(jnp.bfloat16)

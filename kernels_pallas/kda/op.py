@@ -3,15 +3,15 @@
     o, s_final = kda_pallas(q, k, v, g, beta, s0, scale=..., interpret=...)
 
 Forward: the within-chunk cumulative log-decay G (cumsum.py); the diagonal 16 x 16 score blocks
-(every token in parallel); the scores aqk and N (every 16-row sub-chunk of every chunk in
+(every token, or every sub-chunk, in parallel); the scores aqk and N (every 16-row sub-chunk of every chunk in
 parallel); T = (I + N)^-1 (wy_inverse, every chunk); qg, kg, w, u from T (wy_apply, every
 chunk); state_fwd (the chunks in order, the state on chip: o and the final state). The backward
 keeps the inputs, aqk and T (each [B, T, H, C] in the dot dtype): it recomputes G and wy_apply's
 outputs, reruns the state pass writing the states h and v_new instead of o, runs state_bwd (the
 chunks in reverse), forms the per-chunk cotangents and the UT transform's transpose
 (cotangents.py, one program per chunk), runs the scores backward kernels (the diagonal blocks
-token by token, then every sub-chunk) and the reverse cumulative sum that turns dG into dg; see
-README.md in this folder.
+token by token or sub-chunk by sub-chunk, then every sub-chunk, adding the UT transform's
+gradients) and the reverse cumulative sum that turns dG into dg; see README.md in this folder.
 """
 
 from __future__ import annotations
@@ -131,19 +131,19 @@ def _score_diag_specs(hb, c):
           pl.BlockSpec((None, SUB, hb, SUB), lambda bi, ti, hi: (bi, ti // SUB, hi, cols(ti))))
 
 
-def _column_specs(h, c=SUB):
-  """Grid (b, sub-chunk, head group) of the column-form diagonal kernels: sub(d) is the sub-chunk
-  of [B, T, H, d] (d None: of [B, T, H]), diag its diagonal block of a [B, T, H, C] score array;
-  and the heads per program."""
-  hb = _heads_per_program(h, 'heads_columns')
-
+def _column_specs(hb):
+  """Block specs of the column-form diagonal kernels, grid (b, sub-chunk, head group) with hb
+  heads per program: sub(d) is the sub-chunk of [B, T, H, d] (d None: of [B, T, H]), diag(c) its
+  diagonal block of a [B, T, H, C] score array."""
   def sub(d):
     if d is None:
       return pl.BlockSpec((None, SUB, hb), lambda bi, si, hi: (bi, si, hi))
     return pl.BlockSpec((None, SUB, hb, d), lambda bi, si, hi: (bi, si, hi, 0))
 
-  diag = pl.BlockSpec((None, SUB, hb, SUB), lambda bi, si, hi: (bi, si, hi, si % (c // SUB)))
-  return sub, diag, hb
+  def diag(c):
+    return pl.BlockSpec((None, SUB, hb, SUB), lambda bi, si, hi: (bi, si, hi, si % (c // SUB)))
+
+  return sub, diag
 
 
 def diag_fwd(q, k, gc, beta, *, scale, interpret):
@@ -152,7 +152,8 @@ def diag_fwd(q, k, gc, beta, *, scale, interpret):
   b, t, h, dk = q.shape
   out_shape = [_sds((b, t, h, SUB), q.dtype), _sds((b, t, h, SUB), F32)]
   if TILES['diag_columns']:
-    sub, _, hb = _column_specs(h)
+    hb = _heads_per_program(h, 'heads_columns')
+    sub, _ = _column_specs(hb)
     return pl.pallas_call(
         functools.partial(diag_fwd_columns_kernel, scale=scale), grid=(b, t // SUB, h // hb),
         in_specs=[sub(dk), sub(dk), sub(dk), sub(None)], out_specs=[sub(SUB), sub(SUB)], out_shape=out_shape,
@@ -173,10 +174,11 @@ def diag_bwd(q, k, gc, beta, daqk, dn, *, scale, c, interpret):
   (scores.diag_bwd_kernel), one program per sub-chunk (TILES['diag_columns']) or per token."""
   b, t, h, dk = q.shape
   if TILES['diag_columns']:
-    sub, diag, hb = _column_specs(h, c)
+    hb = _heads_per_program(h, 'heads_columns')
+    sub, diag = _column_specs(hb)
     return pl.pallas_call(
         functools.partial(diag_bwd_columns_kernel, scale=scale), grid=(b, t // SUB, h // hb),
-        in_specs=[sub(dk), sub(dk), sub(dk), sub(None), diag, diag], out_specs=[sub(dk)] * 3,
+        in_specs=[sub(dk), sub(dk), sub(dk), sub(None), diag(c), diag(c)], out_specs=[sub(dk)] * 3,
         out_shape=[_sds(q.shape, F32)] * 3,
         compiler_params=_params('columns'), interpret=interpret, name='kda_diag_bwd',
     )(q, k, gc, beta, daqk, dn)

@@ -17,7 +17,8 @@ of its input with masked loads (rows outside [0, T) read as zero):
   rows of x[t - W + 1 + j] dz[t], float32, from the float32 dz), summed over programs in XLA;
 - `short_conv_dx`: dx[t] = sum_j w[j] dz[t + W - 1 - j], the same conv with its taps mirrored.
 
-All arithmetic is float32; the backward keeps only x (and w), and y is never read back.
+All arithmetic is float32 (y, and dz between the two backward passes, are stored in x's dtype);
+the backward keeps only x (padded to whole tiles) and w, and y is never read back.
 """
 
 from __future__ import annotations

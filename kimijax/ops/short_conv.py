@@ -9,9 +9,9 @@ K features divided by their L2 norm, eps L2_EPS). Returns y and the last W-1 inp
 prefix). IMPLS holds the implementations by name:
 
 - 'xla': the conv and the activation in x's dtype (the L2 norm in float32), XLA autodiff;
-- 'pallas': kernels_pallas/short_conv (one fused pass each way, float32 arithmetic, the
-  backward recomputes the conv; interpreted off the GPU) for training and full prefills;
-  with a prefix (decoding and chunked prefill, never differentiated) it runs the 'xla' form.
+- 'pallas': kernels_pallas/short_conv (one fused pass forward, two backward, float32
+  arithmetic, the backward recomputes the conv; interpreted off the GPU) in training; with a
+  prefix (prefill and decoding from a cache, never differentiated) it runs the 'xla' form.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """experiments/ablations/: the fixed verdict rule on hand-made seed values, every arm of every
-ablation file is a valid config at both scales, with each claim naming arms that exist, and the
+ablation file is a valid config at both scales and a different experiment from its other arms,
+with each claim naming arms that exist, and the
 AttnRes file's arms are the paper table's, the two ablated switches included."""
 
 import pytest
@@ -26,6 +27,17 @@ def test_verdict_rule():
     common.verdict([1.0], [1.0], '<=')
 
 
+def _what_it_trains(config) -> str:
+  """The config without the keys that choose only how to compute (kimijax.train.checkpoint.MAY_DIFFER),
+  as comparable text: two arms with the same text are the same experiment."""
+  from kimijax.train.checkpoint import MAY_DIFFER
+  d = config.to_dict()
+  for key in MAY_DIFFER:
+    group, name = key.split('.')
+    d[group].pop(name, None)
+  return repr(sorted((k, repr(v)) for k, v in d.items()))
+
+
 CASES = [(kimi_linear_table1, kimi_linear_table1.ARMS, kimi_linear_table1.CLAIMS),
          (attention_residuals, attention_residuals.ARMS, attention_residuals.CLAIMS),
          (muon_update_rms, muon_update_rms.ARMS, muon_update_rms.CLAIMS),
@@ -39,9 +51,12 @@ def test_every_arm_is_a_valid_config_and_every_claim_names_arms(scale):
     base = validate(module.base(scale))
     names = [a.name for a in arms]
     assert len(set(names)) == len(names)
+    seen = {}
     for arm in arms:
       if arm.runnable:
-        run_config(base, arm.overrides, 0)
+        what = _what_it_trains(run_config(base, arm.overrides, 0))
+        assert what not in seen, f'{module.__name__}: arms {seen.get(what)!r} and {arm.name!r} train the same model'
+        seen[what] = arm.name
     for claim in claims:
       assert claim.a in names and claim.b in names, (module.__name__, claim)
 

@@ -86,9 +86,10 @@ def test_interpreted_kernels_match_recurrence_under_other_tiles(monkeypatch):
   dbeta as partial sums), the diagonal blocks with one head per program, and value blocks of 16;
   then the diagonal blocks column by column (one program per sub-chunk, two heads per program)."""
   from kernels_pallas.kda import op
+  defaults = dict(op.TILES)
   for tiles in (dict(features_bwd=16, heads_diag=1, heads_diag_bwd=1, value_block=16),
                 dict(diag_columns=1, heads_columns=2)):
-    monkeypatch.setattr(op, 'TILES', dict(op.TILES, **tiles))
+    monkeypatch.setattr(op, 'TILES', dict(defaults, **tiles))
     _compare(_inputs(3, 1, 40, 2, 32, 32, spikes=True), 'recurrent', 2e-4, 2e-4)
 
 

@@ -61,6 +61,10 @@ def _cases(tmp: pathlib.Path) -> dict:
       'tokamax off the gpu': (run + ['--config=configs/default.py', f'--workdir={tmp}/tk'] + TINY_FLAGS
                               + ['--config.model.attn_impl=tokamax', '--config.model.compute_dtype=bfloat16'],
                               "ConfigError: attention impl='tokamax' needs an NVIDIA GPU"),
+      'kda kernels head dim': (run + ['--config=configs/default.py', f'--workdir={tmp}/kh'] + TINY_FLAGS
+                               + ['--config.model.layer_pattern=KA', '--config.model.kda_head_dim=24',
+                                  '--config.model.kda_conv_impl=pallas'],
+                               "ConfigError: model.kda_conv_impl='pallas' needs the KDA head dim"),
       'peers never come': (run + ['--config=configs/default.py', f'--workdir={tmp}/mp', '--num_processes=2',
                                   '--process_id=0', f'--coordinator_address=127.0.0.1:{_free_port()}',
                                   '--peer_timeout_s=3'] + TINY_FLAGS,
@@ -84,7 +88,8 @@ def results(tmp_path_factory):
 
 CASE_NAMES = ['missing config file', 'unknown variant', 'workdir is a file', 'max_new_tokens', 'top_k',
               'num_samples', 'temperature', 'prompt not utf-8', 'generate without a run', 'eval without a run',
-              'plot_attnres on a non-run', 'nan stop', 'tokamax off the gpu', 'peers never come']
+              'plot_attnres on a non-run', 'nan stop', 'tokamax off the gpu', 'kda kernels head dim',
+              'peers never come']
 
 
 @pytest.mark.parametrize('name', CASE_NAMES)
