@@ -80,6 +80,19 @@ def test_ladder_refuses_unknown_variant_and_folder_of_another_config(tmp_path):
   assert (run_dir / 'config.json').read_text() == json.dumps({'seed': 123})    # left as it was
 
 
+def test_a_run_from_before_a_config_key_existed_is_the_same_run(tmp_path):
+  """A run folder whose config.json lacks a key added to the schema later (its default value
+  here) is reused, not refused; one with a different value for it is refused."""
+  config = tiny_ladder().base
+  saved = runs.config_json(config)
+  del saved['model']['kda_conv_impl']
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  runs.check_folder(tmp_path, config)
+  config.model.kda_conv_impl = 'pallas'
+  with pytest.raises(runs.WorkflowError, match="model.kda_conv_impl: None -> 'pallas'"):
+    runs.check_folder(tmp_path, config)
+
+
 @pytest.mark.parametrize('name', ['smoke', 'gpu', 'gpu_attnres', 'gpu_hybrid'], ids=lambda n: f'ladder_{n}')   # an id 'gpu' would mark it GPU-only
 def test_every_named_ladder_plans_by_its_rule(tmp_path, name):
   """Every rung of every ladder is a valid config (GPU ones too, counted on the CPU), tokens are
