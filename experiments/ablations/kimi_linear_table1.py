@@ -9,8 +9,8 @@ Arms (16 layers as in the report, so that 15:1 still holds one MLA layer): 3:1 (
 the MLA layers. Verdicts on final eval loss (the report's validation perplexity) and, for NoPE vs
 RoPE, on the eval loss of the longest-context position bucket (the report's claim is on long-context
 benchmarks, Table 5: NoPE 54.5 vs RoPE 51.8).
-Expected runtime (estimates, not measured): cpu, 10 arms x 1 seed of a 0.2M-parameter model, 100
-steps: ~25 min on the 2-core CPU (KDA's chunk form dominates). gpu: 10 arms x 2 seeds, ~28M
+Expected runtime: cpu, 10 arms x 1 seed of a 0.27M-parameter model, 100 steps: about 40 min on
+the shared 2-core CPU (2026-12-01, 3-4 min a run; KDA's chunk form dominates). gpu (estimates): 10 arms x 2 seeds, ~28M
 parameters, 1000 steps of 16 x 2048 tokens (33M tokens), estimated at ~5 min per run for the XLA
 KDA chunk form (the fused Pallas kernels, the GPU default, are ~5x faster per KDA op): up to ~100
 min on one H200, i.e. split it with --arms over several calls (runs resume and are reused).
