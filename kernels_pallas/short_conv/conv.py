@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.common import compiler_params, power_of_two_divisor, round_up
 
@@ -45,7 +46,6 @@ def _window(ref, start, shape, t):
   r = start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1, 1), 0)
   idx = (jnp.clip(r, 0, t - 1), jax.lax.broadcasted_iota(jnp.int32, (1, hb, 1), 1),
          jax.lax.broadcasted_iota(jnp.int32, (1, 1, dk), 2))
-  from jax.experimental.pallas import triton as plgpu
   inside = jnp.broadcast_to((r >= 0) & (r < t), shape)
   return plgpu.load(ref.at[idx], mask=inside, other=0).astype(F32)
 
