@@ -14,10 +14,10 @@ gain) and sigmoid instead of softmax 1.741 (model.attnres_depth_weights='sigmoid
 weighed by sigmoid(w . RMSNorm(v_i)), no normalisation over depth); kimijax/ops/attnres.py has the
 maths. The Full arms (full, no_key_norm, sigmoid) run on the XLA path: the fused Pallas kernels
 implement SPEC §4's softmax over RMS-normalised keys only, and compile a kernel set per source count.
-Expected runtime: cpu, 8 arms x 2 seeds of a 0.4M model, 300 steps. A Full-type arm (sigmoid)
-measured 1.5 s/step after ~1.5 min of compilation on the shared 2-core CPU under load (2026-12-01,
-30 steps in 162 s), so ~9 min per Full-type run there and an estimated 1-2 h for all 16 runs (less on
-an idle machine; --seeds=1 or --arms splits it). gpu (estimates, not measured): 8 arms x 2 seeds,
+Expected runtime: cpu, 8 arms x 2 seeds of a 0.4M model, 300 steps. With --seeds=1 the 8 runs
+took 40 min on the shared 2-core CPU (2026-12-01): 2-4 min for standard and each Block arm, 4-6 min
+for no_key_norm and sigmoid, 15 min for Full (the CPU busy with tests meanwhile); so about 1.3 h
+for both seeds (--arms splits it). gpu (estimates, not measured): 8 arms x 2 seeds,
 ~25M parameters, 1500 steps of 16 x 1024 tokens, bf16, the Pallas AttnRes kernels for the Block arms
 (XLA for the Full arms): ~2-3 min per run, ~40-50 min on one H200, i.e. several --arms calls.
 """
