@@ -64,14 +64,11 @@ def with_overrides(config: ml_collections.ConfigDict, overrides: dict) -> ml_col
 def check_folder(run_dir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
   """WorkflowError if run_dir already holds a run of another config. A key the saved config
   lacks (added to the schema after the run) matches its default, as on checkpoint restore."""
-  from kimijax.config import base_config
+  from kimijax.train.checkpoint import config_differences
   saved = run_dir / 'config.json'
   if not saved.exists():
     return
-  before, now = flatten(json.loads(saved.read_text())), flatten(config_json(config))
-  defaults = flatten(config_json(base_config()))
-  diff = [f'{k}: {before.get(k)!r} -> {now.get(k)!r}' for k in sorted(set(before) | set(now))
-          if before.get(k, defaults.get(k)) != now.get(k)]
+  diff = config_differences(json.loads(saved.read_text()), config)
   if diff:
     raise WorkflowError(f'{run_dir} holds a run of another config ({"; ".join(diff[:6])}'
                         f'{"; ..." if len(diff) > 6 else ""}); use another --workdir, or move that run '

@@ -70,6 +70,12 @@ def rel_err(a, ref):
   return float(np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
+def rel_rmse(a, ref):
+  """Relative RMSE over a whole tensor (float64), as fla's tests measure kernel errors."""
+  a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+  return float(np.sqrt(np.mean((a - ref) ** 2) / np.mean(ref ** 2)))
+
+
 def cross_entropy(logits_btv, tokens_bt):
   """Next-token loss: logits at t predict token t + 1."""
   logp = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)

@@ -91,12 +91,15 @@ def chunk_cumsum(x, c, *, reverse=False, add=None, interpret=False):
   row of its chunk's result."""
   b, t, h, dk = x.shape
   spec = _chunk_spec(dk, c)
-  per_chunk = [pl.BlockSpec((None, None, None, dk), lambda bi, hi, n: (bi, n, hi, 0))] if add is not None else []
+  in_specs, args = [spec], [x]
+  if add is not None:
+    in_specs.append(pl.BlockSpec((None, None, None, dk), lambda bi, hi, n: (bi, n, hi, 0)))
+    args.append(add)
   return pl.pallas_call(
       functools.partial(chunk_cumsum_kernel, reverse=reverse), grid=(b, h, t // c),
-      in_specs=[spec] + per_chunk, out_specs=spec, out_shape=_sds(x.shape, F32),
+      in_specs=in_specs, out_specs=spec, out_shape=_sds(x.shape, F32),
       compiler_params=_params('cumsum'), interpret=interpret, name='kda_chunk_cumsum',
-  )(x, *([] if add is None else [add]))
+  )(*args)
 
 
 # ----------------------------------------------------------------------------- kernel calls

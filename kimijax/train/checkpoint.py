@@ -48,12 +48,9 @@ def config_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[st
   """Keys under MUST_MATCH (less MAY_DIFFER) whose saved value differs from `config`, as
   'key: saved -> now'. A key the saved config lacks (added to the schema after it was written)
   matches its default."""
-  now = _flatten(json.loads(config.to_json()))
-  before = _flatten(saved)
-  defaults = _flatten(json.loads(base_config().to_json()))
-  keys = sorted(k for k in set(now) | set(before) if k.split('.')[0] in MUST_MATCH and k not in MAY_DIFFER)
-  return [f'{k}: {before.get(k)!r} -> {now.get(k)!r}' for k in keys
-          if before.get(k, defaults.get(k)) != now.get(k)] + _differences(saved, config, MUST_MATCH_KEYS)
+  keys = set(_flatten(json.loads(config.to_json()))) | set(_flatten(saved))
+  keys = sorted(k for k in keys if k.split('.')[0] in MUST_MATCH and k not in MAY_DIFFER)
+  return config_differences(saved, config, keys + list(MUST_MATCH_KEYS))
 
 
 # Keys outside MUST_MATCH whose change between runs makes the saved state unusable (another
@@ -65,8 +62,11 @@ SCHEDULE_KEYS = ('train.steps', 'optimizer.schedule', 'optimizer.learning_rate',
                  'optimizer.decay_fraction', 'optimizer.min_lr_ratio')
 
 
-def _differences(saved: dict, config: ml_collections.ConfigDict, keys) -> list[str]:
+def config_differences(saved: dict, config: ml_collections.ConfigDict, keys=None) -> list[str]:
+  """'key: saved -> now' for each of `keys` (None: every key of either) whose value differs; a key
+  the saved config lacks (added to the schema after it was written) has its default."""
   now, before = _flatten(json.loads(config.to_json())), _flatten(saved)
+  keys = sorted(set(now) | set(before)) if keys is None else keys
   defaults = _flatten(json.loads(base_config().to_json()))
   return [f'{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}' for k in keys
           if before.get(k, defaults.get(k)) != now.get(k)]
@@ -77,7 +77,7 @@ def schedule_changes(saved: dict | None, config: ml_collections.ConfigDict) -> l
   if not saved:
     return []
   return [f'{d} since the checkpoint (the run continues under the new value; the learning rate '
-          'follows the new schedule from the restored step)' for d in _differences(saved, config, SCHEDULE_KEYS)]
+          'follows the new schedule from the restored step)' for d in config_differences(saved, config, SCHEDULE_KEYS)]
 
 
 def _leaf_checksum(x):

@@ -89,7 +89,7 @@ def test_a_run_from_before_a_config_key_existed_is_the_same_run(tmp_path):
   (tmp_path / 'config.json').write_text(json.dumps(saved))
   runs.check_folder(tmp_path, config)
   config.model.kda_conv_impl = 'pallas'
-  with pytest.raises(runs.WorkflowError, match="model.kda_conv_impl: None -> 'pallas'"):
+  with pytest.raises(runs.WorkflowError, match="model.kda_conv_impl: 'xla' -> 'pallas'"):
     runs.check_folder(tmp_path, config)
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from kimijax.ops import kda as kda_lib
 
+from helpers import rel_rmse
+
 NAMES = ('q', 'k', 'v', 'g', 'beta', 'initial_state')
 
 
@@ -31,11 +33,6 @@ def _inputs(seed, b, t, h, dk, dv, *, g_min=-1.0, spikes=False, dtype=jnp.float3
           cast(s0, jnp.float32))
 
 
-def _rel_rmse(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
-
-
 def _value_and_grads(impl, args, w_o, w_s):
   def loss(q, k, v, g, beta, s0):
     o, s = kda_lib.kda(q, k, v, g, beta, impl=impl, initial_state=s0, output_final_state=True)
@@ -50,11 +47,11 @@ def _compare(args, reference, tol_out, tol_grad, seed=0):
   (_, (o, s)), grads = _value_and_grads('pallas', args, w_o, w_s)
   (_, (o_r, s_r)), grads_r = _value_and_grads(reference, args, w_o, w_s)
   assert o.dtype == args[2].dtype and s.dtype == jnp.float32
-  errors = {'o': _rel_rmse(o, o_r), 'final_state': _rel_rmse(s, s_r)}
+  errors = {'o': rel_rmse(o, o_r), 'final_state': rel_rmse(s, s_r)}
   assert max(errors.values()) <= tol_out, errors
   for name, a, b in zip(NAMES, grads, grads_r):
     assert np.all(np.isfinite(np.asarray(a, np.float32))), name
-    errors[name] = _rel_rmse(a, b)
+    errors[name] = rel_rmse(a, b)
     assert errors[name] <= tol_grad, (name, errors)
   return errors
 
@@ -167,7 +164,7 @@ def test_interpreted_decode_step_matches_xla_step():
   one = lambda x: x[:, 0]
   o_x, s_x = kda_lib.kda_step(one(q), one(k), one(v), one(g), one(beta), s0)
   o_p, s_p = kda_lib.kda_step(one(q), one(k), one(v), one(g), one(beta), s0, impl='pallas')
-  assert _rel_rmse(o_p, o_x) < 1e-6 and _rel_rmse(s_p, s_x) < 1e-6
+  assert rel_rmse(o_p, o_x) < 1e-6 and rel_rmse(s_p, s_x) < 1e-6
 
 
 @pytest.mark.parametrize('dtype,d,diag_columns', [(jnp.bfloat16, 128, 0), (jnp.float32, 64, 0),

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from kimijax import config as config_lib
 from kimijax.ops import attention as attention_lib
 
+from helpers import rel_rmse
 from oracles import ref_attention, ref_attention_grads, ref_max_logits_fast
 
 
@@ -205,11 +206,6 @@ def test_training_with_tokamax_off_the_gpu_stops_before_compute():
 
 
 # ----------------------------------------------------------------------------- GPU: the kernel against 'xla'
-
-
-def rel_rmse(x, ref):
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.sqrt(np.mean((x - ref) ** 2) / np.mean(ref ** 2)))
 
 
 def bf16_qkv(seed, b, t, s, h, hkv, d, dv, negative=False):

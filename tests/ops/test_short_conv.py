@@ -10,6 +10,7 @@ import pytest
 
 from kimijax.ops import short_conv as sc
 
+from helpers import rel_rmse
 from oracles import np_conv, np_silu
 
 
@@ -32,11 +33,6 @@ def _inputs(seed, b, t, h, dk, dtype=jnp.float32):
 def _grads(impl, activation, x, w, dy):
   loss = lambda x, w: jnp.sum(sc.short_conv(x, w, activation, impl=impl)[0].astype(jnp.float32) * dy)
   return jax.jit(jax.grad(loss, (0, 1)))(x, w)
-
-
-def _rel_rmse(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
 
 
 @pytest.mark.parametrize('activation', sc.ACTIVATIONS)
@@ -111,8 +107,8 @@ def test_gpu_bf16_matches_float32_plain_form(activation):
   y = sc.short_conv(x, w, activation, impl='pallas')[0]
   assert y.dtype == jnp.bfloat16
   y_ref = sc.short_conv(x.astype(jnp.float32), w, activation, impl='xla')[0]
-  assert _rel_rmse(y, y_ref) <= 5e-3
+  assert rel_rmse(y, y_ref) <= 5e-3
   got = _grads('pallas', activation, x, w, dy)
   want = _grads('xla', activation, x.astype(jnp.float32), w, dy)
   for name, a, b in zip(('dx', 'dw'), got, want):
-    assert _rel_rmse(a, b) <= 1e-2, name
+    assert rel_rmse(a, b) <= 1e-2, name
