@@ -11,11 +11,15 @@ Expected: one H200, 2026-12-01, tokamax attention: 390.6 ms/step against 400.0 w
           :attnres_full 1053 ms
           (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
           (muon_distributed.md).
-          :hybrid 547.5 ms/step, 119.7k tokens/s, 76.1 GiB (2026-12-01; 0.71x all-attention's 391.4
-          ms in the same session; experiments/results/bench_kda.md).
-Variants: :hybrid (3 KDA : 1 attention, 18 + 6 layers, the fused Pallas KDA kernels),
-          :kda_recompute (with :hybrid: the KDA layers recompute their q/k/v projections in the
-          backward, 6 bytes per token and channel less, estimated 6.8 GiB less here and ~12 ms more),
+          :hybrid 537.5 ms/step, 69.4 GiB; :hybrid,kda_keep 526.5 ms, 76.1 GiB (2026-12-01, one
+          H200, bench_compare.py; all-attention 391.4 ms that day, so 0.73x its tokens/s). At
+          batch 2 x 32768: :hybrid,kda_keep 762.2 ms against all-attention's 1031.9 (1.35x its
+          tokens/s; experiments/results/bench_kda.md).
+Variants: :hybrid (3 KDA : 1 attention, 18 + 6 layers, the fused Pallas KDA kernels; the KDA
+          layers recompute their q/k/v projections in the backward, so that the step fits in
+          attention's memory and an H800's 80 GB),
+          :kda_keep (with :hybrid: the KDA layers keep their q/k/v projections for the backward
+          instead: 2% faster, 6.7 GiB more),
           :remat (rematerialise each layer), :xla (attn_impl='xla'),
           :cudnn (cuDNN attention and the fused max-logit kernel instead of tokamax's Mosaic GPU
           flash attention, whose residuals give the max logits; SPEC §5), :mla (the attention layers as Kimi Linear's MLA: kv rank 512, 128
@@ -39,6 +43,7 @@ def get_config(arg: str | None = None):
   m.attn_impl = 'tokamax'             # max logits from the kernel's residuals; ':cudnn' for cuDNN
   m.kda_impl = 'pallas'               # used by the KDA layers of :hybrid
   m.kda_conv_impl = 'pallas'          # their short convs: the fused conv + activation kernels
+  m.kda_recompute_projections = True  # their q/k/v projections recomputed in the backward (-6.7 GiB)
   m.compute_dtype = 'bfloat16'
   m.tie_embeddings = True
   m.residual_dtype = 'bfloat16'      # 2.6% faster than float32 here (see results)
@@ -52,8 +57,8 @@ def get_config(arg: str | None = None):
       m.remat = True
     elif variant == 'hybrid':
       m.layer_pattern = 'KKKA'
-    elif variant == 'kda_recompute':      # KDA layers recompute their q/k/v projections in the backward
-      m.kda_recompute_projections = True
+    elif variant == 'kda_keep':           # KDA layers keep their q/k/v projections for the backward
+      m.kda_recompute_projections = False
     elif variant == 'xla':
       m.attn_impl = 'xla'
     elif variant == 'cudnn':
@@ -68,7 +73,7 @@ def get_config(arg: str | None = None):
     elif variant == 'attnres_xla':        # AttnRes phase 1 in plain XLA instead of the Pallas kernels
       pass                                # applied after the loop, so that order does not matter
     else:
-      raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'hybrid', 'kda_recompute', 'remat', 'xla', "
+      raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'hybrid', 'kda_keep', 'remat', 'xla', "
                        "'cudnn', 'mla', 'attnres_full', 'attnres_block', 'attnres_xla'")
   if 'attnres_xla' in variants:
     m.attnres_impl = 'xla'

@@ -27,8 +27,7 @@ from kernels_pallas.common import power_of_two_divisor
 from kernels_pallas.kda.blocks import F32, SUB
 from kernels_pallas.kda.cotangents import chunk_cotangents_kernel, wy_bwd_kernel
 from kernels_pallas.kda.cumsum import chunk_cumsum_kernel
-from kernels_pallas.kda.scores import (diag_bwd_columns_kernel, diag_bwd_kernel, diag_fwd_columns_kernel,
-                                       diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel)
+from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_apply_kernel, wy_inverse_kernel
 
@@ -46,13 +45,10 @@ def chunk_len(t: int) -> int:
 # Triton settings (measured on an H200: experiments/results/bench_kda.md): warps of each kernel,
 # one pipelining depth; heads per program of the token-parallel kernels diag_fwd and diag_bwd,
 # features per program of scores_bwd, value columns per program of the state passes.
-# diag_columns: 0 forms the diagonal score blocks one program per token (measured), 1 one program
-# per sub-chunk, column by column (scores.diag_*_columns_kernel, heads_columns heads and
-# warps_columns warps per program; not yet timed on a GPU).
 TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 8, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
-         'features_bwd': 64, 'value_block': 64, 'diag_columns': 0, 'heads_columns': 1, 'warps_columns': 4}
+         'features_bwd': 64, 'value_block': 64}
 
 
 def _params(kernel):
@@ -134,34 +130,11 @@ def _score_diag_specs(hb, c):
           pl.BlockSpec((None, SUB, hb, SUB), lambda bi, ti, hi: (bi, ti // SUB, hi, cols(ti))))
 
 
-def _column_specs(hb):
-  """Block specs of the column-form diagonal kernels, grid (b, sub-chunk, head group) with hb
-  heads per program: sub(d) is the sub-chunk of [B, T, H, d] (d None: of [B, T, H]), diag(c) its
-  diagonal block of a [B, T, H, C] score array."""
-  def sub(d):
-    if d is None:
-      return pl.BlockSpec((None, SUB, hb), lambda bi, si, hi: (bi, si, hi))
-    return pl.BlockSpec((None, SUB, hb, d), lambda bi, si, hi: (bi, si, hi, 0))
-
-  def diag(c):
-    return pl.BlockSpec((None, SUB, hb, SUB), lambda bi, si, hi: (bi, si, hi, si % (c // SUB)))
-
-  return sub, diag
-
-
 def diag_fwd(q, k, gc, beta, *, scale, interpret):
   """The diagonal 16 x 16 blocks of aqk (q's dtype) and n (float32), [B, T, H, 16]: row r of a
-  block at row r; one program per sub-chunk (TILES['diag_columns']) or per token."""
+  block at row r; one program per token."""
   b, t, h, dk = q.shape
   out_shape = [_sds((b, t, h, SUB), q.dtype), _sds((b, t, h, SUB), F32)]
-  if TILES['diag_columns']:
-    hb = _heads_per_program(h, 'heads_columns')
-    sub, _ = _column_specs(hb)
-    return pl.pallas_call(
-        functools.partial(diag_fwd_columns_kernel, scale=scale), grid=(b, t // SUB, h // hb),
-        in_specs=[sub(dk), sub(dk), sub(dk), sub(None)], out_specs=[sub(SUB), sub(SUB)], out_shape=out_shape,
-        compiler_params=_params('columns'), interpret=interpret, name='kda_diag_fwd',
-    )(q, k, gc, beta)
   hb = _heads_per_program(h, 'heads_diag')
   token, sub = _token_specs(hb)
   return pl.pallas_call(
@@ -174,17 +147,8 @@ def diag_fwd(q, k, gc, beta, *, scale, interpret):
 
 def diag_bwd(q, k, gc, beta, daqk, dn, *, scale, c, interpret):
   """(qrow, rrow, ccol) [B, T, H, K] float32: the diagonal blocks' terms of the scores backward
-  (scores.diag_bwd_kernel), one program per sub-chunk (TILES['diag_columns']) or per token."""
+  (scores.diag_bwd_kernel), one program per token."""
   b, t, h, dk = q.shape
-  if TILES['diag_columns']:
-    hb = _heads_per_program(h, 'heads_columns')
-    sub, diag = _column_specs(hb)
-    return pl.pallas_call(
-        functools.partial(diag_bwd_columns_kernel, scale=scale), grid=(b, t // SUB, h // hb),
-        in_specs=[sub(dk), sub(dk), sub(dk), sub(None), diag(c), diag(c)], out_specs=[sub(dk)] * 3,
-        out_shape=[_sds(q.shape, F32)] * 3,
-        compiler_params=_params('columns'), interpret=interpret, name='kda_diag_bwd',
-    )(q, k, gc, beta, daqk, dn)
   hb = _heads_per_program(h, 'heads_diag_bwd')
   token, sub = _token_specs(hb)
   token_diag, sub_diag = _score_diag_specs(hb, c)

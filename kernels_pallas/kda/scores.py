@@ -13,10 +13,7 @@ parts <= 0. A diagonal block has no such split:
 
 - diag_fwd_kernel forms the diagonal blocks token by token: one program per token r (and a few
   heads), walking the tokens j <= r of its sub-chunk, each exp(G_r - G_j) with an argument <= 0.
-  Only the causal half of each block is computed. diag_fwd_columns_kernel forms them one program
-  per sub-chunk, column by column (each token's rows read once; the non-causal half of each
-  column masked before its exp); diag_bwd_kernel and diag_bwd_columns_kernel are the same two
-  forms of the backward (op.TILES['diag_columns'] chooses).
+  Only the causal half of each block is computed; diag_bwd_kernel is its backward.
 - scores_fwd_kernel (one program per sub-chunk) writes the score rows, taking the
   diagonal blocks from diag_fwd_kernel and forming the blocks below them as matmuls.
 - scores_bwd_kernel applies the transposes of the same products to the score gradients, for the
@@ -57,26 +54,6 @@ def diag_fwd_kernel(q_ref, k_ref, g_ref, b_ref, k_sub_ref, g_sub_ref, aqk_ref, a
   aqk, akk = jax.lax.fori_loop(0, r + 1, token, (zeros, zeros))
   aqk_ref[0] = (scale * aqk).astype(aqk_ref.dtype)
   akk_ref[0] = jnp.where(col < r, b_ref[...].astype(F32).T * akk, 0.0)
-
-
-def diag_fwd_columns_kernel(q_ref, k_ref, g_ref, b_ref, aqk_ref, n_ref, *, scale):
-  """The diagonal blocks of aqk and n for one sub-chunk and a few heads, column by column: q, k,
-  g [16, heads, K], beta [16, heads] in; aqk, n [16, heads, 16] out. Column j takes the rows
-  r >= j, whose exp(G_r - G_j) have arguments <= 0 (the others are masked before the exp)."""
-  q, k, g = q_ref[...].astype(F32), k_ref[...].astype(F32), g_ref[...]
-  row = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1, 1), 0)
-  col = jax.lax.broadcasted_iota(jnp.int32, aqk_ref.shape, 2)
-
-  def column(j, carry):
-    aqk, akk = carry
-    kj = k_ref[pl.ds(j, 1)].astype(F32) * jnp.exp(jnp.where(row >= j, g - g_ref[pl.ds(j, 1)], -jnp.inf))
-    return (jnp.where(col == j, jnp.sum(q * kj, axis=-1, keepdims=True), aqk),
-            jnp.where(col == j, jnp.sum(k * kj, axis=-1, keepdims=True), akk))
-
-  zeros = jnp.zeros(aqk_ref.shape, F32)
-  aqk, akk = jax.lax.fori_loop(0, SUB, column, (zeros, zeros))
-  aqk_ref[...] = (scale * aqk).astype(aqk_ref.dtype)
-  n_ref[...] = jnp.where(col < row, b_ref[...].astype(F32)[:, :, None] * akk, 0.0)
 
 
 def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, aqk_d_ref, n_d_ref,
@@ -140,28 +117,6 @@ def diag_bwd_kernel(g_ref, daqk_ref, dn_ref, q_sub_ref, k_sub_ref, g_sub_ref, be
   qrow, rrow = jax.lax.fori_loop(0, r + 1, row, (zero, zero))
   qrow_ref[0], rrow_ref[0] = qrow, rrow
   ccol_ref[0] = jax.lax.fori_loop(r, SUB, column, zero)
-
-
-def diag_bwd_columns_kernel(q_ref, k_ref, g_ref, b_ref, daqk_ref, dn_ref, qrow_ref, rrow_ref, ccol_ref, *,
-                            scale):
-  """diag_bwd_kernel's qrow, rrow, ccol for one sub-chunk and a few heads, column by column: q, k,
-  g [16, heads, K], beta [16, heads] and the diagonal blocks of daqk and dn [16, heads, 16] in.
-  Column j adds its terms to the rows r >= j of qrow and rrow and writes row j of ccol."""
-  q, k, g = q_ref[...].astype(F32), k_ref[...].astype(F32), g_ref[...]
-  beta = b_ref[...].astype(F32)[:, :, None]
-  row = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1, 1), 0)
-
-  def column(j, carry):
-    qrow, rrow = carry
-    e = jnp.exp(jnp.where(row >= j, g - g_ref[pl.ds(j, 1)], -jnp.inf))     # E_rj, zero for r < j
-    daqk = daqk_ref[:, :, pl.ds(j, 1)].astype(F32)                          # [16, heads, 1]
-    dn = dn_ref[:, :, pl.ds(j, 1)].astype(F32)
-    ekj = e * k_ref[pl.ds(j, 1)].astype(F32)
-    ccol_ref[pl.ds(j, 1)] = jnp.sum((scale * daqk * q + beta * dn * k) * e, axis=0, keepdims=True)
-    return qrow + daqk * ekj, rrow + dn * ekj
-
-  zero = jnp.zeros(q.shape, F32)
-  qrow_ref[...], rrow_ref[...] = jax.lax.fori_loop(0, SUB, column, (zero, zero))
 
 
 def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_rows_ref, dn_rows_ref,

@@ -80,14 +80,10 @@ def test_interpreted_short_sequence_uses_one_small_chunk():
 @pytest.mark.usefixtures('_full_precision')
 def test_interpreted_kernels_match_recurrence_under_other_tiles(monkeypatch):
   """Settings the defaults do not reach at these sizes: scores_bwd in two feature slices (its
-  dbeta as partial sums), the diagonal blocks with one head per program, and value blocks of 16;
-  then the diagonal blocks column by column (one program per sub-chunk, two heads per program)."""
+  dbeta as partial sums), the diagonal blocks with one head per program, and value blocks of 16."""
   from kernels_pallas.kda import op
-  defaults = dict(op.TILES)
-  for tiles in (dict(features_bwd=16, heads_diag=1, heads_diag_bwd=1, value_block=16),
-                dict(diag_columns=1, heads_columns=2)):
-    monkeypatch.setattr(op, 'TILES', dict(defaults, **tiles))
-    _compare(_inputs(3, 1, 40, 2, 32, 32, spikes=True), 'recurrent', 2e-4, 2e-4)
+  monkeypatch.setattr(op, 'TILES', dict(op.TILES, features_bwd=16, heads_diag=1, heads_diag_bwd=1, value_block=16))
+  _compare(_inputs(3, 1, 40, 2, 32, 32, spikes=True), 'recurrent', 2e-4, 2e-4)
 
 
 def test_rejects_head_dims_the_kernels_cannot_tile():
@@ -108,10 +104,7 @@ def test_gpu_float32_matches_recurrence(t, d, spikes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('diag_columns', [0, 1])
-def test_gpu_bf16_matches_chunk_form_at_benchmark_shape(diag_columns, monkeypatch):
-  from kernels_pallas.kda import op
-  monkeypatch.setattr(op, 'TILES', dict(op.TILES, diag_columns=diag_columns))
+def test_gpu_bf16_matches_chunk_form_at_benchmark_shape():
   args = _inputs(4, 8, 4096, 16, 128, 128, g_min=-0.5, dtype=jnp.bfloat16)
   _compare(args, 'chunk', 5e-3, 1e-2)
 
@@ -167,15 +160,13 @@ def test_interpreted_decode_step_matches_xla_step():
   assert rel_rmse(o_p, o_x) < 1e-6 and rel_rmse(s_p, s_x) < 1e-6
 
 
-@pytest.mark.parametrize('dtype,d,diag_columns', [(jnp.bfloat16, 128, 0), (jnp.float32, 64, 0),
-                                                  (jnp.bfloat16, 128, 1)])
-def test_kernels_lower_to_triton_for_an_h200(dtype, d, diag_columns, monkeypatch):
+@pytest.mark.parametrize('dtype,d', [(jnp.bfloat16, 128), (jnp.float32, 64)])
+def test_kernels_lower_to_triton_for_an_h200(dtype, d):
   """Every KDA kernel of a training step (forward, the backward's recomputation, state_bwd,
   diag_bwd, scores_bwd) and the decode step go through the Pallas Triton lowering for an H200 on this
   machine: what Triton cannot express fails here, not in device time."""
   from experiments.tools.triton_report import lower_for_h200
-  from kernels_pallas.kda import kda_pallas, kda_step_pallas, op
-  monkeypatch.setattr(op, 'TILES', dict(op.TILES, diag_columns=diag_columns))
+  from kernels_pallas.kda import kda_pallas, kda_step_pallas
   spec = jax.ShapeDtypeStruct
   b, t, h = 2, 200, 4
   x = spec((b, t, h, d), dtype)
