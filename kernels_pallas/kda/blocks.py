@@ -13,6 +13,25 @@ F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST
 
 
+# A sub-chunk whose cumulative log-decay G falls by less than this in every feature (of the
+# heads a program covers) has its diagonal score block formed by matmuls split at its first row p,
+# like the blocks below it: the factors exp(G_p - G_j) of its keys stay below e^60 (~1e26), inside
+# float32's and bf16's range, and their products with exp(G_r - G_p) <= 1 are exp(G_r - G_j). Steeper
+# sub-chunks (a reset, decays near -4 per token or below) take the pairwise kernels, whose every exp
+# has an argument <= 0.
+DIAG_MATMUL_RANGE = 60.0
+
+
+def diagonal_by_matmul(g_ref):
+  """Whether the sub-chunk held by g_ref ([16, ...] float32 G, rows = its tokens) falls by less
+  than DIAG_MATMUL_RANGE in every feature: a traced boolean scalar. G is non-increasing along the
+  rows, so its drop is first row minus last."""
+  drop = g_ref[pl.ds(0, 1)] - g_ref[pl.ds(SUB - 1, 1)]
+  while drop.ndim > 1:
+    drop = jnp.max(drop, axis=-1)
+  return jnp.max(drop) < DIAG_MATMUL_RANGE
+
+
 def rows(a, n=SUB):
   """Rows [a n, a n + n) of a ref; a may be traced."""
   return pl.ds(a * n if isinstance(a, int) else pl.multiple_of(a * n, n), n)

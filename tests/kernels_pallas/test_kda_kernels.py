@@ -71,6 +71,24 @@ def test_interpreted_kernels_match_recurrence_with_tail_state_and_resets():
 
 
 @pytest.mark.usefixtures('_full_precision')
+def test_interpreted_diagonal_blocks_by_matmul_and_pairwise():
+  """Sub-chunks whose G drops by less than blocks.DIAG_MATMUL_RANGE form their diagonal score
+  blocks as matmuls (exp(G_p - G_j) up to e^58 here), steeper ones pairwise (a reset; a steady
+  -4.2 per token): all in one call, against the recurrence."""
+  from kernels_pallas.kda.blocks import DIAG_MATMUL_RANGE, SUB
+  q, k, v, g, beta, s0 = _inputs(5, 1, 112, 2, 32, 16)
+  g = np.array(g)
+  g[:, 40, :, 3] = -1000.0                 # chunk 0, sub-chunk 2: a reset
+  g[:, 64:80] = -4.2                       # chunk 1, sub-chunk 0: drop 63
+  g[:, 80:96] = -3.9                       # chunk 1, sub-chunk 1: drop 58.5, matmul with big factors
+  blocks = g.reshape(1, -1, SUB, 2, 32)
+  drop = (np.cumsum(blocks, axis=2)[:, :, 0] - np.cumsum(blocks, axis=2)[:, :, -1]).max(axis=(0, 2, 3))
+  assert (drop < DIAG_MATMUL_RANGE).sum() >= 4 and (drop >= DIAG_MATMUL_RANGE).sum() == 2, drop
+  assert drop.max() > 1000 and np.sort(drop)[-3] > 55, drop
+  _compare((q, k, v, jnp.asarray(g), beta, s0), 'recurrent', 1e-4, 1e-4)
+
+
+@pytest.mark.usefixtures('_full_precision')
 def test_interpreted_short_sequence_uses_one_small_chunk():
   """T = 20 runs as one chunk of 32 (two 16-token sub-chunks), K = V = 64, strong decays."""
   args = _inputs(1, 2, 20, 1, 64, 64, g_min=-8.0)
