@@ -21,11 +21,15 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 run: $(VENV)/.installed
 	$(PY) run.py --config=configs/default.py --workdir=runs/default
 
+# pytest-xdist: up to 4 worker processes (one per core), each taking whole files so that a
+# module's fixtures (tiny trainings) run once
+XDIST := -n auto --maxprocesses=4 --dist loadfile
+
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -m 'not long' tests
+	$(PY) -m pytest -q $(XDIST) -m 'not long' tests
 
 test-all: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(XDIST) tests
 
 clean-venv:
 	rm -rf $(VENV)
