@@ -132,7 +132,8 @@ def _score_diag_specs(hb, c):
 
 def diag_fwd(q, k, gc, beta, *, scale, interpret):
   """The diagonal 16 x 16 blocks of aqk (q's dtype) and n (float32), [B, T, H, 16]: row r of a
-  block at row r; one program per token."""
+  block at row r; one program per token. Written only for steep sub-chunks (not
+  blocks.diagonal_by_matmul), the only ones scores_fwd reads."""
   b, t, h, dk = q.shape
   out_shape = [_sds((b, t, h, SUB), q.dtype), _sds((b, t, h, SUB), F32)]
   hb = _heads_per_program(h, 'heads_diag')
@@ -147,7 +148,8 @@ def diag_fwd(q, k, gc, beta, *, scale, interpret):
 
 def diag_bwd(q, k, gc, beta, daqk, dn, *, scale, c, interpret):
   """(qrow, rrow, ccol) [B, T, H, K] float32: the diagonal blocks' terms of the scores backward
-  (scores.diag_bwd_kernel), one program per token."""
+  (scores.diag_bwd_kernel), one program per token; written, and read by scores_bwd, only for
+  steep sub-chunks."""
   b, t, h, dk = q.shape
   hb = _heads_per_program(h, 'heads_diag_bwd')
   token, sub = _token_specs(hb)

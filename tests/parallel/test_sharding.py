@@ -94,7 +94,7 @@ def check_param_sharding(state, shape):
     ('mha', DP8),
     ('mha', FSDP8),
     ('mha', DP2_FSDP2_TP2),
-    ('mha', DP2_TP4),
+    pytest.param('mha', DP2_TP4, marks=pytest.mark.long),   # ~25 s; gqa-2x1x4 covers tensor = 4
     pytest.param('gqa', DP2_FSDP2_TP2, marks=pytest.mark.long),   # ~45 s; gqa-2x1x4 covers GQA
     ('gqa', DP2_TP4),
 ], ids=lambda x: x if isinstance(x, str) else 'x'.join(map(str, x)))
