@@ -4,8 +4,11 @@
     python -m experiments.bench.bench_kda --batch=1 --seq_len=2048 --heads=2 --head_dim=64 --dtype=float32   # CPU
 
 Times kimijax's implementations ('recurrent', 'chunk', 'pallas': --impls) on random
-inputs of one shape (q, k L2-normalised; g = -exp(U(-7, 0.5)), the range of the KDA gate at
-init; beta = sigmoid(N(0, 1))). forward: o from (q, k, v, g, beta); forward+backward: the
+inputs of one shape (q, k L2-normalised; g = -exp(U(-7, --gate_log_max)), by default 0.5: the
+range of the KDA gate at init, where no 16-token sub-chunk is steep; beta = sigmoid(N(0, 1))).
+--gate_log_max=3 makes nearly every sub-chunk steep (its decay drops by 60 or more in some
+feature), which the Pallas kernels form with their pairwise diagonal kernels instead of matmuls
+(kernels_pallas/kda/README.md, Stability): the slow path's cost. forward: o from (q, k, v, g, beta); forward+backward: the
 gradients of sum(o * do) with respect to all five inputs. On a GPU where `import fla` works, fla's
 Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (SPEC §5: 1.77 ms /
 10.0 ms at the default shape on an H200). --short_conv adds the layer's short conv + activation
@@ -33,6 +36,7 @@ flags.DEFINE_bool('stages', False, "also time each stage of impl='pallas' on its
                   'the backward\'s recomputation, reverse state pass and input gradients)')
 flags.DEFINE_list('kda_tiles', [''], "with --stages: settings of kernels_pallas.kda.op.TILES to time the "
                   "stages under, one per entry, each 'key=int/key=int' (e.g. warps_diag=2/heads_diag=8)")
+flags.DEFINE_float('gate_log_max', 0.5, 'g = -exp(U(-7, gate_log_max))')
 flags.DEFINE_bool('short_conv', False, "also time the KDA layer's short conv + SiLU + L2 norm "
                   '(kimijax.ops.short_conv, one of q, k, v at the same shape) under each of its impls')
 FLAGS = flags.FLAGS
@@ -60,7 +64,7 @@ def _jax_rows(shape, dtype_name):
   q = unit(jax.random.normal(keys[0], (b, t, h, d))).astype(dtype)
   k = unit(jax.random.normal(keys[1], (b, t, h, d))).astype(dtype)
   v = jax.random.normal(keys[2], (b, t, h, d), dtype)
-  g = -jnp.exp(jax.random.uniform(keys[3], (b, t, h, d), jnp.float32, -7.0, 0.5))
+  g = -jnp.exp(jax.random.uniform(keys[3], (b, t, h, d), jnp.float32, -7.0, FLAGS.gate_log_max))
   beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h))).astype(dtype)
   do = jax.random.normal(keys[5], (b, t, h, d), dtype)
   args = (q, k, v, g, beta)
@@ -103,7 +107,7 @@ def _stage_rows(shape, dtype_name):
   q = jax.random.normal(keys[0], (b, t, h, d), dtype) * d ** -0.5
   k = jax.random.normal(keys[1], (b, t, h, d), dtype) * d ** -0.5
   v = jax.random.normal(keys[2], (b, t, h, d), dtype)
-  g = -jnp.exp(jax.random.uniform(keys[3], (b, t, h, d), jnp.float32, -7.0, 0.5))
+  g = -jnp.exp(jax.random.uniform(keys[3], (b, t, h, d), jnp.float32, -7.0, FLAGS.gate_log_max))
   beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
   do = jax.random.normal(keys[5], (b, t, h, d), dtype)
   s0 = jnp.zeros((b, h, d, d), jnp.float32)
@@ -187,7 +191,7 @@ def _fla_rows(shape):
   q = unit(randn(b, t, h, d)).bfloat16().requires_grad_()
   k = unit(randn(b, t, h, d)).bfloat16().requires_grad_()
   v = randn(b, t, h, d).bfloat16().requires_grad_()
-  g = (-torch.exp(torch.rand(b, t, h, d, device='cuda', generator=gen) * 7.5 - 7.0)).requires_grad_()
+  g = (-torch.exp(torch.rand(b, t, h, d, device='cuda', generator=gen) * (FLAGS.gate_log_max + 7.0) - 7.0)).requires_grad_()
   beta = torch.sigmoid(randn(b, t, h)).bfloat16().requires_grad_()
   do = randn(b, t, h, d).bfloat16()
   sync = lambda _: torch.cuda.synchronize()
