@@ -165,7 +165,7 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
   beta = ba_ref[...].astype(F32)[:, None]
   zero = jnp.zeros_like(ka)
 
-  # rows of a against earlier sub-chunks b < a (anchor: the first row p of a)
+  # rows of a against earlier sub-chunks b < a, and b = a by matmul (anchor: the first row p of a)
   gp = _token(g_ref, a * SUB)
 
   def earlier(b, carry):
