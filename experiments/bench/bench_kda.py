@@ -8,8 +8,8 @@ inputs of one shape (q, k L2-normalised; g = -exp(U(-7, --gate_log_max)), by def
 range of the KDA gate at init, where no 16-token sub-chunk is steep; beta = sigmoid(N(0, 1))).
 --gate_log_max=3 makes nearly every sub-chunk steep (its decay drops by 60 or more in some
 feature), which the Pallas kernels form with their pairwise diagonal kernels instead of matmuls
-(kernels_pallas/kda/README.md, Stability): the slow path's cost. forward: o from (q, k, v, g, beta); forward+backward: the
-gradients of sum(o * do) with respect to all five inputs. On a GPU where `import fla` works, fla's
+(kernels_pallas/kda/README.md, Stability): the slow path's cost. forward: o from (q, k, v, g,
+beta); forward+backward: the gradients of sum(o * do) with respect to all five inputs. On a GPU where `import fla` works, fla's
 Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (SPEC §5: 1.77 ms /
 10.0 ms at the default shape on an H200). --short_conv adds the layer's short conv + activation
 (kimijax.ops.short_conv) under each of its impls. Each figure is the median (and min) of --repeats timed
@@ -47,6 +47,13 @@ def _time(fn, repeats, warmup, sync):
   return timing.call_ms(fn, repeats=repeats, warmup=warmup, sync=sync)
 
 
+def _log_decay(key, shape):
+  """g = -exp(U(-7, --gate_log_max)), float32."""
+  import jax
+  import jax.numpy as jnp
+  return -jnp.exp(jax.random.uniform(key, shape, jnp.float32, -7.0, FLAGS.gate_log_max))
+
+
 def _print_row(row):
   print('| ' + ' | '.join(row) + ' |', flush=True)
 
@@ -64,7 +71,7 @@ def _jax_rows(shape, dtype_name):
   q = unit(jax.random.normal(keys[0], (b, t, h, d))).astype(dtype)
   k = unit(jax.random.normal(keys[1], (b, t, h, d))).astype(dtype)
   v = jax.random.normal(keys[2], (b, t, h, d), dtype)
-  g = -jnp.exp(jax.random.uniform(keys[3], (b, t, h, d), jnp.float32, -7.0, FLAGS.gate_log_max))
+  g = _log_decay(keys[3], shape)
   beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h))).astype(dtype)
   do = jax.random.normal(keys[5], (b, t, h, d), dtype)
   args = (q, k, v, g, beta)
@@ -107,7 +114,7 @@ def _stage_rows(shape, dtype_name):
   q = jax.random.normal(keys[0], (b, t, h, d), dtype) * d ** -0.5
   k = jax.random.normal(keys[1], (b, t, h, d), dtype) * d ** -0.5
   v = jax.random.normal(keys[2], (b, t, h, d), dtype)
-  g = -jnp.exp(jax.random.uniform(keys[3], (b, t, h, d), jnp.float32, -7.0, FLAGS.gate_log_max))
+  g = _log_decay(keys[3], shape)
   beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
   do = jax.random.normal(keys[5], (b, t, h, d), dtype)
   s0 = jnp.zeros((b, h, d, d), jnp.float32)
