@@ -300,7 +300,8 @@ def test_gpu_model_trains_the_same_with_tokamax():
     assert abs(losses[name, 'tokamax'] - losses[name, 'xla']) < 1e-3 * abs(losses[name, 'xla'])
     flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
     assert rel_rmse(flat(grads[name, 'tokamax']), flat(grads[name, 'xla'])) <= 1e-2
-    # Exactness is pinned on equal inputs above; in a bf16 model the layers see inputs that differ
-    # by the two implementations' roundings (a few 1e-3 relative).
+    # Layer 0 sees the same inputs in both programs, so its max logits are exact; deeper layers see
+    # inputs that differ by the two implementations' bf16 roundings (a few 1e-3 relative).
     for layer, m in logits[name, 'xla'].items():
-      np.testing.assert_allclose(logits[name, 'tokamax'][layer], m, rtol=1e-2)
+      np.testing.assert_allclose(logits[name, 'tokamax'][layer], m, rtol=1e-5 if layer == 'layer_0' else 1e-2,
+                                 err_msg=f'{name} {layer}')
