@@ -4,9 +4,10 @@
   and Kimi Linear's form); standard errors from the fit's residuals, 95% intervals from Student's t
   with n - 2 degrees of freedom.
 - `fit_power_law_offset`: L = E + A * C^-alpha (marin's form with an irreducible loss E), for
-  n >= 4 rungs: E profiled on a grid below min(L) (for each E the rest is a log-log line), then
-  refined by Gauss-Newton with step halving; intervals from the Jacobian at the optimum with
-  n - 3 degrees of freedom (with 4 rungs only one: wide, as they should be).
+  n >= 4 rungs: E profiled on a grid in [0, min(L)) (for each E the rest is a log-log line), then
+  refined by Gauss-Newton with step halving inside that range; intervals from the Jacobian at the
+  optimum with n - 3 degrees of freedom (with 4 rungs only one: wide, as they should be). Rungs
+  that bend the wrong way for a floor put E at 0 (`E_at_zero`): the pure power law then.
 - `compute_multiplier`: C_base(L*) / C_var(L*) at matched loss L* from the two fits, over the
   range of L* both ladders' rungs cover (flagged as extrapolation when they do not overlap), with a
   95% interval by sampling the fits' parameters from their Gaussian approximation (fixed seed).
@@ -99,7 +100,7 @@ def fit_power_law_offset(c, loss, grid: int = 400) -> dict:
     while scale > 1e-6:
       cand = theta + scale * step
       cand_sse = float(np.sum((loss - _offset_model(cand, x)) ** 2))
-      if cand[0] < loss.min() and cand_sse < sse:
+      if 0.0 <= cand[0] < loss.min() and cand_sse < sse:     # an irreducible loss is >= 0
         theta, improved = cand, sse - cand_sse > 1e-15 * max(sse, 1e-300)
         sse = cand_sse
         break
@@ -116,7 +117,7 @@ def fit_power_law_offset(c, loss, grid: int = 400) -> dict:
   se = np.sqrt(np.abs(np.diag(cov)))
   t = t975(dof)
   e, log_a, alpha = (float(v) for v in theta)
-  return {'form': 'E+A*C^-alpha', 'E': e, 'A': math.exp(log_a), 'alpha': alpha, 'log_A': log_a,
+  return {'form': 'E+A*C^-alpha', 'E': e, 'E_at_zero': e == 0.0, 'A': math.exp(log_a), 'alpha': alpha, 'log_A': log_a,
           'E_se': float(se[0]), 'alpha_se': float(se[2]),
           'E_ci95': [e - t * se[0], e + t * se[0]], 'alpha_ci95': [alpha - t * se[2], alpha + t * se[2]],
           'cov_E_logA_alpha': cov.tolist(), 'rms_residual': float(np.sqrt(sse / len(x))),

@@ -99,7 +99,9 @@ def train_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path, *,
             flush=True)
     began = time.time()
     summary = train(config, run_dir, devices=devices)
-    summary['wall_seconds'] = time.time() - began
+    # Where and on what data it ran, so that a report written on another machine (a ladder brought
+    # back from a GPU) states the run's hardware and epochs, not its own.
+    summary.update(wall_seconds=time.time() - began, hardware=hardware(), train_split_tokens=train_split_tokens(config))
     tmp = run_dir / 'done.json.tmp'
     tmp.write_text(json.dumps(summary, indent=1, default=str))
     os.replace(tmp, run_dir / 'done.json')
@@ -137,10 +139,10 @@ def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> 
                         'the run is not finished (re-run the same command to resume it)')
   step_flops = flops_lib.training_flops_per_step(config)
   tokens = t.steps * t.batch_size * t.seq_len
-  split = train_split_tokens(config)
   rates = [r['tokens_per_sec'] for r in logged if r.get('tokens_per_sec')]
   max_logits = [r['max_logit'] for r in logged if 'max_logit' in r]
   done = json.loads((run_dir / 'done.json').read_text()) if is_finished(run_dir) else {}
+  split = done['train_split_tokens'] if 'train_split_tokens' in done else train_split_tokens(config)
   last_eval = evals[-1]
   accuracy_key = 'eval_recall_accuracy' if 'eval_recall_accuracy' in last_eval else 'eval_accuracy'
   return {
@@ -152,7 +154,7 @@ def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> 
       'max_logit_final': max_logits[-1] if max_logits else None,
       'max_logit_peak': max(max_logits) if max_logits else None,
       'epochs': tokens / split if split else None,
-      'wall_seconds': done.get('wall_seconds'),
+      'wall_seconds': done.get('wall_seconds'), 'hardware': done.get('hardware'),
       'loss_by_position': {'buckets': last_eval.get('eval_position_buckets'),
                            'loss': last_eval.get('eval_loss_by_position')},
       'curves': {'train': [(r['step'], r['loss']) for r in logged],

@@ -10,7 +10,10 @@ checkpoints, so a ladder can be finished over several calls or machines by bring
 (ladder.json alone is not enough: the run folders hold the curves). Before each rung it prints
 "rung n of m" with its size and an ETA from the FLOP rate of the rungs trained in this call.
 --variants runs a subset (e.g. one variant per 10-minute GPU call); --time_budget_s starts no rung
-that the measured FLOP rate says would end past the budget (the report then covers what is done).
+that the measured FLOP rate says would end past the budget (the report then covers what is done);
+--report_only trains nothing and rewrites the report from the finished rungs. Each run's done.json
+records its hardware and training-split size, so a report written elsewhere states where the
+rungs ran and how many epochs they saw.
 
 Training FLOPs per rung come from kimijax.train.flops (the count bench_train's MFU uses), C in
 PFLOP/s-days. Per variant it fits L = A C^-alpha (log-log least squares) and, with >= 4 rungs,
@@ -86,19 +89,20 @@ def plan(ladder: ml_collections.ConfigDict, workdir: pathlib.Path, variants: lis
   return out
 
 
-def rung_time_model(trained: list[tuple[float, float]]) -> tuple[float, float] | None:
-  """(seconds of overhead per rung, seconds per FLOP) from the (FLOPs, seconds) of the rungs trained
-  in this call: a least-squares line through them (compilation, data loading and evals are the
-  overhead; small rungs are mostly overhead), or the FLOP rate alone from one rung."""
+def rung_time_model(trained: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+  """(seconds of overhead per rung, seconds per FLOP) from the (FLOPs, wall seconds, training seconds)
+  of the rungs trained in this call, the training seconds being tokens / the median logged tokens/s.
+  Overhead (compilation, data loading, evals) is the mean of wall - training. Seconds per FLOP is
+  the slope between the two largest rungs (small models run at a far lower FLOP rate than large
+  ones, so the rate of one small rung alone would predict large rungs many times too long), or
+  the one rung's rate."""
   if not trained:
     return None
-  flops, secs = zip(*trained)
-  if len(trained) >= 2 and max(flops) > min(flops):
-    import numpy as np
-    per_flop, overhead = np.polyfit(flops, secs, 1)
-    if per_flop > 0 and overhead >= 0:
-      return float(overhead), float(per_flop)
-  return 0.0, sum(secs) / sum(flops)
+  overhead = sum(max(wall - train, 0.0) for _, wall, train in trained) / len(trained)
+  by_flops = sorted(trained)
+  (f1, _, t1), (f2, _, t2) = by_flops[-2:] if len(by_flops) >= 2 else (by_flops[-1],) * 2
+  per_flop = (t2 - t1) / (f2 - f1) if f2 > f1 and t2 > t1 else t2 / f2
+  return overhead, per_flop
 
 
 def predict_seconds(model: tuple[float, float] | None, flops: list[float]) -> float | None:
@@ -131,7 +135,8 @@ def _rung_row(r: dict) -> dict:
           'num_layers': r['config'].model.num_layers, 'num_heads': r['rung']['num_heads'],
           'batch_size': r['rung']['batch_size'], 'learning_rate': r['rung']['learning_rate'],
           **{k: figs[k] for k in ('params', 'tokens', 'steps', 'flops', 'final_eval_loss', 'final_train_loss',
-                                  'epochs', 'tokens_per_sec', 'wall_seconds', 'loss_by_position', 'run_dir')}}
+                                  'epochs', 'tokens_per_sec', 'wall_seconds', 'loss_by_position', 'run_dir',
+                                  'hardware')}}
 
 
 def analyse(ladder, rows: list[dict]) -> dict:
@@ -156,8 +161,12 @@ def _ci(pair) -> str:
 
 
 def markdown(ladder, rows, analysis, prov, png_name: str, planned: int) -> str:
+  trained_on = sorted({r['hardware'] or 'not recorded' for r in rows})
+  where = ('; '.join(trained_on) if trained_on else prov['hardware'])
+  if trained_on and trained_on != [prov['hardware']]:
+    where += f' (report written on {prov["hardware"]})'
   lines = [f'# Scaling ladder `{ladder.name}`', '',
-           f'Date: {prov["date"]}. Hardware: {prov["hardware"]}. {len(rows)} of {planned} rungs finished.',
+           f'Date: {prov["date"]}. Rungs trained on: {where}. {len(rows)} of {planned} rungs finished.',
            '', 'Command:', '', f'    {prov["command"]}', '',
            f'Rule: {ladder.rule}; {ladder.tokens_per_param:g} tokens per parameter; baseline '
            f'`{ladder.baseline}`; variants: ' + '; '.join(
@@ -184,7 +193,8 @@ def markdown(ladder, rows, analysis, prov, png_name: str, planned: int) -> str:
     if 'with_offset' in fits:
       f = fits['with_offset']
       lines.append(f"| {v} | E + A C^-alpha | {f['A']:.4g} | {f['alpha']:.4f} | {_ci(f['alpha_ci95'])} | "
-                   f"{f['E']:.4f} {_ci(f['E_ci95'])} | {f['n']} | {f['rms_residual']:.2g} |")
+                   f"{f['E']:.4f} " + ('(at its bound 0: no floor in these rungs)' if f.get('E_at_zero')
+                                       else _ci(f['E_ci95'])) + f" | {f['n']} | {f['rms_residual']:.2g} |")
   lines += ['', f'## Compute multiplier against `{ladder.baseline}` at matched loss', '',
             'C_base(L*) / C_var(L*) from the two A C^-alpha fits: above 1 the variant reaches L* with '
             'less compute (Moonlight\'s "Muon needs ~52% of the FLOPs" is 1.92x; Kimi Linear reports '
@@ -233,6 +243,7 @@ def plot(ladder, rows, analysis, out: pathlib.Path) -> pathlib.Path:
          ylabel='final eval loss (nats/token)', title=f'ladder {ladder.name}')
   ax.grid(alpha=0.3, which='both')
   ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())    # losses as plain numbers
+  ax.yaxis.set_minor_locator(matplotlib.ticker.LogLocator(subs=(1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)))
   ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
   ax.legend(fontsize=7)
   fig.suptitle(f'{len(rows)} rungs; fits by least squares (experiments/ladder_fit.py)', fontsize=8)
@@ -243,15 +254,16 @@ def plot(ladder, rows, analysis, out: pathlib.Path) -> pathlib.Path:
 
 def run_ladder(ladder: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, variants=None,
                time_budget_s: float | None = None, publish: str | None = None, devices=None,
-               drop_checkpoints: bool = False) -> dict:
-  """Runs (or resumes) the ladder's rungs, then writes ladder.json / .md / .png; returns the json data."""
+               drop_checkpoints: bool = False, report_only: bool = False) -> dict:
+  """Runs (or resumes) the ladder's rungs, then writes ladder.json / .md / .png; returns the json data.
+  report_only=True trains nothing: the report covers the rungs finished in workdir."""
   workdir = pathlib.Path(workdir)
   planned = plan(ladder, workdir, variants)
-  runs = [r for r in planned if r['chosen']]
+  runs = [] if report_only else [r for r in planned if r['chosen']]
   started = time.time()
-  trained, finished = [], []       # (FLOPs, seconds) of each rung trained in this call
+  trained, finished = [], []       # (FLOPs, wall s, training s) of each rung trained in this call
   for run in planned:     # finished rungs of the variants not run now still go into the report
-    if not run['chosen'] and runs_lib.is_finished(run['run_dir']):
+    if all(run is not r for r in runs) and runs_lib.is_finished(run['run_dir']):
       finished.append({**run, 'figures': runs_lib.read_run(run['config'], run['run_dir'])})
   for n, run in enumerate(runs, 1):
     total = run['step_flops']['total'] * run['config'].train.steps
@@ -271,7 +283,9 @@ def run_ladder(ladder: ml_collections.ConfigDict, workdir: str | pathlib.Path, *
     began = time.time()
     figures = runs_lib.train_run(run['config'], run['run_dir'], devices=devices, drop_checkpoints=drop_checkpoints)
     if not was_finished:
-      trained.append((total, time.time() - began))
+      wall = time.time() - began
+      rate = figures.get('tokens_per_sec')
+      trained.append((total, wall, min(figures['tokens'] / rate, wall) if rate else wall))
     finished.append({**run, 'figures': figures})
   finished.sort(key=lambda r: [p['run_dir'] for p in planned].index(r['run_dir']))
   rows = [_rung_row(r) for r in finished]
@@ -302,6 +316,7 @@ def define_flags():
   flags.DEFINE_list('variants', [], "variants to run (default: all); the report covers every finished one")
   flags.DEFINE_float('time_budget_s', None, 'start no rung that would end past this many seconds')
   flags.DEFINE_string('publish', None, 'also copy the report to PREFIX.md/.png/.json')
+  flags.DEFINE_bool('report_only', False, 'train nothing: rewrite the report from the rungs finished in --workdir')
   flags.DEFINE_bool('drop_finished_checkpoints', False, "remove a rung's checkpoints once it is finished "
                     '(its figures stay), so that the workdir is small enough to carry between machines')
   flags.mark_flags_as_required(['config', 'workdir'])
@@ -314,7 +329,7 @@ def main(argv):
   with user_errors():
     f = flags.FLAGS
     run_ladder(f.config, f.workdir, variants=f.variants or None, time_budget_s=f.time_budget_s, publish=f.publish,
-               drop_checkpoints=f.drop_finished_checkpoints)
+               drop_checkpoints=f.drop_finished_checkpoints, report_only=f.report_only)
 
 
 if __name__ == '__main__':

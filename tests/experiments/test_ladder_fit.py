@@ -69,13 +69,31 @@ def test_ladder_analysis_fits_both_forms_from_five_rungs():
   assert analysis['multipliers']['muon']['multiplier'] == pytest.approx([MULT] * 3, rel=1e-6)
 
 
+def test_offset_form_keeps_the_irreducible_loss_non_negative():
+  # Losses that fall faster than a power law towards large C (an unconstrained fit puts E below 0,
+  # as the H200 adamw ladder's did): E stays at its bound 0 and the fit is the pure power law.
+  loss = 2.0 * C ** -0.1 * np.exp(-0.05 * np.log(C / C[0]) ** 2)
+  fit = ladder_fit.fit_power_law_offset(C, loss)
+  pure = ladder_fit.fit_power_law(C, loss)
+  assert fit['E'] == 0.0 and fit['E_at_zero']
+  assert fit['alpha'] == pytest.approx(pure['alpha'], rel=1e-6)
+  assert not ladder_fit.fit_power_law_offset(C, 1.1 + 0.02 * C ** -0.3)['E_at_zero']
+
+
 def test_rung_time_model_separates_overhead_from_flop_rate():
-  # 20 s of overhead per rung and 1e9 FLOP/s: the ETA of two more rungs follows.
-  trained = [(1e9, 21.0), (4e9, 24.0), (1e10, 30.0)]
+  # 20 s of overhead per rung; 1 s of fixed cost per rung plus 1e9 FLOP/s: the ETA of two more follows.
+  trained = [(1e9, 22.0, 2.0), (4e9, 25.0, 5.0), (1e10, 31.0, 11.0)]
   overhead, per_flop = scaling_ladder.rung_time_model(trained)
   assert overhead == pytest.approx(20.0) and per_flop == pytest.approx(1e-9)
   assert scaling_ladder.predict_seconds((overhead, per_flop), [2e10, 5e10]) == pytest.approx(110.0)
-  assert scaling_ladder.rung_time_model([(2e9, 10.0)]) == (0.0, 5e-9)
+  # The H200 muon ladder's first two rungs (d128, d192): 4.1e13 and 3.8e14 FLOPs in 3.0 and 4.2 s of
+  # training at the logged rates; adamw's d384 rung (1.94e16 FLOPs) took 155 s in all.
+  model = scaling_ladder.rung_time_model([(4.07e13, 39.0, 3.0), (3.78e14, 46.0, 4.2)])
+  assert 100 < scaling_ladder.predict_seconds(model, [1.96e16]) < 200
+  # One rung that was mostly compilation (the GPU ladder's first): its overhead is not charged as
+  # FLOPs, so a rung of 9x the FLOPs is predicted at 38 + 9 x 2 s, not 9 x 40 s.
+  overhead, per_flop = scaling_ladder.rung_time_model([(4e13, 40.0, 2.0)])
+  assert scaling_ladder.predict_seconds((overhead, per_flop), [3.6e14]) == pytest.approx(56.0)
   assert scaling_ladder.predict_seconds(None, [1.0]) is None
 
 

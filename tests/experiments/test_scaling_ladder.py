@@ -44,6 +44,8 @@ def test_ladder_runs_every_rung_reports_and_resumes(tmp_path, capsys):
   assert not any((tmp_path / v / r / 'checkpoints').exists() for v, r in (('rope', 'd16'), ('nope', 'd8')))
   assert 'rung 4 of 4' in out and 'ETA' in out and 'finished earlier, reused' in out
   assert (tmp_path / 'rope' / 'd8' / 'done.json').stat().st_mtime == mtime   # reused, not retrained
+  done = json.loads((tmp_path / 'rope' / 'd8' / 'done.json').read_text())
+  assert done['hardware'] == runs.hardware() and done['train_split_tokens'] > 0
   assert data['finished_rungs'] == 4
   for name in ('ladder.json', 'ladder.md', 'ladder.png'):
     assert (tmp_path / name).exists()
@@ -66,6 +68,39 @@ def test_ladder_runs_every_rung_reports_and_resumes(tmp_path, capsys):
   assert set(saved['multipliers']) == {'nope'}
   md = (tmp_path / 'ladder.md').read_text()
   assert '4 of 4 rungs finished' in md and 'Compute multiplier' in md
+
+
+def fake_finished_run(run_dir, config, eval_loss, hardware, split_tokens):
+  """A finished run's files as train_run leaves them (config.json, metrics.jsonl, done.json)."""
+  run_dir.mkdir(parents=True)
+  (run_dir / 'config.json').write_text(json.dumps(runs.config_json(config)))
+  steps = config.train.steps
+  lines = [{'step': steps, 'loss': eval_loss + 0.1, 'tokens_per_sec': 1e6}, {'step': steps, 'eval_loss': eval_loss}]
+  (run_dir / 'metrics.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
+  (run_dir / 'done.json').write_text(json.dumps({'wall_seconds': 10.0, 'hardware': hardware,
+                                                  'train_split_tokens': split_tokens}))
+
+
+def test_report_only_states_where_the_rungs_ran_and_their_epochs(tmp_path):
+  """A ladder trained elsewhere (on a GPU) and brought back: --report_only trains nothing, fits the
+  rungs it finds, and takes each rung's hardware and training-split size from its done.json."""
+  ladder = tiny_ladder()
+  planned = scaling_ladder.plan(ladder, tmp_path)
+  losses = {('rope', 'd8'): 3.0, ('rope', 'd16'): 2.5, ('nope', 'd8'): 3.1}     # nope d16 unfinished
+  for r in planned:
+    if (r['variant'], r['rung']['name']) in losses:
+      fake_finished_run(r['run_dir'], r['config'], losses[r['variant'], r['rung']['name']], 'GPU X x 1', 10 ** 9)
+  data = scaling_ladder.run_ladder(ladder, tmp_path, report_only=True, devices=ONE)
+  assert data['finished_rungs'] == 3 and not (tmp_path / 'nope' / 'd16').exists()
+  rows = {(r['variant'], r['rung']): r for r in data['rungs']}
+  assert rows['rope', 'd16']['hardware'] == 'GPU X x 1'
+  assert rows['rope', 'd16']['epochs'] == pytest.approx(rows['rope', 'd16']['tokens'] / 10 ** 9)
+  # Two rungs of the baseline: its power law is the line through them.
+  c = [rows['rope', n]['flops'] / ladder_fit.PFLOPS_DAY for n in ('d8', 'd16')]
+  alpha = -np.log(2.5 / 3.0) / np.log(c[1] / c[0])
+  assert data['fits']['rope']['power_law']['alpha'] == pytest.approx(alpha, rel=1e-9)
+  md = (tmp_path / 'ladder.md').read_text()
+  assert 'Rungs trained on: GPU X x 1 (report written on' in md and '3 of 4 rungs finished' in md
 
 
 def test_ladder_refuses_unknown_variant_and_folder_of_another_config(tmp_path):
