@@ -143,7 +143,7 @@ def _stage_rows(shape, dtype_name):
   diag = jax.jit(lambda *a: op.diag_fwd(*a, scale=scale, interpret=interp))
   stages = [('chunk_cumsum', lambda: cumsum[False](g)),
             ('chunk_cumsum reverse (backward)', lambda: cumsum[True](g)),
-            ('diag_fwd (part of scores_fwd)', lambda: diag(q, k, gc, beta)),
+            ('diag_fwd (part of scores_fwd when a sub-chunk is steep)', lambda: diag(q, k, gc, beta)),
             ('scores_fwd', lambda: scores(q, k, gc, beta)),
             ('wy_inverse', lambda: inverse(n)),
             ('wy_apply (forward and backward)', lambda: apply(t_inv, q, k, v, gc, beta)),

@@ -32,6 +32,16 @@ def diagonal_by_matmul(g_ref):
   return jnp.max(drop) < DIAG_MATMUL_RANGE
 
 
+def any_steep(gc):
+  """Whether any 16-token sub-chunk of G [B, T, H, K] (T a multiple of 16) would fail
+  diagonal_by_matmul, for any head: a traced boolean scalar, computed by XLA from each sub-chunk's
+  first and last rows (an eighth of G). The same float32 subtraction and comparison as the kernels',
+  so that when it is False every kernel's diagonal_by_matmul is True."""
+  b, t, h, dk = gc.shape
+  sub = gc.reshape(b, t // SUB, SUB, h, dk)
+  return jnp.any(sub[:, :, 0] - sub[:, :, SUB - 1] >= DIAG_MATMUL_RANGE)
+
+
 def rows(a, n=SUB):
   """Rows [a n, a n + n) of a ref; a may be traced."""
   return pl.ds(a * n if isinstance(a, int) else pl.multiple_of(a * n, n), n)

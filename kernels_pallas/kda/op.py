@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from kernels_pallas.common import power_of_two_divisor
-from kernels_pallas.kda.blocks import F32, SUB
+from kernels_pallas.kda.blocks import F32, SUB, any_steep
 from kernels_pallas.kda.cotangents import chunk_cotangents_kernel, wy_bwd_kernel
 from kernels_pallas.kda.cumsum import chunk_cumsum_kernel
 from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
@@ -44,11 +44,14 @@ def chunk_len(t: int) -> int:
 
 # Triton settings (measured on an H200: experiments/results/bench_kda.md): warps of each kernel,
 # one pipelining depth; heads per program of the token-parallel kernels diag_fwd and diag_bwd,
-# features per program of scores_bwd, value columns per program of the state passes.
+# features per program of scores_bwd, value columns per program of the state passes;
+# flat_branch: 1 = when no sub-chunk of a call is steep (blocks.any_steep), skip the pairwise
+# diagonal kernels and run scores kernels without their inputs (an XLA conditional); 0 = always
+# the per-sub-chunk choice inside the kernels.
 TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 8, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
-         'features_bwd': 64, 'value_block': 64}
+         'features_bwd': 64, 'value_block': 64, 'flat_branch': 1}
 
 
 def _params(kernel):
@@ -162,20 +165,30 @@ def diag_bwd(q, k, gc, beta, daqk, dn, *, scale, c, interpret):
   )(gc, daqk, dn, q, k, gc, beta, daqk, dn)
 
 
+def _flat_or_steep(gc, flat, steep):
+  """flat() when TILES['flat_branch'] is on and no sub-chunk of gc is steep, else steep()."""
+  if not TILES['flat_branch']:
+    return steep()
+  return jax.lax.cond(any_steep(gc), steep, flat)
+
+
 def scores_fwd(q, k, gc, beta, *, scale, c, interpret):
   """(aqk [B, T, H, C] in q's dtype, n [B, T, H, C] float32)."""
   b, t, h, dk = q.shape
   nb = c // SUB
-  aqk_d, n_d = diag_fwd(q, k, gc, beta, scale=scale, interpret=interpret)
-  kernel = functools.partial(scores_fwd_kernel, scale=scale, nb=nb, dot_dtype=q.dtype)
-  return pl.pallas_call(
-      kernel, grid=(b, h, t // c, nb),
-      in_specs=[_sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(None, nb),
-                _chunk_spec(dk, c), _chunk_spec(dk, c), _sub_spec(SUB, nb), _sub_spec(SUB, nb)],
-      out_specs=[_sub_spec(c, nb), _sub_spec(c, nb)],
-      out_shape=[_sds((b, t, h, c), q.dtype), _sds((b, t, h, c), F32)],
-      compiler_params=_params('scores'), interpret=interpret, name='kda_scores_fwd',
-  )(q, k, gc, beta, k, gc, aqk_d, n_d)
+
+  def call(*diag):
+    kernel = functools.partial(scores_fwd_kernel, scale=scale, nb=nb, dot_dtype=q.dtype, pairwise=bool(diag))
+    return pl.pallas_call(
+        kernel, grid=(b, h, t // c, nb),
+        in_specs=[_sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(None, nb),
+                  _chunk_spec(dk, c), _chunk_spec(dk, c)] + [_sub_spec(SUB, nb)] * len(diag),
+        out_specs=[_sub_spec(c, nb), _sub_spec(c, nb)],
+        out_shape=[_sds((b, t, h, c), q.dtype), _sds((b, t, h, c), F32)],
+        compiler_params=_params('scores'), interpret=interpret, name='kda_scores_fwd',
+    )(q, k, gc, beta, k, gc, *diag)
+
+  return _flat_or_steep(gc, call, lambda: call(*diag_fwd(q, k, gc, beta, scale=scale, interpret=interpret)))
 
 
 def wy_inverse(n, *, c, dtype, interpret):
@@ -298,20 +311,25 @@ def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, dk_wy, dg_wy, dbeta_wy, *, sc
   nk = dk // bk
   sub, whole = (lambda d: _sub_spec(d, nb)), (lambda d: _chunk_spec(d, c))
   sub_f, whole_f = _sub_spec(bk, nb, sliced=True), _chunk_spec(bk, c, sliced=True)
-  diag_terms = diag_bwd(q, k, gc, beta, daqk, dn, scale=scale, c=c, interpret=interpret)
-  kernel = functools.partial(scores_bwd_kernel, scale=scale, nb=nb, dot_dtype=q.dtype)
-  dq, dk_, dg, dbeta, dlast = pl.pallas_call(
-      kernel, grid=(b, h, t // c, nb, nk),
-      in_specs=[sub_f, sub_f, sub_f, sub(None), sub_f, sub_f, sub(c), sub(c),
-                whole_f, whole_f, whole_f, whole(None), whole(c), whole(c), sub_f, sub_f, sub_f,
-                sub_f, sub_f, sub(None)],
-      out_specs=[sub_f, sub_f, sub_f,
-                 pl.BlockSpec((None, SUB, None, None), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f)),
-                 pl.BlockSpec((None, 1, None, bk), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f))],
-      out_shape=[_sds(q.shape, q.dtype), _sds(k.shape, k.dtype), _sds(q.shape, F32),
-                 _sds((b, t, h, nk), F32), _sds((b, (t // c) * nb, h, dk), F32)],
-      compiler_params=_params('scores_bwd'), interpret=interpret, name='kda_scores_bwd',
-  )(q, k, gc, beta, dqg, dkg, daqk, dn, q, k, gc, beta, daqk, dn, *diag_terms, dk_wy, dg_wy, dbeta_wy)
+
+  def call(*diag_terms):
+    kernel = functools.partial(scores_bwd_kernel, scale=scale, nb=nb, dot_dtype=q.dtype,
+                               pairwise=bool(diag_terms))
+    return pl.pallas_call(
+        kernel, grid=(b, h, t // c, nb, nk),
+        in_specs=[sub_f, sub_f, sub_f, sub(None), sub_f, sub_f, sub(c), sub(c),
+                  whole_f, whole_f, whole_f, whole(None), whole(c), whole(c)]
+                 + [sub_f] * len(diag_terms) + [sub_f, sub_f, sub(None)],
+        out_specs=[sub_f, sub_f, sub_f,
+                   pl.BlockSpec((None, SUB, None, None), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f)),
+                   pl.BlockSpec((None, 1, None, bk), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f))],
+        out_shape=[_sds(q.shape, q.dtype), _sds(k.shape, k.dtype), _sds(q.shape, F32),
+                   _sds((b, t, h, nk), F32), _sds((b, (t // c) * nb, h, dk), F32)],
+        compiler_params=_params('scores_bwd'), interpret=interpret, name='kda_scores_bwd',
+    )(q, k, gc, beta, dqg, dkg, daqk, dn, q, k, gc, beta, daqk, dn, *diag_terms, dk_wy, dg_wy, dbeta_wy)
+
+  dq, dk_, dg, dbeta, dlast = _flat_or_steep(
+      gc, call, lambda: call(*diag_bwd(q, k, gc, beta, daqk, dn, scale=scale, c=c, interpret=interpret)))
   return dq, dk_, dg, jnp.sum(dbeta, axis=-1), dlast
 
 

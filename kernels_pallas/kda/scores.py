@@ -62,11 +62,12 @@ def diag_fwd_kernel(q_ref, k_ref, g_ref, b_ref, k_sub_ref, g_sub_ref, aqk_ref, a
     akk_ref[0] = jnp.where(col < r, b_ref[...].astype(F32).T * akk, 0.0)
 
 
-def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, aqk_d_ref, n_d_ref,
-                      aqk_ref, n_ref, *, scale, nb, dot_dtype):
-  """Sub-chunk a of one chunk: its score rows aqk, n [16, C]. The diagonal block is formed here as
-  matmuls when blocks.diagonal_by_matmul allows, else taken from diag_fwd_kernel's output (aqk_d,
-  n_d [16, 16])."""
+def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, *refs, scale, nb, dot_dtype, pairwise):
+  """Sub-chunk a of one chunk: its score rows aqk, n [16, C]. refs: (aqk_d, n_d, aqk, n) with
+  pairwise, else (aqk, n). The diagonal block is formed here as matmuls when
+  blocks.diagonal_by_matmul allows, else taken from diag_fwd_kernel's output (aqk_d, n_d [16, 16]).
+  Without pairwise (no sub-chunk of the call is steep: blocks.any_steep) it is always a matmul."""
+  *diag_refs, aqk_ref, n_ref = refs
   a = pl.program_id(3)
   qa, ka, ga = qa_ref[...].astype(F32), ka_ref[...].astype(F32), ga_ref[...]
   beta = ba_ref[...].astype(F32)[:, None]
@@ -75,13 +76,16 @@ def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, aqk_d_ref, n
   row_f = jnp.exp(ga - gp)
   qa_f, ka_f = (qa * row_f).astype(dot_dtype), (ka * row_f).astype(dot_dtype)
 
-  by_matmul = diagonal_by_matmul(ga_ref)
+  by_matmul = diagonal_by_matmul(ga_ref) if pairwise else jnp.bool_(True)
   r_idx, c_idx = iotas()
 
-  @pl.when(jnp.logical_not(by_matmul))
-  def _():
-    aqk_ref[:, rows(a)] = aqk_d_ref[...].astype(aqk_ref.dtype)
-    n_ref[:, rows(a)] = n_d_ref[...]
+  if pairwise:
+    aqk_d_ref, n_d_ref = diag_refs
+
+    @pl.when(jnp.logical_not(by_matmul))
+    def _():
+      aqk_ref[:, rows(a)] = aqk_d_ref[...].astype(aqk_ref.dtype)
+      n_ref[:, rows(a)] = n_d_ref[...]
 
   def earlier(b, carry):  # blocks (a, b), b < a, and the diagonal block (a, a) when by_matmul
     kb = (k_ref[rows(b), :].astype(F32) * jnp.exp(gp - g_ref[rows(b), :])).astype(dot_dtype)
@@ -138,9 +142,7 @@ def diag_bwd_kernel(g_ref, daqk_ref, dn_ref, q_sub_ref, k_sub_ref, g_sub_ref, be
 
 
 def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_rows_ref, dn_rows_ref,
-                      q_ref, k_ref, g_ref, b_ref, daqk_ref, dn_ref, qrow_ref, rrow_ref, ccol_ref,
-                      dk_wy_ref, dg_wy_ref, dbeta_wy_ref,
-                      dq_ref, dk_ref, dg_ref, dbeta_ref, dlast_ref, *, scale, nb, dot_dtype):
+                      q_ref, k_ref, g_ref, b_ref, daqk_ref, dn_ref, *refs, scale, nb, dot_dtype, pairwise):
   """Gradients through the scores and the direct terms, for the rows of sub-chunk a.
 
   Inputs: the score gradients daqk (of aqk as defined above, scale inside) and dn (of N), both
@@ -151,15 +153,19 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
   The diagonal blocks' terms (qrow, rrow, ccol of diag_bwd_kernel) and the UT transform's
   gradients of k, G and beta (dk_wy, dg_wy, dbeta_wy) come in as inputs; this kernel adds the
   blocks off the diagonal (matmuls), the diagonal ones where they are matmuls, and the direct
-  terms, so dq and dk leave it final.
+  terms, so dq and dk leave it final. refs: qrow, rrow, ccol (diag_bwd_kernel's, with pairwise
+  only), dk_wy, dg_wy, dbeta_wy, then the outputs dq, dk, dg, dbeta, dlast. Without pairwise no
+  sub-chunk of the call is steep (blocks.any_steep) and every diagonal block is a matmul.
   """
+  *diag_refs, dk_wy_ref, dg_wy_ref, dbeta_wy_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, dlast_ref = refs
   # Each output is written, and each partial sum folded, as soon as its terms exist, so that few
   # [16, features] float32 tensors are live at once (the kernel is register-bound).
   a = pl.program_id(3)
   c = nb * SUB
   # With diagonal_by_matmul the diagonal block is one more matmul of each kind (b = a below, m = a
   # for the columns; the exponent split at p) and diag_bwd_kernel's terms are not read.
-  by_matmul = diagonal_by_matmul(ga_ref)
+  by_matmul = diagonal_by_matmul(ga_ref) if pairwise else jnp.bool_(True)
+  qrow_ref, rrow_ref, ccol_ref = diag_refs if pairwise else (None,) * 3
   diag = by_matmul.astype(jnp.int32)
   ka, ga = ka_ref[...].astype(F32), ga_ref[...]
   beta = ba_ref[...].astype(F32)[:, None]
@@ -173,11 +179,11 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
     return (carry[0] + dot(daqk_rows_ref[:, rows(b)].astype(dot_dtype), kb),
             carry[1] + dot(dn_rows_ref[:, rows(b)].astype(dot_dtype), kb))
 
-  pairwise = lambda ref: jnp.where(by_matmul, 0.0, ref[...])
+  diag_term = lambda ref: jnp.where(by_matmul, 0.0, ref[...]) if pairwise else 0.0
   qrow_o, rrow_o = jax.lax.fori_loop(0, a + diag, earlier, (zero, zero))
   row_f = jnp.exp(ga - gp)
-  qrow = scale * (pairwise(qrow_ref) + row_f * qrow_o)     # the gradient of q through the scores
-  rrow = pairwise(rrow_ref) + row_f * rrow_o               # R_r: dk_r gets beta_r R_r, dbeta_r k_r . R_r
+  qrow = scale * (diag_term(qrow_ref) + row_f * qrow_o)     # the gradient of q through the scores
+  rrow = diag_term(rrow_ref) + row_f * rrow_o               # R_r: dk_r gets beta_r R_r, dbeta_r k_r . R_r
 
   # direct terms qg = scale q exp(G), kg = k exp(G_C - G), and the rows' terms
   qa = qa_ref[...].astype(F32)
@@ -211,7 +217,9 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
   # the diagonal block's columns: by matmul (exp(G_p - G_r) >= 1, clipped so that a steep
   # sub-chunk, which takes diag_bwd_kernel's terms instead, computes nothing infinite) or pairwise
   _, part = column_part(a)
-  ccol_diag = jnp.where(by_matmul, jnp.exp(jnp.minimum(gp - ga, DIAG_MATMUL_RANGE)) * part, ccol_ref[...])
+  ccol_diag = jnp.exp(jnp.minimum(gp - ga, DIAG_MATMUL_RANGE)) * part
+  if pairwise:
+    ccol_diag = jnp.where(by_matmul, ccol_diag, ccol_ref[...])
   ccol = jax.lax.fori_loop(a + 1, nb, later, ccol_diag)
   dk_ref[...] = (dk + ccol + dk_wy_ref[...]).astype(dk_ref.dtype)
   dg_ref[...] = dg - ka * ccol + dg_wy_ref[...]
