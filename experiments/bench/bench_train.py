@@ -27,20 +27,27 @@ flags.DEFINE_string('phase1_tiles', '', "AttnRes phase-1 kernel tiles for this r
                     'kernels_pallas.attnres.phase1.DEFAULT_TILES (for step-level tile sweeps)')
 flags.DEFINE_string('merge_tiles', '', 'the same for the fused phase-2 kernels '
                     '(kernels_pallas.attnres.merge_norm.DEFAULT_TILES)')
+flags.DEFINE_string('kda_tiles', '', "the same for the KDA kernels (kernels_pallas.kda.op.TILES), e.g. "
+                    "'flat_branch=0'")
 flags.mark_flags_as_required(['config'])
 FLAGS = flags.FLAGS
 
 
-def _set_attnres_tiles() -> dict:
-  """Applies --phase1_tiles / --merge_tiles to the kernels' defaults (checked before any compile)
-  and returns the overrides, for the results."""
+def _set_kernel_tiles() -> dict:
+  """Applies --phase1_tiles / --merge_tiles / --kda_tiles to the kernels' defaults (checked before
+  any compile) and returns the overrides, for the results."""
+  from kernels_pallas.common import parse_tiles, with_defaults
   tiles = {}
+  if FLAGS.kda_tiles:
+    from kernels_pallas.kda import op as kda_op
+    kda_op.TILES = with_defaults(parse_tiles(FLAGS.kda_tiles), kda_op.TILES, 'kda pallas')
+    tiles['kda'] = FLAGS.kda_tiles
   if FLAGS.phase1_tiles or FLAGS.merge_tiles:
     from kernels_pallas.attnres import merge_norm as attnres_merge, phase1 as attnres
     for flag, module, op in ((FLAGS.phase1_tiles, attnres, 'phase1'),
                              (FLAGS.merge_tiles, attnres_merge, 'merge_norm')):
       if flag:
-        module.DEFAULT_TILES = attnres.with_defaults(attnres.parse_tiles(flag), module.DEFAULT_TILES, op)
+        module.DEFAULT_TILES = with_defaults(parse_tiles(flag), module.DEFAULT_TILES, op)
         tiles[op] = flag
   return tiles
 
@@ -59,7 +66,10 @@ def main(argv):
   from experiments.bench import timing
 
   config = validate(FLAGS.config)
-  tiles = _set_attnres_tiles()
+  try:
+    tiles = _set_kernel_tiles()
+  except ValueError as e:     # a mistyped tile key or value: one line naming it
+    raise SystemExit(f'bench_train: {e}') from None
   t = config.train
   mesh = mesh_lib.make_mesh(config.mesh)
   run = build_training(config, mesh)
