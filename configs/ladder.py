@@ -68,8 +68,9 @@ def _gpu(c: ml_collections.ConfigDict) -> None:
              rung(256, head_dim=64, depth_per_width=64, batch_size=64),
              rung(320, head_dim=64, depth_per_width=64, batch_size=64),
              rung(384, head_dim=64, depth_per_width=64, batch_size=128)]
-  c.expected = ('per variant ~475M tokens over 0.46M-11.6M parameters; estimated 6-10 minutes on '
-                'one H200 (compilation included), i.e. one or two 10-minute calls')
+  c.expected = ('per variant ~475M tokens over 0.46M-11.6M parameters; adamw took 6.7 min of rung '
+                'wall time on one H200 (40-155 s per rung, compilation included; 2026-12-02), i.e. one '
+                'or two 10-minute calls (experiments/results/ladder_gpu.md)')
 
 
 def get_config(name: str | None = None) -> ml_collections.ConfigDict:
