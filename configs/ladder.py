@@ -10,7 +10,8 @@ Ladders (NAME):
   gpu          5 rungs x {adamw, muon} on one H200, bf16 + tokamax attention, the site-packages corpus
   gpu_attnres  the gpu rungs x {standard, block AttnRes (one block per layer, the Pallas kernels)}
   gpu_hybrid   the gpu rungs x {all attention, 3:1 KDA:attention}; KDA runs the fused Pallas kernels
-               (about 1.13x fla's time on the H200 at (8, 4096, 16, 128); not yet timed in a ladder);
+               (0.70x fla's forward+backward time on the H200 at (8, 4096, 16, 128); not yet timed
+               in a ladder);
                depth 4 * ceil(d / 256) so that every rung holds whole 'KKKA' groups
 
 Rule for every ladder: width d sets the rest. Depth = d / 64 layers (smoke: d / 16), heads = d / 64
@@ -68,9 +69,10 @@ def _gpu(c: ml_collections.ConfigDict) -> None:
              rung(256, head_dim=64, depth_per_width=64, batch_size=64),
              rung(320, head_dim=64, depth_per_width=64, batch_size=64),
              rung(384, head_dim=64, depth_per_width=64, batch_size=128)]
-  c.expected = ('per variant ~475M tokens over 0.46M-11.6M parameters; adamw took 6.7 min of rung '
-                'wall time on one H200 (40-155 s per rung, compilation included; 2026-12-02), i.e. one '
-                'or two 10-minute calls (experiments/results/ladder_gpu.md)')
+  c.expected = ('per variant ~475M tokens over 0.46M-11.6M parameters; adamw 6.7 and muon 7.0 min of '
+                'rung wall time on one H200 (39-155 s per rung, compilation included; 2026-12-02), i.e. '
+                'one or two 10-minute calls each; muon 2.19x adamw\'s compute efficiency at the top '
+                'rung\'s loss (experiments/results/ladder_gpu.md)')
 
 
 def get_config(name: str | None = None) -> ml_collections.ConfigDict:

@@ -35,7 +35,7 @@ flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
 flags.DEFINE_bool('stages', False, "also time each stage of impl='pallas' on its own (forward kernels, "
                   'the backward\'s recomputation, reverse state pass and input gradients)')
 flags.DEFINE_list('kda_tiles', [''], "with --stages: settings of kernels_pallas.kda.op.TILES to time the "
-                  "stages under, one per entry, each 'key=int/key=int' (e.g. warps_diag=2/heads_diag=8)")
+                  "op and its stages under, one per entry, each 'key=int/key=int' (e.g. warps_diag=2/heads_diag=8)")
 flags.DEFINE_float('gate_log_max', 0.5, 'g = -exp(U(-7, gate_log_max))')
 flags.DEFINE_bool('short_conv', False, "also time the KDA layer's short conv + SiLU + L2 norm "
                   '(kimijax.ops.short_conv, one of q, k, v at the same shape) under each of its impls')
@@ -58,7 +58,9 @@ def _print_row(row):
   print('| ' + ' | '.join(row) + ' |', flush=True)
 
 
-def _jax_rows(shape, dtype_name):
+def _jax_rows(shape, dtype_name, impls, label=''):
+  """The op's forward and forward+backward under each of `impls`, one printed row each
+  (`label` is appended to the row's name)."""
   import jax
   import jax.numpy as jnp
 
@@ -77,7 +79,7 @@ def _jax_rows(shape, dtype_name):
   args = (q, k, v, g, beta)
   sync = jax.block_until_ready
   rows = []
-  for impl in FLAGS.impls:
+  for impl in impls:
     if impl not in kda_lib.IMPLS:
       continue
     fn = lambda *a, impl=impl: kda_lib.kda(*a, impl=impl, chunk_size=FLAGS.chunk_size)[0]
@@ -85,7 +87,7 @@ def _jax_rows(shape, dtype_name):
     loss = lambda q, k, v, g, beta, do, fn=fn: jnp.sum(fn(q, k, v, g, beta).astype(jnp.float32)
                                                        * do.astype(jnp.float32))
     fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    row = [f'kimijax {impl}']
+    row = [f'kimijax {impl}{label}']
     for f, f_args in ((fwd, args), (fwd_bwd, args + (do,))):
       try:
         row.append('%.2f (%.2f)' % _time(lambda f=f, a=f_args: f(*a), FLAGS.repeats, FLAGS.warmup, sync))
@@ -229,7 +231,7 @@ def main(argv):
         f'chunk_size {FLAGS.chunk_size}; median (min) of {FLAGS.repeats} calls in ms\n')
   print('| implementation | forward ms | forward+backward ms |')
   print('|---|---|---|', flush=True)
-  _jax_rows(shape, dtype)   # each row is printed as soon as it is timed
+  _jax_rows(shape, dtype, FLAGS.impls)   # each row is printed as soon as it is timed
   if FLAGS.short_conv:
     _short_conv_rows(shape, dtype)
   if FLAGS.stages:
@@ -239,6 +241,8 @@ def main(argv):
     settings = [with_defaults(parse_tiles(text), defaults, 'kda pallas') for text in FLAGS.kda_tiles]
     for text, tiles in zip(FLAGS.kda_tiles, settings):
       op.TILES = tiles
+      if text:   # the whole op under this setting too (the default's row is above)
+        _jax_rows(shape, dtype, ['pallas'], f' [{text}]')
       for row in _stage_rows(shape, dtype):
         _print_row([row[0] + (f' [{text}]' if text else '')] + row[1:])
     op.TILES = defaults

@@ -48,7 +48,7 @@ def chunk_len(t: int) -> int:
 # flat_branch: 1 = when no sub-chunk of a call is steep (blocks.any_steep), skip the pairwise
 # diagonal kernels and run scores kernels without their inputs (an XLA conditional); 0 = always
 # the per-sub-chunk choice inside the kernels.
-TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 4,
+TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 8, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
          'features_bwd': 64, 'value_block': 64, 'flat_branch': 1}
