@@ -11,7 +11,8 @@ feature), which the Pallas kernels form with their pairwise diagonal kernels ins
 (kernels_pallas/kda/README.md, Stability): the slow path's cost. forward: o from (q, k, v, g,
 beta); forward+backward: the gradients of sum(o * do) with respect to all five inputs. On a GPU where `import fla` works, fla's
 Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (SPEC §5: 1.77 ms /
-10.0 ms at the default shape on an H200). --short_conv adds the layer's short conv + activation
+10.0 ms at the default shape on an H200). --gated calls the op as the KDA layer does, with the
+decay gate's pre-activation and parameters in place of g (kimijax.ops.kda.kda's a_log, dt_bias). --short_conv adds the layer's short conv + activation
 (kimijax.ops.short_conv) under each of its impls. Each figure is the median (and min) of --repeats timed
 calls after --warmup calls; prints a Markdown table.
 """
@@ -37,6 +38,10 @@ flags.DEFINE_bool('stages', False, "also time each stage of impl='pallas' on its
 flags.DEFINE_list('kda_tiles', [''], "with --stages: settings of kernels_pallas.kda.op.TILES to time the "
                   "op and its stages under, one per entry, each 'key=int/key=int' (e.g. warps_diag=2/heads_diag=8)")
 flags.DEFINE_float('gate_log_max', 0.5, 'g = -exp(U(-7, gate_log_max))')
+flags.DEFINE_bool('gated', False, 'call the op as the KDA layer does: with the decay gate\'s pre-activation '
+                  'f ~ N(0, 1) in the input dtype, a_log and dt_bias at their init distributions, in '
+                  'place of g (formed inside the Pallas kernels; --kda_tiles=,fused_gate=0 for XLA\'s '
+                  'gate); forward+backward also differentiates a_log and dt_bias. Not for fla')
 flags.DEFINE_bool('short_conv', False, "also time the KDA layer's short conv + SiLU + L2 norm "
                   '(kimijax.ops.short_conv, one of q, k, v at the same shape) under each of its impls')
 FLAGS = flags.FLAGS
@@ -73,22 +78,32 @@ def _jax_rows(shape, dtype_name, impls, label=''):
   q = unit(jax.random.normal(keys[0], (b, t, h, d))).astype(dtype)
   k = unit(jax.random.normal(keys[1], (b, t, h, d))).astype(dtype)
   v = jax.random.normal(keys[2], (b, t, h, d), dtype)
-  g = _log_decay(keys[3], shape)
   beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h))).astype(dtype)
   do = jax.random.normal(keys[5], (b, t, h, d), dtype)
-  args = (q, k, v, g, beta)
+  if FLAGS.gated:   # f, a_log, dt_bias as kimijax.layers.kda draws them at init (f: unit normal)
+    gate_keys = jax.random.split(keys[3], 3)
+    g = jax.random.normal(gate_keys[0], shape, dtype)
+    dt = jnp.exp(jax.random.uniform(gate_keys[2], (h, d), jnp.float32, jnp.log(1e-3), jnp.log(1e-1)))
+    gate = (jnp.log(jax.random.uniform(gate_keys[1], (h,), jnp.float32, 1.0, 16.0)),
+            dt + jnp.log(-jnp.expm1(-dt)))
+  else:
+    g, gate = _log_decay(keys[3], shape), ()
+  args = (q, k, v, g, beta) + gate
   sync = jax.block_until_ready
   rows = []
   for impl in impls:
     if impl not in kda_lib.IMPLS:
       continue
-    fn = lambda *a, impl=impl: kda_lib.kda(*a, impl=impl, chunk_size=FLAGS.chunk_size)[0]
+
+    def fn(q, k, v, g, beta, *gate, impl=impl):
+      kw = dict(zip(('a_log', 'dt_bias'), gate))
+      return kda_lib.kda(q, k, v, g, beta, impl=impl, chunk_size=FLAGS.chunk_size, **kw)[0]
+
     fwd = jax.jit(fn)
-    loss = lambda q, k, v, g, beta, do, fn=fn: jnp.sum(fn(q, k, v, g, beta).astype(jnp.float32)
-                                                       * do.astype(jnp.float32))
-    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    loss = lambda do, *a, fn=fn: jnp.sum(fn(*a).astype(jnp.float32) * do.astype(jnp.float32))
+    fwd_bwd = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1))))
     row = [f'kimijax {impl}{label}']
-    for f, f_args in ((fwd, args), (fwd_bwd, args + (do,))):
+    for f, f_args in ((fwd, args), (fwd_bwd, (do,) + args)):
       try:
         row.append('%.2f (%.2f)' % _time(lambda f=f, a=f_args: f(*a), FLAGS.repeats, FLAGS.warmup, sync))
       except NotImplementedError as e:
@@ -136,6 +151,12 @@ def _stage_rows(shape, dtype_name):
   f32 = lambda x: x.astype(jnp.float32)
   sbwd = jax.jit(lambda *a: op.scores_bwd(*a, scale=scale, **kw))
   cumsum = {rev: jax.jit(lambda x, rev=rev: op.chunk_cumsum(x, c, reverse=rev, interpret=interp)) for rev in (False, True)}
+  f_pre = g.astype(dtype)           # the gated kernels read the gate's pre-activation in the input dtype
+  rows_hk = jnp.full((h, d), 4.0), jnp.full((h, d), -4.0)    # exp(A_log), dt_bias
+  gate_kw = dict(lower_bound=0.0, t_valid=None, interpret=interp)
+  gated = jax.jit(lambda f: op.gated_cumsum(f, *rows_hk, c, **gate_kw))
+  ends = jnp.zeros((b, t // c, h, d), jnp.float32)
+  gated_rev = jax.jit(lambda x, f: op.gated_reverse_cumsum(x, ends, f, *rows_hk, c, **gate_kw))
   v_new, _, hs = state[True](qg, kg, w, u, aqk, gc, s0)
   _, dh, dv_new = bwd(qg, kg, w, aqk, gc, do, s0)
   cot = jax.jit(lambda *a: op.chunk_cotangents(*a, **kw))
@@ -145,6 +166,8 @@ def _stage_rows(shape, dtype_name):
   diag = jax.jit(lambda *a: op.diag_fwd(*a, scale=scale, interpret=interp))
   stages = [('chunk_cumsum', lambda: cumsum[False](g)),
             ('chunk_cumsum reverse (backward)', lambda: cumsum[True](g)),
+            ('gated cumsum (the gate fused: --gated)', lambda: gated(f_pre)),
+            ('gated reverse cumsum (backward)', lambda: gated_rev(g, f_pre)),
             ('diag_fwd (part of scores_fwd when a sub-chunk is steep)', lambda: diag(q, k, gc, beta)),
             ('scores_fwd', lambda: scores(q, k, gc, beta)),
             ('wy_inverse', lambda: inverse(n)),
@@ -246,7 +269,7 @@ def main(argv):
       for row in _stage_rows(shape, dtype):
         _print_row([row[0] + (f' [{text}]' if text else '')] + row[1:])
     op.TILES = defaults
-  if 'fla' in FLAGS.impls and backend == 'gpu':
+  if 'fla' in FLAGS.impls and backend == 'gpu' and not FLAGS.gated:
     for row in _fla_rows(shape):
       _print_row(row)
 

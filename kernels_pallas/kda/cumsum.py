@@ -1,4 +1,5 @@
-"""Within-chunk cumulative sums of [B, T, H, K] float32 tensors (SPEC §1: G = cumsum of g per chunk).
+"""Within-chunk cumulative sums of [B, T, H, K] tensors (SPEC §1: G = cumsum of g per chunk), with
+the KDA gate optionally fused in.
 
 One program per (batch, head, chunk) holds the chunk's [C, K] block. The inclusive sum (G from g,
 forward) is a scan down the block's rows. The reverse inclusive sum (dg from dG, backward; the
@@ -9,13 +10,61 @@ float32 "IEEE" dot runs on the FMA units, about 5x slower here), and adds a per-
 gradient of the chunk's total decay, which every g of the chunk receives). Either way one read
 and one write of the tensor; XLA's cumulative sum over the chunk axis took about 2x the forward's and
 the FMA dot 5x (experiments/results/bench_kda.md).
+
+With the gate fused (SPEC §1's decay gate, `gate_log_decay`), the forward reads the gate's
+pre-activation f in its own dtype (bf16 in a bf16 model) instead of a float32 g that XLA wrote,
+and the reverse sum goes on through the gate's derivative: it writes df in f's dtype and, per
+chunk, the row sums that become the gradients of dt_bias and A_log. Rows at or past `t_valid`
+(the op's padding of T) get g = 0 and no gradient.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from kernels_pallas.kda.blocks import F32, dot, iotas
+
+
+def _sigmoid(z):
+  return 1.0 / (1.0 + jnp.exp(-z))
+
+
+def gate_log_decay(x, a, lower_bound: float):
+  """SPEC §1's log-decay g (float32) from x = f + dt_bias and a = exp(A_log): -a softplus(x), or
+  with a lower bound lb < 0, lb sigmoid(a x). Written with exp and log1p only, so that the kernels
+  and XLA evaluate the same expression."""
+  if lower_bound:
+    return lower_bound * _sigmoid(a * x)
+  return -a * (jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x))))
+
+
+def gate_derivatives(x, a, lower_bound: float):
+  """(dg/dx, dg/dA_log) of gate_log_decay at x, elementwise (a = exp(A_log))."""
+  if lower_bound:
+    s = _sigmoid(a * x)
+    dg_dx = lower_bound * a * s * (1.0 - s)
+    return dg_dx, dg_dx * x
+  return -a * _sigmoid(x), gate_log_decay(x, a, 0.0)
+
+
+def _valid_rows(c, t_valid):
+  """[C, 1] bool: the rows of this program's chunk (grid axis 2) before t_valid."""
+  row = pl.program_id(2) * c + jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+  return row < t_valid
+
+
+def _reverse_sum(x):
+  """Per column, the sum from each row to the last of x [C, K] float32 (see the module docstring)."""
+  r, j = iotas(x.shape[0])
+  upper = (j >= r).astype(jnp.bfloat16)
+  total = jnp.zeros(x.shape, F32)
+  for _ in range(3):                      # x = x_1 + x_2 + x_3 + O(2^-24 |x|), each x_i in bf16
+    part = x.astype(jnp.bfloat16)
+    total += dot(upper, part)
+    x = x - part.astype(F32)
+  return total
 
 
 def chunk_cumsum_kernel(x_ref, *refs, reverse):
@@ -25,11 +74,31 @@ def chunk_cumsum_kernel(x_ref, *refs, reverse):
   if not reverse:
     o_ref[...] = jnp.cumsum(x, axis=0)
     return
-  r, j = iotas(x.shape[0])
-  upper = (j >= r).astype(jnp.bfloat16)
-  total = jnp.zeros(x.shape, F32)
-  for _ in range(3):                      # x = x_1 + x_2 + x_3 + O(2^-24 |x|), each x_i in bf16
-    part = x.astype(jnp.bfloat16)
-    total += dot(upper, part)
-    x = x - part.astype(F32)
+  total = _reverse_sum(x)
   o_ref[...] = total + add_ref[0][...][None, :] if add_ref else total
+
+
+def gated_cumsum_kernel(f_ref, a_ref, bias_ref, o_ref, *, lower_bound, t_valid):
+  """G = cumsum of g = gate_log_decay(f + dt_bias) down the chunk; a_ref, bias_ref: [K] rows of
+  exp(A_log) and dt_bias for this head. t_valid None: every row is valid."""
+  x = f_ref[...].astype(F32) + bias_ref[...][None, :]
+  g = gate_log_decay(x, a_ref[...][None, :], lower_bound)
+  if t_valid is not None:
+    g = jnp.where(_valid_rows(g.shape[0], t_valid), g, 0.0)
+  o_ref[...] = jnp.cumsum(g, axis=0)
+
+
+def gated_reverse_cumsum_kernel(x_ref, add_ref, f_ref, a_ref, bias_ref, df_ref, dbias_ref, dalog_ref, *,
+                                lower_bound, t_valid):
+  """dg = reverse sum of dG plus the chunk-end row, then through the gate: df = dg dg/dx (f's
+  dtype) and this chunk's column sums of df (dt_bias's gradient) and of dg dg/dA_log (A_log's,
+  before the sum over features)."""
+  dg = _reverse_sum(x_ref[...].astype(F32)) + add_ref[...][None, :]
+  x = f_ref[...].astype(F32) + bias_ref[...][None, :]
+  dg_dx, dg_dalog = gate_derivatives(x, a_ref[...][None, :], lower_bound)
+  if t_valid is not None:
+    dg = jnp.where(_valid_rows(dg.shape[0], t_valid), dg, 0.0)
+  dx = dg * dg_dx
+  df_ref[...] = dx.astype(df_ref.dtype)
+  dbias_ref[...] = jnp.sum(dx, axis=0)
+  dalog_ref[...] = jnp.sum(dg * dg_dalog, axis=0)

@@ -11,7 +11,9 @@ outputs, reruns the state pass writing the states h and v_new instead of o, runs
 chunks in reverse), forms the per-chunk cotangents and the UT transform's transpose
 (cotangents.py, one program per chunk), runs the scores backward kernels (the diagonal blocks
 token by token or sub-chunk by sub-chunk, then every sub-chunk, adding the UT transform's
-gradients) and the reverse cumulative sum that turns dG into dg; see README.md in this folder.
+gradients) and the reverse cumulative sum that turns dG into dg. Given the decay gate's
+parameters (a_log, dt_bias), both cumulative sums take the gate's pre-activation instead of g and
+evaluate the gate and its derivative themselves. See README.md in this folder.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from jax.experimental import pallas as pl
 from kernels_pallas.common import power_of_two_divisor
 from kernels_pallas.kda.blocks import F32, SUB, any_steep
 from kernels_pallas.kda.cotangents import chunk_cotangents_kernel, wy_bwd_kernel
-from kernels_pallas.kda.cumsum import chunk_cumsum_kernel
+from kernels_pallas.kda.cumsum import (chunk_cumsum_kernel, gate_log_decay, gated_cumsum_kernel,
+                                       gated_reverse_cumsum_kernel)
 from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_apply_kernel, wy_inverse_kernel
@@ -47,11 +50,12 @@ def chunk_len(t: int) -> int:
 # features per program of scores_bwd, value columns per program of the state passes;
 # flat_branch: 1 = when no sub-chunk of a call is steep (blocks.any_steep), skip the pairwise
 # diagonal kernels and run scores kernels without their inputs (an XLA conditional); 0 = always
-# the per-sub-chunk choice inside the kernels.
+# the per-sub-chunk choice inside the kernels; fused_gate: 1 = a gated call (a_log, dt_bias) forms
+# the log-decay inside the cumulative-sum kernels, 0 = in XLA before them.
 TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 8, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
-         'features_bwd': 64, 'value_block': 64, 'flat_branch': 1}
+         'features_bwd': 64, 'value_block': 64, 'flat_branch': 1, 'fused_gate': 1}
 
 
 def _params(kernel):
@@ -84,6 +88,16 @@ def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def _head_row_spec(dk):
+  """Head hi's row of an [H, K] array, grid (b, h, chunk)."""
+  return pl.BlockSpec((None, dk), lambda bi, hi, n: (hi, 0))
+
+
+def _chunk_row_spec(dk):
+  """Chunk n's row of a [B, N, H, K] array, grid (b, h, chunk)."""
+  return pl.BlockSpec((None, None, None, dk), lambda bi, hi, n: (bi, n, hi, 0))
+
+
 def chunk_cumsum(x, c, *, reverse=False, add=None, interpret=False):
   """Within-chunk inclusive cumulative sum of x [B, T, H, K] (T a multiple of c), float32;
   reverse: the sum from each row to the chunk's end; add [B, T/c, H, K]: a row added to every
@@ -92,13 +106,43 @@ def chunk_cumsum(x, c, *, reverse=False, add=None, interpret=False):
   spec = _chunk_spec(dk, c)
   in_specs, args = [spec], [x]
   if add is not None:
-    in_specs.append(pl.BlockSpec((None, None, None, dk), lambda bi, hi, n: (bi, n, hi, 0)))
+    in_specs.append(_chunk_row_spec(dk))
     args.append(add)
   return pl.pallas_call(
       functools.partial(chunk_cumsum_kernel, reverse=reverse), grid=(b, h, t // c),
       in_specs=in_specs, out_specs=spec, out_shape=_sds(x.shape, F32),
       compiler_params=_params('cumsum'), interpret=interpret, name='kda_chunk_cumsum',
   )(*args)
+
+
+def gated_cumsum(f, a_hk, bias_hk, c, *, lower_bound, t_valid, interpret):
+  """G [B, T, H, K] float32: the within-chunk cumulative sum of the gate's log-decay from its
+  pre-activation f [B, T, H, K] (cumsum.gate_log_decay; a_hk = exp(A_log) and bias_hk = dt_bias,
+  [H, K] float32); rows from t_valid on (None: none) decay by nothing."""
+  b, t, h, dk = f.shape
+  spec = _chunk_spec(dk, c)
+  kernel = functools.partial(gated_cumsum_kernel, lower_bound=lower_bound, t_valid=t_valid)
+  return pl.pallas_call(
+      kernel, grid=(b, h, t // c), in_specs=[spec, _head_row_spec(dk), _head_row_spec(dk)],
+      out_specs=spec, out_shape=_sds(f.shape, F32),
+      compiler_params=_params('cumsum'), interpret=interpret, name='kda_gated_cumsum',
+  )(f, a_hk, bias_hk)
+
+
+def gated_reverse_cumsum(dgc, add, f, a_hk, bias_hk, c, *, lower_bound, t_valid, interpret):
+  """The gated cumulative sum's backward from dG [B, T, H, K] and the chunk-end rows add [B, N,
+  H, K]: (df in f's dtype, and per chunk [B, N, H, K] float32 the column sums of df and of dg
+  dg/dA_log, whose sums are the gradients of dt_bias and A_log)."""
+  b, t, h, dk = f.shape
+  spec, row = _chunk_spec(dk, c), _chunk_row_spec(dk)
+  kernel = functools.partial(gated_reverse_cumsum_kernel, lower_bound=lower_bound, t_valid=t_valid)
+  per_chunk = _sds((b, t // c, h, dk), F32)
+  return pl.pallas_call(
+      kernel, grid=(b, h, t // c),
+      in_specs=[spec, row, spec, _head_row_spec(dk), _head_row_spec(dk)],
+      out_specs=[spec, row, row], out_shape=[_sds(f.shape, f.dtype), per_chunk, per_chunk],
+      compiler_params=_params('cumsum'), interpret=interpret, name='kda_gated_reverse_cumsum',
+  )(dgc, add, f, a_hk, bias_hk)
 
 
 # ----------------------------------------------------------------------------- kernel calls
@@ -336,10 +380,25 @@ def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, dk_wy, dg_wy, dbeta_wy, *, sc
 # ----------------------------------------------------------------------------- the op
 
 
-def _forward(q, k, v, g, beta, s0, scale, interpret):
+def _gate_rows(gate_params):
+  """(exp(A_log), dt_bias) as [H, K] float32 rows."""
+  a_log, dt_bias = gate_params
+  return jnp.broadcast_to(jnp.exp(a_log)[:, None], dt_bias.shape), dt_bias
+
+
+def _cumulative_log_decay(g, gate_params, gate, c, interpret):
+  """G from g (gate None) or from the gate's pre-activation g and gate_params (a_log, dt_bias)."""
+  if gate is None:
+    return chunk_cumsum(g, c, interpret=interpret)
+  lower_bound, t_valid = gate
+  return gated_cumsum(g, *_gate_rows(gate_params), c, lower_bound=lower_bound, t_valid=t_valid,
+                      interpret=interpret)
+
+
+def _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate):
   """(o, s_final) and the tensors the backward keeps besides the inputs: aqk and T."""
   c = chunk_len(q.shape[1])
-  gc = chunk_cumsum(g, c, interpret=interpret)
+  gc = _cumulative_log_decay(g, gate_params, gate, c, interpret)
   aqk, n = scores_fwd(q, k, gc, beta, scale=scale, c=c, interpret=interpret)
   t_inv = wy_inverse(n, c=c, dtype=q.dtype, interpret=interpret)
   qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, interpret=interpret)
@@ -348,16 +407,19 @@ def _forward(q, k, v, g, beta, s0, scale, interpret):
   return (o, s_final), (aqk, t_inv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def kda_core(q, k, v, g, beta, s0, scale, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def kda_core(q, k, v, g, beta, s0, gate_params, scale, interpret, gate):
   """q, k [B, T, H, K] (the dot dtype), v [B, T, H, V], g [B, T, H, K] float32 log-decay, beta
-  [B, T, H], s0 [B, H, K, V] float32; T a multiple of chunk_len(T). Returns (o, s_final)."""
-  return _forward(q, k, v, g, beta, s0, scale, interpret)[0]
+  [B, T, H], s0 [B, H, K, V] float32; T a multiple of chunk_len(T). Returns (o, s_final).
+  With gate = (lower_bound, t_valid) (static) and gate_params = (a_log [H], dt_bias [H, K])
+  float32, g is instead the gate's pre-activation f (any float dtype), formed into the log-decay
+  inside the cumulative-sum kernels; gate None: gate_params None."""
+  return _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate)[0]
 
 
-def _core_fwd(q, k, v, g, beta, s0, scale, interpret):
-  outs, saved = _forward(q, k, v, g, beta, s0, scale, interpret)
-  return outs, (q, k, v, g, beta, s0) + tuple(checkpoint_name(x, SAVED) for x in saved)
+def _core_fwd(q, k, v, g, beta, s0, gate_params, scale, interpret, gate):
+  outs, saved = _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate)
+  return outs, (q, k, v, g, beta, s0, gate_params) + tuple(checkpoint_name(x, SAVED) for x in saved)
 
 
 def _chunk_view(x, c):
@@ -366,13 +428,13 @@ def _chunk_view(x, c):
   return x.reshape(b, t // c, c, *x.shape[2:])
 
 
-def _core_bwd(scale, interpret, res, cotangents):
-  q, k, v, g, beta, s0, aqk, t_inv = res
+def _core_bwd(scale, interpret, gate, res, cotangents):
+  q, k, v, g, beta, s0, gate_params, aqk, t_inv = res
   do, ds_final = cotangents
   b, t, h, dk = q.shape
   c = chunk_len(t)
   nt = t // c
-  gc = chunk_cumsum(g, c, interpret=interpret)
+  gc = _cumulative_log_decay(g, gate_params, gate, c, interpret)
   qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, interpret=interpret)
   v_new, _, hs = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=True,
                            interpret=interpret)
@@ -385,20 +447,33 @@ def _core_bwd(scale, interpret, res, cotangents):
   g_end = _chunk_view(gc, c)[:, :, -1]                 # G_C, [B, N, H, K]
   d_end = jnp.sum(dlast.reshape(b, nt, c // SUB, h, dk), axis=2) + ddecay * jnp.exp(g_end)
   # dg_i = sum over rows r >= i of the chunk of dG_r, plus G_C's gradient (every g of the chunk)
-  dg = chunk_cumsum(dg_s, c, reverse=True, add=d_end, interpret=interpret)
-  return dq, dk_, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), ds0
+  if gate is None:
+    dg = chunk_cumsum(dg_s, c, reverse=True, add=d_end, interpret=interpret).astype(g.dtype)
+    d_gate = None
+  else:                   # then through the gate: df, and the sums that are d A_log and d dt_bias
+    a_log, dt_bias = gate_params
+    dg, dbias_rows, dalog_rows = gated_reverse_cumsum(
+        dg_s, d_end, g, *_gate_rows(gate_params), c, lower_bound=gate[0], t_valid=gate[1],
+        interpret=interpret)
+    d_gate = (jnp.sum(dalog_rows, axis=(0, 1, 3)).astype(a_log.dtype),
+              jnp.sum(dbias_rows, axis=(0, 1)).astype(dt_bias.dtype))
+  return dq, dk_, dv, dg, dbeta.astype(beta.dtype), ds0, d_gate
 
 
 kda_core.defvjp(_core_fwd, _core_bwd)
 
 
-def kda_pallas(q, k, v, g, beta, initial_state=None, *, scale, interpret=False):
+def kda_pallas(q, k, v, g, beta, initial_state=None, *, scale, a_log=None, dt_bias=None,
+               gate_lower_bound=0.0, interpret=False):
   """KDA (SPEC §1) through the Pallas kernels: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H].
 
   Any T (padded to a multiple of the chunk with tokens that neither decay nor write); K and V
   powers of two >= 16. q and k enter the dots in v's dtype when v is bf16 or float16, else in
   float32; g, the decays, states and accumulation are float32. Returns (o [B, T, H, V] in v's
   dtype, final state [B, H, K, V] float32). Differentiable in every input, initial_state included.
+  With a_log [H] and dt_bias [H, K], g is the decay gate's pre-activation f (in its own dtype) and
+  the log-decay is cumsum.gate_log_decay(f + dt_bias, exp(a_log), gate_lower_bound), formed in
+  the cumulative-sum kernels (TILES['fused_gate']) or by XLA; a_log and dt_bias get gradients.
   """
   b, t, h, dk = q.shape
   dv = v.shape[-1]
@@ -410,8 +485,15 @@ def kda_pallas(q, k, v, g, beta, initial_state=None, *, scale, interpret=False):
   c = chunk_len(t)
   pad = -t % c
   time_pad = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+  gate_params = gate = None
+  if a_log is not None:
+    a_log, dt_bias = a_log.astype(F32), dt_bias.astype(F32)
+    if TILES['fused_gate']:
+      gate_params, gate = (a_log, dt_bias), (float(gate_lower_bound), t if pad else None)
+    else:
+      g = gate_log_decay(g.astype(F32) + dt_bias, jnp.exp(a_log)[:, None], float(gate_lower_bound))
   q, k, v = (time_pad(x.astype(dot_dtype)) for x in (q, k, v))
-  g, beta = time_pad(g.astype(F32)), time_pad(beta.astype(F32))
+  g, beta = time_pad(g if gate else g.astype(F32)), time_pad(beta.astype(F32))
   s0 = jnp.zeros((b, h, dk, dv), F32) if initial_state is None else initial_state.astype(F32)
-  o, s_final = kda_core(q, k, v, g, beta, s0, float(scale), bool(interpret))
+  o, s_final = kda_core(q, k, v, g, beta, s0, gate_params, float(scale), bool(interpret), gate)
   return o[:, :t], s_final

@@ -5,6 +5,7 @@
     g = -exp(A_log) * softplus(W_f2 W_f1 x + dt_bias)      per-channel log-decay (<= 0), float32
         or lower_bound * sigmoid(exp(A_log) * (W_f2 W_f1 x + dt_bias)) with a bounded gate
     o = kda(q, k, v, g, beta)                              the delta-rule recurrence, kimijax.ops.kda
+                                                           (which forms g from its pre-activation)
     y = W_o (RMSNorm_per_head(o) * sigmoid(W_g2 W_g1 x))   output gate: sigmoid | swish | none;
                                                            the norm's eps is output_norm_eps
 
@@ -14,7 +15,7 @@ Memory: the q/k/v projections, the short convolutions and activations, beta, the
 the op run as one rematerialised region that keeps only the layer input, what the op names worth
 keeping (kimijax.ops.kda.SAVED: the fused kernels' aqk and T, the chunk form's per-chunk states)
 and, unless recompute_projections, the projections' outputs (PROJECTIONS). The op's inputs (q, k,
-v after their activations, the float32 g) are recomputed in the backward pass; the op's forward
+v after their activations, the gate's pre-activation) are recomputed in the backward pass; the op's forward
 kernels, whose outputs the backward does not need, are not rerun. The output norm and gate are
 recomputed too, so a training step keeps the layer input, the q/k/v projections (or not), the
 op's output and named residuals, and the output gate's rank-sized bottleneck of a KDA layer.
@@ -32,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 from kimijax.layers.conv import ShortConv
 from kimijax.layers.norms import rms_normalise
 from kimijax.layers.params import weight
-from kimijax.ops.kda import SAVED, kda, kda_step
+from kimijax.ops.kda import SAVED, kda, kda_log_decay, kda_step
 from kimijax.ops.short_conv import activate
 
 CONV_WIDTH = 4
@@ -73,13 +74,6 @@ class KimiDeltaAttention(nn.Module):
     return (weight(self, f'{name}_a', (d, rank), ('embed', 'latent')),
             weight(self, f'{name}_b', (rank, self.num_heads, self.head_dim), ('latent', 'heads', 'head_dim')))
 
-  def _log_decay(self, f_lat, f_b, a_log, dt_bias):
-    """g [B, T, H, K] float32 from the gate projection's bottleneck f_lat [B, T, rank]."""
-    f = jnp.einsum('btr,rhk->bthk', f_lat, f_b).astype(jnp.float32) + dt_bias
-    if self.gate_lower_bound:
-      return self.gate_lower_bound * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * f)
-    return -jnp.exp(a_log)[:, None] * jax.nn.softplus(f)
-
   def _gated_output(self, o, gain, g_lat, g_b, w_o):
     """W_o (RMSNorm_per_head(o) * gain * act(W_g2 g_lat)), the norm and gate in float32 (g_lat None:
     no output gate), the matmuls in self.dtype."""
@@ -115,17 +109,21 @@ class KimiDeltaAttention(nn.Module):
     dt_bias = self.param('dt_bias', nn.with_logical_partitioning(_dt_bias_init, ('heads', 'head_dim')),
                          (h, hd), jnp.float32)
     f_a, f_b = self._low_rank_weights('f', d, hd)
-    g = self._log_decay(jnp.einsum('btd,dr->btr', x_btd, f_a), f_b, a_log, dt_bias)
+    # The decay gate's pre-activation in self.dtype; the op forms the float32 log-decay from it
+    # (inside the Pallas kernels under impl='pallas').
+    f = jnp.einsum('btr,rhk->bthk', jnp.einsum('btd,dr->btr', x_btd, f_a), f_b)
+    gate = dict(a_log=a_log, dt_bias=dt_bias, gate_lower_bound=self.gate_lower_bound)
 
     if cache is None:
-      o, _ = kda(q, k, v, g, beta, impl=self.impl)
+      o, _ = kda(q, k, v, f, beta, impl=self.impl, **gate)
     elif q.shape[1] == 1:       # decode: one token, O(1) in the context length
-      o, new_cache['state'] = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache['state'],
+      g = kda_log_decay(f[:, 0], a_log, dt_bias, self.gate_lower_bound)
+      o, new_cache['state'] = kda_step(q[:, 0], k[:, 0], v[:, 0], g, beta[:, 0], cache['state'],
                                        impl=self.impl)
       o = o[:, None]
     else:                       # prefill (or a chunk of it) from the cached state
-      o, new_cache['state'] = kda(q, k, v, g, beta, impl=self.impl, initial_state=cache['state'],
-                                  output_final_state=True)
+      o, new_cache['state'] = kda(q, k, v, f, beta, impl=self.impl, initial_state=cache['state'],
+                                  output_final_state=True, **gate)
     return o, new_cache
 
   @nn.compact

@@ -11,7 +11,8 @@ of C tokens at a time with the WY/UT form of SPEC §1 (matmuls inside a chunk, a
 for the state); `kda_step` is one token for decoding; `kda(..., impl=...)` dispatches to one of
 IMPLS, the implementations by name. Layout: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]
 (after the sigmoid); g is the per-channel log-decay (<= 0); q and k arrive L2-normalised; states
-[B, H, K, V] float32.
+[B, H, K, V] float32. `kda(..., a_log=, dt_bias=)` takes the decay gate's pre-activation in place
+of g and forms the log-decay itself (`kda_log_decay`; fused into the kernels under 'pallas').
 All arithmetic is float32 whatever the input dtype; outputs take v's dtype. fp32 matmuls follow
 jax's default matmul precision (TF32 on NVIDIA GPUs unless `jax.default_matmul_precision('highest')`),
 except the chunk form's small triangular inverse, always in full float32.
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from kernels_pallas.kda.cumsum import gate_log_decay
 from kernels_pallas.kda.op import SAVED   # noqa: F401 - the implementations' residual name, public here
 
 _EXACT = lax.Precision.HIGHEST
@@ -90,6 +92,30 @@ def _check_step_inputs(q, k, v, g, beta, state):
   if state.shape != (b, h, dk, v.shape[-1]):
     raise ValueError(f'kda_step: state must be [B, H, K, V] = {_fmt((b, h, dk, v.shape[-1]))}; '
                      f'got {_fmt(state.shape)}')
+
+
+def _check_gate(a_log, dt_bias, lower_bound, h, dk):
+  if (a_log is None) != (dt_bias is None):
+    raise ValueError('kda: a_log and dt_bias come together (the decay gate) or not at all; got '
+                     f"{'a_log' if dt_bias is None else 'dt_bias'} alone")
+  if a_log is None:
+    return
+  _check_float('kda', a_log=a_log, dt_bias=dt_bias)
+  if a_log.shape != (h,) or dt_bias.shape != (h, dk):
+    raise ValueError(f'kda: the gate needs a_log [H] = {_fmt((h,))} and dt_bias [H, K] = {_fmt((h, dk))}; '
+                     f'got a_log {_fmt(a_log.shape)}, dt_bias {_fmt(dt_bias.shape)}')
+  if not (isinstance(lower_bound, numbers.Real) and lower_bound <= 0):
+    raise ValueError(f'kda: gate_lower_bound must be a number <= 0 (0: the unbounded gate), got {lower_bound!r}')
+
+
+def kda_log_decay(f, a_log, dt_bias, lower_bound=0.0):
+  """SPEC §1's decay gate: the log-decay g [B, T, H, K] (or [B, H, K]) float32 from its
+  pre-activation f (the gate projection's output), a_log [H] and dt_bias [H, K]:
+  g = -exp(a_log) softplus(f + dt_bias), or with lower_bound < 0, lower_bound sigmoid(exp(a_log)
+  (f + dt_bias)). The same expression the Pallas kernels evaluate when the gate is fused."""
+  f32 = jnp.float32
+  return gate_log_decay(f.astype(f32) + dt_bias.astype(f32), jnp.exp(a_log.astype(f32))[:, None],
+                        float(lower_bound))
 
 
 def _default_scale(scale, dk):
@@ -351,37 +377,56 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 # ----------------------------------------------------------------------------- dispatch
 
 
+def _gated(fn):
+  """An implementation of g that takes the gate too, forming the log-decay in XLA first."""
+  def impl(q, k, v, g, beta, *, gate, **kw):
+    return fn(q, k, v, g if gate is None else kda_log_decay(g, *gate), beta, **kw)
+  return impl
+
+
 def _recurrent_impl(q, k, v, g, beta, *, scale, initial_state, output_final_state, chunk_size):
   del chunk_size   # the recurrence has no chunks
   return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state)
 
 
-def _fused_impl(q, k, v, g, beta, *, scale, initial_state, output_final_state, chunk_size):
-  """The fused Pallas kernels of kernels_pallas/kda (interpreted off the GPU); their chunk length
-  is fixed (64), so chunk_size is not used."""
+def _fused_impl(q, k, v, g, beta, *, gate, scale, initial_state, output_final_state, chunk_size):
+  """The fused Pallas kernels of kernels_pallas/kda (interpreted off the GPU), the gate fused in;
+  their chunk length is fixed (64), so chunk_size is not used."""
   del chunk_size
   from kernels_pallas.common import kernels_interpreted
   from kernels_pallas.kda import kda_pallas
-  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
-  initial_state = None if initial_state is None else jnp.asarray(initial_state)
   _, _, _, dk, _ = _check_sequence_inputs("kda impl='pallas'", q, k, v, g, beta, initial_state)
-  o, s_final = kda_pallas(q, k, v, g, beta, initial_state, scale=_default_scale(scale, dk),
-                          interpret=kernels_interpreted())
+  a_log, dt_bias, lower_bound = gate or (None, None, 0.0)
+  o, s_final = kda_pallas(q, k, v, g, beta, initial_state, scale=_default_scale(scale, dk), a_log=a_log,
+                          dt_bias=dt_bias, gate_lower_bound=lower_bound, interpret=kernels_interpreted())
   return o, (s_final if output_final_state else None)
 
 
-# Every implementation takes kda's arguments (keywords after beta) and returns (o, state or None).
-IMPLS = {'recurrent': _recurrent_impl, 'chunk': kda_chunk, 'pallas': _fused_impl}
+# Every implementation takes kda's arguments (keywords after beta; gate = (a_log, dt_bias,
+# lower_bound) or None) and returns (o, state or None).
+IMPLS = {'recurrent': _gated(_recurrent_impl), 'chunk': _gated(kda_chunk), 'pallas': _fused_impl}
 
 
 def kda(q, k, v, g, beta, *, impl='chunk', scale=None, initial_state=None, output_final_state=False,
-        chunk_size=64):
+        chunk_size=64, a_log=None, dt_bias=None, gate_lower_bound=0.0):
   """KDA through one dispatch point: impl, a key of IMPLS ('recurrent' | 'chunk' | 'pallas').
 
-  Same arguments and results as kda_chunk (chunk_size is ignored by 'recurrent').
+  Same arguments and results as kda_chunk (chunk_size is ignored by 'recurrent'). With a_log [H]
+  and dt_bias [H, K], g is the decay gate's pre-activation f [B, T, H, K] (any float dtype) and
+  the log-decay is kda_log_decay(f, a_log, dt_bias, gate_lower_bound): in XLA before the op, or
+  inside 'pallas''s cumulative-sum kernels, which then never write a float32 g. Gradients reach
+  a_log and dt_bias either way.
   """
   if impl not in IMPLS:
     raise ValueError(f'kda impl={impl!r} is unknown; allowed: {tuple(IMPLS)}')
-  return IMPLS[impl](q, k, v, g, beta, scale=scale, initial_state=initial_state,
+  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
+  initial_state = None if initial_state is None else jnp.asarray(initial_state)
+  gate = None
+  if a_log is not None or dt_bias is not None:   # checked before XLA forms g from them
+    _, _, h, dk, _ = _check_sequence_inputs(f'kda impl={impl!r}', q, k, v, g, beta, initial_state)
+    a_log, dt_bias = (None if x is None else jnp.asarray(x) for x in (a_log, dt_bias))
+    _check_gate(a_log, dt_bias, gate_lower_bound, h, dk)
+    gate = (a_log, dt_bias, float(gate_lower_bound))
+  return IMPLS[impl](q, k, v, g, beta, gate=gate, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, chunk_size=chunk_size)

@@ -109,6 +109,58 @@ def test_interpreted_kernels_match_recurrence_under_other_tiles(monkeypatch):
   _compare(_inputs(3, 1, 40, 2, 32, 32, spikes=True), 'recurrent', 2e-4, 2e-4)
 
 
+GATE_NAMES = NAMES[:3] + ('f', 'beta', 'initial_state', 'a_log', 'dt_bias')
+
+
+def _compare_gated(shape, dtype, lower_bound, reference, tol_out, tol_grad, f_std=2.0, bias_mean=-2.0):
+  """kda(f, a_log=, dt_bias=) under 'pallas' (the gate inside the cumulative-sum kernels) against
+  `reference`(q, k, v, f, beta, s0, a_log, dt_bias) -> (o, s): output, final state and all eight
+  gradients. f ~ N(0, f_std), dt_bias ~ N(bias_mean, 1), A_log = log U(1, 16)."""
+  from kernels_pallas.kda import op
+  assert op.TILES['fused_gate']
+  b, t, h, d = shape
+  q, k, v, _, beta, s0 = _inputs(4, b, t, h, d, d, dtype=dtype)
+  rng = np.random.default_rng(4)
+  f = jnp.asarray(rng.normal(size=q.shape) * f_std, jnp.float32).astype(dtype)
+  a_log = jnp.asarray(np.log(rng.uniform(1, 16, size=h)), jnp.float32)
+  dt_bias = jnp.asarray(rng.normal(size=(h, d)) + bias_mean, jnp.float32)
+  w_o = jnp.asarray(rng.normal(size=v.shape), jnp.float32)
+  w_s = jnp.asarray(rng.normal(size=s0.shape), jnp.float32)
+
+  def fused(q, k, v, f, beta, s0, a_log, dt_bias):
+    return kda_lib.kda(q, k, v, f, beta, impl='pallas', initial_state=s0, output_final_state=True,
+                       a_log=a_log, dt_bias=dt_bias, gate_lower_bound=lower_bound)
+
+  def value_and_grads(fn):
+    def loss(*a):
+      o, s = fn(*a)
+      return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s), (o, s)
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8)), has_aux=True))(
+        q, k, v, f, beta, s0, a_log, dt_bias)
+
+  (_, (o, s)), grads = value_and_grads(fused)
+  (_, (o_r, s_r)), grads_r = value_and_grads(reference)
+  assert rel_rmse(o, o_r) <= tol_out and rel_rmse(s, s_r) <= tol_out, (rel_rmse(o, o_r), rel_rmse(s, s_r))
+  for name, a, b, x in zip(GATE_NAMES, grads, grads_r, (q, k, v, f, beta, s0, a_log, dt_bias)):
+    assert a.dtype == x.dtype, name
+    assert rel_rmse(a, b) <= tol_grad, (name, rel_rmse(a, b))
+
+
+@pytest.mark.usefixtures('_full_precision')
+@pytest.mark.parametrize('lower_bound', [0.0, -3.0])
+def test_interpreted_fused_gate_matches_recurrence(lower_bound):
+  """The gate inside the cumulative-sum kernels: T = 40 padded to a chunk of 64 (the padded rows
+  must not decay the final state), an initial state; against the recurrence on g from jax.nn's
+  softplus or sigmoid, differentiated by jax."""
+  def reference(q, k, v, f, beta, s0, a_log, dt_bias):
+    x = f + dt_bias
+    a = jnp.exp(a_log)[:, None]
+    g = lower_bound * jax.nn.sigmoid(a * x) if lower_bound else -a * jax.nn.softplus(x)
+    return kda_lib.kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+
+  _compare_gated((1, 40, 2, 16), jnp.float32, lower_bound, reference, 1e-4, 1e-4)
+
+
 def test_rejects_head_dims_the_kernels_cannot_tile():
   args = _inputs(2, 1, 16, 1, 24, 16)
   with pytest.raises(ValueError, match=r"K = 24 must be a power of two >= 16"):
@@ -130,6 +182,19 @@ def test_gpu_float32_matches_recurrence(t, d, spikes):
 def test_gpu_bf16_matches_chunk_form_at_benchmark_shape():
   args = _inputs(4, 8, 4096, 16, 128, 128, g_min=-0.5, dtype=jnp.bfloat16)
   _compare(args, 'chunk', 5e-3, 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_fused_gate_matches_xla_gate():
+  """The gated call in bf16 with a tail (T = 1000), compiled: against the XLA chunk form on the
+  gate formed by XLA (kda_log_decay), the kernels' bf16 tolerances. The gate near its init range
+  (x = f + dt_bias ~ N(-4.5, 1.1): decays of about -0.2 per token): at decays of -4 per token the
+  bf16 kernels' dg errs by a few percent where the gate's derivative is largest."""
+  def reference(q, k, v, f, beta, s0, a_log, dt_bias):
+    return kda_lib.kda(q, k, v, f, beta, impl='chunk', initial_state=s0, output_final_state=True,
+                       a_log=a_log, dt_bias=dt_bias)
+
+  _compare_gated((2, 1000, 4, 128), jnp.bfloat16, 0.0, reference, 5e-3, 1e-2, f_std=0.5, bias_mean=-4.5)
 
 
 @pytest.mark.long
@@ -204,6 +269,14 @@ def test_kernels_lower_to_triton_for_an_h200(dtype, d):
   for name in ('kda_chunk_cumsum', 'kda_diag_fwd', 'kda_scores_fwd', 'kda_wy_inverse', 'kda_wy_apply', 'kda_state_fwd', 'kda_state_bwd', 'kda_chunk_cotangents', 'kda_wy_bwd',
                'kda_diag_bwd', 'kda_scores_bwd'):
     assert name in module, name
+
+  def gated_loss(q, k, v, f, beta, s0, a_log, dt_bias):   # the gate in the kernels, T padded
+    o, s = kda_pallas(q, k, v, f, beta, s0, scale=d ** -0.5, a_log=a_log, dt_bias=dt_bias)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+  module = lower_for_h200(jax.grad(gated_loss, argnums=tuple(range(8))), x, x, x, x, f32(b, t, h),
+                          f32(b, h, d, d), f32(h), f32(h, d))
+  assert 'kda_gated_cumsum' in module and 'kda_gated_reverse_cumsum' in module
   tok = spec((b, h, d), dtype)
   step = lambda *a: kda_step_pallas(*a, scale=d ** -0.5)
   assert 'kda_step' in lower_for_h200(step, tok, tok, tok, f32(b, h, d), f32(b, h), f32(b, h, d, d))

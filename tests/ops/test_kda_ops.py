@@ -277,6 +277,60 @@ def test_dispatch_errors():
     kda_lib.kda(**args, impl='flash')
 
 
+@pytest.mark.parametrize('lower_bound', [0.0, -5.0])
+def test_log_decay_gate_matches_float64_formula(lower_bound):
+  """kda_log_decay against SPEC §1's gate in float64 NumPy, pre-activations from -60 to 60 (the
+  softplus is evaluated without overflow at both ends); g <= 0 everywhere."""
+  rng = np.random.default_rng(0)
+  f = np.concatenate([rng.normal(size=(1, 6, 2, 8)) * 3, np.linspace(-60, 60, 96).reshape(1, 6, 2, 8)], axis=1)
+  a_log, dt_bias = np.log(rng.uniform(1, 16, size=2)), rng.normal(size=(2, 8)) - 3
+  f, a_log, dt_bias = (np.float32(x) for x in (f, a_log, dt_bias))
+  x = f.astype(np.float64) + dt_bias
+  a = np.exp(a_log.astype(np.float64))[:, None]
+  arg = a * x if lower_bound else x            # the argument of the exp that sets g's size
+  want = lower_bound * np.exp(-np.logaddexp(0.0, -arg)) if lower_bound else -a * np.logaddexp(0.0, x)
+  got = kda_lib.kda_log_decay(jnp.asarray(f), jnp.asarray(a_log), jnp.asarray(dt_bias), lower_bound)
+  assert got.dtype == jnp.float32 and np.all(np.asarray(got) <= 0)
+  # float32 rounds the argument by |arg| 2^-24 or so, which e^arg turns into that relative error
+  rtol = 2e-6 + 2.4e-7 * np.abs(arg)
+  assert np.all(np.abs(np.asarray(got, np.float64) - want) <= rtol * np.abs(want) + 1e-37)
+
+
+def test_gated_call_equals_log_decay_then_kda():
+  """kda(f, a_log=, dt_bias=) under the XLA forms is kda(kda_log_decay(f, ...)), gradients
+  reaching a_log and dt_bias (against the float64 formula's derivative through jax's softplus)."""
+  q, k, v, f, beta, s0 = make_inputs(3, 1, 20, 2, 16, 16)
+  rng = np.random.default_rng(1)
+  a_log = jnp.asarray(np.log(rng.uniform(1, 16, size=2)), jnp.float32)
+  dt_bias = jnp.asarray(rng.normal(size=(2, 16)) - 3, jnp.float32)
+
+  def loss(impl, a_log, dt_bias, gated):
+    if gated:
+      o, _ = kda_lib.kda(q, k, v, f, beta, impl=impl, a_log=a_log, dt_bias=dt_bias, chunk_size=16)
+    else:
+      g = -jnp.exp(a_log)[:, None] * jax.nn.softplus(f + dt_bias)
+      o, _ = kda_lib.kda(q, k, v, g, beta, impl=impl, chunk_size=16)
+    return jnp.sum(o * jnp.cos(jnp.arange(o.size).reshape(o.shape)))
+
+  for impl in ('recurrent', 'chunk'):
+    got = jax.grad(functools.partial(loss, impl, gated=True), argnums=(0, 1))(a_log, dt_bias)
+    want = jax.grad(functools.partial(loss, impl, gated=False), argnums=(0, 1))(a_log, dt_bias)
+    for x, y in zip(got, want):
+      assert rel(x, y) <= 1e-5, impl
+
+
+def test_gate_errors_name_the_arrays():
+  args, _ = _good()
+  h, dk = args['q'].shape[2], args['q'].shape[3]
+  with pytest.raises(ValueError, match=r'a_log and dt_bias come together .* got a_log alone'):
+    kda_lib.kda(**args, a_log=jnp.zeros(h))
+  with pytest.raises(ValueError, match=r'dt_bias \[H, K\] = \[%d, %d\]; got a_log \[%d\], dt_bias \[%d\]'
+                     % (h, dk, h, dk)):
+    kda_lib.kda(**args, a_log=jnp.zeros(h), dt_bias=jnp.zeros(dk))
+  with pytest.raises(ValueError, match=r'gate_lower_bound must be a number <= 0'):
+    kda_lib.kda(**args, a_log=jnp.zeros(h), dt_bias=jnp.zeros((h, dk)), gate_lower_bound=2.0)
+
+
 @pytest.mark.parametrize('key,impls', [('kda_impl', kda_lib.IMPLS), ('attn_impl', attention_ops.IMPLS),
                                        ('attnres_impl', attnres_ops.IMPLS)], ids=['kda', 'attn', 'attnres'])
 def test_config_allows_exactly_the_implementations_the_ops_hold(key, impls):
