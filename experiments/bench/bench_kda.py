@@ -12,7 +12,9 @@ feature), which the Pallas kernels form with their pairwise diagonal kernels ins
 beta); forward+backward: the gradients of sum(o * do) with respect to all five inputs. On a GPU where `import fla` works, fla's
 Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (SPEC §5: 1.77 ms /
 10.0 ms at the default shape on an H200). --gated calls the op as the KDA layer does, with the
-decay gate's pre-activation and parameters in place of g (kimijax.ops.kda.kda's a_log, dt_bias). --short_conv adds the layer's short conv + activation
+decay gate's pre-activation and parameters in place of g (kimijax.ops.kda.kda's a_log, dt_bias).
+--kernels lists the device time of every kernel inside one call of 'pallas' and of fla, from
+their profilers: the per-kernel comparison of the two, without the launch gaps of --stages. --short_conv adds the layer's short conv + activation
 (kimijax.ops.short_conv) under each of its impls. Each figure is the median (and min) of --repeats timed
 calls after --warmup calls; prints a Markdown table.
 """
@@ -42,6 +44,9 @@ flags.DEFINE_bool('gated', False, 'call the op as the KDA layer does: with the d
                   'f ~ N(0, 1) in the input dtype, a_log and dt_bias at their init distributions, in '
                   'place of g (formed inside the Pallas kernels; --kda_tiles=,fused_gate=0 for XLA\'s '
                   'gate); forward+backward also differentiates a_log and dt_bias. Not for fla')
+flags.DEFINE_bool('kernels', False, "on a GPU: also the device time of each kernel inside one call of "
+                  "'pallas' (jax.profiler) and of fla (torch.profiler), forward and forward+backward, "
+                  'averaged over --repeats calls: where the two implementations differ')
 flags.DEFINE_bool('short_conv', False, "also time the KDA layer's short conv + SiLU + L2 norm "
                   '(kimijax.ops.short_conv, one of q, k, v at the same shape) under each of its impls')
 FLAGS = flags.FLAGS
@@ -103,7 +108,8 @@ def _jax_rows(shape, dtype_name, impls, label=''):
     loss = lambda do, *a, fn=fn: jnp.sum(fn(*a).astype(jnp.float32) * do.astype(jnp.float32))
     fwd_bwd = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1))))
     row = [f'kimijax {impl}{label}']
-    for f, f_args in ((fwd, args), (fwd_bwd, (do,) + args)):
+    calls = ((fwd, args), (fwd_bwd, (do,) + args))
+    for f, f_args in calls:
       try:
         row.append('%.2f (%.2f)' % _time(lambda f=f, a=f_args: f(*a), FLAGS.repeats, FLAGS.warmup, sync))
       except NotImplementedError as e:
@@ -113,7 +119,53 @@ def _jax_rows(shape, dtype_name, impls, label=''):
         row.append(f'failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}')
     rows.append(row)
     _print_row(row)
+    if FLAGS.kernels and impl == 'pallas' and jax.default_backend() == 'gpu':
+      for direction, (f, f_args) in zip(('forward', 'forward+backward'), calls):
+        _print_kernels(f'kimijax {impl}{label} {direction}', _jax_kernel_ms(lambda f=f, a=f_args: f(*a)))
   return rows
+
+
+def _jax_kernel_ms(call):
+  """[(kernel name, device ms per call)] of call() under jax.profiler, --repeats calls after one
+  untimed one, longest first (experiments/tools/profile_summary.py reads the trace)."""
+  import gzip
+  import json
+  import tempfile
+
+  import jax
+
+  from experiments.tools import profile_summary
+  jax.block_until_ready(call())
+  with tempfile.TemporaryDirectory() as directory:
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+      for _ in range(FLAGS.repeats):
+        out = call()
+      jax.block_until_ready(out)
+    with gzip.open(profile_summary.newest_trace(directory)) as f:
+      events = profile_summary.device_events(json.load(f))
+  return profile_summary.summarise(events, FLAGS.repeats)[1]
+
+
+def _torch_kernel_ms(call):
+  """The same for a PyTorch call, from torch.profiler's CUDA kernel events."""
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+  call()
+  torch.cuda.synchronize()
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(FLAGS.repeats):
+      call()
+    torch.cuda.synchronize()
+  device_us = lambda e: getattr(e, 'self_device_time_total', None) or getattr(e, 'self_cuda_time_total', 0.0)
+  totals = [(e.key, device_us(e) / 1e3 / FLAGS.repeats) for e in prof.key_averages()]
+  return sorted([kv for kv in totals if kv[1] > 0], key=lambda kv: -kv[1])
+
+
+def _print_kernels(what, kernels):
+  """Rows 'what: kernel | ms' (the sum first), in the timing table's columns."""
+  _print_row([f'{what}: all kernels', '%.3f' % sum(ms for _, ms in kernels), ''])
+  for name, ms in kernels:
+    _print_row([f'{what}: {name[:80]}', '%.3f' % ms, ''])
 
 
 def _stage_rows(shape, dtype_name):
@@ -208,14 +260,15 @@ def _short_conv_rows(shape, dtype_name):
 
 
 def _fla_rows(shape):
-  """fla's Triton chunk_kda on the same shape (bf16), when PyTorch + fla + a CUDA device exist."""
+  """fla's Triton chunk_kda on the same shape (bf16), when PyTorch + fla + a CUDA device exist:
+  its printed row (and with --kernels its kernels')."""
   try:
     import torch
     from fla.ops.kda import chunk_kda
   except ImportError as e:
-    return [['fla chunk_kda', f'skipped ({e})', '']]
+    return _print_row(['fla chunk_kda', f'skipped ({e})', ''])
   if not torch.cuda.is_available():
-    return [['fla chunk_kda', 'skipped (no CUDA device for PyTorch)', '']]
+    return _print_row(['fla chunk_kda', 'skipped (no CUDA device for PyTorch)', ''])
   b, t, h, d = shape
   gen = torch.Generator(device='cuda').manual_seed(0)
   randn = lambda *s: torch.randn(*s, device='cuda', generator=gen)
@@ -236,8 +289,11 @@ def _fla_rows(shape):
     o, _ = chunk_kda(q, k, v, g, beta)
     return torch.autograd.grad(o, (q, k, v, g, beta), do)
 
-  return [['fla chunk_kda (Triton, bf16)'] + ['%.2f (%.2f)' % _time(f, FLAGS.repeats, FLAGS.warmup, sync)
-                                              for f in (fwd, fwd_bwd)]]
+  _print_row(['fla chunk_kda (Triton, bf16)'] + ['%.2f (%.2f)' % _time(f, FLAGS.repeats, FLAGS.warmup, sync)
+                                                 for f in (fwd, fwd_bwd)])
+  if FLAGS.kernels:
+    for direction, f in (('forward', fwd), ('forward+backward', fwd_bwd)):
+      _print_kernels(f'fla {direction}', _torch_kernel_ms(f))
 
 
 def main(argv):
@@ -270,8 +326,7 @@ def main(argv):
         _print_row([row[0] + (f' [{text}]' if text else '')] + row[1:])
     op.TILES = defaults
   if 'fla' in FLAGS.impls and backend == 'gpu' and not FLAGS.gated:
-    for row in _fla_rows(shape):
-      _print_row(row)
+    _fla_rows(shape)
 
 
 if __name__ == '__main__':
