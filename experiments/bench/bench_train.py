@@ -4,8 +4,8 @@
 
 Runs the real jitted train step (same code as run.py) on synthetic token batches, after warm-up,
 and prints one line per figure: device, params_M, step_ms, tokens_per_sec, model_tflops_per_device,
-mfu, peak_memory_GiB, loss, ... (bench_350m on one H200: 392 ms/step, 167k tokens/s, 0.449 MFU;
-experiments/results/bench_train.md). Model FLOPs per token come from kimijax.train.flops (6 N plus
+mfu, peak_memory_GiB, loss, first_step_s (the first step with its compilation or cache load), ...
+(bench_350m on one H200: 392 ms/step, 167k tokens/s, 0.449 MFU; experiments/results/bench_train.md). Model FLOPs per token come from kimijax.train.flops (6 N plus
 causal attention, the count the ladders use; Muon's Newton-Schulz is not in MFU). MFU is against
 the chip's dense bf16 peak (--peak_tflops; H100/H200 SXM: 989). Attention Residuals' depth
 attention (a few memory-bound [B, T, D] passes per sublayer) is not counted as model FLOPs, so its
@@ -13,6 +13,7 @@ cost shows as a longer step and a lower MFU.
 """
 
 import json
+import time
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -80,8 +81,10 @@ def main(argv):
                           'mask': jnp.ones((t.batch_size, t.seq_len), jnp.float32)}, batch_sh)
 
   step = lambda carry: train_step(carry[0], batch)
-  step_ms, (state, metrics) = timing.loop_ms(step, train_step(state, batch), steps=FLAGS.steps,
-                                             warmup=max(FLAGS.warmup - 1, 0))
+  start = time.perf_counter()     # the first step: compilation (or a cache load) and one step
+  first = jax.block_until_ready(train_step(state, batch))
+  first_step_s = time.perf_counter() - start
+  step_ms, (state, metrics) = timing.loop_ms(step, first, steps=FLAGS.steps, warmup=max(FLAGS.warmup - 1, 0))
   step_s = step_ms / 1e3
 
   if FLAGS.profile_dir:
@@ -109,6 +112,7 @@ def main(argv):
       'step_ms': step_s * 1e3, 'tokens_per_sec': tokens_per_step / step_s,
       'model_tflops_per_device': tflops_per_dev, 'mfu': tflops_per_dev / FLAGS.peak_tflops,
       'peak_memory_GiB': stats.get('peak_bytes_in_use', 0) / 2**30, 'loss': float(metrics['loss']),
+      'first_step_s': first_step_s,
   }
   for key, value in result.items():
     print(f'{key:>24}: {value:.4g}' if isinstance(value, float) else f'{key:>24}: {value}')

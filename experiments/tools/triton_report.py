@@ -54,8 +54,10 @@ def lower_for_h200(fn, *args) -> str:
   through the Triton lowering, which rejects what it cannot express (a shape that is not a
   power of two, an op without a Triton rule) before any GPU time is spent."""
   from jax import export
-  from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-  h200 = AbstractMesh((1,), ('x',), abstract_device=AbstractDevice('NVIDIA H200', 132, 'gpu'))
+  from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+  # Auto axes: a whole model's sharding annotations lower as they do on one real device.
+  h200 = AbstractMesh((1,), ('x',), axis_types=(AxisType.Auto,),
+                      abstract_device=AbstractDevice('NVIDIA H200', 132, 'gpu'))
   triton = export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')
   with use_abstract_mesh(h200):
     return export.export(jax.jit(fn), platforms=['cuda'], disabled_checks=[triton])(*args).mlir_module()

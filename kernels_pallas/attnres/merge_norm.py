@@ -220,6 +220,15 @@ def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dt
                      f'{partial.dtype}, addend {None if addend is None else (addend.shape, addend.dtype)}, '
                      f'lse {lse.shape}, query {query.shape}, scale {scale.shape}')
   tiles = with_defaults(tiles, DEFAULT_TILES, 'attnres merge_norm')
+  return _merge_norm_flat(o, lse, partial, addend, query, scale, eps=float(eps), norm_eps=float(norm_eps),
+                          dtype=jnp.dtype(dtype), tiles=FrozenTiles(tiles), interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=('eps', 'norm_eps', 'dtype', 'tiles', 'interpret'))
+def _merge_norm_flat(o, lse, partial, addend, query, scale, *, eps, norm_eps, dtype, tiles, interpret):
+  """merge_norm after its checks, under one jax.jit shared by every call of the same shapes and
+  settings (kernels_pallas/__init__.py)."""
+  shape = partial.shape
   d, m = shape[-1], math.prod(shape[:-1])
   m_pad = round_up(m, tiles['bt'] * tiles['groups'])
   # Padded with ones (a zero row would give an infinite rsqrt for eps = 0); the padded rows'
@@ -228,5 +237,5 @@ def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dt
   lse = jnp.pad(lse.reshape(m).astype(F32), (0, m_pad - m))
   addends = () if addend is None else (flat(addend),)
   x, p = _merge_norm(flat(o), lse, flat(partial), addends, query.astype(F32), scale.astype(F32),
-                     eps, norm_eps, jnp.dtype(dtype), FrozenTiles(tiles), interpret)
+                     eps, norm_eps, dtype, tiles, interpret)
   return x[:m].reshape(shape), p[:m].reshape(shape)

@@ -119,12 +119,20 @@ def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool =
   if tiles['rows_grads'] % tiles['bt_grads']:
     raise ValueError(f"attnres phase1: tile bt_grads ({tiles['bt_grads']}) must divide rows_grads "
                      f"({tiles['rows_grads']})")
+  return _phase1_flat(sources, queries, eps=float(eps), tiles=FrozenTiles(tiles), interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=('eps', 'tiles', 'interpret'))
+def _phase1_flat(sources, queries, *, eps, tiles, interpret):
+  """phase1 after its checks, under one jax.jit shared by every call of the same shapes and
+  settings (kernels_pallas/__init__.py)."""
+  shape, s = sources[0].shape, queries.shape[0]
   d, m = shape[-1], math.prod(shape[:-1])
   m_pad = round_up(m, math.lcm(tiles['bt'], tiles['rows_grads'], tiles['bt_vdo'], tiles['bt_logits']))
   # Padded with ones: a zero row would give r = rsqrt(eps), infinite for eps = 0. The padded rows'
   # outputs are dropped, so their cotangents, and their share of every gradient, are zero.
   flat = tuple(pad_rows(v.reshape(m, d), m_pad, value=1) for v in sources)
   # float32 queries into the custom VJP: the cast's transpose gives dq the queries' own dtype.
-  outs, lse, flat = _phase1(flat, queries.astype(jnp.float32), eps, FrozenTiles(tiles), interpret)
+  outs, lse, flat = _phase1(flat, queries.astype(jnp.float32), eps, tiles, interpret)
   unflat = lambda x: x[:m].reshape(shape)
   return (tuple(map(unflat, outs)), lse[:, :m].reshape((s,) + shape[:-1]), tuple(map(unflat, flat)))

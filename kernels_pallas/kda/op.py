@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import power_of_two_divisor
+from kernels_pallas.common import FrozenTiles, power_of_two_divisor
 from kernels_pallas.kda.blocks import F32, SUB, any_steep
 from kernels_pallas.kda.cotangents import chunk_cotangents_kernel, wy_bwd_kernel
 from kernels_pallas.kda.cumsum import (chunk_cumsum_kernel, gate_log_decay, gated_cumsum_kernel,
@@ -475,12 +475,24 @@ def kda_pallas(q, k, v, g, beta, initial_state=None, *, scale, a_log=None, dt_bi
   the log-decay is cumsum.gate_log_decay(f + dt_bias, exp(a_log), gate_lower_bound), formed in
   the cumulative-sum kernels (TILES['fused_gate']) or by XLA; a_log and dt_bias get gradients.
   """
-  b, t, h, dk = q.shape
-  dv = v.shape[-1]
+  dk, dv = q.shape[-1], v.shape[-1]
   for name, d in (('K', dk), ('V', dv)):
     if d < 16 or d & (d - 1):
       raise ValueError(f"kda impl='pallas': {name} = {d} must be a power of two >= 16 "
                        f"(q {list(q.shape)}, v {list(v.shape)}); use impl='chunk' for other sizes")
+  return _kda_pallas(q, k, v, g, beta, initial_state, a_log, dt_bias, scale=float(scale),
+                     gate_lower_bound=float(gate_lower_bound), interpret=bool(interpret), tiles=FrozenTiles(TILES))
+
+
+@functools.partial(jax.jit, static_argnames=('scale', 'gate_lower_bound', 'interpret', 'tiles'))
+def _kda_pallas(q, k, v, g, beta, initial_state, a_log, dt_bias, *, scale, gate_lower_bound, interpret, tiles):
+  """kda_pallas under one jax.jit: every layer's call with the same shapes and settings shares
+  one trace, so a model's lowered module holds each kernel once (kernels_pallas/__init__.py).
+  `tiles` is TILES as a static argument: the kernels read TILES while this traces, so a changed
+  setting must trace anew."""
+  del tiles
+  b, t, h, dk = q.shape
+  dv = v.shape[-1]
   dot_dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else F32
   c = chunk_len(t)
   pad = -t % c

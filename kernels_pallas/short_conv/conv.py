@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.common import compiler_params, power_of_two_divisor, round_up
+from kernels_pallas.common import FrozenTiles, compiler_params, power_of_two_divisor, round_up
 
 F32 = jnp.float32
 L2_EPS = 1e-6
@@ -158,8 +158,16 @@ def short_conv_pallas(x, w, activation='none', *, interpret=False):
   if dk < 16 or dk & (dk - 1):
     raise ValueError(f"short_conv impl='pallas': K = {dk} must be a power of two >= 16 (x {list(x.shape)}); "
                      "use impl='xla' for other sizes")
+  return _short_conv_padded(x, w, activation=activation, interpret=bool(interpret), tiles=FrozenTiles(TILES))
+
+
+@functools.partial(jax.jit, static_argnames=('activation', 'interpret', 'tiles'))
+def _short_conv_padded(x, w, *, activation, interpret, tiles):
+  """short_conv_pallas under one jax.jit, shared by every layer's call (kernels_pallas/__init__.py);
+  `tiles` is TILES as a static argument, since the kernels read TILES while this traces."""
+  del tiles
   t = x.shape[1]
   pad = round_up(t, TILES['rows']) - t
   xp = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
-  y = _short_conv(xp, w.astype(F32), activation, bool(interpret))
+  y = _short_conv(xp, w.astype(F32), activation, interpret)
   return y[:, :t] if pad else y

@@ -167,6 +167,24 @@ def test_rejects_head_dims_the_kernels_cannot_tile():
     kda_lib.kda(*args[:5], impl='pallas')
 
 
+def test_a_model_lowers_each_kernel_once_however_many_layers_call_it():
+  """The gradient of a 1-layer and of a 3-layer all-KDA model (fused KDA and short-conv kernels),
+  lowered for an H200 through Triton: the same number of Triton calls, since the layers' calls
+  share one jitted op (kernels_pallas/__init__.py), and the KDA and conv kernels are among them."""
+  from configs.default import get_config
+  from experiments.tools.lowering_report import kernel_counts, lower_gradient
+  modules = {}
+  for layers in (1, 3):
+    cfg = get_config().model
+    cfg.update(d_model=32, num_heads=2, num_layers=layers, mlp_dim=64, layer_pattern='K', kda_impl='pallas',
+               kda_conv_impl='pallas', attn_impl='xla')
+    modules[layers] = lower_gradient(cfg, 64)[1]
+  calls = {n: m.count('xla.gpu.triton') for n, m in modules.items()}
+  assert calls[1] == calls[3] >= 10, calls
+  assert {'kda_scores_bwd', 'kda_gated_cumsum', 'short_conv_fwd'} <= set(kernel_counts(modules[3])), \
+      sorted(kernel_counts(modules[3]))
+
+
 # ----------------------------------------------------------------------------- GPU, compiled
 
 
