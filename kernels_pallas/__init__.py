@@ -8,5 +8,5 @@ while tracing, so the current TILES are passed as a `FrozenTiles` key). A model 
 per layer with the same shapes; through the shared jit those calls are one trace and one lowering,
 and the lowered module holds each kernel once instead of once per layer. For the gradient of
 configs/bench_350m.py:hybrid (18 KDA layers) that is 25 Triton kernels instead of 522, lowered on
-the host in 10.5 s instead of 66 (experiments/tools/lowering_report.py; experiments/results/bench_kda.md).
+the host in 10.6 s instead of 66 (experiments/tools/lowering_report.py; experiments/results/bench_kda.md).
 """

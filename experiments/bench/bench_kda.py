@@ -14,9 +14,10 @@ Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (SPE
 10.0 ms at the default shape on an H200). --gated calls the op as the KDA layer does, with the
 decay gate's pre-activation and parameters in place of g (kimijax.ops.kda.kda's a_log, dt_bias).
 --kernels lists the device time of every kernel inside one call of 'pallas' and of fla, from
-their profilers: the per-kernel comparison of the two, without the launch gaps of --stages. --short_conv adds the layer's short conv + activation
-(kimijax.ops.short_conv) under each of its impls. Each figure is the median (and min) of --repeats timed
-calls after --warmup calls; prints a Markdown table.
+their profilers: the per-kernel comparison of the two, without the launch gaps of --stages.
+--short_conv adds the layer's short conv + activation (kimijax.ops.short_conv) under each of its
+impls. Each figure is the median (and min) of --repeats timed calls after --warmup calls; prints
+a Markdown table.
 """
 
 import datetime
@@ -85,12 +86,11 @@ def _jax_rows(shape, dtype_name, impls, label=''):
   v = jax.random.normal(keys[2], (b, t, h, d), dtype)
   beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h))).astype(dtype)
   do = jax.random.normal(keys[5], (b, t, h, d), dtype)
-  if FLAGS.gated:   # f, a_log, dt_bias as kimijax.layers.kda draws them at init (f: unit normal)
+  if FLAGS.gated:   # a_log, dt_bias from the KDA layer's initialisers; f a unit normal
+    from kimijax.layers.kda import a_log_init, dt_bias_init
     gate_keys = jax.random.split(keys[3], 3)
     g = jax.random.normal(gate_keys[0], shape, dtype)
-    dt = jnp.exp(jax.random.uniform(gate_keys[2], (h, d), jnp.float32, jnp.log(1e-3), jnp.log(1e-1)))
-    gate = (jnp.log(jax.random.uniform(gate_keys[1], (h,), jnp.float32, 1.0, 16.0)),
-            dt + jnp.log(-jnp.expm1(-dt)))
+    gate = (a_log_init(gate_keys[1], (h,), jnp.float32), dt_bias_init(gate_keys[2], (h, d), jnp.float32))
   else:
     g, gate = _log_decay(keys[3], shape), ()
   args = (q, k, v, g, beta) + gate
@@ -128,8 +128,6 @@ def _jax_rows(shape, dtype_name, impls, label=''):
 def _jax_kernel_ms(call):
   """[(kernel name, device ms per call)] of call() under jax.profiler, --repeats calls after one
   untimed one, longest first (experiments/tools/profile_summary.py reads the trace)."""
-  import gzip
-  import json
   import tempfile
 
   import jax
@@ -141,8 +139,7 @@ def _jax_kernel_ms(call):
       for _ in range(FLAGS.repeats):
         out = call()
       jax.block_until_ready(out)
-    with gzip.open(profile_summary.newest_trace(directory)) as f:
-      events = profile_summary.device_events(json.load(f))
+    events = profile_summary.read_device_events(profile_summary.newest_trace(directory))
   return profile_summary.summarise(events, FLAGS.repeats)[1]
 
 

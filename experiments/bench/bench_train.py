@@ -5,7 +5,8 @@
 Runs the real jitted train step (same code as run.py) on synthetic token batches, after warm-up,
 and prints one line per figure: device, params_M, step_ms, tokens_per_sec, model_tflops_per_device,
 mfu, peak_memory_GiB, loss, first_step_s (the first step with its compilation or cache load), ...
-(bench_350m on one H200: 392 ms/step, 167k tokens/s, 0.449 MFU; experiments/results/bench_train.md). Model FLOPs per token come from kimijax.train.flops (6 N plus
+(bench_350m on one H200: 392 ms/step, 167k tokens/s, 0.449 MFU; experiments/results/bench_train.md).
+Model FLOPs per token come from kimijax.train.flops (6 N plus
 causal attention, the count the ladders use; Muon's Newton-Schulz is not in MFU). MFU is against
 the chip's dense bf16 peak (--peak_tflops; H100/H200 SXM: 989). Attention Residuals' depth
 attention (a few memory-bound [B, T, D] passes per sublayer) is not counted as model FLOPs, so its

@@ -33,6 +33,7 @@ def define_flags():
   flags.DEFINE_integer('seq_len', 256, 'tokens per sequence of the lowered batch (2 sequences)')
   flags.DEFINE_integer('top', 12, 'kernel names to list')
 
+
 # Pallas kernel names (pallas_call(name=...)) as they occur in the serialized Triton IR.
 _KERNEL_NAME = re.compile(r'\\00((?:kda|short_conv|attnres|max_logits)_[a-z0-9_]+)\\00')
 

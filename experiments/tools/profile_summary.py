@@ -58,6 +58,12 @@ def device_events(trace: dict) -> list[dict]:
   return [e for e in events if e.get('ph') == 'X' and e['pid'] in devices]
 
 
+def read_device_events(path: str) -> list[dict]:
+  """device_events of a perfetto_trace.json.gz file."""
+  with gzip.open(path) as f:
+    return device_events(json.load(f))
+
+
 def summarise(events: list[dict], steps: int) -> tuple[dict, list[tuple[str, float]]]:
   """({kind: ms per step}, [(name, ms per step)] longest first); trace durations are in us."""
   by_name = collections.Counter()
@@ -105,8 +111,7 @@ def main(argv):
   if len(argv) != 2:
     raise app.UsageError('usage: profile_summary.py PROFILE_DIR [--steps=N] [--top=N]')
   path = newest_trace(argv[1])
-  with gzip.open(path) as f:
-    events = device_events(json.load(f))
+  events = read_device_events(path)
   if not events:
     raise SystemExit(f'profile_summary: {path} has no device events (a CPU trace?)')
   by_kind, by_name = summarise(events, FLAGS.steps)

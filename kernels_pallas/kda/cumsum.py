@@ -40,6 +40,13 @@ def gate_log_decay(x, a, lower_bound: float):
   return -a * (jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x))))
 
 
+def log_decay_from_pre_activation(f, a_log, dt_bias, lower_bound: float):
+  """gate_log_decay of f + dt_bias and exp(a_log) (f [..., H, K], a_log [H], dt_bias [H, K]),
+  float32: the gate as XLA forms it outside the kernels."""
+  f32 = jnp.float32
+  return gate_log_decay(f.astype(f32) + dt_bias.astype(f32), jnp.exp(a_log.astype(f32))[:, None], lower_bound)
+
+
 def gate_derivatives(x, a, lower_bound: float):
   """(dg/dx, dg/dA_log) of gate_log_decay at x, elementwise (a = exp(A_log))."""
   if lower_bound:

@@ -28,8 +28,8 @@ from jax.experimental import pallas as pl
 from kernels_pallas.common import FrozenTiles, power_of_two_divisor
 from kernels_pallas.kda.blocks import F32, SUB, any_steep
 from kernels_pallas.kda.cotangents import chunk_cotangents_kernel, wy_bwd_kernel
-from kernels_pallas.kda.cumsum import (chunk_cumsum_kernel, gate_log_decay, gated_cumsum_kernel,
-                                       gated_reverse_cumsum_kernel)
+from kernels_pallas.kda.cumsum import (chunk_cumsum_kernel, gated_cumsum_kernel, gated_reverse_cumsum_kernel,
+                                       log_decay_from_pre_activation)
 from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_apply_kernel, wy_inverse_kernel
@@ -451,12 +451,10 @@ def _core_bwd(scale, interpret, gate, res, cotangents):
     dg = chunk_cumsum(dg_s, c, reverse=True, add=d_end, interpret=interpret).astype(g.dtype)
     d_gate = None
   else:                   # then through the gate: df, and the sums that are d A_log and d dt_bias
-    a_log, dt_bias = gate_params
     dg, dbias_rows, dalog_rows = gated_reverse_cumsum(
         dg_s, d_end, g, *_gate_rows(gate_params), c, lower_bound=gate[0], t_valid=gate[1],
         interpret=interpret)
-    d_gate = (jnp.sum(dalog_rows, axis=(0, 1, 3)).astype(a_log.dtype),
-              jnp.sum(dbias_rows, axis=(0, 1)).astype(dt_bias.dtype))
+    d_gate = (jnp.sum(dalog_rows, axis=(0, 1, 3)), jnp.sum(dbias_rows, axis=(0, 1)))
   return dq, dk_, dv, dg, dbeta.astype(beta.dtype), ds0, d_gate
 
 
@@ -501,11 +499,11 @@ def _kda_pallas(q, k, v, g, beta, initial_state, a_log, dt_bias, *, scale, gate_
   if a_log is not None:
     a_log, dt_bias = a_log.astype(F32), dt_bias.astype(F32)
     if TILES['fused_gate']:
-      gate_params, gate = (a_log, dt_bias), (float(gate_lower_bound), t if pad else None)
+      gate_params, gate = (a_log, dt_bias), (gate_lower_bound, t if pad else None)
     else:
-      g = gate_log_decay(g.astype(F32) + dt_bias, jnp.exp(a_log)[:, None], float(gate_lower_bound))
+      g = log_decay_from_pre_activation(g, a_log, dt_bias, gate_lower_bound)
   q, k, v = (time_pad(x.astype(dot_dtype)) for x in (q, k, v))
   g, beta = time_pad(g if gate else g.astype(F32)), time_pad(beta.astype(F32))
   s0 = jnp.zeros((b, h, dk, dv), F32) if initial_state is None else initial_state.astype(F32)
-  o, s_final = kda_core(q, k, v, g, beta, s0, gate_params, float(scale), bool(interpret), gate)
+  o, s_final = kda_core(q, k, v, g, beta, s0, gate_params, scale, interpret, gate)
   return o[:, :t], s_final

@@ -41,12 +41,12 @@ PROJECTIONS = 'kda_projections'   # checkpoint_name of the q/k/v projections' ou
 ACTIVATIONS = {'q': 'silu_l2', 'k': 'silu_l2', 'v': 'silu'}   # after each short conv (kimijax.ops.short_conv)
 
 
-def _a_log_init(key, shape, dtype):
+def a_log_init(key, shape, dtype):
   """A_log = log(A), A ~ U(1, 16)."""
   return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
 
 
-def _dt_bias_init(key, shape, dtype):
+def dt_bias_init(key, shape, dtype):
   """Inverse softplus of dt ~ logU(1e-3, 1e-1) (floored at 1e-4)."""
   dt = jnp.exp(jax.random.uniform(key, shape, dtype, math.log(1e-3), math.log(1e-1)))
   dt = jnp.maximum(dt, 1e-4)
@@ -105,8 +105,8 @@ class KimiDeltaAttention(nn.Module):
     d = x_btd.shape[-1]
     beta = jax.nn.sigmoid(jnp.einsum('btd,dh->bth', x_btd, weight(self, 'b_proj', (d, h), ('embed', 'heads'))
                                      ).astype(jnp.float32))
-    a_log = self.param('A_log', nn.with_logical_partitioning(_a_log_init, ('heads',)), (h,), jnp.float32)
-    dt_bias = self.param('dt_bias', nn.with_logical_partitioning(_dt_bias_init, ('heads', 'head_dim')),
+    a_log = self.param('A_log', nn.with_logical_partitioning(a_log_init, ('heads',)), (h,), jnp.float32)
+    dt_bias = self.param('dt_bias', nn.with_logical_partitioning(dt_bias_init, ('heads', 'head_dim')),
                          (h, hd), jnp.float32)
     f_a, f_b = self._low_rank_weights('f', d, hd)
     # The decay gate's pre-activation in self.dtype; the op forms the float32 log-decay from it

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from kernels_pallas.kda.cumsum import gate_log_decay
+from kernels_pallas.kda.cumsum import log_decay_from_pre_activation
 from kernels_pallas.kda.op import SAVED   # noqa: F401 - the implementations' residual name, public here
 
 _EXACT = lax.Precision.HIGHEST
@@ -113,9 +113,7 @@ def kda_log_decay(f, a_log, dt_bias, lower_bound=0.0):
   pre-activation f (the gate projection's output), a_log [H] and dt_bias [H, K]:
   g = -exp(a_log) softplus(f + dt_bias), or with lower_bound < 0, lower_bound sigmoid(exp(a_log)
   (f + dt_bias)). The same expression the Pallas kernels evaluate when the gate is fused."""
-  f32 = jnp.float32
-  return gate_log_decay(f.astype(f32) + dt_bias.astype(f32), jnp.exp(a_log.astype(f32))[:, None],
-                        float(lower_bound))
+  return log_decay_from_pre_activation(f, a_log, dt_bias, float(lower_bound))
 
 
 def _default_scale(scale, dk):

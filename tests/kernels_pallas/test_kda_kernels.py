@@ -33,19 +33,27 @@ def _inputs(seed, b, t, h, dk, dv, *, g_min=-1.0, spikes=False, dtype=jnp.float3
           cast(s0, jnp.float32))
 
 
-def _value_and_grads(impl, args, w_o, w_s):
-  def loss(q, k, v, g, beta, s0):
-    o, s = kda_lib.kda(q, k, v, g, beta, impl=impl, initial_state=s0, output_final_state=True)
+def _value_and_grads(fn, args, w_o, w_s):
+  """(loss, (o, s)) and the gradients in every argument of a fixed linear functional of
+  (o, s) = fn(*args)."""
+  def loss(*a):
+    o, s = fn(*a)
     return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s), (o, s)
-  return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
+  return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
+
+
+def _kda(impl):
+  """(q, k, v, g, beta, s0) -> (o, final state) under impl."""
+  return lambda q, k, v, g, beta, s0: kda_lib.kda(q, k, v, g, beta, impl=impl, initial_state=s0,
+                                                  output_final_state=True)
 
 
 def _compare(args, reference, tol_out, tol_grad, seed=0):
   rng = np.random.default_rng(seed)
   w_o = jnp.asarray(rng.normal(size=args[2].shape[:3] + (args[2].shape[3],)), jnp.float32)
   w_s = jnp.asarray(rng.normal(size=args[5].shape), jnp.float32)
-  (_, (o, s)), grads = _value_and_grads('pallas', args, w_o, w_s)
-  (_, (o_r, s_r)), grads_r = _value_and_grads(reference, args, w_o, w_s)
+  (_, (o, s)), grads = _value_and_grads(_kda('pallas'), args, w_o, w_s)
+  (_, (o_r, s_r)), grads_r = _value_and_grads(_kda(reference), args, w_o, w_s)
   assert o.dtype == args[2].dtype and s.dtype == jnp.float32
   errors = {'o': rel_rmse(o, o_r), 'final_state': rel_rmse(s, s_r)}
   assert max(errors.values()) <= tol_out, errors
@@ -131,17 +139,11 @@ def _compare_gated(shape, dtype, lower_bound, reference, tol_out, tol_grad, f_st
     return kda_lib.kda(q, k, v, f, beta, impl='pallas', initial_state=s0, output_final_state=True,
                        a_log=a_log, dt_bias=dt_bias, gate_lower_bound=lower_bound)
 
-  def value_and_grads(fn):
-    def loss(*a):
-      o, s = fn(*a)
-      return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s), (o, s)
-    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8)), has_aux=True))(
-        q, k, v, f, beta, s0, a_log, dt_bias)
-
-  (_, (o, s)), grads = value_and_grads(fused)
-  (_, (o_r, s_r)), grads_r = value_and_grads(reference)
+  args = (q, k, v, f, beta, s0, a_log, dt_bias)
+  (_, (o, s)), grads = _value_and_grads(fused, args, w_o, w_s)
+  (_, (o_r, s_r)), grads_r = _value_and_grads(reference, args, w_o, w_s)
   assert rel_rmse(o, o_r) <= tol_out and rel_rmse(s, s_r) <= tol_out, (rel_rmse(o, o_r), rel_rmse(s, s_r))
-  for name, a, b, x in zip(GATE_NAMES, grads, grads_r, (q, k, v, f, beta, s0, a_log, dt_bias)):
+  for name, a, b, x in zip(GATE_NAMES, grads, grads_r, args):
     assert a.dtype == x.dtype, name
     assert rel_rmse(a, b) <= tol_grad, (name, rel_rmse(a, b))
 

@@ -298,7 +298,7 @@ def test_log_decay_gate_matches_float64_formula(lower_bound):
 
 def test_gated_call_equals_log_decay_then_kda():
   """kda(f, a_log=, dt_bias=) under the XLA forms is kda(kda_log_decay(f, ...)), gradients
-  reaching a_log and dt_bias (against the float64 formula's derivative through jax's softplus)."""
+  reaching a_log and dt_bias (against jax's derivative of the gate written with jax.nn.softplus)."""
   q, k, v, f, beta, s0 = make_inputs(3, 1, 20, 2, 16, 16)
   rng = np.random.default_rng(1)
   a_log = jnp.asarray(np.log(rng.uniform(1, 16, size=2)), jnp.float32)
