@@ -4,7 +4,8 @@
 
 Runs the real jitted train step (same code as run.py) on synthetic token batches, after warm-up,
 and prints one line per figure: device, params_M, step_ms, tokens_per_sec, model_tflops_per_device,
-mfu, peak_memory_GiB, loss, first_step_s (the first step with its compilation or cache load), ...
+mfu, peak_memory_GiB, loss, init_s (creating the train state), first_step_s (the first step with its
+compilation or cache load), ...
 (bench_350m on one H200: 392 ms/step, 167k tokens/s, 0.449 MFU; experiments/results/bench_train.md).
 Model FLOPs per token come from kimijax.train.flops (6 N plus
 causal attention, the count the ladders use; Muon's Newton-Schulz is not in MFU). MFU is against
@@ -75,7 +76,9 @@ def main(argv):
   t = config.train
   mesh = mesh_lib.make_mesh(config.mesh)
   run = build_training(config, mesh)
-  state, train_step, batch_sh = run.init_state(config), run.train_step, run.batch_sharding
+  start = time.perf_counter()
+  state, train_step, batch_sh = jax.block_until_ready(run.init_state(config)), run.train_step, run.batch_sharding
+  init_s = time.perf_counter() - start
   tokens = jax.jit(lambda k: jax.random.randint(k, (t.batch_size, t.seq_len + 1), 0, config.model.vocab_size),
                    out_shardings=mesh_lib.replicated(mesh))(jax.random.key(0))
   batch = jax.device_put({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
@@ -113,7 +116,7 @@ def main(argv):
       'step_ms': step_s * 1e3, 'tokens_per_sec': tokens_per_step / step_s,
       'model_tflops_per_device': tflops_per_dev, 'mfu': tflops_per_dev / FLAGS.peak_tflops,
       'peak_memory_GiB': stats.get('peak_bytes_in_use', 0) / 2**30, 'loss': float(metrics['loss']),
-      'first_step_s': first_step_s,
+      'init_s': init_s, 'first_step_s': first_step_s,
   }
   for key, value in result.items():
     print(f'{key:>24}: {value:.4g}' if isinstance(value, float) else f'{key:>24}: {value}')

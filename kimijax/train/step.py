@@ -139,7 +139,7 @@ class Training(NamedTuple):
   batch_sharding: NamedSharding
 
   def init_state(self, config: ml_collections.ConfigDict) -> TrainState:
-    return init_state(self.model, self.optimizer, config, self.shardings)
+    return init_state(self.model, self.optimizer, config, self.abstract_state)
 
 
 def build_training(config: ml_collections.ConfigDict, mesh: Mesh, model: nn.Module | None = None) -> Training:

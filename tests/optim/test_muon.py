@@ -254,8 +254,8 @@ def muon_updates(config, devices, grads_seq):
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   model = Transformer(config.model)
   opt = make_optimizer(config)
-  _, sh = state_shardings(model, opt, config, mesh)
-  state = init_state(model, opt, config, sh)
+  abstract, sh = state_shardings(model, opt, config, mesh)
+  state = init_state(model, opt, config, abstract)
   grads_sh = [jax.device_put(grads, sh.params) for grads in grads_seq]
   with jax.set_mesh(mesh):
     update = jax.jit(lambda g, s, p: opt.update(g, s, p, max_logits={}),
