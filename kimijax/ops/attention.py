@@ -20,6 +20,7 @@ or without a GPU (`unsupported`), before any compute.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -201,11 +202,23 @@ def flash_attention_tokamax(q, k, v, *, causal=True, scale=None, return_max_logi
   roundings of that scaling (~2e-7 relative). tests/ops/test_attention_tokamax.py pins each of
   these assumptions. Under a mesh the kernel (a Mosaic GPU custom call that XLA cannot partition)
   runs per shard, like max_logits_kernel. `op` substitutes another tokamax attention op with the
-  same interface (the tests pass tokamax's XLA reference, which runs on a CPU)."""
-  from tokamax._src.ops.attention import base, pallas_mosaic_gpu
+  same interface (the tests pass tokamax's XLA reference, which runs on a CPU).
+
+  The body runs under one jax.jit with the settings and the op as static arguments: a model's
+  layers call it with the same shapes, so they share one trace and one lowering of the kernel
+  (as kernels_pallas/__init__.py explains for the Pallas ops)."""
+  from tokamax._src.ops.attention import pallas_mosaic_gpu
   op = pallas_mosaic_gpu.PallasMosaicGpuFlashAttention() if op is None else op
   q, k, v = (jnp.asarray(x) for x in (q, k, v))   # tokamax type-checks for jax arrays
   scale = q.shape[-1] ** -0.5 if scale is None else scale
+  return _tokamax_flash(q, k, v, causal=bool(causal), scale=float(scale),
+                        return_max_logits=bool(return_max_logits), spec=spec, op=op)
+
+
+@functools.partial(jax.jit, static_argnames=('causal', 'scale', 'return_max_logits', 'spec', 'op'))
+def _tokamax_flash(q, k, v, *, causal, scale, return_max_logits, spec, op):
+  """flash_attention_tokamax's body (see there)."""
+  from tokamax._src.ops.attention import base
   # Key j is visible to query row i when j <= i + offset: offset S - T aligns the mask bottom-right
   # (offset 0 is tokamax's plain causal mask, computed in the kernel; otherwise a per-row key end).
   mask = base.CausalMask(offset=k.shape[1] - q.shape[1]) if causal else None

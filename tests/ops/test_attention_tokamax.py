@@ -176,6 +176,29 @@ def test_wrapper_runs_per_shard_under_a_mesh(highest_precision):
   assert 'all-reduce' in compiled              # the max across the batch shards
 
 
+def test_wrapper_is_traced_and_lowered_once_for_layers_of_one_shape():
+  """Three layers' calls with the same shapes: the forward module holds the wrapper's body once,
+  called three times; the gradient's holds at most three bodies (forwards whose residuals differ
+  by their use, one backward called by every layer), not a copy of the kernel per layer."""
+  base, _ = tokamax_modules()
+  q, k, v = make_qkv(6, 2, 8, 8, 4, 2, 8, 8)
+
+  def three_layers(q, k, v):
+    for _ in range(3):
+      q = attention_lib.flash_attention_tokamax(q, k, v, op=base.DotProductAttention(),
+                                                return_max_logits=True)[0]
+    return jnp.sum(q)
+
+  def calls(fn):
+    text = jax.jit(fn).lower(q, k, v).as_text()
+    bodies = re.findall(r'func\.func private @(_tokamax_flash[\w.]*)', text)
+    return {name: len(re.findall(rf'call @{re.escape(name)}\(', text)) for name in bodies}
+
+  assert calls(three_layers) == {'_tokamax_flash': 3}
+  backward = calls(jax.grad(three_layers))
+  assert len(backward) <= 3 and sum(backward.values()) == 6 and 3 in backward.values(), backward
+
+
 # ----------------------------------------------------------------------------- selection and errors
 
 
