@@ -5,7 +5,7 @@ import jax
 import numpy as np
 
 from kimijax.parallel import mesh as mesh_lib
-from kimijax.train.state import init_state, state_shardings
+from kimijax.train.state import init_state
 from kimijax.train.step import build_training
 
 from tiny_config import TINY, make_config
@@ -15,7 +15,7 @@ def test_host_init_gives_the_sharded_init_state_in_its_layout():
   config = make_config({**TINY, 'model.layer_pattern': 'KA', 'mesh.fsdp': 4, 'mesh.data': 2})
   mesh = mesh_lib.make_mesh(config.mesh)
   run = build_training(config, mesh)
-  abstract, _ = state_shardings(run.model, run.optimizer, config, mesh)
+  abstract = run.abstract_state
   on_mesh = init_state(run.model, run.optimizer, config, abstract, on_host=False)
   on_host = init_state(run.model, run.optimizer, config, abstract, on_host=True)
   flat = jax.tree_util.tree_flatten_with_path(on_host)[0]
