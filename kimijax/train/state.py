@@ -81,9 +81,10 @@ def init_state(model, optimizer, config: ml_collections.ConfigDict, abstract: Tr
   False: each array is created on its own shards. None (default): on the host when this is the
   only process, the arrays live on an accelerator and the state is at most HOST_INIT_MAX_BYTES.
   Why: the initialisers are a few thousand small random-number fusions (linear in depth), which
-  XLA compiles in ~25 s for the CPU and in 85-160 s for an H200 at configs/bench_350m.py's size,
-  while copying the state over takes a second. The random bits are the same either way; the float
-  transforms of them may differ in the last bit between backends."""
+  XLA compiled in 25 s for a 2-core CPU and in 85-160 s for an H200 at configs/bench_350m.py's
+  size, while the copy is a few GiB over the host link (not yet timed on a GPU). The random bits
+  are the same either way; the float transforms of them may differ in the last bit between
+  backends."""
   init = _init_fn(model, optimizer, config.train.seq_len)
   shardings = jax.tree.map(lambda a: a.sharding, abstract)
   if on_host is None:
