@@ -123,7 +123,8 @@ GATE_NAMES = NAMES[:3] + ('f', 'beta', 'initial_state', 'a_log', 'dt_bias')
 def _compare_gated(shape, dtype, lower_bound, reference, tol_out, tol_grad, f_std=2.0, bias_mean=-2.0):
   """kda(f, a_log=, dt_bias=) under 'pallas' (the gate inside the cumulative-sum kernels) against
   `reference`(q, k, v, f, beta, s0, a_log, dt_bias) -> (o, s): output, final state and all eight
-  gradients. f ~ N(0, f_std), dt_bias ~ N(bias_mean, 1), A_log = log U(1, 16)."""
+  gradients (tol_grad: one bound, or {name: bound} over a default of 1e-2). f ~ N(0, f_std),
+  dt_bias ~ N(bias_mean, 1), A_log = log U(1, 16)."""
   from kernels_pallas.kda import op
   assert op.TILES['fused_gate']
   b, t, h, d = shape
@@ -143,9 +144,10 @@ def _compare_gated(shape, dtype, lower_bound, reference, tol_out, tol_grad, f_st
   (_, (o, s)), grads = _value_and_grads(fused, args, w_o, w_s)
   (_, (o_r, s_r)), grads_r = _value_and_grads(reference, args, w_o, w_s)
   assert rel_rmse(o, o_r) <= tol_out and rel_rmse(s, s_r) <= tol_out, (rel_rmse(o, o_r), rel_rmse(s, s_r))
+  bounds = tol_grad if isinstance(tol_grad, dict) else {}
   for name, a, b, x in zip(GATE_NAMES, grads, grads_r, args):
     assert a.dtype == x.dtype, name
-    assert rel_rmse(a, b) <= tol_grad, (name, rel_rmse(a, b))
+    assert rel_rmse(a, b) <= bounds.get(name, 1e-2 if bounds else tol_grad), (name, rel_rmse(a, b))
 
 
 @pytest.mark.usefixtures('_full_precision')
@@ -205,16 +207,22 @@ def test_gpu_bf16_matches_chunk_form_at_benchmark_shape():
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_fused_gate_matches_xla_gate():
-  """The gated call in bf16 with a tail (T = 1000), compiled: against the XLA chunk form on the
-  gate formed by XLA (kda_log_decay), the kernels' bf16 tolerances. The gate near its init range
-  (x = f + dt_bias ~ N(-4.5, 1.1): decays of about -0.2 per token): at decays of -4 per token the
-  bf16 kernels' dg errs by a few percent where the gate's derivative is largest."""
-  def reference(q, k, v, f, beta, s0, a_log, dt_bias):
-    return kda_lib.kda(q, k, v, f, beta, impl='chunk', initial_state=s0, output_final_state=True,
-                       a_log=a_log, dt_bias=dt_bias)
+def test_gpu_bf16_fused_gate_matches_float32():
+  """The gated call in bf16 with a tail (T = 1000), compiled: against the XLA chunk form in float32
+  (inputs cast up, matmul precision 'highest'). The gate near its init range (x = f + dt_bias ~
+  N(-4.5, 1.1): decays of about -0.2 per token). A_log's gradient is a sum over every token and
+  feature of a head, and rounding in the bf16 backward's dG adds up there: 1.08e-2 on an H200
+  (1.02e-2 at (8, 4096, 16, 128); the XLA chunk form in bf16 keeps its intermediates in float32 and
+  gets 9.6e-4), so it is bounded at 2e-2 and every other gradient at 1e-2
+  (experiments/tools/kda_accuracy.py prints them all)."""
+  def reference(*args):
+    q, k, v, f, beta, s0, a_log, dt_bias = (x.astype(jnp.float32) for x in args)
+    with jax.default_matmul_precision('highest'):
+      return kda_lib.kda(q, k, v, f, beta, impl='chunk', initial_state=s0, output_final_state=True,
+                         a_log=a_log, dt_bias=dt_bias)
 
-  _compare_gated((2, 1000, 4, 128), jnp.bfloat16, 0.0, reference, 5e-3, 1e-2, f_std=0.5, bias_mean=-4.5)
+  _compare_gated((2, 1000, 4, 128), jnp.bfloat16, 0.0, reference, 5e-3, {'a_log': 2e-2}, f_std=0.5,
+                 bias_mean=-4.5)
 
 
 @pytest.mark.long
