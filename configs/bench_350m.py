@@ -11,9 +11,9 @@ Expected: one H200, 2026-12-01, tokamax attention: 390.6 ms/step against 400.0 w
           :attnres_full 1053 ms
           (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
           (muon_distributed.md).
-          :hybrid 511.8 ms/step, 69.4 GiB against all-attention's 395.5 ms on the same H200
-          (2026-12-02, one run each: 0.773x its tokens/s); 504.9 ms in a later call with no
-          all-attention run beside it; :hybrid,kda_keep 526.5 ms, 76.1 GiB
+          :hybrid 501.6 ms/step, 69.4 GiB against all-attention's 389.1 ms in the same call
+          (2026-12-02, one run each: 0.776x its tokens/s; from a cold cache the runs took 107 s
+          and 48 s in all); :hybrid,kda_keep 526.5 ms, 76.1 GiB
           (2026-12-01, before the last kernel changes). At
           batch 2 x 32768: :hybrid,kda_keep 762.2 ms against all-attention's 1031.9 (1.35x its
           tokens/s; experiments/results/bench_kda.md).

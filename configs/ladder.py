@@ -8,7 +8,8 @@ variants.
 Ladders (NAME):
   smoke        3 rungs x {adamw, muon}, CPU; 10 min on the shared 2-core CPU (byte-level stdlib corpus)
   gpu          5 rungs x {adamw, muon} on one H200, bf16 + tokamax attention, the site-packages corpus
-  gpu_attnres  the gpu rungs x {standard, block AttnRes (one block per layer, the Pallas kernels)}
+  gpu_attnres  the gpu rungs x {standard, block AttnRes (one block per layer, the Pallas kernels)};
+               standard = gpu's adamw rungs (copy runs/ladder_gpu/adamw to DIR/standard to reuse them)
   gpu_hybrid   the gpu rungs x {all attention, 3:1 KDA:attention}; KDA runs the fused Pallas kernels
                (0.70x fla's forward+backward time on the H200 at (8, 4096, 16, 128); not yet timed
                in a ladder);
@@ -95,6 +96,9 @@ def get_config(name: str | None = None) -> ml_collections.ConfigDict:
                     'block': (('model.residual', 'attnres_block'), ('model.attnres_block_size', 2),
                               ('model.attnres_impl', 'pallas'))}
       c.baseline = 'standard'
+      c.expected = ("block 6.2 min of rung wall time on one H200 (34-160 s per rung, 2026-12-02); standard's "
+                    "rungs are the gpu ladder's adamw rungs (the same configs); block's compute multiplier "
+                    '0.54x-1.38x across the rungs, inside the noise (experiments/results/ladder_attnres.md)')
     else:   # the pattern tiles over the layers: 4 layers per 'KKKA', so depth 4 * ceil((d / 64) / 4)
       for r in c.rungs:
         r['num_layers'] = 4 * math.ceil(r['num_layers'] / 4)
