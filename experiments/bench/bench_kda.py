@@ -16,7 +16,7 @@ decay gate's pre-activation and parameters in place of g (kimijax.ops.kda.kda's 
 --kernels lists the device time of every kernel inside one call of 'pallas' and of fla, from
 their profilers: the per-kernel comparison of the two, without the launch gaps of --stages.
 --short_conv adds the layer's short conv + activation (kimijax.ops.short_conv) under each of its
-impls. Each figure is the median (and min) of --repeats timed calls after --warmup calls; prints
+impls (--conv_tiles: the Pallas kernels under other TILES settings too). Each figure is the median (and min) of --repeats timed calls after --warmup calls; prints
 a Markdown table.
 """
 
@@ -50,6 +50,8 @@ flags.DEFINE_bool('kernels', False, "on a GPU: also the device time of each kern
                   'averaged over --repeats calls: where the two implementations differ')
 flags.DEFINE_bool('short_conv', False, "also time the KDA layer's short conv + SiLU + L2 norm "
                   '(kimijax.ops.short_conv, one of q, k, v at the same shape) under each of its impls')
+flags.DEFINE_list('conv_tiles', [''], "with --short_conv: settings of kernels_pallas.short_conv.conv.TILES "
+                  "to time impl='pallas' under, '' for the defaults (e.g. --conv_tiles=,dz_tiles=1/dz_rows=32)")
 FLAGS = flags.FLAGS
 
 
@@ -243,16 +245,22 @@ def _short_conv_rows(shape, dtype_name):
   x = jax.random.normal(keys[0], shape, jnp.dtype(dtype_name))
   w = jax.random.uniform(keys[1], (4,) + shape[2:], jnp.float32, -0.5, 0.5)
   dy = jax.random.normal(keys[2], shape, jnp.dtype(dtype_name))
+  from kernels_pallas.common import parse_tiles, with_defaults
+  from kernels_pallas.short_conv import conv
+  defaults = dict(conv.TILES)
+  settings = [(text, with_defaults(parse_tiles(text), defaults, 'short_conv pallas')) for text in FLAGS.conv_tiles]
   rows = []
-  for impl in sc.IMPLS:
+  for impl, (text, tiles) in [('xla', ('', defaults))] + [('pallas', st) for st in settings]:
+    conv.TILES = tiles
     fn = lambda x, w, impl=impl: sc.short_conv(x, w, 'silu_l2', impl=impl)[0]
     loss = lambda x, w, dy, fn=fn: jnp.sum(fn(x, w).astype(jnp.float32) * dy.astype(jnp.float32))
     calls = ((jax.jit(fn), (x, w)), (jax.jit(jax.grad(loss, argnums=(0, 1))), (x, w, dy)))
-    row = [f'short_conv {impl} (silu_l2)'] + [
+    row = [f'short_conv {impl} (silu_l2)' + (f' [{text}]' if text else '')] + [
         '%.2f (%.2f)' % _time(lambda f=f, a=a: f(*a), FLAGS.repeats, FLAGS.warmup, jax.block_until_ready)
         for f, a in calls]
     rows.append(row)
     _print_row(row)
+  conv.TILES = defaults
   return rows
 
 

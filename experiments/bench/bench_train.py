@@ -32,19 +32,25 @@ flags.DEFINE_string('merge_tiles', '', 'the same for the fused phase-2 kernels '
                     '(kernels_pallas.attnres.merge_norm.DEFAULT_TILES)')
 flags.DEFINE_string('kda_tiles', '', "the same for the KDA kernels (kernels_pallas.kda.op.TILES), e.g. "
                     "'flat_branch=0'")
+flags.DEFINE_string('conv_tiles', '', "the same for the short-conv kernels (kernels_pallas.short_conv.conv.TILES), "
+                    "e.g. 'dz_tiles=1/dz_rows=32'")
 flags.mark_flags_as_required(['config'])
 FLAGS = flags.FLAGS
 
 
 def _set_kernel_tiles() -> dict:
-  """Applies --phase1_tiles / --merge_tiles / --kda_tiles to the kernels' defaults (checked before
-  any compile) and returns the overrides, for the results."""
+  """Applies --phase1_tiles / --merge_tiles / --kda_tiles / --conv_tiles to the kernels' defaults
+  (checked before any compile) and returns the overrides, for the results."""
   from kernels_pallas.common import parse_tiles, with_defaults
   tiles = {}
   if FLAGS.kda_tiles:
     from kernels_pallas.kda import op as kda_op
     kda_op.TILES = with_defaults(parse_tiles(FLAGS.kda_tiles), kda_op.TILES, 'kda pallas')
     tiles['kda'] = FLAGS.kda_tiles
+  if FLAGS.conv_tiles:
+    from kernels_pallas.short_conv import conv
+    conv.TILES = with_defaults(parse_tiles(FLAGS.conv_tiles), conv.TILES, 'short_conv pallas')
+    tiles['short_conv'] = FLAGS.conv_tiles
   if FLAGS.phase1_tiles or FLAGS.merge_tiles:
     from kernels_pallas.attnres import merge_norm as attnres_merge, phase1 as attnres
     for flag, module, op in ((FLAGS.phase1_tiles, attnres, 'phase1'),

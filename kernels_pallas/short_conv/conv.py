@@ -14,7 +14,12 @@ of its input with masked loads (rows outside [0, T) read as zero):
 - `short_conv_fwd`: z and the activation in one pass, y in x's dtype;
 - `short_conv_dz`: the backward's first pass: recomputes z, takes the activation's transpose
   (dz = dact(z)^T dy) and writes dz in x's dtype, and each program's part of dw (sum over its
-  rows of x[t - W + 1 + j] dz[t], float32, from the float32 dz), summed over programs in XLA;
+  rows of x[t - W + 1 + j] dz[t], float32, from the float32 dz), summed over programs in XLA.
+  Each program runs over TILES['dz_tiles'] tiles of TILES['dz_rows'] rows in turn (16 rows keep
+  the accumulators in registers: 122 per thread at 8 warps), adding the products into W
+  elementwise accumulators, and sums them over rows once at the end: that sum is the only part
+  of the kernel that crosses warps (shared memory and barriers), and it then runs once per
+  dz_tiles row tiles instead of once per row tile;
 - `short_conv_dx`: dx[t] = sum_j w[j] dz[t + W - 1 - j], the same conv with its taps mirrored.
 
 All arithmetic is float32 (y, and dz between the two backward passes, are stored in x's dtype);
@@ -35,8 +40,9 @@ from kernels_pallas.common import FrozenTiles, compiler_params, power_of_two_div
 F32 = jnp.float32
 L2_EPS = 1e-6
 ACTIVATIONS = ('none', 'silu', 'silu_l2')
-# rows (tokens) and heads per program, Triton warps and pipelining stages
-TILES = {'rows': 32, 'heads': 1, 'warps': 8, 'stages': 1}
+# rows (tokens) and heads per program, Triton warps and pipelining stages; short_conv_dz takes
+# dz_tiles tiles of dz_rows rows per program (at most: powers of two dividing the padded T)
+TILES = {'rows': 32, 'heads': 1, 'warps': 8, 'stages': 1, 'dz_rows': 16, 'dz_tiles': 8}
 
 
 def _window(ref, start, shape, t):
@@ -88,15 +94,25 @@ def _fwd_kernel(x_ref, w_ref, y_ref, *, t, sign, activation):
   y_ref[...] = _activate(_conv(x_ref, w_ref, y_ref.shape, t, sign), activation).astype(y_ref.dtype)
 
 
-def _dz_kernel(x_ref, w_ref, dy_ref, dz_ref, dw_ref, *, t, activation):
-  width, shape = w_ref.shape[0], dz_ref.shape
-  t0 = pl.program_id(1) * shape[0]
-  xs = [_window(x_ref, t0 + j - width + 1, shape, t) for j in range(width)]
-  z = sum(w_ref[j][None] * xs[j] for j in range(width))
-  dz = _activate_transpose(z, dy_ref[...].astype(F32), activation)
-  dz_ref[...] = dz.astype(dz_ref.dtype)
+def _dz_kernel(x_ref, w_ref, dy_ref, dz_ref, dw_ref, *, t, rows, activation):
+  """dy_ref, dz_ref: this program's tiles of n * rows rows, taken `rows` at a time."""
+  width = w_ref.shape[0]
+  shape = (rows,) + dz_ref.shape[1:]
+  n = dz_ref.shape[0] // rows
+  t0 = pl.program_id(1) * (n * rows)     # read outside the loop: interpret mode needs it there
+
+  def tile(i, acc):
+    start = t0 + i * rows
+    xs = [_window(x_ref, start + j - width + 1, shape, t) for j in range(width)]
+    z = sum(w_ref[j][None] * xs[j] for j in range(width))
+    at = pl.ds(i * rows, rows)
+    dz = _activate_transpose(z, dy_ref[at].astype(F32), activation)
+    dz_ref[at] = dz.astype(dz_ref.dtype)
+    return tuple(a + x * dz for a, x in zip(acc, xs))
+
+  acc = jax.lax.fori_loop(0, n, tile, tuple(jnp.zeros(shape, F32) for _ in range(width)))
   for j in range(width):
-    dw_ref[j] = jnp.sum(xs[j] * dz, axis=0)
+    dw_ref[j] = jnp.sum(acc[j], axis=0)
 
 
 def _specs(tp, hb, dk, width, rows):
@@ -132,15 +148,17 @@ def _short_conv_fwd(x, w, activation, interpret):
 
 def _short_conv_bwd(activation, interpret, res, dy):
   x, w = res
-  b, tp, h, dk, rows, hb = _tiles(x)
+  b, tp, h, dk, _, hb = _tiles(x)
   width = w.shape[0]
-  whole, tile, taps = _specs(tp, hb, dk, width, rows)
+  rows = power_of_two_divisor(tp, TILES['dz_rows'])          # rows per tile of short_conv_dz
+  n = power_of_two_divisor(tp // rows, TILES['dz_tiles'])    # row tiles per program
+  whole, tiles, taps = _specs(tp, hb, dk, width, n * rows)
   part = pl.BlockSpec((None, None, width, hb, dk), lambda bi, ti, hi: (bi, ti, 0, hi, 0))
   dz, dw_parts = pl.pallas_call(
-      functools.partial(_dz_kernel, t=tp, activation=activation), grid=(b, tp // rows, h // hb),
-      in_specs=[whole, taps, tile], out_specs=[tile, part],
+      functools.partial(_dz_kernel, t=tp, rows=rows, activation=activation), grid=(b, tp // (n * rows), h // hb),
+      in_specs=[whole, taps, tiles], out_specs=[tiles, part],
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
-                 jax.ShapeDtypeStruct((b, tp // rows, width, h, dk), F32)],
+                 jax.ShapeDtypeStruct((b, tp // (n * rows), width, h, dk), F32)],
       compiler_params=compiler_params(TILES), interpret=interpret, name='short_conv_dz',
   )(x, w, dy.astype(x.dtype))
   dx = _conv_call(dz, w, sign=-1, activation='none', interpret=interpret, name='short_conv_dx')

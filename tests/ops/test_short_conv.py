@@ -65,6 +65,17 @@ def test_pallas_under_other_tiles_and_short_sequences(monkeypatch):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
+def test_pallas_dz_over_several_row_tiles_per_program(monkeypatch):
+  """short_conv_dz with 2 tiles of 16 rows per program: T = 100 pads to 128, so 4 programs along
+  T each add two tiles' dw products before their one sum over rows."""
+  from kernels_pallas.short_conv import conv
+  monkeypatch.setattr(conv, 'TILES', dict(conv.TILES, dz_rows=16, dz_tiles=2))
+  args = _inputs(6, 1, 100, 2, 16)
+  for activation in ('silu', 'silu_l2'):
+    for got, want in zip(_grads('pallas', activation, *args), _grads('xla', activation, *args)):
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+
+
 def test_pallas_with_a_prefix_continues_the_sequence():
   """Decoding: the conv over x[6:] from x[:6]'s prefix equals the conv over all of x."""
   x, w, _ = _inputs(3, 2, 20, 2, 16)
