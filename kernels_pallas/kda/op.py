@@ -52,10 +52,10 @@ def chunk_len(t: int) -> int:
 # diagonal kernels and run scores kernels without their inputs (an XLA conditional); 0 = always
 # the per-sub-chunk choice inside the kernels; fused_gate: 1 = a gated call (a_log, dt_bias) forms
 # the log-decay inside the cumulative-sum kernels, 0 = in XLA before them.
-TILES = {'warps_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
+TILES = {'warps_cumsum': 8, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 8, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
-         'features_bwd': 64, 'value_block': 64, 'flat_branch': 1, 'fused_gate': 1}
+         'features_bwd': 64, 'value_block': 64, 'flat_branch': 1, 'fused_gate': 1, 'features_cumsum': 64}
 
 
 def _params(kernel):
@@ -88,28 +88,29 @@ def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _head_row_spec(dk):
-  """Head hi's row of an [H, K] array, grid (b, h, chunk)."""
-  return pl.BlockSpec((None, dk), lambda bi, hi, n: (hi, 0))
-
-
-def _chunk_row_spec(dk):
-  """Chunk n's row of a [B, N, H, K] array, grid (b, h, chunk)."""
-  return pl.BlockSpec((None, None, None, dk), lambda bi, hi, n: (bi, n, hi, 0))
+def _cumsum_layout(x, c):
+  """(grid, chunk spec, chunk-row spec, head-row spec) of the cumulative-sum kernels over x [B, T,
+  H, K]: one program per chunk and slice of TILES['features_cumsum'] features (the sums run down
+  each feature's column, so slices are independent; a slice of 64 keeps the reverse sum's
+  tensors in registers, where all 128 features spilled)."""
+  b, t, h, dk = x.shape
+  kb = power_of_two_divisor(dk, TILES['features_cumsum'])
+  return ((b, h, t // c, dk // kb), pl.BlockSpec((None, c, None, kb), lambda bi, hi, n, f: (bi, n, hi, f)),
+          pl.BlockSpec((None, None, None, kb), lambda bi, hi, n, f: (bi, n, hi, f)),
+          pl.BlockSpec((None, kb), lambda bi, hi, n, f: (hi, f)))
 
 
 def chunk_cumsum(x, c, *, reverse=False, add=None, interpret=False):
   """Within-chunk inclusive cumulative sum of x [B, T, H, K] (T a multiple of c), float32;
   reverse: the sum from each row to the chunk's end; add [B, T/c, H, K]: a row added to every
   row of its chunk's result."""
-  b, t, h, dk = x.shape
-  spec = _chunk_spec(dk, c)
+  grid, spec, row, _ = _cumsum_layout(x, c)
   in_specs, args = [spec], [x]
   if add is not None:
-    in_specs.append(_chunk_row_spec(dk))
+    in_specs.append(row)
     args.append(add)
   return pl.pallas_call(
-      functools.partial(chunk_cumsum_kernel, reverse=reverse), grid=(b, h, t // c),
+      functools.partial(chunk_cumsum_kernel, reverse=reverse), grid=grid,
       in_specs=in_specs, out_specs=spec, out_shape=_sds(x.shape, F32),
       compiler_params=_params('cumsum'), interpret=interpret, name='kda_chunk_cumsum',
   )(*args)
@@ -119,11 +120,10 @@ def gated_cumsum(f, a_hk, bias_hk, c, *, lower_bound, t_valid, interpret):
   """G [B, T, H, K] float32: the within-chunk cumulative sum of the gate's log-decay from its
   pre-activation f [B, T, H, K] (cumsum.gate_log_decay; a_hk = exp(A_log) and bias_hk = dt_bias,
   [H, K] float32); rows from t_valid on (None: none) decay by nothing."""
-  b, t, h, dk = f.shape
-  spec = _chunk_spec(dk, c)
+  grid, spec, _, head = _cumsum_layout(f, c)
   kernel = functools.partial(gated_cumsum_kernel, lower_bound=lower_bound, t_valid=t_valid)
   return pl.pallas_call(
-      kernel, grid=(b, h, t // c), in_specs=[spec, _head_row_spec(dk), _head_row_spec(dk)],
+      kernel, grid=grid, in_specs=[spec, head, head],
       out_specs=spec, out_shape=_sds(f.shape, F32),
       compiler_params=_params('cumsum'), interpret=interpret, name='kda_gated_cumsum',
   )(f, a_hk, bias_hk)
@@ -134,12 +134,12 @@ def gated_reverse_cumsum(dgc, add, f, a_hk, bias_hk, c, *, lower_bound, t_valid,
   H, K]: (df in f's dtype, and per chunk [B, N, H, K] float32 the column sums of df and of dg
   dg/dA_log, whose sums are the gradients of dt_bias and A_log)."""
   b, t, h, dk = f.shape
-  spec, row = _chunk_spec(dk, c), _chunk_row_spec(dk)
+  grid, spec, row, head = _cumsum_layout(f, c)
   kernel = functools.partial(gated_reverse_cumsum_kernel, lower_bound=lower_bound, t_valid=t_valid)
   per_chunk = _sds((b, t // c, h, dk), F32)
   return pl.pallas_call(
-      kernel, grid=(b, h, t // c),
-      in_specs=[spec, row, spec, _head_row_spec(dk), _head_row_spec(dk)],
+      kernel, grid=grid,
+      in_specs=[spec, row, spec, head, head],
       out_specs=[spec, row, row], out_shape=[_sds(f.shape, f.dtype), per_chunk, per_chunk],
       compiler_params=_params('cumsum'), interpret=interpret, name='kda_gated_reverse_cumsum',
   )(dgc, add, f, a_hk, bias_hk)

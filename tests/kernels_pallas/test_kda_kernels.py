@@ -165,6 +165,21 @@ def test_interpreted_fused_gate_matches_recurrence(lower_bound):
   _compare_gated((1, 40, 2, 16), jnp.float32, lower_bound, reference, 1e-4, 1e-4)
 
 
+@pytest.mark.usefixtures('_full_precision')
+def test_interpreted_cumsum_kernels_over_feature_slices(monkeypatch):
+  """The cumulative-sum kernels over two slices of 16 of K = 32 features, gated and not: the
+  same results as the recurrence on g from jax.nn's softplus."""
+  from kernels_pallas.kda import op
+  monkeypatch.setattr(op, 'TILES', dict(op.TILES, features_cumsum=16))
+
+  def reference(q, k, v, f, beta, s0, a_log, dt_bias):
+    g = -jnp.exp(a_log)[:, None] * jax.nn.softplus(f + dt_bias)
+    return kda_lib.kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+
+  _compare_gated((1, 40, 2, 32), jnp.float32, 0.0, reference, 1e-4, 1e-4)
+  _compare(_inputs(5, 1, 40, 2, 32, 32), 'recurrent', 1e-4, 1e-4)
+
+
 def test_rejects_head_dims_the_kernels_cannot_tile():
   args = _inputs(2, 1, 16, 1, 24, 16)
   with pytest.raises(ValueError, match=r"K = 24 must be a power of two >= 16"):
