@@ -99,8 +99,7 @@ def _fla_outputs(x: dict) -> list[np.ndarray] | str:
                    output_final_state=True, **kw)
   w_o, w_s = (torch.tensor(x[n], device='cuda') for n in ('w_o', 'w_s'))
   ((o.float() * w_o).sum() + (s.float() * w_s).sum()).backward()
-  ys = [o, s] + [t[n].grad for n in NAMES if n in t]
-  return [y.float().reshape(r.shape).cpu().numpy() for y, r in zip(ys, [x['w_o'], x['w_s']] + [x[n] for n in NAMES if n in x])]
+  return [y.float().cpu().numpy() for y in [o, s] + [t[n].grad for n in NAMES if n in t]]
 
 
 def rel_rmse(a: np.ndarray, ref: np.ndarray) -> float:

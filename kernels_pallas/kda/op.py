@@ -51,7 +51,9 @@ def chunk_len(t: int) -> int:
 # flat_branch: 1 = when no sub-chunk of a call is steep (blocks.any_steep), skip the pairwise
 # diagonal kernels and run scores kernels without their inputs (an XLA conditional); 0 = always
 # the per-sub-chunk choice inside the kernels; fused_gate: 1 = a gated call (a_log, dt_bias) forms
-# the log-decay inside the cumulative-sum kernels, 0 = in XLA before them.
+# the log-decay inside the cumulative-sum kernels, 0 = in XLA before them; features_cumsum:
+# features per program of the cumulative-sum kernels (it and warps_cumsum chosen from Triton's
+# register counts on the CPU, not yet timed on a GPU).
 TILES = {'warps_cumsum': 8, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 8, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
@@ -95,7 +97,7 @@ def _cumsum_layout(x, c):
   tensors in registers, where all 128 features spilled)."""
   b, t, h, dk = x.shape
   kb = power_of_two_divisor(dk, TILES['features_cumsum'])
-  return ((b, h, t // c, dk // kb), pl.BlockSpec((None, c, None, kb), lambda bi, hi, n, f: (bi, n, hi, f)),
+  return ((b, h, t // c, dk // kb), _chunk_spec(kb, c, sliced=True),
           pl.BlockSpec((None, None, None, kb), lambda bi, hi, n, f: (bi, n, hi, f)),
           pl.BlockSpec((None, kb), lambda bi, hi, n, f: (hi, f)))
 
