@@ -11,8 +11,8 @@ Config files and their variants (--config=FILE:VARIANT; several: FILE:a,b where 
     configs/kimi_linear_small.py  all_mla, all_kda, 1to1, 7to1, 15to1 (KDA:MLA ratios), no_gate,
                                   swish_gate, no_conv (KDA ablations), rope (rotate MLA's decoupled
                                   dims), nope0 (MLA without decoupled dims, the config's former form)
-    configs/bench_350m.py         hybrid (3 KDA : 1 attention), kda_keep, remat, xla, cudnn (attn_impl), mla
-                                  (Kimi Linear's MLA dims), attnres_full, attnres_block, attnres_xla
+    configs/bench_350m.py         hybrid (3 KDA : 1 attention), kda_keep, remat, xla, cudnn, tokamax (attn_impl),
+                                  mla (Kimi Linear's MLA dims), attnres_full, attnres_block, attnres_xla
     configs/ladder.py             smoke, gpu, gpu_attnres, gpu_hybrid (ladders, for
                                   experiments/scaling_ladder.py)
 

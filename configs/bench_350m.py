@@ -2,7 +2,9 @@
 
 Run:      python -m experiments.bench.bench_train --config=configs/bench_350m.py
 Expected: one H200, 2026-12-01, tokamax attention: 390.6 ms/step against 400.0 with :cudnn (one
-          run each, bench_compare.py; experiments/results/bench_attention.md), 73.5 GiB peak.
+          run each, bench_compare.py; experiments/results/bench_attention.md), 73.5 GiB peak;
+          2026-12-02: 395.4 ms, 44.5% MFU. With --config.train.log_max_logits=False the default
+          runs cuDNN: 387.1 ms against :tokamax's 395.9.
           2026-11-30 with cuDNN: 392 ms/step (other runs that day up to 411 ms), 167k tokens/s,
           44.9% MFU, 73.5 GiB peak
           (table and breakdown in experiments/results/bench_train.md); :attnres_block 420.1 ms
@@ -11,9 +13,10 @@ Expected: one H200, 2026-12-01, tokamax attention: 390.6 ms/step against 400.0 w
           :attnres_full 1053 ms
           (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
           (muon_distributed.md).
-          :hybrid 501.6 ms/step, 69.4 GiB against all-attention's 389.1 ms in the same call
-          (2026-12-02, one run each: 0.776x its tokens/s; from a cold cache the runs took 107 s
-          and 48 s in all); :hybrid,kda_keep 526.5 ms, 76.1 GiB
+          :hybrid 506.7 ms/step, 69.4 GiB against all-attention's 395.4 ms in the same call
+          (2026-12-02, one run each: 0.780x its tokens/s; from a cold cache the runs took about
+          110 s and 50 s in all); :hybrid,mla 517.7 ms (545.3 with :cudnn's padded values);
+          :hybrid,kda_keep 526.5 ms, 76.1 GiB
           (2026-12-01, before the last kernel changes). At
           batch 2 x 32768: :hybrid,kda_keep 762.2 ms against all-attention's 1031.9 (1.35x its
           tokens/s; experiments/results/bench_kda.md).
@@ -23,8 +26,9 @@ Variants: :hybrid (3 KDA : 1 attention, 18 + 6 layers, the fused Pallas KDA kern
           :kda_keep (with :hybrid: the KDA layers keep their q/k/v projections for the backward
           instead: 2% faster, 6.7 GiB more),
           :remat (rematerialise each layer), :xla (attn_impl='xla'),
-          :cudnn (cuDNN attention and the fused max-logit kernel instead of tokamax's Mosaic GPU
-          flash attention, whose residuals give the max logits; SPEC §5), :mla (the attention layers as Kimi Linear's MLA: kv rank 512, 128
+          :cudnn (cuDNN attention, and the fused max-logit kernel when max logits are on),
+          :tokamax (tokamax's Mosaic GPU flash attention, whose residuals give the max logits;
+          SPEC §5; by default attn_impl='gpu' picks tokamax with max logits or MLA, else cuDNN), :mla (the attention layers as Kimi Linear's MLA: kv rank 512, 128
           no-position + 64 unrotated decoupled q/k dims, 128 value dims), :attnres_full,
           :attnres_block (8 blocks of 6 of the 48 sublayers, with the Pallas kernels),
           :attnres_xla (AttnRes in plain XLA); combine with commas (:hybrid,mla,cudnn).
@@ -42,7 +46,8 @@ def get_config(arg: str | None = None):
   m.num_layers = 24
   m.num_heads = 8                     # head_dim 128
   m.mlp_dim = 2816
-  m.attn_impl = 'tokamax'             # max logits from the kernel's residuals; ':cudnn' for cuDNN
+  m.attn_impl = 'gpu'                 # tokamax when max logits are logged or clipped (free from its
+                                      # residuals) or for MLA, else cuDNN; :tokamax, :cudnn force one
   m.kda_impl = 'pallas'               # used by the KDA layers of :hybrid
   m.kda_conv_impl = 'pallas'          # their short convs: the fused conv + activation kernels
   m.kda_recompute_projections = True  # their q/k/v projections recomputed in the backward (-6.7 GiB)
@@ -63,8 +68,8 @@ def get_config(arg: str | None = None):
       m.kda_recompute_projections = False
     elif variant == 'xla':
       m.attn_impl = 'xla'
-    elif variant == 'cudnn':
-      m.attn_impl = 'cudnn'
+    elif variant in ('cudnn', 'tokamax'):
+      m.attn_impl = variant
     elif variant == 'mla':              # q/k 192 and v 128 dims per head: cuDNN pads v, tokamax does not
       m.attention_kind = 'mla'
       m.mla_kv_lora_rank, m.mla_qk_rope_head_dim, m.mla_v_head_dim, m.mla_rope = 512, 64, 128, False
@@ -76,7 +81,7 @@ def get_config(arg: str | None = None):
       pass                                # applied after the loop, so that order does not matter
     else:
       raise ValueError(f"configs/bench_350m.py: unknown variant {variant!r}; allowed: 'hybrid', 'kda_keep', 'remat', 'xla', "
-                       "'cudnn', 'mla', 'attnres_full', 'attnres_block', 'attnres_xla'")
+                       "'cudnn', 'tokamax', 'mla', 'attnres_full', 'attnres_block', 'attnres_xla'")
   if 'attnres_xla' in variants:
     m.attnres_impl = 'xla'
   return c

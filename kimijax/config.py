@@ -84,7 +84,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.attn_impl = 'xla'           # kimijax.ops.attention.IMPLS: 'xla' (runs everywhere) | 'cudnn' (cuDNN flash
                                 # attention + a max-logit kernel) | 'tokamax' (tokamax's Mosaic GPU flash
                                 # attention, max logits from its residuals, MLA's value dim unpadded;
-                                # SPEC §5); both GPU ones need an NVIDIA GPU and compute_dtype='bfloat16'
+                                # SPEC §5) | 'gpu' (per call the faster of the two: tokamax with max
+                                # logits or MLA's value dim, else cuDNN); the GPU ones need an NVIDIA
+                                # GPU and compute_dtype='bfloat16'
   m.kda_impl = 'chunk'          # kimijax.ops.kda.IMPLS: 'recurrent' | 'chunk'
   m.norm_eps = 1e-6
   m.init_std = 0.02

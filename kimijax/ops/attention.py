@@ -9,6 +9,9 @@
     'tokamax'  tokamax's Mosaic GPU flash attention (NVIDIA GPU, bf16/fp16; forward and backward
                on Hopper), GQA and an unequal value dim natively; its forward keeps the per-row
                max of the scaled, masked logits, so the max logits cost nothing extra (SPEC §5)
+    'gpu'      per call, the faster of the two GPU implementations on an H200 (the GPU configs'
+               choice): 'tokamax' when max logits are wanted or the value dim differs from the
+               query/key dim, 'cudnn' otherwise (experiments/results/bench_attention.md)
 
 With `return_max_logits=True` it also returns, per query head, the largest scaled and causally
 masked logit over the batch and all positions (SPEC §3, the S_max^h that QK-Clip needs). That
@@ -140,7 +143,7 @@ def max_logits_kernel(q, k, *, causal=True, scale=None, spec: P | None = None):
                        across_shards=max_over_batch)
 
 
-GPU_IMPLS = ('cudnn', 'tokamax')
+GPU_IMPLS = ('cudnn', 'tokamax', 'gpu')
 
 
 def unsupported(impl: str, dtype, platform: str | None = None) -> str | None:
@@ -243,7 +246,22 @@ def _tokamax_attention(q, k, v, causal, scale, return_max_logits, spec):
                                  return_max_logits=return_max_logits, spec=spec)
 
 
-IMPLS = {'xla': _xla_attention, 'cudnn': _cudnn_attention, 'tokamax': _tokamax_attention}
+def gpu_choice(q, v, return_max_logits) -> str:
+  """The GPU implementation impl='gpu' runs. Measured on one H200 (bench_350m's step, alternating
+  runs): with max logits, tokamax's come free where cuDNN runs a second kernel (390.6 against
+  400.0 ms); MLA's 128-dim values beside 192-dim queries, which cuDNN pads, run 5.1% faster in
+  the hybrid's step through tokamax; without max logits and one head dim, cuDNN's step is 2.3%
+  faster (387.1 against 395.9 ms)."""
+  return 'tokamax' if return_max_logits or v.shape[-1] != q.shape[-1] else 'cudnn'
+
+
+def _gpu_attention(q, k, v, causal, scale, return_max_logits, spec):
+  _check_supported('gpu', q)
+  return IMPLS[gpu_choice(q, v, return_max_logits)](q, k, v, causal, scale, return_max_logits, spec)
+
+
+IMPLS = {'xla': _xla_attention, 'cudnn': _cudnn_attention, 'tokamax': _tokamax_attention,
+         'gpu': _gpu_attention}
 
 
 def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits=False,
@@ -254,7 +272,8 @@ def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits
     q: [B, T, H, D] queries. k: [B, S, Hkv, D] keys, v: [B, S, Hkv, Dv] values, H % Hkv == 0.
       When T < S the queries are the last T positions (decoding with a cache).
     causal: mask keys after each query's position.
-    impl: a key of IMPLS: 'xla', 'cudnn' or 'tokamax'.
+    impl: a key of IMPLS: 'xla', 'cudnn', 'tokamax' or 'gpu' (the faster of the two GPU ones for
+      this call: gpu_choice).
     scale: softmax scale, default D ** -0.5.
     return_max_logits: also return max_logits [H] fp32 = max over batch, queries and unmasked keys
       of scale * q . k (SPEC §3).

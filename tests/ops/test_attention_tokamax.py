@@ -228,6 +228,32 @@ def test_training_with_tokamax_off_the_gpu_stops_before_compute():
   check_attention_impl(config, jax.devices('cpu'))
 
 
+@pytest.mark.parametrize('max_logits,dv,chosen', [(True, 16, 'tokamax'), (False, 8, 'tokamax'),
+                                                  (False, 16, 'cudnn')])
+def test_impl_gpu_runs_tokamax_for_max_logits_or_unequal_value_dim_else_cudnn(monkeypatch, max_logits, dv, chosen):
+  """impl='gpu' hands the call, arguments unchanged, to the implementation gpu_choice names (the
+  two GPU ones are replaced by recorders here: this CPU runs neither)."""
+  calls = []
+  def recorder(name):
+    def run(q, k, v, causal, scale, return_max_logits, spec):
+      calls.append((name, q.shape, v.shape, causal, scale, return_max_logits))
+      return jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype), jnp.zeros(q.shape[2]) if return_max_logits else None
+    return run
+  monkeypatch.setitem(attention_lib.IMPLS, 'tokamax', recorder('tokamax'))
+  monkeypatch.setitem(attention_lib.IMPLS, 'cudnn', recorder('cudnn'))
+  monkeypatch.setattr(attention_lib, 'unsupported', lambda impl, dtype, platform=None: None)
+  q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+  v = jnp.zeros((1, 8, 2, dv), jnp.bfloat16)
+  attention_lib.attention(q, q, v, impl='gpu', scale=0.5, return_max_logits=max_logits)
+  assert calls == [(chosen, q.shape, v.shape, True, 0.5, max_logits)]
+
+
+def test_impl_gpu_off_the_gpu_is_one_clear_error_naming_it():
+  q = jax.ShapeDtypeStruct((1, 8, 2, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match="impl='gpu' needs an NVIDIA GPU"):
+    jax.eval_shape(lambda q: attention_lib.attention(q, q, q, impl='gpu'), q)
+
+
 # ----------------------------------------------------------------------------- GPU: the kernel against 'xla'
 
 
