@@ -5,7 +5,8 @@
 Forward: the within-chunk cumulative log-decay G (cumsum.py); the diagonal 16 x 16 score blocks
 (every token, or every sub-chunk, in parallel); the scores aqk and N (every 16-row sub-chunk of every chunk in
 parallel); T = (I + N)^-1 (wy_inverse, every chunk); qg, kg, w, u from T (wy_apply, every
-chunk); state_fwd (the chunks in order, the state on chip: o and the final state). The backward
+chunk); state_fwd (the chunks in order, the state on chip: o and the final state; with few
+programs, TILES['programs_split'], h and v_new instead, then chunk_output). The backward
 keeps the inputs, aqk and T (each [B, T, H, C] in the dot dtype): it recomputes G and wy_apply's
 outputs, reruns the state pass writing the states h and v_new instead of o, runs state_bwd (the
 chunks in reverse), forms the per-chunk cotangents and the UT transform's transpose
@@ -31,7 +32,7 @@ from kernels_pallas.kda.cotangents import chunk_cotangents_kernel, wy_bwd_kernel
 from kernels_pallas.kda.cumsum import (chunk_cumsum_kernel, gated_cumsum_kernel, gated_reverse_cumsum_kernel,
                                        log_decay_from_pre_activation)
 from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
-from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
+from kernels_pallas.kda.state import chunk_output_kernel, state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_apply_kernel, wy_inverse_kernel
 
 CHUNK = 64
@@ -53,11 +54,14 @@ def chunk_len(t: int) -> int:
 # the per-sub-chunk choice inside the kernels; fused_gate: 1 = a gated call (a_log, dt_bias) forms
 # the log-decay inside the cumulative-sum kernels, 0 = in XLA before them; features_cumsum:
 # features per program of the cumulative-sum kernels (it and warps_cumsum chosen from Triton's
-# register counts on the CPU, not yet timed on a GPU).
+# register counts on the CPU, not yet timed on a GPU); programs_split: the forward runs the state
+# pass writing h and v_new, then the output kernel over every chunk, when the pass would have
+# fewer than this many programs (B * H * V / value_block; 0: never; not yet timed on a GPU).
 TILES = {'warps_cumsum': 8, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 8, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
-         'features_bwd': 64, 'value_block': 64, 'flat_branch': 1, 'fused_gate': 1, 'features_cumsum': 64}
+         'features_bwd': 64, 'value_block': 64, 'flat_branch': 1, 'fused_gate': 1, 'features_cumsum': 64,
+         'programs_split': 0, 'warps_output': 4}
 
 
 def _params(kernel):
@@ -295,6 +299,25 @@ def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, interpret):
   )(qg, kg, w, u, aqk, gc, s0)
 
 
+def chunk_output(qg, hs, aqk, v_new, *, c, out_dtype, interpret):
+  """o [B, T, H, V] in out_dtype from state_fwd's with_h outputs: one program per chunk."""
+  b, t, h, dk = qg.shape
+  dv = v_new.shape[-1]
+  spec = lambda d: _chunk_spec(d, c)
+  state = pl.BlockSpec((None, None, dk, dv), lambda bi, hi, n: (bi, hi, n, 0))
+  return pl.pallas_call(
+      chunk_output_kernel, grid=(b, h, t // c),
+      in_specs=[spec(dk), state, spec(c), spec(dv)], out_specs=spec(dv),
+      out_shape=_sds((b, t, h, dv), out_dtype),
+      compiler_params=_params('output'), interpret=interpret, name='kda_chunk_output',
+  )(qg, hs, aqk, v_new)
+
+
+def split_forward(b, h, dv) -> bool:
+  """Whether the forward's state pass runs split (state_fwd with h, then chunk_output)."""
+  return b * h * (dv // value_block(dv)) < TILES['programs_split']
+
+
 def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):
   """(ds0 [B, H, K, V] float32, dh [B, H, N*K, V] in the dot dtype, dv_new [B, T, H, V] float32)."""
   b, t, h, dk = qg.shape
@@ -404,8 +427,13 @@ def _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate):
   aqk, n = scores_fwd(q, k, gc, beta, scale=scale, c=c, interpret=interpret)
   t_inv = wy_inverse(n, c=c, dtype=q.dtype, interpret=interpret)
   qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, interpret=interpret)
-  o, s_final = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=False,
-                         interpret=interpret)
+  if split_forward(q.shape[0], q.shape[2], v.shape[-1]):
+    v_new, s_final, hs = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=True,
+                                   interpret=interpret)
+    o = chunk_output(qg, hs, aqk, v_new, c=c, out_dtype=v.dtype, interpret=interpret)
+  else:
+    o, s_final = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=False,
+                           interpret=interpret)
   return (o, s_final), (aqk, t_inv)
 
 

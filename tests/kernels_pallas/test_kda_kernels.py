@@ -117,6 +117,17 @@ def test_interpreted_kernels_match_recurrence_under_other_tiles(monkeypatch):
   _compare(_inputs(3, 1, 40, 2, 32, 32, spikes=True), 'recurrent', 2e-4, 2e-4)
 
 
+@pytest.mark.usefixtures('_full_precision')
+def test_interpreted_split_forward_matches_recurrence(monkeypatch):
+  """The forward split into the state pass writing h and v_new and the chunk-parallel output
+  kernel (op.TILES['programs_split'] above this call's program count), three chunks (the last a
+  tail), two value blocks of 16: output, final state and all six gradients against the recurrence."""
+  from kernels_pallas.kda import op
+  monkeypatch.setattr(op, 'TILES', dict(op.TILES, programs_split=10 ** 6, value_block=16))
+  assert op.split_forward(1, 2, 32)
+  _compare(_inputs(0, 1, 150, 2, 32, 32, spikes=True), 'recurrent', 1e-4, 1e-4)
+
+
 GATE_NAMES = NAMES[:3] + ('f', 'beta', 'initial_state', 'a_log', 'dt_bias')
 
 
@@ -297,7 +308,7 @@ def test_kernels_lower_to_triton_for_an_h200(dtype, d):
   diag_bwd, scores_bwd) and the decode step go through the Pallas Triton lowering for an H200 on this
   machine: what Triton cannot express fails here, not in device time."""
   from experiments.tools.triton_report import lower_for_h200
-  from kernels_pallas.kda import kda_pallas, kda_step_pallas
+  from kernels_pallas.kda import kda_pallas, kda_step_pallas, op
   spec = jax.ShapeDtypeStruct
   b, t, h = 2, 200, 4
   x = spec((b, t, h, d), dtype)
@@ -312,6 +323,10 @@ def test_kernels_lower_to_triton_for_an_h200(dtype, d):
   for name in ('kda_chunk_cumsum', 'kda_diag_fwd', 'kda_scores_fwd', 'kda_wy_inverse', 'kda_wy_apply', 'kda_state_fwd', 'kda_state_bwd', 'kda_chunk_cotangents', 'kda_wy_bwd',
                'kda_diag_bwd', 'kda_scores_bwd'):
     assert name in module, name
+  forward = lambda *a: kda_pallas(*a, scale=d ** -0.5)
+  with pytest.MonkeyPatch.context() as patch:     # the split forward's output kernel
+    patch.setattr(op, 'TILES', dict(op.TILES, programs_split=10 ** 6))
+    assert 'kda_chunk_output' in lower_for_h200(forward, x, x, x, f32(b, t, h, d), f32(b, t, h), f32(b, h, d, d))
 
   def gated_loss(q, k, v, f, beta, s0, a_log, dt_bias):   # the gate in the kernels, T padded
     o, s = kda_pallas(q, k, v, f, beta, s0, scale=d ** -0.5, a_log=a_log, dt_bias=dt_bias)
