@@ -247,11 +247,10 @@ def _tokamax_attention(q, k, v, causal, scale, return_max_logits, spec):
 
 
 def gpu_choice(q, v, return_max_logits) -> str:
-  """The GPU implementation impl='gpu' runs. Measured on one H200 (bench_350m's step, alternating
-  runs): with max logits, tokamax's come free where cuDNN runs a second kernel (390.6 against
-  400.0 ms); MLA's 128-dim values beside 192-dim queries, which cuDNN pads, run 5.1% faster in
-  the hybrid's step through tokamax; without max logits and one head dim, cuDNN's step is 2.3%
-  faster (387.1 against 395.9 ms)."""
+  """The GPU implementation impl='gpu' runs: the faster one for the call in bench_350m's step on
+  an H200 (experiments/results/bench_attention.md, section 3). tokamax's max logits come free
+  where cuDNN runs a second kernel, and it takes MLA's unequal value dim that cuDNN pads; without
+  either, cuDNN's kernels are 2.3% faster."""
   return 'tokamax' if return_max_logits or v.shape[-1] != q.shape[-1] else 'cudnn'
 
 
