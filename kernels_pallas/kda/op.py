@@ -54,7 +54,8 @@ def chunk_len(t: int) -> int:
 # the per-sub-chunk choice inside the kernels; fused_gate: 1 = a gated call (a_log, dt_bias) forms
 # the log-decay inside the cumulative-sum kernels, 0 = in XLA before them; features_cumsum:
 # features per program of the cumulative-sum kernels (it and warps_cumsum chosen from Triton's
-# register counts on the CPU, not yet timed on a GPU); programs_split: the forward runs the state
+# register counts on the CPU; on the GPU 4 ms off the hybrid step with short_conv_dz's tiles,
+# bench_kda.md); programs_split: the forward runs the state
 # pass writing h and v_new, then the output kernel over every chunk, when the pass would have
 # fewer than this many programs (B * H * V / value_block; 0: never; not yet timed on a GPU).
 TILES = {'warps_cumsum': 8, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
@@ -88,6 +89,11 @@ def _chunk_spec(d, c, sliced=False):
     return pl.BlockSpec((None, c, None), lambda bi, hi, n, *_: (bi, n, hi))
   return pl.BlockSpec((None, c, None, d),
                       lambda bi, hi, n, *rest: (bi, n, hi, rest[-1] if sliced else 0))
+
+
+def _chunk_state_spec(dk, dv):
+  """Chunk n's [K, V] state of the state passes' [B, H, N*K, V] layout (h, dh), grid (b, h, chunk)."""
+  return pl.BlockSpec((None, None, dk, dv), lambda bi, hi, n: (bi, hi, n, 0))
 
 
 def _sds(shape, dtype):
@@ -304,7 +310,7 @@ def chunk_output(qg, hs, aqk, v_new, *, c, out_dtype, interpret):
   b, t, h, dk = qg.shape
   dv = v_new.shape[-1]
   spec = lambda d: _chunk_spec(d, c)
-  state = pl.BlockSpec((None, None, dk, dv), lambda bi, hi, n: (bi, hi, n, 0))
+  state = _chunk_state_spec(dk, dv)
   return pl.pallas_call(
       chunk_output_kernel, grid=(b, h, t // c),
       in_specs=[spec(dk), state, spec(c), spec(dv)], out_specs=spec(dv),
@@ -341,7 +347,7 @@ def chunk_cotangents(hs, dh, do, dv_new, v_new, *, c, interpret):
   b, t, h, dv = do.shape
   dk = hs.shape[2] // (t // c)
   spec = lambda d: _chunk_spec(d, c)
-  state = pl.BlockSpec((None, None, dk, dv), lambda bi, hi, n: (bi, hi, n, 0))
+  state = _chunk_state_spec(dk, dv)
   decay = pl.BlockSpec((None, None, None, dk), lambda bi, hi, n: (bi, n, hi, 0))
   dt = hs.dtype
   return pl.pallas_call(
