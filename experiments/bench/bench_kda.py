@@ -16,7 +16,9 @@ decay gate's pre-activation and parameters in place of g (kimijax.ops.kda.kda's 
 --kernels lists the device time of every kernel inside one call of 'pallas' and of fla, from
 their profilers: the per-kernel comparison of the two, without the launch gaps of --stages.
 --short_conv adds the layer's short conv + activation (kimijax.ops.short_conv) under each of its
-impls (--conv_tiles: the Pallas kernels under other TILES settings too). Each figure is the median (and min) of --repeats timed calls after --warmup calls; prints
+impls (--conv_tiles: the Pallas kernels under other TILES settings too; with --kernels, each
+kernel's device time in forward+backward). --kda_tiles times impl='pallas' under other
+settings of its TILES (with --stages, its stages too). Each figure is the median (and min) of --repeats timed calls after --warmup calls; prints
 a Markdown table.
 """
 
@@ -38,8 +40,9 @@ flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
 flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
 flags.DEFINE_bool('stages', False, "also time each stage of impl='pallas' on its own (forward kernels, "
                   'the backward\'s recomputation, reverse state pass and input gradients)')
-flags.DEFINE_list('kda_tiles', [''], "with --stages: settings of kernels_pallas.kda.op.TILES to time the "
-                  "op and its stages under, one per entry, each 'key=int/key=int' (e.g. warps_diag=2/heads_diag=8)")
+flags.DEFINE_list('kda_tiles', [''], "settings of kernels_pallas.kda.op.TILES to time impl='pallas' under "
+                  "(and its stages, with --stages), one per entry, each 'key=int/key=int' (e.g. "
+                  "warps_diag=2/heads_diag=8); '' is the defaults")
 flags.DEFINE_float('gate_log_max', 0.5, 'g = -exp(U(-7, gate_log_max))')
 flags.DEFINE_bool('gated', False, 'call the op as the KDA layer does: with the decay gate\'s pre-activation '
                   'f ~ N(0, 1) in the input dtype, a_log and dt_bias at their init distributions, in '
@@ -262,6 +265,9 @@ def _short_conv_rows(shape, dtype_name):
         for f, a in calls]
     rows.append(row)
     _print_row(row)
+    if FLAGS.kernels and jax.default_backend() == 'gpu':
+      f, a = calls[1]
+      _print_kernels(row[0] + ' forward+backward', _jax_kernel_ms(lambda f=f, a=a: f(*a)))
   conv.TILES = defaults
   return rows
 
@@ -317,21 +323,21 @@ def main(argv):
         f'chunk_size {FLAGS.chunk_size}; median (min) of {FLAGS.repeats} calls in ms\n')
   print('| implementation | forward ms | forward+backward ms |')
   print('|---|---|---|', flush=True)
+  from kernels_pallas.common import parse_tiles, with_defaults
+  from kernels_pallas.kda import op
+  defaults = dict(op.TILES)     # every --kda_tiles entry checked before anything runs
+  settings = [with_defaults(parse_tiles(text), defaults, 'kda pallas') for text in FLAGS.kda_tiles]
   _jax_rows(shape, dtype, FLAGS.impls)   # each row is printed as soon as it is timed
   if FLAGS.short_conv:
     _short_conv_rows(shape, dtype)
-  if FLAGS.stages:
-    from kernels_pallas.common import parse_tiles, with_defaults
-    from kernels_pallas.kda import op
-    defaults = dict(op.TILES)
-    settings = [with_defaults(parse_tiles(text), defaults, 'kda pallas') for text in FLAGS.kda_tiles]
-    for text, tiles in zip(FLAGS.kda_tiles, settings):
-      op.TILES = tiles
-      if text:   # the whole op under this setting too (the default's row is above)
-        _jax_rows(shape, dtype, ['pallas'], f' [{text}]')
+  for text, tiles in zip(FLAGS.kda_tiles, settings):
+    op.TILES = tiles
+    if text and 'pallas' in FLAGS.impls:   # the whole op under this setting (the default's row is above)
+      _jax_rows(shape, dtype, ['pallas'], f' [{text}]')
+    if FLAGS.stages:
       for row in _stage_rows(shape, dtype):
         _print_row([row[0] + (f' [{text}]' if text else '')] + row[1:])
-    op.TILES = defaults
+  op.TILES = defaults
   if 'fla' in FLAGS.impls and backend == 'gpu' and not FLAGS.gated:
     _fla_rows(shape)
 
