@@ -1,15 +1,15 @@
 """Within-chunk cumulative sums of [B, T, H, K] tensors (SPEC §1: G = cumsum of g per chunk), with
 the KDA gate optionally fused in.
 
-One program per (batch, head, chunk) holds the chunk's [C, K] block. The inclusive sum (G from g,
-forward) is a scan down the block's rows. The reverse inclusive sum (dg from dG, backward; the
-Triton backend has no reverse scan) multiplies the block by the [C, C] upper triangle of ones on
-the tensor cores: the ones are exact in bf16 and the block is split into three bf16 parts whose
-sum is the float32 value, so three bf16 dots with float32 accumulation give the float32 sums (a
-float32 "IEEE" dot runs on the FMA units, about 5x slower here), and adds a per-chunk row (the
-gradient of the chunk's total decay, which every g of the chunk receives). Either way one read
-and one write of the tensor; XLA's cumulative sum over the chunk axis took about 2x the forward's and
-the FMA dot 5x (experiments/results/bench_kda.md).
+One program per (batch, head, chunk) and slice of features holds its [C, K'] block. The inclusive
+sum (G from g, forward) is a scan down the block's rows. The reverse inclusive sum (dg from dG,
+backward; the Triton backend has no reverse scan) is the column total minus the same forward scan
+plus the row, in float32 (its rounding is a few ulp of the column's partial sums), and adds a
+per-chunk row (the gradient of the chunk's total decay, which every g of the chunk receives).
+Either way one read and one write of the tensor. Forms measured before on an H200
+(experiments/results/bench_kda.md): XLA's cumulative sum over the chunk axis (about 2x the
+forward's time), the triangle of ones as a float32 dot (5x) and as three bf16 dots on the tensor
+cores (0.50 ms against the scan's 0.33 at the hybrid step's shape, with the gate).
 
 With the gate fused (SPEC §1's decay gate, `gate_log_decay`), the forward reads the gate's
 pre-activation f in its own dtype (bf16 in a bf16 model) instead of a float32 g that XLA wrote,
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.kda.blocks import F32, dot, iotas
+from kernels_pallas.kda.blocks import F32
 
 
 def _sigmoid(z):
@@ -63,15 +63,9 @@ def _valid_rows(c, t_valid):
 
 
 def _reverse_sum(x):
-  """Per column, the sum from each row to the last of x [C, K] float32 (see the module docstring)."""
-  r, j = iotas(x.shape[0])
-  upper = (j >= r).astype(jnp.bfloat16)
-  total = jnp.zeros(x.shape, F32)
-  for _ in range(3):                      # x = x_1 + x_2 + x_3 + O(2^-24 |x|), each x_i in bf16
-    part = x.astype(jnp.bfloat16)
-    total += dot(upper, part)
-    x = x - part.astype(F32)
-  return total
+  """Per column, the sum from each row to the last of x [C, K] float32: the column total minus
+  the inclusive sum above, plus the row (see the module docstring)."""
+  return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
 
 
 def chunk_cumsum_kernel(x_ref, *refs, reverse):

@@ -6,7 +6,7 @@ Forward: the within-chunk cumulative log-decay G (cumsum.py); the diagonal 16 x 
 (every token, or every sub-chunk, in parallel); the scores aqk and N (every 16-row sub-chunk of every chunk in
 parallel); T = (I + N)^-1 (wy_inverse, every chunk); qg, kg, w, u from T (wy_apply, every
 chunk); state_fwd (the chunks in order, the state on chip: o and the final state; with few
-programs, TILES['programs_split'], h and v_new instead, then chunk_output). The backward
+programs, TILES['programs_few'], h and v_new instead, then chunk_output). The backward
 keeps the inputs, aqk and T (each [B, T, H, C] in the dot dtype): it recomputes G and wy_apply's
 outputs, reruns the state pass writing the states h and v_new instead of o, runs state_bwd (the
 chunks in reverse), forms the per-chunk cotangents and the UT transform's transpose
@@ -52,17 +52,17 @@ def chunk_len(t: int) -> int:
 # flat_branch: 1 = when no sub-chunk of a call is steep (blocks.any_steep), skip the pairwise
 # diagonal kernels and run scores kernels without their inputs (an XLA conditional); 0 = always
 # the per-sub-chunk choice inside the kernels; fused_gate: 1 = a gated call (a_log, dt_bias) forms
-# the log-decay inside the cumulative-sum kernels, 0 = in XLA before them; features_cumsum:
-# features per program of the cumulative-sum kernels (it and warps_cumsum chosen from Triton's
-# register counts on the CPU; on the GPU 4 ms off the hybrid step with short_conv_dz's tiles,
-# bench_kda.md); programs_split: the forward runs the state
-# pass writing h and v_new, then the output kernel over every chunk, when the pass would have
-# fewer than this many programs (B * H * V / value_block; 0: never; not yet timed on a GPU).
-TILES = {'warps_cumsum': 8, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
-         'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 8, 'warps_wy_bwd': 8,
+# the log-decay inside the cumulative-sum kernels, 0 = in XLA before them; features_cumsum,
+# features_reverse_cumsum: features per program of the forward and the reverse (backward)
+# cumulative-sum kernels; programs_few: when the state passes would have fewer programs than this
+# (B * H * V / value_block, e.g. 64 at (2, 16384, 16, 128) on 132 SMs), they take value blocks of
+# half the width and the forward runs split (the state pass writing h and v_new, then the output
+# kernel over every chunk): 6% off the forward at (2, 16384), 12% at (1, 65536), 2026-12-02.
+TILES = {'warps_cumsum': 2, 'warps_reverse_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
+         'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 4, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
-         'features_bwd': 64, 'value_block': 64, 'flat_branch': 1, 'fused_gate': 1, 'features_cumsum': 64,
-         'programs_split': 0, 'warps_output': 4}
+         'features_bwd': 64, 'value_block': 64, 'flat_branch': 1, 'fused_gate': 1, 'features_cumsum': 32,
+         'features_reverse_cumsum': 32, 'programs_few': 128, 'warps_output': 4}
 
 
 def _params(kernel):
@@ -100,23 +100,24 @@ def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _cumsum_layout(x, c):
-  """(grid, chunk spec, chunk-row spec, head-row spec) of the cumulative-sum kernels over x [B, T,
-  H, K]: one program per chunk and slice of TILES['features_cumsum'] features (the sums run down
-  each feature's column, so slices are independent; a slice of 64 keeps the reverse sum's
-  tensors in registers, where all 128 features spilled)."""
+def _cumsum_layout(x, c, reverse=False):
+  """(grid, chunk spec, chunk-row spec, head-row spec, compiler params) of the cumulative-sum
+  kernels over x [B, T, H, K]: one program per chunk and slice of TILES['features_cumsum']
+  features (TILES['features_reverse_cumsum'] for the reverse sums); the sums run down each
+  feature's column, so slices are independent."""
   b, t, h, dk = x.shape
-  kb = power_of_two_divisor(dk, TILES['features_cumsum'])
+  kernel = 'reverse_cumsum' if reverse else 'cumsum'
+  kb = power_of_two_divisor(dk, TILES['features_' + kernel])
   return ((b, h, t // c, dk // kb), _chunk_spec(kb, c, sliced=True),
           pl.BlockSpec((None, None, None, kb), lambda bi, hi, n, f: (bi, n, hi, f)),
-          pl.BlockSpec((None, kb), lambda bi, hi, n, f: (hi, f)))
+          pl.BlockSpec((None, kb), lambda bi, hi, n, f: (hi, f)), _params(kernel))
 
 
 def chunk_cumsum(x, c, *, reverse=False, add=None, interpret=False):
   """Within-chunk inclusive cumulative sum of x [B, T, H, K] (T a multiple of c), float32;
   reverse: the sum from each row to the chunk's end; add [B, T/c, H, K]: a row added to every
   row of its chunk's result."""
-  grid, spec, row, _ = _cumsum_layout(x, c)
+  grid, spec, row, _, params = _cumsum_layout(x, c, reverse)
   in_specs, args = [spec], [x]
   if add is not None:
     in_specs.append(row)
@@ -124,7 +125,7 @@ def chunk_cumsum(x, c, *, reverse=False, add=None, interpret=False):
   return pl.pallas_call(
       functools.partial(chunk_cumsum_kernel, reverse=reverse), grid=grid,
       in_specs=in_specs, out_specs=spec, out_shape=_sds(x.shape, F32),
-      compiler_params=_params('cumsum'), interpret=interpret, name='kda_chunk_cumsum',
+      compiler_params=params, interpret=interpret, name='kda_chunk_cumsum',
   )(*args)
 
 
@@ -132,12 +133,12 @@ def gated_cumsum(f, a_hk, bias_hk, c, *, lower_bound, t_valid, interpret):
   """G [B, T, H, K] float32: the within-chunk cumulative sum of the gate's log-decay from its
   pre-activation f [B, T, H, K] (cumsum.gate_log_decay; a_hk = exp(A_log) and bias_hk = dt_bias,
   [H, K] float32); rows from t_valid on (None: none) decay by nothing."""
-  grid, spec, _, head = _cumsum_layout(f, c)
+  grid, spec, _, head, params = _cumsum_layout(f, c)
   kernel = functools.partial(gated_cumsum_kernel, lower_bound=lower_bound, t_valid=t_valid)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[spec, head, head],
       out_specs=spec, out_shape=_sds(f.shape, F32),
-      compiler_params=_params('cumsum'), interpret=interpret, name='kda_gated_cumsum',
+      compiler_params=params, interpret=interpret, name='kda_gated_cumsum',
   )(f, a_hk, bias_hk)
 
 
@@ -146,14 +147,14 @@ def gated_reverse_cumsum(dgc, add, f, a_hk, bias_hk, c, *, lower_bound, t_valid,
   H, K]: (df in f's dtype, and per chunk [B, N, H, K] float32 the column sums of df and of dg
   dg/dA_log, whose sums are the gradients of dt_bias and A_log)."""
   b, t, h, dk = f.shape
-  grid, spec, row, head = _cumsum_layout(f, c)
+  grid, spec, row, head, params = _cumsum_layout(f, c, reverse=True)
   kernel = functools.partial(gated_reverse_cumsum_kernel, lower_bound=lower_bound, t_valid=t_valid)
   per_chunk = _sds((b, t // c, h, dk), F32)
   return pl.pallas_call(
       kernel, grid=grid,
       in_specs=[spec, row, spec, head, head],
       out_specs=[spec, row, row], out_shape=[_sds(f.shape, f.dtype), per_chunk, per_chunk],
-      compiler_params=_params('cumsum'), interpret=interpret, name='kda_gated_reverse_cumsum',
+      compiler_params=params, interpret=interpret, name='kda_gated_reverse_cumsum',
   )(dgc, add, f, a_hk, bias_hk)
 
 
@@ -273,8 +274,16 @@ def wy_apply(t_inv, q, k, v, gc, beta, *, scale, c, interpret):
   )(t_inv, q, k, v, gc, beta)
 
 
-def value_block(dv: int) -> int:
-  return min(dv, TILES['value_block'])
+def _few_programs(b, h, dv) -> bool:
+  return b * h * (dv // min(dv, TILES['value_block'])) < TILES['programs_few']
+
+
+def value_block(b, h, dv) -> int:
+  """Value columns per program of the state passes: TILES['value_block'], halved (16 at least)
+  when that leaves fewer than TILES['programs_few'] programs. The state's value columns evolve
+  independently, so any block gives the same result."""
+  bv = min(dv, TILES['value_block'])
+  return max(16, bv // 2) if _few_programs(b, h, dv) else bv
 
 
 def _state_specs(t, dk, bv, c):
@@ -290,7 +299,7 @@ def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, interpret):
   (v_new [B, T, H, V], s_final, h [B, H, N*K, V]), v_new and h in the dot dtype, no o."""
   b, t, h, dk = qg.shape
   dv = u.shape[-1]
-  bv = value_block(dv)
+  bv = value_block(b, h, dv)
   whole, cols, state, per_chunk = _state_specs(t, dk, bv, c)
   out_specs = [cols, state] + ([per_chunk] if with_h else [])
   out_shape = [_sds((b, t, h, dv), qg.dtype if with_h else out_dtype), _sds((b, h, dk, dv), F32)]
@@ -320,15 +329,16 @@ def chunk_output(qg, hs, aqk, v_new, *, c, out_dtype, interpret):
 
 
 def split_forward(b, h, dv) -> bool:
-  """Whether the forward's state pass runs split (state_fwd with h, then chunk_output)."""
-  return b * h * (dv // value_block(dv)) < TILES['programs_split']
+  """Whether the forward's state pass runs split (state_fwd with h, then chunk_output): when
+  the state passes have few programs (TILES['programs_few'])."""
+  return _few_programs(b, h, dv)
 
 
 def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):
   """(ds0 [B, H, K, V] float32, dh [B, H, N*K, V] in the dot dtype, dv_new [B, T, H, V] float32)."""
   b, t, h, dk = qg.shape
   dv = do.shape[-1]
-  bv = value_block(dv)
+  bv = value_block(b, h, dv)
   whole, cols, state, per_chunk = _state_specs(t, dk, bv, c)
   kernel = functools.partial(state_bwd_kernel, nt=t // c, c=c, dot_dtype=qg.dtype)
   return pl.pallas_call(

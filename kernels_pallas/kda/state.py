@@ -10,7 +10,7 @@ chunk's total decay exp(G_C):
 
 With few programs (long sequences, few heads) the forward can run split: the state pass writes h
 and v_new as for the backward, and chunk_output_kernel forms o for every chunk in parallel, which
-takes the two output dots off the pass's sequential path (op.TILES['programs_split']).
+takes the two output dots off the pass's sequential path (op.TILES['programs_few']).
 
 For the backward, the forward writes instead of o the state entering every chunk (h) and v_new;
 the backward writes the state gradient after every chunk (dh) and dv_new. The state enters its

@@ -42,7 +42,7 @@ L2_EPS = 1e-6
 ACTIVATIONS = ('none', 'silu', 'silu_l2')
 # rows (tokens) and heads per program, Triton warps and pipelining stages; short_conv_dz takes
 # dz_tiles tiles of dz_rows rows per program (at most: powers of two dividing the padded T)
-TILES = {'rows': 32, 'heads': 1, 'warps': 8, 'stages': 1, 'dz_rows': 16, 'dz_tiles': 8}
+TILES = {'rows': 32, 'heads': 1, 'warps': 8, 'stages': 1, 'dz_rows': 16, 'dz_tiles': 32}
 
 
 def _window(ref, start, shape, t):

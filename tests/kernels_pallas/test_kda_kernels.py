@@ -111,20 +111,25 @@ def test_interpreted_short_sequence_uses_one_small_chunk():
 @pytest.mark.usefixtures('_full_precision')
 def test_interpreted_kernels_match_recurrence_under_other_tiles(monkeypatch):
   """Settings the defaults do not reach at these sizes: scores_bwd in two feature slices (its
-  dbeta as partial sums), the diagonal blocks with one head per program, and value blocks of 16."""
+  dbeta as partial sums), the diagonal blocks with one head per program, value blocks of 16, and
+  the unsplit forward (the state pass writing o), which at these few programs the defaults replace
+  by the split one (op.TILES['programs_few'])."""
   from kernels_pallas.kda import op
-  monkeypatch.setattr(op, 'TILES', dict(op.TILES, features_bwd=16, heads_diag=1, heads_diag_bwd=1, value_block=16))
+  monkeypatch.setattr(op, 'TILES', dict(op.TILES, features_bwd=16, heads_diag=1, heads_diag_bwd=1, value_block=16,
+                                        programs_few=0))
+  assert not op.split_forward(1, 2, 32)
   _compare(_inputs(3, 1, 40, 2, 32, 32, spikes=True), 'recurrent', 2e-4, 2e-4)
 
 
 @pytest.mark.usefixtures('_full_precision')
 def test_interpreted_split_forward_matches_recurrence(monkeypatch):
   """The forward split into the state pass writing h and v_new and the chunk-parallel output
-  kernel (op.TILES['programs_split'] above this call's program count), three chunks (the last a
-  tail), two value blocks of 16: output, final state and all six gradients against the recurrence."""
+  kernel (op.TILES['programs_few'] above this call's program count, which also halves the value
+  block from 32 to 16), three chunks (the last a tail), two value blocks: output, final state and
+  all six gradients against the recurrence."""
   from kernels_pallas.kda import op
-  monkeypatch.setattr(op, 'TILES', dict(op.TILES, programs_split=10 ** 6, value_block=16))
-  assert op.split_forward(1, 2, 32)
+  monkeypatch.setattr(op, 'TILES', dict(op.TILES, programs_few=10 ** 6, value_block=32))
+  assert op.split_forward(1, 2, 32) and op.value_block(1, 2, 32) == 16
   _compare(_inputs(0, 1, 150, 2, 32, 32, spikes=True), 'recurrent', 1e-4, 1e-4)
 
 
@@ -181,7 +186,7 @@ def test_interpreted_cumsum_kernels_over_feature_slices(monkeypatch):
   """The cumulative-sum kernels over two slices of 16 of K = 32 features, gated and not: the
   same results as the recurrence on g from jax.nn's softplus."""
   from kernels_pallas.kda import op
-  monkeypatch.setattr(op, 'TILES', dict(op.TILES, features_cumsum=16))
+  monkeypatch.setattr(op, 'TILES', dict(op.TILES, features_cumsum=16, features_reverse_cumsum=16))
 
   def reference(q, k, v, f, beta, s0, a_log, dt_bias):
     g = -jnp.exp(a_log)[:, None] * jax.nn.softplus(f + dt_bias)
@@ -318,15 +323,15 @@ def test_kernels_lower_to_triton_for_an_h200(dtype, d):
     o, s = kda_pallas(q, k, v, g, beta, s0, scale=d ** -0.5)
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
-  module = lower_for_h200(jax.grad(loss, argnums=tuple(range(6))), x, x, x, f32(b, t, h, d), f32(b, t, h),
-                          f32(b, h, d, d))
+  with pytest.MonkeyPatch.context() as patch:     # the unsplit forward (many programs' path)
+    patch.setattr(op, 'TILES', dict(op.TILES, programs_few=0))
+    module = lower_for_h200(jax.grad(loss, argnums=tuple(range(6))), x, x, x, f32(b, t, h, d), f32(b, t, h),
+                            f32(b, h, d, d))
   for name in ('kda_chunk_cumsum', 'kda_diag_fwd', 'kda_scores_fwd', 'kda_wy_inverse', 'kda_wy_apply', 'kda_state_fwd', 'kda_state_bwd', 'kda_chunk_cotangents', 'kda_wy_bwd',
                'kda_diag_bwd', 'kda_scores_bwd'):
     assert name in module, name
-  forward = lambda *a: kda_pallas(*a, scale=d ** -0.5)
-  with pytest.MonkeyPatch.context() as patch:     # the split forward's output kernel
-    patch.setattr(op, 'TILES', dict(op.TILES, programs_split=10 ** 6))
-    assert 'kda_chunk_output' in lower_for_h200(forward, x, x, x, f32(b, t, h, d), f32(b, t, h), f32(b, h, d, d))
+  forward = lambda *a: kda_pallas(*a, scale=d ** -0.5)     # few programs: the split forward
+  assert 'kda_chunk_output' in lower_for_h200(forward, x, x, x, f32(b, t, h, d), f32(b, t, h), f32(b, h, d, d))
 
   def gated_loss(q, k, v, f, beta, s0, a_log, dt_bias):   # the gate in the kernels, T padded
     o, s = kda_pallas(q, k, v, f, beta, s0, scale=d ** -0.5, a_log=a_log, dt_bias=dt_bias)
