@@ -13,18 +13,18 @@ Expected: one H200, 2026-12-01, tokamax attention: 390.6 ms/step against 400.0 w
           :attnres_full 1053 ms
           (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
           (muon_distributed.md).
-          :hybrid 506.7 ms/step, 69.4 GiB against all-attention's 395.4 ms in the same call
-          (2026-12-02, one run each: 0.780x its tokens/s; from a cold cache the runs took about
-          110 s and 50 s in all); :hybrid,mla 517.7 ms (545.3 with :cudnn's padded values);
-          :hybrid,kda_keep 526.5 ms, 76.1 GiB
-          (2026-12-01, before the last kernel changes). At
-          batch 2 x 32768: :hybrid,kda_keep 762.2 ms against all-attention's 1031.9 (1.35x its
-          tokens/s; experiments/results/bench_kda.md).
+          :hybrid 491.2 ms/step, 71.6 GiB against all-attention's 395.2 ms and 73.55 GiB in the
+          same call (2026-12-02, one run each: 0.805x its tokens/s; from a cold cache the runs
+          took about 125 s and 60 s in all); :hybrid,mla 517.7 ms (545.3 with :cudnn's padded
+          values; both before the last kernel changes); :hybrid,kda_keep 526.5 ms, 76.1 GiB
+          (2026-12-01, before them too). At batch 2 x 32768 (--config.train.seq_len=32768
+          --config.train.batch_size=2): :hybrid 725.9 ms against all-attention's 1044 (1.44x
+          its tokens/s, 2026-12-02; experiments/results/bench_kda.md).
 Variants: :hybrid (3 KDA : 1 attention, 18 + 6 layers, the fused Pallas KDA kernels; the KDA
-          layers recompute their q/k/v projections in the backward, so that the step fits in
-          attention's memory and an H800's 80 GB),
-          :kda_keep (with :hybrid: the KDA layers keep their q/k/v projections for the backward
-          instead: 2% faster, 6.7 GiB more),
+          layers recompute their q and k projections in the backward and keep v's, so that the
+          step fits in attention's memory and an H800's 80 GB),
+          :kda_keep (with :hybrid: the KDA layers keep all three projections for the backward
+          instead: 76.1 GiB),
           :remat (rematerialise each layer), :xla (attn_impl='xla'),
           :cudnn (cuDNN attention, and the fused max-logit kernel when max logits are on),
           :tokamax (tokamax's Mosaic GPU flash attention, whose residuals give the max logits;
@@ -50,7 +50,8 @@ def get_config(arg: str | None = None):
                                       # residuals) or for MLA, else cuDNN; :tokamax, :cudnn force one
   m.kda_impl = 'pallas'               # used by the KDA layers of :hybrid
   m.kda_conv_impl = 'pallas'          # their short convs: the fused conv + activation kernels
-  m.kda_recompute_projections = True  # their q/k/v projections recomputed in the backward (-6.7 GiB)
+  m.kda_recompute_projections = 'qk'  # their q and k projections recomputed in the backward, v's kept
+                                      # (4.5 GiB less than keeping all three)
   m.compute_dtype = 'bfloat16'
   m.tie_embeddings = True
   m.residual_dtype = 'bfloat16'      # 2.6% faster than float32 here (see results)
@@ -65,7 +66,7 @@ def get_config(arg: str | None = None):
     elif variant == 'hybrid':
       m.layer_pattern = 'KKKA'
     elif variant == 'kda_keep':           # KDA layers keep their q/k/v projections for the backward
-      m.kda_recompute_projections = False
+      m.kda_recompute_projections = ''
     elif variant == 'xla':
       m.attn_impl = 'xla'
     elif variant in ('cudnn', 'tokamax'):

@@ -20,6 +20,8 @@ RESIDUALS = ('standard', 'attnres_full', 'attnres_block')   # SPEC §4; kimijax/
 OPTIMIZERS = ('adamw', 'muon', 'muonclip')   # kimijax/optim/factory.py
 SCHEDULES = ('cosine', 'wsd', 'constant')
 MLA_VIEWS = ('fused', 'per_part')   # muon's MLA matrices; kimijax/optim/routing.py
+# model.kda_recompute_projections: the KDA projections recomputed in the backward, in q, k, v order
+RECOMPUTABLE_PROJECTIONS = ('', 'q', 'k', 'v', 'qk', 'qv', 'kv', 'qkv')
 # Each op module holds a dict of the implementations it dispatches to; only built ones are listed.
 ATTN_IMPLS = attention_ops.IMPLS
 KDA_IMPLS = kda_ops.IMPLS
@@ -98,8 +100,9 @@ def base_config() -> ml_collections.ConfigDict:
   m.kda_head_dim = 0            # 0: d_model // num_heads (key and value head dim)
   m.kda_short_conv = True       # depthwise causal conv (kernel 4) + SiLU on q, k, v
   m.kda_conv_impl = 'xla'       # kimijax.ops.short_conv.IMPLS: 'xla' | 'pallas' (the fused conv kernels)
-  m.kda_recompute_projections = False  # True: KDA's backward recomputes its q/k/v projections instead of
-                                # keeping them (6 bytes per token and channel less in bf16, 3 matmuls more)
+  m.kda_recompute_projections = ''  # which of KDA's q/k/v projections its backward recomputes instead
+                                # of keeping: '' none, 'qkv' all; each one recomputed is 2 bytes per
+                                # token and channel less in bf16 and one [D, H*K] matmul more
   m.kda_output_gate = 'sigmoid' # 'sigmoid' | 'swish' | 'none' (report Table 1)
   m.kda_gate_lower_bound = 0.0  # 0: -exp(A_log) softplus gate; in [-5, 0): bounded sigmoid gate
   m.kda_output_norm_eps = 1e-5  # eps of KDA's per-head output RMSNorm (Kimi Linear: its rms_norm_eps)
@@ -299,7 +302,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _positive('model.mla_latent_norm_eps', m.mla_latent_norm_eps)
   _positive('model.kda_output_norm_eps', m.kda_output_norm_eps)
   _one_of('model.mla_rope', m.mla_rope, (True, False))
-  _one_of('model.kda_recompute_projections', m.kda_recompute_projections, (True, False))
+  _one_of('model.kda_recompute_projections', m.kda_recompute_projections, RECOMPUTABLE_PROJECTIONS)
   _positive('model.init_std', m.init_std)
   _positive('model.rope_theta', m.rope_theta)
 

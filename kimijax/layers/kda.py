@@ -14,11 +14,14 @@ Decode cache per sequence: the last 3 conv inputs of q, k and v, and the float32
 Memory: the q/k/v projections, the short convolutions and activations, beta, the decay gate and
 the op run as one rematerialised region that keeps only the layer input, what the op names worth
 keeping (kimijax.ops.kda.SAVED: the fused kernels' aqk and T, the chunk form's per-chunk states)
-and, unless recompute_projections, the projections' outputs (PROJECTIONS). The op's inputs (q, k,
+and the outputs of the projections not named in recompute_projections (checkpoint names
+PROJECTIONS + '_q', '_k', '_v'). The op's inputs (q, k,
 v after their activations, the gate's pre-activation) are recomputed in the backward pass; the op's forward
 kernels, whose outputs the backward does not need, are not rerun. The output norm and gate are
 recomputed too, so a training step keeps the layer input, the q/k/v projections (or not), the
 op's output and named residuals, and the output gate's rank-sized bottleneck of a KDA layer.
+Each projection recomputed is 2 bytes per token and channel less in bf16 (configs/bench_350m.py's
+hybrid: 2.2 GiB over 18 layers) for one more [D, H*K] matmul in the backward.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from kimijax.ops.kda import SAVED, kda, kda_log_decay, kda_step
 from kimijax.ops.short_conv import activate
 
 CONV_WIDTH = 4
-PROJECTIONS = 'kda_projections'   # checkpoint_name of the q/k/v projections' outputs
+PROJECTIONS = 'kda_projection'    # checkpoint_name prefix of the q/k/v projections' outputs ('_q', ...)
 ACTIVATIONS = {'q': 'silu_l2', 'k': 'silu_l2', 'v': 'silu'}   # after each short conv (kimijax.ops.short_conv)
 
 
@@ -66,8 +69,9 @@ class KimiDeltaAttention(nn.Module):
   output_norm_eps: float = 1e-5       # eps of the per-head output RMSNorm (the model's rms_norm_eps
                                       # in Kimi Linear's release)
   conv_impl: str = 'xla'              # the short convs' implementation (kimijax.ops.short_conv.IMPLS)
-  recompute_projections: bool = False  # True: the backward recomputes the q/k/v projections from the
-                                       # layer input instead of keeping them (3 bf16 [B, T, H, K] less)
+  recompute_projections: str = ''      # the projections among 'q', 'k', 'v' that the backward
+                                       # recomputes from the layer input instead of keeping (one bf16
+                                       # [B, T, H, K] less each); '' keeps all three
 
   def _low_rank_weights(self, name, d, rank):
     """The two factors of a rank-`rank` projection [D] -> [H, K]."""
@@ -89,7 +93,8 @@ class KimiDeltaAttention(nn.Module):
     the short convolutions and activations, beta, the decay gate and the op, (o, new cache). The
     parameters are created in the order of the layer's definition (SPEC §1), which fixes their
     initial values for a given seed."""
-    q, k, v = (checkpoint_name(jnp.einsum('btd,dhk->bthk', x_btd, w), PROJECTIONS) for w in w_qkv)
+    q, k, v = (checkpoint_name(jnp.einsum('btd,dhk->bthk', x_btd, w), f'{PROJECTIONS}_{n}')
+               for n, w in zip('qkv', w_qkv))
     new_cache, outs = {}, []
     for name, t in (('q', q), ('k', k), ('v', v)):
       if self.short_conv:
@@ -134,7 +139,7 @@ class KimiDeltaAttention(nn.Module):
     x_btd = x_btd.astype(self.dtype)
     names = ('embed', 'heads', 'head_dim')
     w_qkv = [weight(self, f'{n}_proj', (d, h, hd), names) for n in ('q', 'k', 'v')]
-    kept = (SAVED,) if self.recompute_projections else (SAVED, PROJECTIONS)
+    kept = (SAVED,) + tuple(f'{PROJECTIONS}_{n}' for n in 'qkv' if n not in self.recompute_projections)
     mix = nn.remat(type(self)._mix, policy=jax.checkpoint_policies.save_only_these_names(*kept),
                    prevent_cse=True)
     o, new_cache = mix(self, x_btd, w_qkv, cache)

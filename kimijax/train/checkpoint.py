@@ -30,6 +30,17 @@ MAY_DIFFER = ('model.attn_impl', 'model.kda_impl', 'model.kda_conv_impl', 'model
               'model.attnres_impl', 'model.remat')
 
 
+# Saved values from before a key changed its type, as the key's value now: a config.json written
+# then reads as the same config (restore, run folders, --mode=eval).
+LEGACY_VALUES = {'model.kda_recompute_projections': {False: '', True: 'qkv'}}
+
+
+def _current(key: str, value):
+  """A saved value of `key` ('group.name') as the schema now spells it."""
+  legacy = LEGACY_VALUES.get(key)
+  return legacy[value] if legacy is not None and isinstance(value, bool) else value
+
+
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be restored into this run."""
 
@@ -65,7 +76,8 @@ SCHEDULE_KEYS = ('train.steps', 'optimizer.schedule', 'optimizer.learning_rate',
 def config_differences(saved: dict, config: ml_collections.ConfigDict, keys=None) -> list[str]:
   """'key: saved -> now' for each of `keys` (None: every key of either) whose value differs; a key
   the saved config lacks (added to the schema after it was written) has its default."""
-  now, before = _flatten(json.loads(config.to_json())), _flatten(saved)
+  now = _flatten(json.loads(config.to_json()))
+  before = {k: _current(k, v) for k, v in _flatten(saved).items()}
   keys = sorted(set(now) | set(before)) if keys is None else keys
   defaults = _flatten(json.loads(base_config().to_json()))
   return [f'{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}' for k in keys
@@ -176,7 +188,7 @@ def load_run_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   for group, values in json.loads(path.read_text()).items():
     if isinstance(values, dict):
       for key, value in values.items():
-        config[group][key] = tuple(tuple(r) for r in value) if key == 'rules' else value
+        config[group][key] = tuple(tuple(r) for r in value) if key == 'rules' else _current(f'{group}.{key}', value)
     else:
       config[group] = values
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1

@@ -145,3 +145,20 @@ def test_every_named_ladder_plans_by_its_rule(tmp_path, name):
     assert m.d_model // m.num_heads in (16, 64) and m.mlp_dim == 3 * m.d_model
   widths = [r['config'].model.d_model for r in base_runs]
   assert widths == sorted(widths)
+
+
+def test_a_run_saved_before_a_key_changed_type_reads_as_the_same_config(tmp_path):
+  """model.kda_recompute_projections was a bool before it named the projections: a saved False
+  is '' and True is 'qkv', for run folders and for loading a run's config (--mode=eval)."""
+  from kimijax.train.checkpoint import load_run_config
+  config = tiny_ladder().base
+  for legacy, now in ((False, ''), (True, 'qkv')):
+    saved = runs.config_json(config)
+    saved['model']['kda_recompute_projections'] = legacy
+    (tmp_path / 'config.json').write_text(json.dumps(saved))
+    config.model.kda_recompute_projections = now
+    runs.check_folder(tmp_path, config)
+    assert load_run_config(tmp_path).model.kda_recompute_projections == now
+  config.model.kda_recompute_projections = 'qk'
+  with pytest.raises(runs.WorkflowError, match="model.kda_recompute_projections: 'qkv' -> 'qk'"):
+    runs.check_folder(tmp_path, config)

@@ -87,11 +87,11 @@ def test_prefill_then_decode_equals_parallel(case):
                              atol=1e-5 * float(jnp.abs(y_full).max()))
 
 
-@pytest.mark.parametrize('recompute', [False, True], ids=['keep_projections', 'recompute_projections'])
+@pytest.mark.parametrize('recompute', ['', 'qk', 'qkv'], ids=['keep_projections', 'recompute_qk', 'recompute_qkv'])
 @pytest.mark.parametrize('case', ['default', 'swish_noconv_bounded'])
 def test_backward_keeps_only_matmul_outputs_and_the_named_residuals(case, recompute):
   """What the layer's backward keeps, per token, is bounded by: 5 bf16 tensors of H * K (the layer
-  input, the q/k/v projections, the op's output; 2 with recompute_projections), the fused op's two
+  input, the q/k/v projections, the op's output; one fewer for each recomputed projection), the fused op's two
   named residuals aqk and T (bf16, H * C each with C = 64), at most two rank-K bottlenecks of the
   gate projections (bf16) and beta (float32, H, twice). The op's inputs (q, k, v after conv + SiLU +
   L2 norm, the float32 g), the gate projections' outputs and the elementwise intermediates are
@@ -105,15 +105,16 @@ def test_backward_keeps_only_matmul_outputs_and_the_named_residuals(case, recomp
   loss = lambda p, x: jnp.sum(layer.apply(p, x)[0].astype(jnp.float32))
   residuals = jax.eval_shape(lambda p, x: jax.vjp(loss, p, x)[1], params, x)
   kept = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(residuals))
-  per_token = 2 * (2 if recompute else 5) * h * k + 2 * 2 * h * c + 2 * 2 * k + 4 * 2 * h
+  per_token = 2 * (5 - len(recompute)) * h * k + 2 * 2 * h * c + 2 * 2 * k + 4 * 2 * h
   assert kept <= per_token * bsz * t + 4 * sum(
       a.size for a in jax.tree_util.tree_leaves(params)), kept / (bsz * t)
 
 
-def test_recomputed_projections_give_the_same_gradients():
+@pytest.mark.parametrize('recompute', ['v', 'qkv'])
+def test_recomputed_projections_give_the_same_gradients(recompute):
   case = CASES['default']
   layer, params, x = _setup(case)
-  again = KimiDeltaAttention(H, K, init_std=0.3, recompute_projections=True, **case)
+  again = KimiDeltaAttention(H, K, init_std=0.3, recompute_projections=recompute, **case)
   grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply({'params': p}, x)[0] ** 2))(params) for m in (layer, again)]
   for got, want in zip(jax.tree_util.tree_leaves(grads[1]), jax.tree_util.tree_leaves(grads[0])):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
