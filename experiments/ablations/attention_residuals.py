@@ -3,7 +3,7 @@ and Full without the key RMSNorm and with sigmoid instead of softmax over depth.
 
     python -m experiments.ablations.attention_residuals --scale=cpu --workdir=runs/abl_attnres --seeds=2
     python -m experiments.ablations.attention_residuals --scale=gpu --workdir=runs/abl_attnres_gpu \\
-        --seeds=2 --publish=experiments/results/ablation_attention_residuals
+        --seeds=2 --publish=experiments/results/ablation_attention_residuals_gpu
     python -m experiments.ablations.attention_residuals --scale=gpu --workdir=runs/abl_attnres_gpu \\
         --seeds=2 --arms=full,no_key_norm,sigmoid      # a subset per call; runs resume and are reused
 

@@ -2,7 +2,7 @@
 
     python -m experiments.ablations.kimi_linear_table1 --scale=cpu --workdir=runs/abl_kimi_linear --seeds=1
     python -m experiments.ablations.kimi_linear_table1 --scale=gpu --workdir=runs/abl_kimi_linear_gpu \\
-        --seeds=2 --publish=experiments/results/ablation_kimi_linear_table1
+        --seeds=2 --publish=experiments/results/ablation_kimi_linear_table1_gpu
 
 Arms (16 layers as in the report, so that 15:1 still holds one MLA layer): 3:1 (the reference),
 0:1 (all MLA), 1:1, 7:1, 15:1, 1:0 (all KDA), no output gate, swish gate, no short conv, and RoPE on

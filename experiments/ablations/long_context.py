@@ -4,7 +4,7 @@ against LSTM figure).
 
     python -m experiments.ablations.long_context --scale=cpu --workdir=runs/abl_long_context --seeds=1
     python -m experiments.ablations.long_context --scale=gpu --workdir=runs/abl_long_context_gpu --seeds=1 \\
-        --publish=experiments/results/ablation_long_context
+        --publish=experiments/results/ablation_long_context_gpu
 
 Each run's eval loss is logged per power-of-two position bucket (eval_loss_by_position); the
 sweep's loss_curves.png plots the final one against position for the three patterns, and the

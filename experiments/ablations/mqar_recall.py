@@ -3,7 +3,7 @@ number of key-value pairs (the seeds' long-context axis; kimijax/data/mqar.py).
 
     python -m experiments.ablations.mqar_recall --scale=cpu --workdir=runs/abl_mqar --seeds=1
     python -m experiments.ablations.mqar_recall --scale=gpu --workdir=runs/abl_mqar_gpu --seeds=2 \\
-        --publish=experiments/results/ablation_mqar_recall
+        --publish=experiments/results/ablation_mqar_recall_gpu
 
 Arms: pattern x (seq_len, pairs) over a small grid; the metric is the recall accuracy (exact
 match of each queried value, logged as eval_recall_accuracy). Expected ordering (Zoology, Arora et

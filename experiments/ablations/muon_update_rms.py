@@ -2,7 +2,7 @@
 
     python -m experiments.ablations.muon_update_rms --scale=cpu --workdir=runs/abl_muon_rms --seeds=2
     python -m experiments.ablations.muon_update_rms --scale=gpu --workdir=runs/abl_muon_rms_gpu \\
-        --seeds=2 --publish=experiments/results/ablation_muon_update_rms
+        --seeds=2 --publish=experiments/results/ablation_muon_update_rms_gpu
 
 Same lr, weight decay and schedule for every arm (Moonlight keeps AdamW's and matches the update
 RMS through rms_scale = 0.2 sqrt(max(A, B)) scaling). Published validation loss (~2B tokens): AdamW

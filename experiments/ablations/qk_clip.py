@@ -3,7 +3,7 @@ clip, at a tau that binds at this size.
 
     python -m experiments.ablations.qk_clip --scale=cpu --workdir=runs/abl_qk_clip --seeds=2
     python -m experiments.ablations.qk_clip --scale=gpu --workdir=runs/abl_qk_clip_gpu --seeds=2 \\
-        --publish=experiments/results/ablation_qk_clip
+        --publish=experiments/results/ablation_qk_clip_gpu
 
 K2's tau = 100 never binds in small models (Muon's max logit stays near 10 on configs/default.py,
 experiments/results/compare_optimizers.md), so tau here is 5 (cpu) / 10 (gpu), below the unclipped
@@ -12,7 +12,8 @@ max logit is capped at tau, and the loss curves with and without it coincide. Th
 loss_curves.png holds both trajectories (max-logit panel) and the loss curves.
 Expected runtime: cpu, 2 arms x 2 seeds of configs/default.py (3.5M, 300 steps): about 10 min per
 run, 40 min in all, on the 2-core CPU (measured 2026-12-01: 1.8-2.0 s per step, the machine
-idle). gpu: 2 arms x 2 seeds of a ~25M model, 1500 steps: ~6 min on one H200 (estimate).
+idle). gpu: 2 arms x 2 seeds of a 27M model, 1500 steps: 4.5 min on one H200 (measured 2026-12-02,
+experiments/results/ablation_qk_clip_gpu.md).
 """
 
 from experiments.ablations import common
