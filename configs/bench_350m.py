@@ -15,7 +15,7 @@ Expected: one H200, 2026-12-01, tokamax attention: 390.6 ms/step against 400.0 w
           (muon_distributed.md).
           :hybrid 491.2 ms/step, 71.6 GiB against all-attention's 395.2 ms and 73.55 GiB in the
           same call (2026-12-02, one run each: 0.805x its tokens/s; from a cold cache the runs
-          took about 125 s and 60 s in all); :hybrid,mla 517.7 ms (545.3 with :cudnn's padded
+          took about 115 s and 50 s in all); :hybrid,mla 517.7 ms (545.3 with :cudnn's padded
           values; both before the last kernel changes); :hybrid,kda_keep 526.5 ms, 76.1 GiB
           (2026-12-01, before them too). At batch 2 x 32768 (--config.train.seq_len=32768
           --config.train.batch_size=2): :hybrid 725.9 ms against all-attention's 1044 (1.44x

@@ -57,17 +57,23 @@ def chunk_len(t: int) -> int:
 # cumulative-sum kernels; programs_few: when the state passes would have fewer programs than this
 # (B * H * V / value_block, e.g. 64 at (2, 16384, 16, 128) on 132 SMs), they take value blocks of
 # half the width and the forward runs split (the state pass writing h and v_new, then the output
-# kernel over every chunk): 6% off the forward at (2, 16384), 12% at (1, 65536), 2026-12-02.
+# kernel over every chunk): 6% off the forward at (2, 16384), 12% at (1, 65536), 2026-12-02;
+# stages_state: Triton pipelining stages of the state passes' chunk loop (2 or more: the next
+# chunks' loads as cp.async copies into shared memory while the current chunk's dots run; 131 KB
+# of shared memory per program at 2 stages, K = V = 128; not yet timed on a GPU).
 TILES = {'warps_cumsum': 2, 'warps_reverse_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 4, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
          'features_bwd': 64, 'value_block': 64, 'flat_branch': 1, 'fused_gate': 1, 'features_cumsum': 32,
-         'features_reverse_cumsum': 32, 'programs_few': 128, 'warps_output': 4}
+         'features_reverse_cumsum': 32, 'programs_few': 128, 'warps_output': 4, 'stages_state': 1}
 
 
 def _params(kernel):
+  """Triton's compiler parameters of `kernel`: TILES['warps_' + kernel] warps, and
+  TILES['stages_' + kernel] pipelining stages where that key exists, else TILES['stages']."""
   from jax.experimental.pallas import triton as plgpu
-  return plgpu.CompilerParams(num_warps=TILES['warps_' + kernel], num_stages=TILES['stages'])
+  return plgpu.CompilerParams(num_warps=TILES['warps_' + kernel],
+                              num_stages=TILES.get('stages_' + kernel, TILES['stages']))
 
 
 # ----------------------------------------------------------------------------- block specs
