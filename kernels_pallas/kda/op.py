@@ -55,25 +55,29 @@ def chunk_len(t: int) -> int:
 # the log-decay inside the cumulative-sum kernels, 0 = in XLA before them; features_cumsum,
 # features_reverse_cumsum: features per program of the forward and the reverse (backward)
 # cumulative-sum kernels; programs_few: when the state passes would have fewer programs than this
-# (B * H * V / value_block, e.g. 64 at (2, 16384, 16, 128) on 132 SMs), they take value blocks of
-# half the width and the forward runs split (the state pass writing h and v_new, then the output
-# kernel over every chunk): 6% off the forward at (2, 16384), 12% at (1, 65536), 2026-12-02;
-# stages_state: Triton pipelining stages of the state passes' chunk loop (2 or more: the next
-# chunks' loads as cp.async copies into shared memory while the current chunk's dots run; 131 KB
-# of shared memory per program at 2 stages, K = V = 128; not yet timed on a GPU).
+# (B * H * V / value_block, e.g. 64 at (2, 16384, 16, 128) on 132 SMs), they halve their value
+# block until they have that many (16 columns at least), the backward pass takes
+# stages_state_bwd_few pipelining stages, and the forward runs split (the state pass writing h and
+# v_new, then the output kernel over every chunk); stages_state_fwd, stages_state_bwd(_few):
+# Triton pipelining stages of the forward and the backward state pass's chunk loop (2 or more: the
+# next chunks' loads as cp.async copies into shared memory while the current chunk's dots run,
+# about 64 KB per stage at K = V = 128 in bf16; state_stages caps them to the shared memory). At
+# 256 programs or more (the 4096 step) the backward is faster at one stage, two programs per SM.
 TILES = {'warps_cumsum': 2, 'warps_reverse_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 4, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
          'features_bwd': 64, 'value_block': 64, 'flat_branch': 1, 'fused_gate': 1, 'features_cumsum': 32,
-         'features_reverse_cumsum': 32, 'programs_few': 128, 'warps_output': 4, 'stages_state': 1}
+         'features_reverse_cumsum': 32, 'programs_few': 128, 'warps_output': 4, 'stages_state_fwd': 3,
+         'stages_state_bwd': 1, 'stages_state_bwd_few': 3}
+# Shared memory per program on Hopper (227 KB), for state_stages.
+SHARED_MEMORY = 227 * 1024
 
 
-def _params(kernel):
-  """Triton's compiler parameters of `kernel`: TILES['warps_' + kernel] warps, and
-  TILES['stages_' + kernel] pipelining stages where that key exists, else TILES['stages']."""
+def _params(kernel, stages=None):
+  """Triton's compiler parameters of `kernel`: TILES['warps_' + kernel] warps and `stages`
+  pipelining stages (default TILES['stages'])."""
   from jax.experimental.pallas import triton as plgpu
-  return plgpu.CompilerParams(num_warps=TILES['warps_' + kernel],
-                              num_stages=TILES.get('stages_' + kernel, TILES['stages']))
+  return plgpu.CompilerParams(num_warps=TILES['warps_' + kernel], num_stages=stages or TILES['stages'])
 
 
 # ----------------------------------------------------------------------------- block specs
@@ -286,10 +290,28 @@ def _few_programs(b, h, dv) -> bool:
 
 def value_block(b, h, dv) -> int:
   """Value columns per program of the state passes: TILES['value_block'], halved (16 at least)
-  when that leaves fewer than TILES['programs_few'] programs. The state's value columns evolve
+  while that leaves fewer than TILES['programs_few'] programs. The state's value columns evolve
   independently, so any block gives the same result."""
   bv = min(dv, TILES['value_block'])
-  return max(16, bv // 2) if _few_programs(b, h, dv) else bv
+  while bv > 16 and b * h * (dv // bv) < TILES['programs_few']:
+    bv //= 2
+  return bv
+
+
+def state_stages(key, b, h, dk, dv, c, itemsize) -> int:
+  """Pipelining stages of a state pass (key 'state_fwd' or 'state_bwd'): TILES['stages_' + key]
+  (the backward with few programs: TILES['stages_state_bwd_few']), fewer where a stage's buffered
+  loads (qg, kg, w [C, K]; aqk [C, C]; u or do [C, value_block]) and the dots' operands staged
+  through shared memory (the state [K, value_block], v_new [C, value_block]) would pass it, as
+  at float32 with K = V = 128. (Compiled for sm_90 at K = V = 128 in bf16, 3 stages take 208 KB.)"""
+  if key == 'state_bwd' and _few_programs(b, h, dv):
+    key = 'state_bwd_few'
+  bv = value_block(b, h, dv)
+  per_stage, operands = c * (3 * dk + c + bv) * itemsize, (dk + c) * bv * itemsize
+  stages = TILES['stages_' + key]
+  while stages > 1 and stages * per_stage + operands > SHARED_MEMORY:
+    stages -= 1
+  return stages
 
 
 def _state_specs(t, dk, bv, c):
@@ -316,7 +338,8 @@ def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, interpret):
       kernel, grid=(b, h, dv // bv),
       in_specs=[whole(dk), whole(dk), whole(dk), cols, whole(c), whole(dk), state],
       out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_params('state'), interpret=interpret, name='kda_state_fwd',
+      compiler_params=_params('state', state_stages('state_fwd', b, h, dk, dv, c, qg.dtype.itemsize)),
+      interpret=interpret, name='kda_state_fwd',
   )(qg, kg, w, u, aqk, gc, s0)
 
 
@@ -353,7 +376,8 @@ def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):
       out_specs=[state, per_chunk, cols],
       out_shape=[_sds((b, h, dk, dv), F32), _sds((b, h, (t // c) * dk, dv), qg.dtype),
                  _sds((b, t, h, dv), F32)],
-      compiler_params=_params('state'), interpret=interpret, name='kda_state_bwd',
+      compiler_params=_params('state', state_stages('state_bwd', b, h, dk, dv, c, qg.dtype.itemsize)),
+      interpret=interpret, name='kda_state_bwd',
   )(qg, kg, w, aqk, gc, do, ds_final)
 
 

@@ -133,6 +133,20 @@ def test_interpreted_split_forward_matches_recurrence(monkeypatch):
   _compare(_inputs(0, 1, 150, 2, 32, 32, spikes=True), 'recurrent', 1e-4, 1e-4)
 
 
+def test_state_pass_settings_at_the_benchmark_shapes():
+  """The default rule, by hand at K = V = 128 and 16 heads: value blocks halve until the state
+  passes have TILES['programs_few'] = 128 programs (64 -> 32 at B = 2, 64 -> 16 at B = 1); the
+  backward pipelines 3 stages only then; 3 stages of ~64 KB fit the 227 KB of shared memory in
+  bf16, while one float32 stage (128 KB) leaves no room for a second."""
+  from kernels_pallas.kda import op
+  assert [op.value_block(b, 16, 128) for b in (8, 2, 1)] == [64, 32, 16]
+  assert [op.split_forward(b, 16, 128) for b in (8, 2, 1)] == [False, True, True]
+  assert [op.state_stages('state_bwd', b, 16, 128, 128, 64, 2) for b in (8, 2, 1)] == [1, 3, 3]
+  assert op.state_stages('state_fwd', 8, 16, 128, 128, 64, 2) == 3
+  assert op.state_stages('state_fwd', 8, 16, 128, 128, 64, 4) == 1
+  assert op.state_stages('state_bwd', 1, 16, 128, 128, 64, 4) == 1
+
+
 GATE_NAMES = NAMES[:3] + ('f', 'beta', 'initial_state', 'a_log', 'dt_bias')
 
 
