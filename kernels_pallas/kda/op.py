@@ -62,13 +62,14 @@ def chunk_len(t: int) -> int:
 # Triton pipelining stages of the forward and the backward state pass's chunk loop (2 or more: the
 # next chunks' loads as cp.async copies into shared memory while the current chunk's dots run,
 # about 64 KB per stage at K = V = 128 in bf16; state_stages caps them to the shared memory). At
-# 256 programs or more (the 4096 step) the backward is faster at one stage, two programs per SM.
+# 256 programs or more (the 4096 step) the backward is faster at one stage, two programs per SM;
+# slices_apply: programs per chunk of wy_apply, each over a slice of K's features and V's columns.
 TILES = {'warps_cumsum': 2, 'warps_reverse_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 4, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
          'features_bwd': 64, 'value_block': 64, 'flat_branch': 1, 'fused_gate': 1, 'features_cumsum': 32,
          'features_reverse_cumsum': 32, 'programs_few': 128, 'warps_output': 4, 'stages_state_fwd': 3,
-         'stages_state_bwd': 1, 'stages_state_bwd_few': 3}
+         'stages_state_bwd': 1, 'stages_state_bwd_few': 3, 'slices_apply': 1}
 # Shared memory per program on Hopper (227 KB), for state_stages.
 SHARED_MEMORY = 227 * 1024
 
@@ -269,16 +270,25 @@ def wy_inverse(n, *, c, dtype, interpret):
   )(n)
 
 
+def apply_slices(dk, dv) -> int:
+  """Programs per chunk of wy_apply: TILES['slices_apply'], as far as K and V split into powers
+  of two of 16 or more (each program takes K / slices features and V / slices value columns)."""
+  return power_of_two_divisor(min(dk, dv) // SUB, TILES['slices_apply'])
+
+
 def wy_apply(t_inv, q, k, v, gc, beta, *, scale, c, interpret):
-  """(qg, kg, w [B, T, H, K], u [B, T, H, V]) in q's dtype, from T (wy_inverse) per chunk."""
+  """(qg, kg, w [B, T, H, K], u [B, T, H, V]) in q's dtype, from T (wy_inverse) per chunk; one
+  program per chunk and slice (apply_slices): every output is elementwise in the features, or a
+  product with T over the chunk's rows, so slices are independent."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
-  spec = lambda d: _chunk_spec(d, c)
+  ns = apply_slices(dk, dv)
+  sliced = lambda d: _chunk_spec(d // ns, c, sliced=True)
   kernel = functools.partial(wy_apply_kernel, scale=scale, dot_dtype=q.dtype)
   return pl.pallas_call(
-      kernel, grid=(b, h, t // c),
-      in_specs=[spec(c), spec(dk), spec(dk), spec(dv), spec(dk), spec(None)],
-      out_specs=[spec(dk), spec(dk), spec(dk), spec(dv)],
+      kernel, grid=(b, h, t // c, ns),
+      in_specs=[_chunk_spec(c, c), sliced(dk), sliced(dk), sliced(dv), sliced(dk), _chunk_spec(None, c)],
+      out_specs=[sliced(dk), sliced(dk), sliced(dk), sliced(dv)],
       out_shape=[_sds(q.shape, q.dtype)] * 3 + [_sds(v.shape, q.dtype)],
       compiler_params=_params('apply'), interpret=interpret, name='kda_wy_apply',
   )(t_inv, q, k, v, gc, beta)

@@ -111,13 +111,13 @@ def test_interpreted_short_sequence_uses_one_small_chunk():
 @pytest.mark.usefixtures('_full_precision')
 def test_interpreted_kernels_match_recurrence_under_other_tiles(monkeypatch):
   """Settings the defaults do not reach at these sizes: scores_bwd in two feature slices (its
-  dbeta as partial sums), the diagonal blocks with one head per program, value blocks of 16, and
-  the unsplit forward (the state pass writing o), which at these few programs the defaults replace
-  by the split one (op.TILES['programs_few'])."""
+  dbeta as partial sums), the diagonal blocks with one head per program, value blocks of 16,
+  wy_apply in two slices of the features, and the unsplit forward (the state pass writing o),
+  which at these few programs the defaults replace by the split one (op.TILES['programs_few'])."""
   from kernels_pallas.kda import op
   monkeypatch.setattr(op, 'TILES', dict(op.TILES, features_bwd=16, heads_diag=1, heads_diag_bwd=1, value_block=16,
-                                        programs_few=0))
-  assert not op.split_forward(1, 2, 32)
+                                        programs_few=0, slices_apply=2))
+  assert not op.split_forward(1, 2, 32) and op.apply_slices(32, 32) == 2
   _compare(_inputs(3, 1, 40, 2, 32, 32, spikes=True), 'recurrent', 2e-4, 2e-4)
 
 
