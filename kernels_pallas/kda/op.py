@@ -63,13 +63,16 @@ def chunk_len(t: int) -> int:
 # next chunks' loads as cp.async copies into shared memory while the current chunk's dots run,
 # about 64 KB per stage at K = V = 128 in bf16; state_stages caps them to the shared memory). At
 # 256 programs or more (the 4096 step) the backward is faster at one stage, two programs per SM;
-# slices_apply: programs per chunk of wy_apply, each over a slice of K's features and V's columns.
+# slices_apply: programs per chunk of wy_apply, each over a slice of K's features and V's columns;
+# split_forward: 0 = the forward's state pass writes o even with few programs (the split was
+# measured before the state passes were pipelined; not yet timed since).
 TILES = {'warps_cumsum': 2, 'warps_reverse_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
          'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 4, 'warps_wy_bwd': 8,
          'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
          'features_bwd': 64, 'value_block': 64, 'flat_branch': 1, 'fused_gate': 1, 'features_cumsum': 32,
          'features_reverse_cumsum': 32, 'programs_few': 128, 'warps_output': 4, 'stages_state_fwd': 3,
-         'stages_state_bwd': 1, 'stages_state_bwd_few': 3, 'slices_apply': 1}
+         'stages_state_bwd': 1, 'stages_state_bwd_few': 3, 'slices_apply': 1,
+         'split_forward': 1}
 # Shared memory per program on Hopper (227 KB), for state_stages.
 SHARED_MEMORY = 227 * 1024
 
@@ -369,8 +372,8 @@ def chunk_output(qg, hs, aqk, v_new, *, c, out_dtype, interpret):
 
 def split_forward(b, h, dv) -> bool:
   """Whether the forward's state pass runs split (state_fwd with h, then chunk_output): when
-  the state passes have few programs (TILES['programs_few'])."""
-  return _few_programs(b, h, dv)
+  the state passes have few programs (TILES['programs_few']) and TILES['split_forward'] is on."""
+  return bool(TILES['split_forward']) and _few_programs(b, h, dv)
 
 
 def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):

@@ -133,11 +133,12 @@ def test_interpreted_split_forward_matches_recurrence(monkeypatch):
   _compare(_inputs(0, 1, 150, 2, 32, 32, spikes=True), 'recurrent', 1e-4, 1e-4)
 
 
-def test_state_pass_settings_at_the_benchmark_shapes():
+def test_state_pass_settings_at_the_benchmark_shapes(monkeypatch):
   """The default rule, by hand at K = V = 128 and 16 heads: value blocks halve until the state
   passes have TILES['programs_few'] = 128 programs (64 -> 32 at B = 2, 64 -> 16 at B = 1); the
   backward pipelines 3 stages only then; 3 stages of ~64 KB fit the 227 KB of shared memory in
-  bf16, while one float32 stage (128 KB) leaves no room for a second."""
+  bf16, while one float32 stage (128 KB) leaves no room for a second; TILES['split_forward'] = 0
+  keeps the forward in one pass and the rest of the rule."""
   from kernels_pallas.kda import op
   assert [op.value_block(b, 16, 128) for b in (8, 2, 1)] == [64, 32, 16]
   assert [op.split_forward(b, 16, 128) for b in (8, 2, 1)] == [False, True, True]
@@ -145,6 +146,8 @@ def test_state_pass_settings_at_the_benchmark_shapes():
   assert op.state_stages('state_fwd', 8, 16, 128, 128, 64, 2) == 3
   assert op.state_stages('state_fwd', 8, 16, 128, 128, 64, 4) == 1
   assert op.state_stages('state_bwd', 1, 16, 128, 128, 64, 4) == 1
+  monkeypatch.setattr(op, 'TILES', dict(op.TILES, split_forward=0))     # few programs, one pass
+  assert not op.split_forward(1, 16, 128) and op.value_block(1, 16, 128) == 16
 
 
 GATE_NAMES = NAMES[:3] + ('f', 'beta', 'initial_state', 'a_log', 'dt_bias')
