@@ -46,33 +46,42 @@ def chunk_len(t: int) -> int:
   return min(CHUNK, max(SUB, pl.next_power_of_2(t)))
 
 
-# Triton settings (measured on an H200: experiments/results/bench_kda.md): warps of each kernel,
-# one pipelining depth; heads per program of the token-parallel kernels diag_fwd and diag_bwd,
-# features per program of scores_bwd, value columns per program of the state passes;
-# flat_branch: 1 = when no sub-chunk of a call is steep (blocks.any_steep), skip the pairwise
-# diagonal kernels and run scores kernels without their inputs (an XLA conditional); 0 = always
-# the per-sub-chunk choice inside the kernels; fused_gate: 1 = a gated call (a_log, dt_bias) forms
-# the log-decay inside the cumulative-sum kernels, 0 = in XLA before them; features_cumsum,
-# features_reverse_cumsum: features per program of the forward and the reverse (backward)
-# cumulative-sum kernels; programs_few: when the state passes would have fewer programs than this
-# (B * H * V / value_block, e.g. 64 at (2, 16384, 16, 128) on 132 SMs), they halve their value
-# block until they have that many (16 columns at least), the backward pass takes
-# stages_state_bwd_few pipelining stages, and the forward runs split (the state pass writing h and
-# v_new, then the output kernel over every chunk); stages_state_fwd, stages_state_bwd(_few):
-# Triton pipelining stages of the forward and the backward state pass's chunk loop (2 or more: the
-# next chunks' loads as cp.async copies into shared memory while the current chunk's dots run,
-# about 64 KB per stage at K = V = 128 in bf16; state_stages caps them to the shared memory). At
-# 256 programs or more (the 4096 step) the backward is faster at one stage, two programs per SM;
-# slices_apply: programs per chunk of wy_apply, each over a slice of K's features and V's columns;
-# split_forward: 0 = the forward's state pass writes o even with few programs (the split was
-# measured before the state passes were pipelined; not yet timed since).
-TILES = {'warps_cumsum': 2, 'warps_reverse_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
-         'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 4, 'warps_wy_bwd': 8,
-         'warps_diag_bwd': 4, 'warps_scores_bwd': 2, 'stages': 1, 'heads_diag': 16, 'heads_diag_bwd': 8,
-         'features_bwd': 64, 'value_block': 64, 'flat_branch': 1, 'fused_gate': 1, 'features_cumsum': 32,
-         'features_reverse_cumsum': 32, 'programs_few': 128, 'warps_output': 4, 'stages_state_fwd': 3,
-         'stages_state_bwd': 1, 'stages_state_bwd_few': 3, 'slices_apply': 1,
-         'split_forward': 1}
+# Triton settings, measured on an H200 (experiments/results/bench_kda.md). bench_kda and
+# bench_train take any of them as --kda_tiles=key=int/key=int.
+TILES = {
+    # warps per program of each kernel (the key after 'warps_' is what _params is given)
+    'warps_cumsum': 2, 'warps_reverse_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
+    'warps_apply': 8, 'warps_state': 4, 'warps_output': 4, 'warps_cotangents': 4, 'warps_wy_bwd': 8,
+    'warps_diag_bwd': 4, 'warps_scores_bwd': 2,
+    # Triton pipelining stages of every kernel but the state passes
+    'stages': 1,
+    # the state passes' chunk loop: 3 stages load the next chunks' w, u, kg (qg, aqk) as cp.async
+    # copies while the current chunk's dots run (about 64 KB of shared memory per stage at
+    # K = V = 128 in bf16; state_stages caps them). The backward is faster at one stage with 256
+    # programs or more (the 4096 step: two programs per SM), at 3 with few (below).
+    'stages_state_fwd': 3, 'stages_state_bwd': 1, 'stages_state_bwd_few': 3,
+    # heads per program of the token-parallel kernels diag_fwd and diag_bwd
+    'heads_diag': 16, 'heads_diag_bwd': 8,
+    # features per program of scores_bwd and of the forward and reverse cumulative sums
+    'features_bwd': 64, 'features_cumsum': 32, 'features_reverse_cumsum': 32,
+    # value columns per program of the state passes
+    'value_block': 64,
+    # below this many state-pass programs (B * H * V / value_block; 64 at (2, 16384, 16, 128), on
+    # 132 SMs): the value block halves until there are that many (16 columns at least), the
+    # backward pass takes stages_state_bwd_few, and, with split_forward, the forward runs split
+    # (the state pass writing h and v_new, then chunk_output over every chunk in parallel).
+    # split_forward was measured before the state passes were pipelined, not since.
+    'programs_few': 128, 'split_forward': 1,
+    # programs per chunk of wy_apply, each over a slice of K's features and V's columns (untimed)
+    'slices_apply': 1,
+    # 1: when no sub-chunk of a call is steep (blocks.any_steep), skip the pairwise diagonal
+    # kernels and run the scores kernels without their inputs (an XLA conditional); 0: always the
+    # per-sub-chunk choice inside the kernels
+    'flat_branch': 1,
+    # 1: a gated call (a_log, dt_bias) forms the log-decay inside the cumulative-sum kernels;
+    # 0: in XLA before them
+    'fused_gate': 1,
+}
 # Shared memory per program on Hopper (227 KB), for state_stages.
 SHARED_MEMORY = 227 * 1024
 
