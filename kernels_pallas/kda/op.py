@@ -306,8 +306,10 @@ def wy_apply(t_inv, q, k, v, gc, beta, *, scale, c, interpret):
   )(t_inv, q, k, v, gc, beta)
 
 
-def _few_programs(b, h, dv) -> bool:
-  return b * h * (dv // min(dv, TILES['value_block'])) < TILES['programs_few']
+def _few_programs(b, h, dv, bv=None) -> bool:
+  """Whether the state passes have fewer than TILES['programs_few'] programs at value block bv
+  (default TILES['value_block'])."""
+  return b * h * (dv // (bv or min(dv, TILES['value_block']))) < TILES['programs_few']
 
 
 def value_block(b, h, dv) -> int:
@@ -315,7 +317,7 @@ def value_block(b, h, dv) -> int:
   while that leaves fewer than TILES['programs_few'] programs. The state's value columns evolve
   independently, so any block gives the same result."""
   bv = min(dv, TILES['value_block'])
-  while bv > 16 and b * h * (dv // bv) < TILES['programs_few']:
+  while bv > 16 and _few_programs(b, h, dv, bv):
     bv //= 2
   return bv
 
