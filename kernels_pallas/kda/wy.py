@@ -1,9 +1,9 @@
 """KDA's UT transform inside a chunk (SPEC §1): W = T Diag(beta) (exp(G) k), U = T Diag(beta) v with
 T = (I + N)^-1, N = Diag(beta) A_kk strictly lower-triangular (from scores.py).
 
-wy_inverse_kernel: one program per chunk forms T's 16 x 16 blocks by forward substitution and
-block products in float32 (full-precision dots) and writes T in the dot dtype, the dtype every
-later product reads it in. wy_apply_kernel: one program per chunk applies T on the tensor cores
+wy_inverse_kernel: one program per chunk forms T's 16 x 16 blocks from products of 16 x 16
+blocks in float32 with full-precision dots (blocks.inverse_blocks) and writes T in the dot
+dtype, the dtype every later product reads it in. wy_apply_kernel: one program per chunk applies T on the tensor cores
 (dot dtype operands, float32 accumulation) for W and U and writes the chunk's direct terms
 qg = scale q exp(G) and kg = k exp(G_C - G); the backward reruns it from the saved T
 (its transpose is cotangents.wy_bwd_kernel).

@@ -133,6 +133,32 @@ def test_interpreted_split_forward_matches_recurrence(monkeypatch):
   _compare(_inputs(0, 1, 150, 2, 32, 32, spikes=True), 'recurrent', 1e-4, 1e-4)
 
 
+@pytest.mark.usefixtures('_full_precision')
+@pytest.mark.parametrize('case', ['keys', 'ones'])
+def test_unit_lower_inverse_matches_float64_inverse(case):
+  """blocks.inverse_blocks (the diagonal blocks as products of powers of N) against NumPy's
+  float64 inverse of I + N over a 64-row chunk: N from unit keys and beta as the kernels form it,
+  and the all-ones strictly lower N, whose inverse grows as 2^(i - j - 1)."""
+  from kernels_pallas.kda import blocks
+  sub = blocks.SUB
+  rng = np.random.default_rng(0)
+  if case == 'keys':
+    k = rng.normal(size=(64, 32))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    n = np.tril(rng.uniform(0.0, 1.0, (64, 1)) * (k @ k.T), -1)
+  else:
+    n = np.tril(np.ones((64, 64)), -1)
+  want = np.linalg.inv(np.eye(64) + n)
+  nb = 64 // sub
+  t = blocks.inverse_blocks([[jnp.asarray(n[a * sub:(a + 1) * sub, b * sub:(b + 1) * sub], jnp.float32)
+                              if b <= a else None for b in range(nb)] for a in range(nb)], nb)
+  got = np.zeros((64, 64))
+  for a in range(nb):
+    for b in range(a + 1):
+      got[a * sub:(a + 1) * sub, b * sub:(b + 1) * sub] = np.asarray(t[a][b])
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_state_pass_settings_at_the_benchmark_shapes(monkeypatch):
   """The default rule, by hand at K = V = 128 and 16 heads: value blocks halve until the state
   passes have TILES['programs_few'] = 128 programs (64 -> 32 at B = 2, 64 -> 16 at B = 1); the
