@@ -201,7 +201,6 @@ def _stage_rows(shape, dtype_name):
   qg, kg, w, u = apply(t_inv, q, k, v, gc, beta)
   state = {with_h: jax.jit(lambda *a, with_h=with_h: op.state_fwd(*a, out_dtype=dtype, with_h=with_h, **kw))
            for with_h in (False, True)}
-  output = jax.jit(lambda *a: op.chunk_output(*a, out_dtype=dtype, **kw))
   bwd = jax.jit(lambda *a: op.state_bwd(*a, **kw))
   f32 = lambda x: x.astype(jnp.float32)
   sbwd = jax.jit(lambda *a: op.scores_bwd(*a, scale=scale, **kw))
@@ -228,8 +227,7 @@ def _stage_rows(shape, dtype_name):
             ('wy_inverse', lambda: inverse(n)),
             ('wy_apply (forward and backward)', lambda: apply(t_inv, q, k, v, gc, beta)),
             ('state_fwd', lambda: state[False](qg, kg, w, u, aqk, gc, s0)),
-            ('state_fwd writing h, v_new (backward; the split forward)', lambda: state[True](qg, kg, w, u, aqk, gc, s0)),
-            ('chunk_output (the split forward)', lambda: output(qg, hs, aqk, v_new)),
+            ('state_fwd writing h, v_new (the backward)', lambda: state[True](qg, kg, w, u, aqk, gc, s0)),
             ('state_bwd', lambda: bwd(qg, kg, w, aqk, gc, do, s0)),
             ('chunk_cotangents', lambda: cot(hs, dh, do, dv_new, v_new)),
             ('wy_backward', lambda: wy_back(t_inv, dw, dv_new, k, v, gc, beta)),

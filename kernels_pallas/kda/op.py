@@ -5,8 +5,7 @@
 Forward: the within-chunk cumulative log-decay G (cumsum.py); the diagonal 16 x 16 score blocks
 (every token, or every sub-chunk, in parallel); the scores aqk and N (every 16-row sub-chunk of every chunk in
 parallel); T = (I + N)^-1 (wy_inverse, every chunk); qg, kg, w, u from T (wy_apply, every
-chunk); state_fwd (the chunks in order, the state on chip: o and the final state; with few
-programs, TILES['programs_few'], h and v_new instead, then chunk_output). The backward
+chunk); state_fwd (the chunks in order, the state on chip: o and the final state). The backward
 keeps the inputs, aqk and T (each [B, T, H, C] in the dot dtype): it recomputes G and wy_apply's
 outputs, reruns the state pass writing the states h and v_new instead of o, runs state_bwd (the
 chunks in reverse), forms the per-chunk cotangents and the UT transform's transpose
@@ -32,7 +31,7 @@ from kernels_pallas.kda.cotangents import chunk_cotangents_kernel, wy_bwd_kernel
 from kernels_pallas.kda.cumsum import (chunk_cumsum_kernel, gated_cumsum_kernel, gated_reverse_cumsum_kernel,
                                        log_decay_from_pre_activation)
 from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
-from kernels_pallas.kda.state import chunk_output_kernel, state_bwd_kernel, state_fwd_kernel
+from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_apply_kernel, wy_inverse_kernel
 
 CHUNK = 64
@@ -51,7 +50,7 @@ def chunk_len(t: int) -> int:
 TILES = {
     # warps per program of each kernel (the key after 'warps_' is what _params is given)
     'warps_cumsum': 2, 'warps_reverse_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
-    'warps_apply': 8, 'warps_state': 4, 'warps_output': 4, 'warps_cotangents': 4, 'warps_wy_bwd': 8,
+    'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 4, 'warps_wy_bwd': 8,
     'warps_diag_bwd': 4, 'warps_scores_bwd': 2,
     # Triton pipelining stages of every kernel but the state passes
     'stages': 1,
@@ -67,13 +66,9 @@ TILES = {
     # value columns per program of the state passes
     'value_block': 64,
     # below this many state-pass programs (B * H * V / value_block; 64 at (2, 16384, 16, 128), on
-    # 132 SMs): the value block halves until there are that many (16 columns at least), the
-    # backward pass takes stages_state_bwd_few, and, with split_forward, the forward runs split
-    # (the state pass writing h and v_new, then chunk_output over every chunk in parallel).
-    # split_forward was measured before the state passes were pipelined, not since.
-    'programs_few': 128, 'split_forward': 1,
-    # programs per chunk of wy_apply, each over a slice of K's features and V's columns (untimed)
-    'slices_apply': 1,
+    # 132 SMs): the value block halves until there are that many (16 columns at least) and the
+    # backward pass takes stages_state_bwd_few
+    'programs_few': 128,
     # 1: when no sub-chunk of a call is steep (blocks.any_steep), skip the pairwise diagonal
     # kernels and run the scores kernels without their inputs (an XLA conditional); 0: always the
     # per-sub-chunk choice inside the kernels
@@ -282,25 +277,16 @@ def wy_inverse(n, *, c, dtype, interpret):
   )(n)
 
 
-def apply_slices(dk, dv) -> int:
-  """Programs per chunk of wy_apply: TILES['slices_apply'], as far as K and V split into powers
-  of two of 16 or more (each program takes K / slices features and V / slices value columns)."""
-  return power_of_two_divisor(min(dk, dv) // SUB, TILES['slices_apply'])
-
-
 def wy_apply(t_inv, q, k, v, gc, beta, *, scale, c, interpret):
-  """(qg, kg, w [B, T, H, K], u [B, T, H, V]) in q's dtype, from T (wy_inverse) per chunk; one
-  program per chunk and slice (apply_slices): every output is elementwise in the features, or a
-  product with T over the chunk's rows, so slices are independent."""
+  """(qg, kg, w [B, T, H, K], u [B, T, H, V]) in q's dtype, from T (wy_inverse); one program per
+  chunk."""
   b, t, h, dk = q.shape
-  dv = v.shape[-1]
-  ns = apply_slices(dk, dv)
-  sliced = lambda d: _chunk_spec(d // ns, c, sliced=True)
+  spec = lambda d: _chunk_spec(d, c)
   kernel = functools.partial(wy_apply_kernel, scale=scale, dot_dtype=q.dtype)
   return pl.pallas_call(
-      kernel, grid=(b, h, t // c, ns),
-      in_specs=[_chunk_spec(c, c), sliced(dk), sliced(dk), sliced(dv), sliced(dk), _chunk_spec(None, c)],
-      out_specs=[sliced(dk), sliced(dk), sliced(dk), sliced(dv)],
+      kernel, grid=(b, h, t // c),
+      in_specs=[spec(c), spec(dk), spec(dk), spec(v.shape[-1]), spec(dk), spec(None)],
+      out_specs=[spec(dk), spec(dk), spec(dk), spec(v.shape[-1])],
       out_shape=[_sds(q.shape, q.dtype)] * 3 + [_sds(v.shape, q.dtype)],
       compiler_params=_params('apply'), interpret=interpret, name='kda_wy_apply',
   )(t_inv, q, k, v, gc, beta)
@@ -365,26 +351,6 @@ def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, interpret):
       compiler_params=_params('state', state_stages('state_fwd', b, h, dk, dv, c, qg.dtype.itemsize)),
       interpret=interpret, name='kda_state_fwd',
   )(qg, kg, w, u, aqk, gc, s0)
-
-
-def chunk_output(qg, hs, aqk, v_new, *, c, out_dtype, interpret):
-  """o [B, T, H, V] in out_dtype from state_fwd's with_h outputs: one program per chunk."""
-  b, t, h, dk = qg.shape
-  dv = v_new.shape[-1]
-  spec = lambda d: _chunk_spec(d, c)
-  state = _chunk_state_spec(dk, dv)
-  return pl.pallas_call(
-      chunk_output_kernel, grid=(b, h, t // c),
-      in_specs=[spec(dk), state, spec(c), spec(dv)], out_specs=spec(dv),
-      out_shape=_sds((b, t, h, dv), out_dtype),
-      compiler_params=_params('output'), interpret=interpret, name='kda_chunk_output',
-  )(qg, hs, aqk, v_new)
-
-
-def split_forward(b, h, dv) -> bool:
-  """Whether the forward's state pass runs split (state_fwd with h, then chunk_output): when
-  the state passes have few programs (TILES['programs_few']) and TILES['split_forward'] is on."""
-  return bool(TILES['split_forward']) and _few_programs(b, h, dv)
 
 
 def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):
@@ -497,13 +463,8 @@ def _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate):
   aqk, n = scores_fwd(q, k, gc, beta, scale=scale, c=c, interpret=interpret)
   t_inv = wy_inverse(n, c=c, dtype=q.dtype, interpret=interpret)
   qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, interpret=interpret)
-  if split_forward(q.shape[0], q.shape[2], v.shape[-1]):
-    v_new, s_final, hs = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=True,
-                                   interpret=interpret)
-    o = chunk_output(qg, hs, aqk, v_new, c=c, out_dtype=v.dtype, interpret=interpret)
-  else:
-    o, s_final = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=False,
-                           interpret=interpret)
+  o, s_final = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=False,
+                         interpret=interpret)
   return (o, s_final), (aqk, t_inv)
 
 

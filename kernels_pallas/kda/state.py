@@ -8,10 +8,6 @@ chunk's total decay exp(G_C):
   forward    v_new = u - w S;  o = qg S + aqk v_new;  S <- exp(G_C) S + kg^T v_new
   backward   dv_new = aqk^T do + kg dS;  dS <- exp(G_C) dS + qg^T do - w^T dv_new
 
-With few programs (long sequences, few heads) the forward can run split: the state pass writes h
-and v_new as for the backward, and chunk_output_kernel forms o for every chunk in parallel, which
-takes the two output dots off the pass's sequential path (op.TILES['programs_few']).
-
 For the backward, the forward writes instead of o the state entering every chunk (h) and v_new;
 the backward writes the state gradient after every chunk (dh) and dv_new. The state enters its
 dots in the dot dtype (bf16 for bf16 inputs) with float32 accumulation, and h and dh are written
@@ -50,12 +46,6 @@ def state_fwd_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, g_ref, s0_ref, out_r
     return _decay_column(g_ref, n, c) * s + dot_tn(kg_ref[at, :], v_new_d)
 
   s_out_ref[...] = jax.lax.fori_loop(0, nt, chunk, s0_ref[...].astype(F32))
-
-
-def chunk_output_kernel(qg_ref, h_ref, aqk_ref, v_new_ref, o_ref):
-  """o = qg h + aqk v_new of one chunk, from the state h entering it and its v_new, both in the
-  dot dtype as state_fwd_kernel writes them: the same dots as the unsplit pass."""
-  o_ref[...] = (dot(qg_ref[...], h_ref[...]) + dot(aqk_ref[...], v_new_ref[...])).astype(o_ref.dtype)
 
 
 def state_bwd_kernel(qg_ref, kg_ref, w_ref, aqk_ref, g_ref, do_ref, ds_out_ref, ds0_ref, dh_ref,

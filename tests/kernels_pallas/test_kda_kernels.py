@@ -111,25 +111,20 @@ def test_interpreted_short_sequence_uses_one_small_chunk():
 @pytest.mark.usefixtures('_full_precision')
 def test_interpreted_kernels_match_recurrence_under_other_tiles(monkeypatch):
   """Settings the defaults do not reach at these sizes: scores_bwd in two feature slices (its
-  dbeta as partial sums), the diagonal blocks with one head per program, value blocks of 16,
-  wy_apply in two slices of the features, and the unsplit forward (the state pass writing o),
-  which at these few programs the defaults replace by the split one (op.TILES['programs_few'])."""
+  dbeta as partial sums), the diagonal blocks with one head per program, and value blocks of 16."""
   from kernels_pallas.kda import op
-  monkeypatch.setattr(op, 'TILES', dict(op.TILES, features_bwd=16, heads_diag=1, heads_diag_bwd=1, value_block=16,
-                                        programs_few=0, slices_apply=2))
-  assert not op.split_forward(1, 2, 32) and op.apply_slices(32, 32) == 2
+  monkeypatch.setattr(op, 'TILES', dict(op.TILES, features_bwd=16, heads_diag=1, heads_diag_bwd=1, value_block=16))
   _compare(_inputs(3, 1, 40, 2, 32, 32, spikes=True), 'recurrent', 2e-4, 2e-4)
 
 
 @pytest.mark.usefixtures('_full_precision')
-def test_interpreted_split_forward_matches_recurrence(monkeypatch):
-  """The forward split into the state pass writing h and v_new and the chunk-parallel output
-  kernel (op.TILES['programs_few'] above this call's program count, which also halves the value
-  block from 32 to 16), three chunks (the last a tail), two value blocks: output, final state and
-  all six gradients against the recurrence."""
+def test_interpreted_few_programs_match_recurrence(monkeypatch):
+  """Few state-pass programs (op.TILES['programs_few'] above this call's count): the value block
+  halves from 32 to 16 and the backward pipelines; three chunks (the last a tail), two value
+  blocks: output, final state and all six gradients against the recurrence."""
   from kernels_pallas.kda import op
   monkeypatch.setattr(op, 'TILES', dict(op.TILES, programs_few=10 ** 6, value_block=32))
-  assert op.split_forward(1, 2, 32) and op.value_block(1, 2, 32) == 16
+  assert op.value_block(1, 2, 32) == 16
   _compare(_inputs(0, 1, 150, 2, 32, 32, spikes=True), 'recurrent', 1e-4, 1e-4)
 
 
@@ -159,21 +154,17 @@ def test_unit_lower_inverse_matches_float64_inverse(case):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_state_pass_settings_at_the_benchmark_shapes(monkeypatch):
+def test_state_pass_settings_at_the_benchmark_shapes():
   """The default rule, by hand at K = V = 128 and 16 heads: value blocks halve until the state
   passes have TILES['programs_few'] = 128 programs (64 -> 32 at B = 2, 64 -> 16 at B = 1); the
   backward pipelines 3 stages only then; 3 stages of ~64 KB fit the 227 KB of shared memory in
-  bf16, while one float32 stage (128 KB) leaves no room for a second; TILES['split_forward'] = 0
-  keeps the forward in one pass and the rest of the rule."""
+  bf16, while one float32 stage (128 KB) leaves no room for a second."""
   from kernels_pallas.kda import op
   assert [op.value_block(b, 16, 128) for b in (8, 2, 1)] == [64, 32, 16]
-  assert [op.split_forward(b, 16, 128) for b in (8, 2, 1)] == [False, True, True]
   assert [op.state_stages('state_bwd', b, 16, 128, 128, 64, 2) for b in (8, 2, 1)] == [1, 3, 3]
   assert op.state_stages('state_fwd', 8, 16, 128, 128, 64, 2) == 3
   assert op.state_stages('state_fwd', 8, 16, 128, 128, 64, 4) == 1
   assert op.state_stages('state_bwd', 1, 16, 128, 128, 64, 4) == 1
-  monkeypatch.setattr(op, 'TILES', dict(op.TILES, split_forward=0))     # few programs, one pass
-  assert not op.split_forward(1, 16, 128) and op.value_block(1, 16, 128) == 16
 
 
 GATE_NAMES = NAMES[:3] + ('f', 'beta', 'initial_state', 'a_log', 'dt_bias')
@@ -356,7 +347,7 @@ def test_kernels_lower_to_triton_for_an_h200(dtype, d):
   diag_bwd, scores_bwd) and the decode step go through the Pallas Triton lowering for an H200 on this
   machine: what Triton cannot express fails here, not in device time."""
   from experiments.tools.triton_report import lower_for_h200
-  from kernels_pallas.kda import kda_pallas, kda_step_pallas, op
+  from kernels_pallas.kda import kda_pallas, kda_step_pallas
   spec = jax.ShapeDtypeStruct
   b, t, h = 2, 200, 4
   x = spec((b, t, h, d), dtype)
@@ -366,15 +357,11 @@ def test_kernels_lower_to_triton_for_an_h200(dtype, d):
     o, s = kda_pallas(q, k, v, g, beta, s0, scale=d ** -0.5)
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
-  with pytest.MonkeyPatch.context() as patch:     # the unsplit forward (many programs' path)
-    patch.setattr(op, 'TILES', dict(op.TILES, programs_few=0))
-    module = lower_for_h200(jax.grad(loss, argnums=tuple(range(6))), x, x, x, f32(b, t, h, d), f32(b, t, h),
-                            f32(b, h, d, d))
+  module = lower_for_h200(jax.grad(loss, argnums=tuple(range(6))), x, x, x, f32(b, t, h, d), f32(b, t, h),
+                          f32(b, h, d, d))
   for name in ('kda_chunk_cumsum', 'kda_diag_fwd', 'kda_scores_fwd', 'kda_wy_inverse', 'kda_wy_apply', 'kda_state_fwd', 'kda_state_bwd', 'kda_chunk_cotangents', 'kda_wy_bwd',
                'kda_diag_bwd', 'kda_scores_bwd'):
     assert name in module, name
-  forward = lambda *a: kda_pallas(*a, scale=d ** -0.5)     # few programs: the split forward
-  assert 'kda_chunk_output' in lower_for_h200(forward, x, x, x, f32(b, t, h, d), f32(b, t, h), f32(b, h, d, d))
 
   def gated_loss(q, k, v, f, beta, s0, a_log, dt_bias):   # the gate in the kernels, T padded
     o, s = kda_pallas(q, k, v, f, beta, s0, scale=d ** -0.5, a_log=a_log, dt_bias=dt_bias)
