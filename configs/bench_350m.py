@@ -13,13 +13,13 @@ Expected: one H200, 2026-12-01, tokamax attention: 390.6 ms/step against 400.0 w
           :attnres_full 1053 ms
           (bench_attnres.md); Muon on 2 GPUs (fsdp=2, batch 32) +1.3% over AdamW
           (muon_distributed.md).
-          :hybrid 485.7 ms/step, 71.6 GiB against all-attention's 390.4 ms and 73.55 GiB in the
-          same call (2026-12-02: 0.804x its tokens/s; 0.805x in an earlier call; from a cold
+          :hybrid 482.7 ms/step, 71.6 GiB against all-attention's 388.3 ms and 73.55 GiB in the
+          same call (2026-12-02: 0.804x its tokens/s; 0.804x-0.805x in earlier calls; from a cold
           cache the runs took about 115 s and 50 s in all); :hybrid,mla 517.7 ms (545.3 with
           :cudnn's padded values; both before the last kernel changes); :hybrid,kda_keep
           526.5 ms, 76.1 GiB (2026-12-01, before them too). At batch 2 x 32768
-          (--config.train.seq_len=32768 --config.train.batch_size=2): :hybrid 672.0 ms against
-          all-attention's 1047 (1.56x its tokens/s, 2026-12-02; experiments/results/bench_kda.md).
+          (--config.train.seq_len=32768 --config.train.batch_size=2): :hybrid 667.9 ms against
+          all-attention's 1038 (1.55x its tokens/s, 2026-12-02; experiments/results/bench_kda.md).
 Variants: :hybrid (3 KDA : 1 attention, 18 + 6 layers, the fused Pallas KDA kernels; the KDA
           layers recompute their q and k projections in the backward and keep v's, so that the
           step fits in attention's memory and an H800's 80 GB),
