@@ -3,10 +3,10 @@ T = (I + N)^-1, N = Diag(beta) A_kk strictly lower-triangular (from scores.py).
 
 wy_inverse_kernel: one program per chunk forms T's 16 x 16 blocks from products of 16 x 16
 blocks in float32 with full-precision dots (blocks.inverse_blocks) and writes T in the dot
-dtype, the dtype every later product reads it in. wy_apply_kernel: one program per chunk applies T on the tensor cores
-(dot dtype operands, float32 accumulation) for W and U and writes the chunk's direct terms
-qg = scale q exp(G) and kg = k exp(G_C - G); the backward reruns it from the saved T
-(its transpose is cotangents.wy_bwd_kernel).
+dtype, the dtype every later product reads it in. wy_apply_kernel: one program per chunk
+applies T on the tensor cores (dot dtype operands, float32 accumulation) for W and U and writes
+the chunk's direct terms qg = scale q exp(G) and kg = k exp(G_C - G); the backward reruns it
+from the saved T (its transpose is cotangents.wy_bwd_kernel).
 """
 
 from __future__ import annotations
