@@ -18,8 +18,10 @@ their profilers: the per-kernel comparison of the two, without the launch gaps o
 --short_conv adds the layer's short conv + activation (kimijax.ops.short_conv) under each of its
 impls (--conv_tiles: the Pallas kernels under other TILES settings too; with --kernels, each
 kernel's device time in forward+backward). --kda_tiles times impl='pallas' under other
-settings of its TILES (with --stages, its stages too). Each figure is the median (and min) of --repeats timed calls after --warmup calls; prints
-a Markdown table.
+settings of its TILES (with --stages, its stages too). Each figure is the median (and min) of
+--repeats timed calls after --warmup calls, each call waited for; the 'queued' columns are the
+mean of --repeats calls issued back to back and waited for once, the time per call when the host
+runs ahead of the device, as in training (timing.queued_ms). Prints a Markdown table.
 """
 
 import datetime
@@ -61,6 +63,14 @@ FLAGS = flags.FLAGS
 def _time(fn, repeats, warmup, sync):
   from experiments.bench import timing
   return timing.call_ms(fn, repeats=repeats, warmup=warmup, sync=sync)
+
+
+def _cells(fns, sync):
+  """The table's cells for the calls fns (forward, forward+backward): each one's median (min) ms
+  over single waited calls, then each one's mean ms queued back to back (timing.queued_ms)."""
+  from experiments.bench import timing
+  single = ['%.2f (%.2f)' % _time(f, FLAGS.repeats, FLAGS.warmup, sync) for f in fns]
+  return single + ['%.2f' % timing.queued_ms(f, repeats=FLAGS.repeats, warmup=1, sync=sync) for f in fns]
 
 
 def _log_decay(key, shape):
@@ -114,14 +124,12 @@ def _jax_rows(shape, dtype_name, impls, label=''):
     fwd_bwd = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1))))
     row = [f'kimijax {impl}{label}']
     calls = ((fwd, args), (fwd_bwd, (do,) + args))
-    for f, f_args in calls:
-      try:
-        row.append('%.2f (%.2f)' % _time(lambda f=f, a=f_args: f(*a), FLAGS.repeats, FLAGS.warmup, sync))
-      except NotImplementedError as e:
-        row.append('not built yet')
-        del e
-      except Exception as e:  # noqa: BLE001 - e.g. out of memory for the recurrence's backward
-        row.append(f'failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}')
+    try:
+      row += _cells([lambda f=f, a=f_args: f(*a) for f, f_args in calls], sync)
+    except NotImplementedError:
+      row.append('not built yet')
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory for the recurrence's backward
+      row.append(f'failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}')
     rows.append(row)
     _print_row(row)
     if FLAGS.kernels and impl == 'pallas' and jax.default_backend() == 'gpu':
@@ -258,9 +266,8 @@ def _short_conv_rows(shape, dtype_name):
     fn = lambda x, w, impl=impl: sc.short_conv(x, w, 'silu_l2', impl=impl)[0]
     loss = lambda x, w, dy, fn=fn: jnp.sum(fn(x, w).astype(jnp.float32) * dy.astype(jnp.float32))
     calls = ((jax.jit(fn), (x, w)), (jax.jit(jax.grad(loss, argnums=(0, 1))), (x, w, dy)))
-    row = [f'short_conv {impl} (silu_l2)' + (f' [{text}]' if text else '')] + [
-        '%.2f (%.2f)' % _time(lambda f=f, a=a: f(*a), FLAGS.repeats, FLAGS.warmup, jax.block_until_ready)
-        for f, a in calls]
+    row = [f'short_conv {impl} (silu_l2)' + (f' [{text}]' if text else '')] + _cells(
+        [lambda f=f, a=a: f(*a) for f, a in calls], jax.block_until_ready)
     rows.append(row)
     _print_row(row)
     if FLAGS.kernels and jax.default_backend() == 'gpu':
@@ -300,8 +307,7 @@ def _fla_rows(shape):
     o, _ = chunk_kda(q, k, v, g, beta)
     return torch.autograd.grad(o, (q, k, v, g, beta), do)
 
-  _print_row(['fla chunk_kda (Triton, bf16)'] + ['%.2f (%.2f)' % _time(f, FLAGS.repeats, FLAGS.warmup, sync)
-                                                 for f in (fwd, fwd_bwd)])
+  _print_row(['fla chunk_kda (Triton, bf16)'] + _cells((fwd, fwd_bwd), sync))
   if FLAGS.kernels:
     for direction, f in (('forward', fwd), ('forward+backward', fwd_bwd)):
       _print_kernels(f'fla {direction}', _torch_kernel_ms(f))
@@ -318,9 +324,10 @@ def main(argv):
         f'device {device.device_kind} x{jax.device_count()}; host {platform.processor() or platform.machine()}')
   print(f'command: python {" ".join(sys.argv)}')
   print(f'shape B={shape[0]} T={shape[1]} H={shape[2]} K=V={shape[3]}; inputs {dtype} (g float32); '
-        f'chunk_size {FLAGS.chunk_size}; median (min) of {FLAGS.repeats} calls in ms\n')
-  print('| implementation | forward ms | forward+backward ms |')
-  print('|---|---|---|', flush=True)
+        f'chunk_size {FLAGS.chunk_size}; median (min) of {FLAGS.repeats} calls in ms, each waited for; '
+        f'queued: the mean of {FLAGS.repeats} calls issued back to back and waited for once\n')
+  print('| implementation | forward ms | forward+backward ms | forward, queued ms | forward+backward, queued ms |')
+  print('|---|---|---|---|---|', flush=True)
   from kernels_pallas.common import parse_tiles, with_defaults
   from kernels_pallas.kda import op
   defaults = dict(op.TILES)     # every --kda_tiles entry checked before anything runs

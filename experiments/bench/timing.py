@@ -2,7 +2,9 @@
 asynchronous dispatch does not hide it.
 
 `call_ms` times single calls (each one waited for): the median and minimum of `repeats` calls
-after `warmup` untimed ones (the first call compiles). `loop_ms` times a loop whose steps feed
+after `warmup` untimed ones (the first call compiles). `queued_ms` times the same calls queued
+back to back and waited for once, as a training step queues its layers: the device time per call
+without the host's per-call dispatch and wait. `loop_ms` times a loop whose steps feed
 each other (a train step's state, a decode step's cache): it waits only at the ends, so the host
 queues step n + 1 while the device runs step n, as in training.
 """
@@ -41,6 +43,21 @@ def call_ms(fn: Callable[[], Any], *, repeats: int = 10, warmup: int = 2,
   """(median, min) milliseconds per call of fn(); see call_times_ms."""
   times = call_times_ms(fn, repeats=repeats, warmup=warmup, sync=sync)
   return statistics.median(times), min(times)
+
+
+def queued_ms(fn: Callable[[], Any], *, repeats: int = 10, warmup: int = 2,
+              sync: Callable[[Any], Any] = _block) -> float:
+  """Mean milliseconds per call of `repeats` independent calls fn() issued back to back, with
+  sync only on the last result (the device runs them in order), after `warmup` waited calls."""
+  if repeats < 1:
+    raise ValueError(f'repeats={repeats} must be >= 1')
+  for _ in range(warmup):
+    sync(fn())
+  start = time.perf_counter()
+  for _ in range(repeats):
+    out = fn()
+  sync(out)
+  return (time.perf_counter() - start) / repeats * 1e3
 
 
 def loop_ms(step: Callable[[Any], Any], carry: Any, *, steps: int, warmup: int = 1) -> tuple[float, Any]:
