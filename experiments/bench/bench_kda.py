@@ -80,8 +80,12 @@ def _log_decay(key, shape):
   return -jnp.exp(jax.random.uniform(key, shape, jnp.float32, -7.0, FLAGS.gate_log_max))
 
 
+HEADER = ('implementation', 'forward ms', 'forward+backward ms', 'forward, queued ms', 'forward+backward, queued ms')
+
+
 def _print_row(row):
-  print('| ' + ' | '.join(row) + ' |', flush=True)
+  """One Markdown table row, its missing cells left empty."""
+  print('| ' + ' | '.join(list(row) + [''] * (len(HEADER) - len(row))) + ' |', flush=True)
 
 
 def _jax_rows(shape, dtype_name, impls, label=''):
@@ -173,9 +177,9 @@ def _torch_kernel_ms(call):
 
 def _print_kernels(what, kernels):
   """Rows 'what: kernel | ms' (the sum first), in the timing table's columns."""
-  _print_row([f'{what}: all kernels', '%.3f' % sum(ms for _, ms in kernels), ''])
+  _print_row([f'{what}: all kernels', '%.3f' % sum(ms for _, ms in kernels)])
   for name, ms in kernels:
-    _print_row([f'{what}: {name[:80]}', '%.3f' % ms, ''])
+    _print_row([f'{what}: {name[:80]}', '%.3f' % ms])
 
 
 def _stage_rows(shape, dtype_name):
@@ -240,7 +244,7 @@ def _stage_rows(shape, dtype_name):
             ('chunk_cotangents', lambda: cot(hs, dh, do, dv_new, v_new)),
             ('wy_backward', lambda: wy_back(t_inv, dw, dv_new, k, v, gc, beta)),
             ('scores_bwd', lambda: sbwd(q, k, gc, beta, qg, kg, f32(aqk), n, f32(k), gc, beta))]
-  return [[f'pallas stage: {name}', '%.2f (%.2f)' % _time(fn, FLAGS.repeats, FLAGS.warmup, sync), '']
+  return [[f'pallas stage: {name}', '%.2f (%.2f)' % _time(fn, FLAGS.repeats, FLAGS.warmup, sync)]
           for name, fn in stages]
 
 
@@ -284,9 +288,9 @@ def _fla_rows(shape):
     import torch
     from fla.ops.kda import chunk_kda
   except ImportError as e:
-    return _print_row(['fla chunk_kda', f'skipped ({e})', ''])
+    return _print_row(['fla chunk_kda', f'skipped ({e})'])
   if not torch.cuda.is_available():
-    return _print_row(['fla chunk_kda', 'skipped (no CUDA device for PyTorch)', ''])
+    return _print_row(['fla chunk_kda', 'skipped (no CUDA device for PyTorch)'])
   b, t, h, d = shape
   gen = torch.Generator(device='cuda').manual_seed(0)
   randn = lambda *s: torch.randn(*s, device='cuda', generator=gen)
@@ -326,8 +330,8 @@ def main(argv):
   print(f'shape B={shape[0]} T={shape[1]} H={shape[2]} K=V={shape[3]}; inputs {dtype} (g float32); '
         f'chunk_size {FLAGS.chunk_size}; median (min) of {FLAGS.repeats} calls in ms, each waited for; '
         f'queued: the mean of {FLAGS.repeats} calls issued back to back and waited for once\n')
-  print('| implementation | forward ms | forward+backward ms | forward, queued ms | forward+backward, queued ms |')
-  print('|---|---|---|---|---|', flush=True)
+  _print_row(HEADER)
+  _print_row(['---'] * len(HEADER))
   from kernels_pallas.common import parse_tiles, with_defaults
   from kernels_pallas.kda import op
   defaults = dict(op.TILES)     # every --kda_tiles entry checked before anything runs
