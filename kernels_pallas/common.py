@@ -9,6 +9,11 @@ callers override some keys (`with_defaults`), benchmarks read them from a flag (
 from __future__ import annotations
 
 import jax
+# Imported for its side effect only: it registers a config option that is part of jit's trace
+# context. Pallas's CPU interpreter imports it during a first trace, after jit has keyed that
+# call, so every jitted function holding an interpreted kernel would trace and compile again on
+# its second call.
+import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 

@@ -6,6 +6,11 @@ XLA chunk form at the benchmark shape. Errors are relative RMSE over a whole ten
 tests measure them.
 """
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,6 +170,24 @@ def test_state_pass_settings_at_the_benchmark_shapes():
   assert op.state_stages('state_fwd', 8, 16, 128, 128, 64, 2) == 3
   assert op.state_stages('state_fwd', 8, 16, 128, 128, 64, 4) == 1
   assert op.state_stages('state_bwd', 1, 16, 128, 128, 64, 4) == 1
+
+
+def test_interpreted_op_traces_once_in_a_fresh_process():
+  """The second call of a jitted function holding interpreted kernels reuses the first call's
+  trace: jit's trace context is complete before the first trace (kernels_pallas/common.py
+  imports the Pallas module that the interpreter would import during it). A fresh interpreter,
+  since any earlier interpreted call in this one would already have imported it."""
+  code = ('import jax, jax.numpy as jnp\n'
+          'from kimijax.ops.kda import kda\n'
+          'x = jnp.ones((1, 16, 1, 16)); g = jnp.full((1, 16, 1, 16), -0.1)\n'
+          "f = jax.jit(lambda x, g: kda(x, x, x, g, jnp.ones((1, 16, 1)), impl='pallas')[0])\n"
+          'f(x, g).block_until_ready(); f(x, g).block_until_ready()\n'
+          'print(f._cache_size())\n')
+  root = pathlib.Path(__file__).resolve().parents[2]
+  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(root))
+  proc = subprocess.run([sys.executable, '-c', code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split()[-1] == '1'
 
 
 GATE_NAMES = NAMES[:3] + ('f', 'beta', 'initial_state', 'a_log', 'dt_bias')
