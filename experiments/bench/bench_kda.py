@@ -21,7 +21,10 @@ kernel's device time in forward+backward). --kda_tiles times impl='pallas' under
 settings of its TILES (with --stages, its stages too). Each figure is the median (and min) of
 --repeats timed calls after --warmup calls, each call waited for; the 'queued' columns are the
 mean of --repeats calls issued back to back and waited for once, the time per call when the host
-runs ahead of the device, as in training (timing.queued_ms). Prints a Markdown table.
+runs ahead of the device, as in training (timing.queued_ms). --timeline=N traces N waited calls
+of impl='pallas' and splits each one's wall time into its kernels and the time between and
+around them, with the host's events inside it: where a waited call's time outside the kernels
+goes. Prints a Markdown table.
 """
 
 import datetime
@@ -53,6 +56,10 @@ flags.DEFINE_bool('gated', False, 'call the op as the KDA layer does: with the d
 flags.DEFINE_bool('kernels', False, "on a GPU: also the device time of each kernel inside one call of "
                   "'pallas' (jax.profiler) and of fla (torch.profiler), forward and forward+backward, "
                   'averaged over --repeats calls: where the two implementations differ')
+flags.DEFINE_integer('timeline', 0, "trace this many synchronised calls of impl='pallas' (forward, then "
+                     'forward+backward) and split each one\'s wall time into its kernels, the time before the '
+                     'first, the gaps between them and the time after the last, with the idle gaps and host '
+                     'events of 20 us or more (experiments/tools/profile_summary.call_timelines)')
 flags.DEFINE_bool('short_conv', False, "also time the KDA layer's short conv + SiLU + L2 norm "
                   '(kimijax.ops.short_conv, one of q, k, v at the same shape) under each of its impls')
 flags.DEFINE_list('conv_tiles', [''], "with --short_conv: settings of kernels_pallas.short_conv.conv.TILES "
@@ -139,6 +146,9 @@ def _jax_rows(shape, dtype_name, impls, label=''):
     if FLAGS.kernels and impl == 'pallas' and jax.default_backend() == 'gpu':
       for direction, (f, f_args) in zip(('forward', 'forward+backward'), calls):
         _print_kernels(f'kimijax {impl}{label} {direction}', _jax_kernel_ms(lambda f=f, a=f_args: f(*a)))
+    if FLAGS.timeline and impl == 'pallas':
+      for direction, (f, f_args) in zip(('forward', 'forward+backward'), calls):
+        _print_timeline(f'kimijax {impl}{label} {direction}', lambda f=f, a=f_args: f(*a))
   return rows
 
 
@@ -158,6 +168,34 @@ def _jax_kernel_ms(call):
       jax.block_until_ready(out)
     events = profile_summary.read_device_events(profile_summary.newest_trace(directory))
   return profile_summary.summarise(events, FLAGS.repeats)[1]
+
+
+def _print_timeline(what, call):
+  """--timeline synchronised calls of call() under jax.profiler, one TraceAnnotation each: a row
+  per call splitting its wall time (profile_summary.call_timelines), then one per idle gap between
+  its kernels and per host event inside it, of 20 us or more (ms, from the call's start)."""
+  import tempfile
+
+  import jax
+
+  from experiments.tools import profile_summary
+  jax.block_until_ready(call())
+  with tempfile.TemporaryDirectory() as directory:
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+      for i in range(FLAGS.timeline):
+        with jax.profiler.TraceAnnotation(f'timeline call {i + 1}'):
+          jax.block_until_ready(call())
+    trace = profile_summary.read_trace(profile_summary.newest_trace(directory))
+  ms = lambda us: '%.3f' % (us / 1e3)
+  for c in profile_summary.call_timelines(trace, 'timeline call ', min_us=20.0):
+    at = f'{what}, {c["name"][len("timeline "):]}'
+    _print_row([f'{at}: wall', ms(c['span_us']), f'kernels {ms(c["kernel_us"])}, before the first '
+                f'{ms(c["lead_us"])}, between {ms(c["gaps_us"])}, after the last {ms(c["tail_us"])}'])
+    for start, _, gap, name in c['kernels']:
+      if gap >= 20.0:
+        _print_row([f'{at}: idle before {name[:60]} (at +{ms(start)})', ms(gap)])
+    for start, dur, name in c['host']:
+      _print_row([f'{at}: host {name[:60]} (at +{ms(start)})', ms(dur)])
 
 
 def _torch_kernel_ms(call):

@@ -14,6 +14,9 @@ for each kind (matmul, attention, collective, custom call, other fusion or kerne
 `--top` names. Device events can overlap (several streams), so the sum can exceed the step time.
 A CPU trace has no device process and is refused. With --hlo_dump, each listed op also shows the
 op_name and source line XLA recorded for it in the newest optimised train-step module of the dump.
+
+call_timelines splits annotated, synchronised calls of a trace into their kernels, the idle time
+around and between them, and the host's events inside them (bench_kda.py --timeline).
 """
 
 from __future__ import annotations
@@ -60,8 +63,43 @@ def device_events(trace: dict) -> list[dict]:
 
 def read_device_events(path: str) -> list[dict]:
   """device_events of a perfetto_trace.json.gz file."""
+  return device_events(read_trace(path))
+
+
+def read_trace(path: str) -> dict:
   with gzip.open(path) as f:
-    return device_events(json.load(f))
+    return json.load(f)
+
+
+def call_timelines(trace: dict, prefix: str, min_us: float = 15.0) -> list[dict]:
+  """For each host event whose name starts with `prefix` (a jax.profiler.TraceAnnotation around
+  one synchronised call), in order: its host span and what happened inside it, in us from its
+  start. 'host': (offset, duration, name) of the other host events of at least min_us;
+  'kernels': (offset, duration, gap since the previous kernel, name) of the device events that
+  start inside the span; 'kernel_us' their sum, 'lead_us' the time before the first, 'gaps_us'
+  the idle time between them, 'tail_us' the time from the last one's end to the span's end."""
+  events = trace['traceEvents'] if isinstance(trace, dict) else trace
+  on_device = {id(e) for e in device_events(trace)}
+  host = [e for e in events if e.get('ph') == 'X' and id(e) not in on_device]
+  kernels = sorted((e for e in events if id(e) in on_device), key=lambda e: e['ts'])
+  out = []
+  for call in sorted((e for e in host if e['name'].startswith(prefix)), key=lambda e: e['ts']):
+    start, end = call['ts'], call['ts'] + call['dur']
+    inside = [e for e in kernels if start <= e['ts'] <= end]
+    timeline, last_end, gaps = [], None, 0.0
+    for e in inside:
+      gap = 0.0 if last_end is None else max(0.0, e['ts'] - last_end)
+      gaps += gap
+      timeline.append((e['ts'] - start, e['dur'], gap, e['name']))
+      last_end = e['ts'] + e['dur'] if last_end is None else max(last_end, e['ts'] + e['dur'])
+    out.append({
+        'name': call['name'], 'span_us': call['dur'],
+        'host': [(e['ts'] - start, e['dur'], e['name']) for e in sorted(host, key=lambda e: e['ts'])
+                 if e is not call and start <= e['ts'] <= end and e['dur'] >= min_us],
+        'kernels': timeline, 'kernel_us': sum(e['dur'] for e in inside),
+        'lead_us': inside[0]['ts'] - start if inside else call['dur'], 'gaps_us': gaps,
+        'tail_us': end - last_end if inside else 0.0})
+  return out
 
 
 def summarise(events: list[dict], steps: int) -> tuple[dict, list[tuple[str, float]]]:

@@ -68,3 +68,27 @@ def test_hlo_origins_name_the_jax_operation_of_each_fusion(tmp_path):
   assert origins == {'loop_add_fusion_18': 'jit(train_step)/jvp(Model)/layer_3/kda/add (kda.py:120)'}
   with pytest.raises(SystemExit, match='no optimised train-step HLO'):
     profile_summary.hlo_origins(str(tmp_path / 'missing'))
+
+
+def test_call_timelines_split_each_call_into_kernels_gaps_and_host_events():
+  """Two annotated calls on a hand-made trace: each one's kernels (offsets from the call's start,
+  gaps since the previous kernel), the time before the first and after the last, and the host
+  events inside it of at least min_us; events outside a call's span belong to no call."""
+  meta = lambda pid, name: {'ph': 'M', 'name': 'process_name', 'pid': pid, 'args': {'name': name}}
+  x = lambda pid, name, ts, dur: {'ph': 'X', 'pid': pid, 'tid': 1, 'ts': ts, 'dur': dur, 'name': name}
+  trace = {'traceEvents': [
+      meta(1, '/host:CPU'), meta(2, '/device:GPU:0'),
+      x(1, 'call 2', 5000.0, 600.0), x(1, 'call 1', 1000.0, 1000.0),
+      x(1, 'PjitFunction(fwd)', 1010.0, 40.0), x(1, 'short host event', 1060.0, 5.0),
+      x(1, 'ConditionalThunk wait', 1300.0, 200.0),
+      x(2, 'kda_scores_fwd', 1550.0, 300.0), x(2, 'kda_chunk_cumsum', 1100.0, 150.0),
+      x(2, 'any_steep_fusion', 1250.0, 50.0), x(2, 'kda_state_fwd', 1900.0, 60.0),
+      x(2, 'outside every call', 3000.0, 10.0), x(2, 'kda_chunk_cumsum', 5100.0, 400.0)]}
+  first, second = profile_summary.call_timelines(trace, 'call ', min_us=15.0)
+  assert first['name'] == 'call 1' and first['span_us'] == 1000.0
+  assert first['kernels'] == [(100.0, 150.0, 0.0, 'kda_chunk_cumsum'), (250.0, 50.0, 0.0, 'any_steep_fusion'),
+                              (550.0, 300.0, 250.0, 'kda_scores_fwd'), (900.0, 60.0, 50.0, 'kda_state_fwd')]
+  assert first['host'] == [(10.0, 40.0, 'PjitFunction(fwd)'), (300.0, 200.0, 'ConditionalThunk wait')]
+  assert (first['kernel_us'], first['lead_us'], first['gaps_us'], first['tail_us']) == (560.0, 100.0, 300.0, 40.0)
+  assert second['kernels'] == [(100.0, 400.0, 0.0, 'kda_chunk_cumsum')] and second['host'] == []
+  assert (second['lead_us'], second['tail_us']) == (100.0, 100.0)
