@@ -11,8 +11,9 @@ Ladders (NAME):
   gpu_attnres  the gpu rungs x {standard, block AttnRes (one block per layer, the Pallas kernels)};
                standard = gpu's adamw rungs (copy runs/ladder_gpu/adamw to DIR/standard to reuse them)
   gpu_hybrid   the gpu rungs x {all attention, 3:1 KDA:attention}; KDA runs the fused Pallas kernels
-               (0.70x fla's forward+backward time on the H200 at (8, 4096, 16, 128)); 7 of the 10
-               rungs took 6.4 min of wall time on one H200 (experiments/results/ladder_hybrid.md);
+               (0.71x fla's forward+backward time on the H200 at (8, 4096, 16, 128)); the 10 rungs
+               took 18.7 min of wall time on one H200, the hybrid 1.63x [0.90, 3.29] attention's
+               compute at the largest rungs' loss (experiments/results/ladder_hybrid.md);
                depth 4 * ceil(d / 256) so that every rung holds whole 'KKKA' groups
 
 Rule for every ladder: width d sets the rest. Depth = d / 64 layers (smoke: d / 16), heads = d / 64
