@@ -67,6 +67,7 @@ def read_device_events(path: str) -> list[dict]:
 
 
 def read_trace(path: str) -> dict:
+  """A perfetto_trace.json.gz file's JSON."""
   with gzip.open(path) as f:
     return json.load(f)
 
