@@ -152,9 +152,9 @@ def _jax_rows(shape, dtype_name, impls, label=''):
   return rows
 
 
-def _jax_kernel_ms(call):
-  """[(kernel name, device ms per call)] of call() under jax.profiler, --repeats calls after one
-  untimed one, longest first (experiments/tools/profile_summary.py reads the trace)."""
+def _profiled(call, run):
+  """The perfetto trace (profile_summary.read_trace) of run() under jax.profiler, after one
+  untimed call() outside it (the first call compiles)."""
   import tempfile
 
   import jax
@@ -163,10 +163,23 @@ def _jax_kernel_ms(call):
   jax.block_until_ready(call())
   with tempfile.TemporaryDirectory() as directory:
     with jax.profiler.trace(directory, create_perfetto_trace=True):
-      for _ in range(FLAGS.repeats):
-        out = call()
-      jax.block_until_ready(out)
-    events = profile_summary.read_device_events(profile_summary.newest_trace(directory))
+      run()
+    return profile_summary.read_trace(profile_summary.newest_trace(directory))
+
+
+def _jax_kernel_ms(call):
+  """[(kernel name, device ms per call)] of call() under jax.profiler, --repeats calls after one
+  untimed one, longest first (experiments/tools/profile_summary.py reads the trace)."""
+  import jax
+
+  from experiments.tools import profile_summary
+
+  def run():
+    for _ in range(FLAGS.repeats):
+      out = call()
+    jax.block_until_ready(out)
+
+  events = profile_summary.device_events(_profiled(call, run))
   return profile_summary.summarise(events, FLAGS.repeats)[1]
 
 
@@ -174,18 +187,16 @@ def _print_timeline(what, call):
   """--timeline synchronised calls of call() under jax.profiler, one TraceAnnotation each: a row
   per call splitting its wall time (profile_summary.call_timelines), then one per idle gap between
   its kernels and per host event inside it, of 20 us or more (ms, from the call's start)."""
-  import tempfile
-
   import jax
 
   from experiments.tools import profile_summary
-  jax.block_until_ready(call())
-  with tempfile.TemporaryDirectory() as directory:
-    with jax.profiler.trace(directory, create_perfetto_trace=True):
-      for i in range(FLAGS.timeline):
-        with jax.profiler.TraceAnnotation(f'timeline call {i + 1}'):
-          jax.block_until_ready(call())
-    trace = profile_summary.read_trace(profile_summary.newest_trace(directory))
+
+  def run():
+    for i in range(FLAGS.timeline):
+      with jax.profiler.TraceAnnotation(f'timeline call {i + 1}'):
+        jax.block_until_ready(call())
+
+  trace = _profiled(call, run)
   ms = lambda us: '%.3f' % (us / 1e3)
   for c in profile_summary.call_timelines(trace, 'timeline call ', min_us=20.0):
     at = f'{what}, {c["name"][len("timeline "):]}'

@@ -81,10 +81,10 @@ def call_timelines(trace: dict, prefix: str, min_us: float = 15.0) -> list[dict]
   the idle time between them, 'tail_us' the time from the last one's end to the span's end."""
   events = trace['traceEvents'] if isinstance(trace, dict) else trace
   on_device = {id(e) for e in device_events(trace)}
-  host = [e for e in events if e.get('ph') == 'X' and id(e) not in on_device]
+  host = sorted((e for e in events if e.get('ph') == 'X' and id(e) not in on_device), key=lambda e: e['ts'])
   kernels = sorted((e for e in events if id(e) in on_device), key=lambda e: e['ts'])
   out = []
-  for call in sorted((e for e in host if e['name'].startswith(prefix)), key=lambda e: e['ts']):
+  for call in (e for e in host if e['name'].startswith(prefix)):
     start, end = call['ts'], call['ts'] + call['dur']
     inside = [e for e in kernels if start <= e['ts'] <= end]
     timeline, last_end, gaps = [], None, 0.0
@@ -95,7 +95,7 @@ def call_timelines(trace: dict, prefix: str, min_us: float = 15.0) -> list[dict]
       last_end = e['ts'] + e['dur'] if last_end is None else max(last_end, e['ts'] + e['dur'])
     out.append({
         'name': call['name'], 'span_us': call['dur'],
-        'host': [(e['ts'] - start, e['dur'], e['name']) for e in sorted(host, key=lambda e: e['ts'])
+        'host': [(e['ts'] - start, e['dur'], e['name']) for e in host
                  if e is not call and start <= e['ts'] <= end and e['dur'] >= min_us],
         'kernels': timeline, 'kernel_us': sum(e['dur'] for e in inside),
         'lead_us': inside[0]['ts'] - start if inside else call['dur'], 'gaps_us': gaps,
