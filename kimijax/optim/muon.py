@@ -48,7 +48,7 @@ Schulz always sees whole matrices: orthogonalise_all stacks same-shaped matrices
 stack over the devices, so each device orthogonalises its share of whole matrices, instead of
 every rank repeating all of them as in Moonlight's Algorithm 1 (optimizer.muon_split_matrices;
 False orthogonalises each parameter in its own layout and leaves the sharding to XLA).
-tests/test_muon.py checks that the sharded update equals the one-device update;
+tests/optim/test_muon.py checks that the sharded update equals the one-device update;
 experiments/results/muon_distributed.md has the 2-GPU cost.
 """
 

@@ -94,7 +94,7 @@ def test_clipped_heads_reach_tau_and_others_are_untouched(variant):
 
 def test_mla_clip_reaches_tau_and_leaves_shared_rope_key_untouched():
   """MLA (SPEC §3): q_nope, k_nope by sqrt(gamma), q_rope by gamma, k_rope untouched; the
-  recomputed (float64, tests/test_mla.py's transcription) max logit of a clipped head is tau."""
+  recomputed (float64, tests/layers/test_mla.py's transcription) max logit of a clipped head is tau."""
   from kimijax.layers.mla import MultiHeadLatentAttention
   cfg = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=10)
   layer = MultiHeadLatentAttention(4, init_std=0.3, **cfg)
@@ -201,6 +201,6 @@ def test_muonclip_train_step_sharded_matches_one_device():
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(ref_params), jax.tree.leaves(params)):
     # Relative Frobenius error per parameter: AdamW's per-element normalisation lets entries with
-    # ~0 gradient differ by a fraction of a step under another summation order (tests/test_sharding.py).
+    # ~0 gradient differ by a fraction of a step under another summation order (tests/parallel/test_sharding.py).
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert err < 1e-5, (jax.tree_util.keystr(path), err)
