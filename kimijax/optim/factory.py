@@ -25,7 +25,8 @@ from kimijax.optim.routing import ADAMW, Routing
 
 def make_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   """Linear warmup, then 'cosine' decay, 'wsd' (stable, then linear decay over the last
-  decay_fraction of the steps) or 'constant'; all end at min_lr_ratio * learning_rate."""
+  decay_fraction of the steps), both ending at min_lr_ratio * learning_rate, or 'constant' (the peak
+  to the end)."""
   o, steps = config.optimizer, config.train.steps
   peak, floor = o.learning_rate, o.learning_rate * o.min_lr_ratio
   warmup = min(o.warmup_steps, steps)
