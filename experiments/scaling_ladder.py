@@ -310,8 +310,9 @@ def run_ladder(ladder: ml_collections.ConfigDict, workdir: str | pathlib.Path, *
 
 def define_flags():
   from absl import flags
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file('config', None, 'configs/ladder.py:NAME', lock_config=True)
+  from kimijax.config import define_config_flag
+  define_config_flag('config', None, 'the ladder, configs/ladder.py:NAME (--config.base.a.b=v overrides a key '
+                     'of every rung).')
   flags.DEFINE_string('workdir', None, 'output folder: <variant>/<rung>/ runs, ladder.json, ladder.md, ladder.png')
   flags.DEFINE_list('variants', [], "variants to run (default: all); the report covers every finished one")
   flags.DEFINE_float('time_budget_s', None, 'start no rung that would end past this many seconds')
@@ -326,9 +327,10 @@ def main(argv):
   del argv
   from absl import flags
   from experiments.cli import user_errors
+  from kimijax.config import config_from_flags
   with user_errors():
     f = flags.FLAGS
-    run_ladder(f.config, f.workdir, variants=f.variants or None, time_budget_s=f.time_budget_s, publish=f.publish,
+    run_ladder(config_from_flags('config', validate=False), f.workdir, variants=f.variants or None, time_budget_s=f.time_budget_s, publish=f.publish,
                drop_checkpoints=f.drop_finished_checkpoints, report_only=f.report_only)
 
 

@@ -162,11 +162,12 @@ SCHEMA = {
         'grad_clip': Key(1.0, 'global-norm clip; 0 disables', bounds=NON_NEGATIVE),
         'plot': Key(True, 'loss-curve PNG in the workdir at the end'),
         'log_attnres': Key(False, 'log per-sublayer depth-attention weights (AttnRes) and input/output RMS'),
-        'log_max_logits': Key(True, "log each attention layer's per-head max logit (docs/attention.md); False: no max-logit "
-                              "work runs, unless QK-Clip (optimizer.name='muonclip') needs them"),
+        'log_max_logits': Key(True, "log each attention layer's per-head max logit (docs/attention.md); False: "
+                              "no max-logit work runs, unless QK-Clip (optimizer.name='muonclip') needs them"),
     },
     'optimizer': {
-        'name': Key('adamw', "'muon' (Moonlight) or 'muonclip' (muon + QK-Clip); docs/optimizers.md", allowed=('adamw', 'muon', 'muonclip')),
+        'name': Key('adamw', "'muon' (Moonlight) or 'muonclip' (muon + QK-Clip); docs/optimizers.md",
+                    allowed=('adamw', 'muon', 'muonclip')),
         'learning_rate': Key(3e-3, 'shared by AdamW and both sides of muon', bounds=POSITIVE),
         'weight_decay': Key(0.1, 'decoupled (x lr); muon decays every parameter, adamw only matrices',
                             bounds=NON_NEGATIVE),
@@ -301,7 +302,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 # ----------------------------------------------------------------------------- config files
 
 
-def apply_variants(config: ml_collections.ConfigDict, variants: Mapping[str, Callable[[ml_collections.ConfigDict], Any]],
+def apply_variants(config: ml_collections.ConfigDict, variants: Mapping[str, Callable[[Any], Any]],
                    names: str | None) -> ml_collections.ConfigDict:
   """config with the comma-separated variant `names` applied, in the order `variants` lists them
   (so that ':a,b' and ':b,a' are one config). A config file declares its variants as
@@ -382,47 +383,40 @@ def load(spec: str, overrides: Mapping[str, Any] | None = None) -> ml_collection
   """The validated config of a config file. spec: 'FILE[:VARIANT[,VARIANT...]]' (the variants the
   file's VARIANTS name), FILE found from the working directory or else the repository root;
   overrides: {'a.b': value}, a string parsed as the key's type as on the command line
-  ({'train.steps': '1e3'}). Any mistake is one ConfigError naming the file, variant or key."""
-  return validate(load_file(spec, overrides))
-
-
-class ConfigFlag:
-  """--NAME=FILE[:VARIANT,...] and its --NAME.a.b=VALUE overrides as absl flags; `.load()` gives
-  the config (call it inside the script's error handling: its mistakes are ConfigErrors)."""
-
-  def __init__(self, name: str, default: str | None, help_string: str, flag_values=None):
-    from absl import flags
-    self.name, self.flag_values = name, flag_values or flags.FLAGS
-    flags.DEFINE_string(name, default, help_string + ' Override any key with --'
-                        f'{name}.KEY=VALUE (e.g. --{name}.train.steps=1e3).', flag_values=self.flag_values)
-    # absl knows no flag patterns: each --NAME.a.b on this command line becomes a string flag,
-    # parsed by the key's type when the config is loaded.
-    self.paths = []
-    for arg in sys.argv[1:]:
-      if arg == '--':
-        break
-      match = re.match(rf'--{re.escape(name)}\.([\w.]+)(=|$)', arg)
-      if match and match.group(1) not in self.paths:
-        self.paths.append(match.group(1))
-        flags.DEFINE_string(f'{name}.{match.group(1)}', None, f'override of config key {match.group(1)}',
-                            flag_values=self.flag_values)
-
-  @property
-  def spec(self) -> str | None:
-    return self.flag_values[self.name].value
-
-  def overrides(self) -> dict[str, str]:
-    return {p: self.flag_values[f'{self.name}.{p}'].value for p in self.paths}
-
-  def load(self, *, validate: bool = True) -> ml_collections.ConfigDict:
-    """The config of --NAME with the overrides (load, or load_file when validate=False)."""
-    if not self.spec:
-      raise ConfigError(f'--{self.name}=FILE[:VARIANT] is required')
-    return (load if validate else load_file)(self.spec, self.overrides())
+  ({'train.steps': '1e3'}). Any mistake is one ConfigError naming the file, variant or key. The
+  config comes locked: assigning a key that does not exist is an error."""
+  return validate(load_file(spec, overrides)).lock()
 
 
 def define_config_flag(name: str = 'config', default: str | None = None,
                        help_string: str = 'config file, FILE[:VARIANT[,VARIANT]] (the variants: its VARIANTS).',
-                       flag_values=None) -> ConfigFlag:
-  """Defines --NAME=FILE[:VARIANT] with --NAME.a.b=VALUE overrides (as run.py has them)."""
-  return ConfigFlag(name, default, help_string, flag_values)
+                       flag_values=None) -> None:
+  """Defines the absl flag --NAME=FILE[:VARIANT,...] and its --NAME.a.b=VALUE overrides, as run.py
+  has them; `config_from_flags(NAME)` loads the config once the flags are parsed."""
+  from absl import flags
+  flag_values = flag_values or flags.FLAGS
+  flags.DEFINE_string(name, default, f'{help_string} Override any key with --{name}.KEY=VALUE.',
+                      flag_values=flag_values)
+  # absl knows no flag patterns: each --NAME.a.b on this command line becomes a string flag, parsed
+  # as the key's type when the config is loaded.
+  for arg in sys.argv[1:]:
+    if arg == '--':
+      break
+    match = re.match(rf'--{re.escape(name)}\.([\w.]+)(=|$)', arg)
+    if match and f'{name}.{match.group(1)}' not in flag_values:
+      flags.DEFINE_string(f'{name}.{match.group(1)}', None, f'override of config key {match.group(1)}',
+                          flag_values=flag_values)
+
+
+def config_from_flags(name: str = 'config', *, validate: bool = True, flag_values=None) -> ml_collections.ConfigDict:
+  """The config of the parsed --NAME flag with its --NAME.a.b overrides: load(), or load_file()
+  with validate=False. Call it inside the script's error handling: mistakes are ConfigErrors."""
+  from absl import flags
+  flag_values = flag_values or flags.FLAGS
+  spec = flag_values[name].value
+  if not spec:
+    raise ConfigError(f'--{name}=FILE[:VARIANT] is required')
+  prefix = f'{name}.'
+  overrides = {flag[len(prefix):]: flag_values[flag].value for flag in flag_values
+               if flag.startswith(prefix) and flag_values[flag].present}
+  return (load if validate else load_file)(spec, overrides)

@@ -52,7 +52,7 @@ def _cases(tmp: pathlib.Path) -> dict:
       'prompt not utf-8': (gen + [os.fsdecode(b'--prompt=abc\xff\xfe')], '--prompt is not valid UTF-8'),
       'generate without a run': (gen, 'config.json not found'),
       'eval without a run': (run + ['--mode=eval', f'--workdir={no_run}'], 'config.json not found'),
-      'plot_attnres on a non-run': ([sys.executable, str(ROOT / 'experiments/plot_attnres.py'), f'--workdir={no_run}'],
+      'plot_attnres on a non-run': ([sys.executable, str(ROOT / 'experiments/tools/plot_attnres.py'), f'--workdir={no_run}'],
                                     f'--workdir={no_run}: {no_run}/config.json not found'),
       'nan stop': (run + ['--config=configs/default.py', f'--workdir={tmp}/nan'] + TINY_FLAGS
                    + ['--config.optimizer.learning_rate=1e6', '--config.train.grad_clip=0.0',
