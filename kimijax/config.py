@@ -394,7 +394,7 @@ def define_config_flag(name: str = 'config', default: str | None = None,
   """Defines the absl flag --NAME=FILE[:VARIANT,...] and its --NAME.a.b=VALUE overrides, as run.py
   has them; `config_from_flags(NAME)` loads the config once the flags are parsed."""
   from absl import flags
-  flag_values = flag_values or flags.FLAGS
+  flag_values = flags.FLAGS if flag_values is None else flag_values
   flags.DEFINE_string(name, default, f'{help_string} Override any key with --{name}.KEY=VALUE.',
                       flag_values=flag_values)
   # absl knows no flag patterns: each --NAME.a.b on this command line becomes a string flag, parsed
@@ -412,7 +412,7 @@ def config_from_flags(name: str = 'config', *, validate: bool = True, flag_value
   """The config of the parsed --NAME flag with its --NAME.a.b overrides: load(), or load_file()
   with validate=False. Call it inside the script's error handling: mistakes are ConfigErrors."""
   from absl import flags
-  flag_values = flag_values or flags.FLAGS
+  flag_values = flags.FLAGS if flag_values is None else flag_values
   spec = flag_values[name].value
   if not spec:
     raise ConfigError(f'--{name}=FILE[:VARIANT] is required')

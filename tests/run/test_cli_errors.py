@@ -120,14 +120,15 @@ def test_mode_config_prints_resolved_config_and_parameter_counts():
 
 
 def _allowed_variants(config_file: pathlib.Path) -> list[str]:
-  """The variants a config file accepts, from its own error for an unknown one."""
+  """The variants a config file accepts (its VARIANTS), which its error for an unknown one lists."""
   import importlib.util
   spec = importlib.util.spec_from_file_location(config_file.stem, config_file)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   with pytest.raises(ValueError) as info:
     module.get_config('__no_such_variant__')
-  return re.findall(r"'(\w+)'", str(info.value).split('allowed:', 1)[1])
+  assert re.findall(r"'(\w+)'", str(info.value).split('allowed:', 1)[1]) == list(module.VARIANTS)
+  return list(module.VARIANTS)
 
 
 @pytest.mark.parametrize('config_file', sorted((ROOT / 'configs').glob('*.py')), ids=lambda p: p.name)
