@@ -15,6 +15,8 @@ from kimijax import schema
 from kimijax.config import ConfigError, base_config, load, load_file, validate
 from kimijax.ops import attention as attention_ops, attnres as attnres_ops, kda as kda_ops, short_conv as short_conv_ops
 
+from tiny_config import TINY
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -149,9 +151,10 @@ def test_a_value_of_the_wrong_type_is_one_line_naming_the_key_and_the_type(text,
 
 @pytest.mark.parametrize('values,message', [
     ({'model.num_heads': 3}, 'model.num_heads=3 does not divide model.d_model=256'),
-    ({'model.d_model': 36, 'model.num_heads': 4}, "head_dim = model.d_model // model.num_heads = 9 must be even"),
+    ({'model.d_model': 36, 'model.num_heads': 4}, 'head_dim = model.d_model // model.num_heads = 9 must be even'),
     ({'model.num_kv_heads': 2}, "set model.attention_kind='gqa'"),
-    ({'model.attention_kind': 'gqa', 'model.num_kv_heads': 3}, 'model.num_kv_heads=3 does not divide model.num_heads=4'),
+    ({'model.attention_kind': 'gqa', 'model.num_kv_heads': 3},
+     'model.num_kv_heads=3 does not divide model.num_heads=4'),
     ({'model.mla_qk_rope_head_dim': 3}, 'model.mla_qk_rope_head_dim=3 must be even'),
     ({'model.residual': 'attnres_full', 'model.attnres_impl': 'pallas', 'model.attnres_key_norm': False},
      "model.attnres_key_norm=False needs model.attnres_impl='xla'"),
@@ -259,6 +262,53 @@ def test_the_config_flag_takes_a_file_variants_and_overrides(monkeypatch):
   empty(['prog'])
   with pytest.raises(ConfigError, match=r'--config=FILE\[:VARIANT\] is required'):
     config_lib.config_from_flags('config', flag_values=empty)
+
+
+# ----------------------------------------------------------------------------- errors through run.py
+
+
+BAD = [  # (override, fragments the one message must contain)
+    ({'model.foo': 1}, ['model.foo', "'d_model'", "'num_heads'"]),
+    ({'model.d_model': -64}, ['model.d_model', 'positive']),
+    ({'model.num_heads': 3}, ['model.num_heads', 'model.d_model']),
+    ({'optimizer.name': 'sgd'}, ['optimizer.name', "'adamw'"]),
+    ({'model.layer_pattern': 'AX'}, ['model.layer_pattern', "'X'", "'A'"]),
+]
+BAD_IDS = ['unknown_key', 'negative_d_model', 'heads_not_dividing', 'unknown_optimizer', 'unknown_layer_letter']
+
+
+@pytest.mark.parametrize('override,fragments', BAD, ids=BAD_IDS)
+def test_validate_rejects_bad_config(override, fragments):
+  c = base_config()
+  for key, value in override.items():
+    group, name = key.split('.')
+    c[group][name] = value                   # an unlocked ConfigDict accepts new keys
+  with pytest.raises(ConfigError) as info:
+    validate(c)
+  for fragment in fragments:
+    assert fragment in str(info.value), str(info.value)
+
+
+def run_py(workdir, flags):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}   # one CPU device, not 8 fake
+  env['JAX_PLATFORMS'] = 'cpu'
+  command = [sys.executable, str(ROOT / 'run.py'), '--config=' + str(ROOT / 'configs/default.py'),
+             f'--workdir={workdir}'] + [f'--config.{k}={v}' for k, v in flags.items()]
+  return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_run_py_rejects_bad_config_before_training(tmp_path):
+  procs = [(override, fragments, tmp_path / name, run_py(tmp_path / name, {**TINY, **override}))
+           for (override, fragments), name in zip(BAD, BAD_IDS)]   # all at once: each only starts up
+  for override, fragments, workdir, proc in procs:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, override
+    assert 'Traceback' not in err, err[-2000:]
+    lines = [l for l in err.splitlines() if 'ConfigError' in l]
+    assert len(lines) == 1, err[-2000:]                             # one message
+    for fragment in fragments:
+      assert fragment in lines[0], (override, lines[0])
+    assert not (workdir / 'checkpoints').exists() and not (workdir / 'metrics.jsonl').exists()
 
 
 def test_run_py_takes_integral_floats_and_names_a_bad_type_in_one_line():
