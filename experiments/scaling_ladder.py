@@ -26,10 +26,9 @@ L = E + A C^-alpha (experiments/ladder_fit.py), and writes
                     of both cover (marked when that needs extrapolation)
   DIR/ladder.png    eval loss against compute, log-log, rungs and fits per variant
 
-Expected (smoke, 2-core CPU shared with other jobs, 2026-12-01): 6 runs in 10 min; eval loss
-adamw 2.754 / 2.338 / 2.180 and muon 2.711 / 2.100 / 1.836 at d32 / d48 / d64, alpha 0.064 vs 0.106,
-and muon's multiplier over adamw in ladder.md (the report's "52% of the FLOPs" would read 1.92x);
-experiments/results/ladder_smoke.md.
+Expected (smoke, 2-core CPU): 6 runs in about 10 min, muon below adamw at every rung, and muon's
+multiplier over adamw in ladder.md (the Moonlight report's "52% of the FLOPs" would read 1.92x);
+every figure: experiments/results/ladder_smoke.md.
 """
 
 from __future__ import annotations
