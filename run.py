@@ -6,7 +6,8 @@
     python run.py --mode=config --config=configs/default.py[:variant] [--config.a.b=v]
                                                        # resolved config + parameter counts, no training
 
-Config files and their variants (--config=FILE:VARIANT; several: FILE:a,b where the file allows):
+Config files and their variants (--config=FILE:VARIANT, several as FILE:a,b; each file's VARIANTS;
+--config.a.b=v overrides any key, e.g. --config.train.steps=1e3):
     configs/default.py            gqa (grouped-query attention, 2 KV heads), nope (no positions)
     configs/kimi_linear_small.py  all_mla, all_kda, 1to1, 7to1, 15to1 (KDA:MLA ratios), no_gate,
                                   swish_gate, no_conv (KDA ablations), rope (rotate MLA's decoupled
@@ -23,17 +24,17 @@ with --coordinator_address=HOST:PORT --num_processes=N --process_id=I (or none o
 jax.distributed detects the cluster itself, e.g. under SLURM).
 """
 
-import importlib.util
 import os
 import pathlib
 import sys
 import threading
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-config_flags.DEFINE_config_file('config', None, 'ml_collections config file (path[:variant]); the '
-                                'files and their variants are listed above.', lock_config=True)
+from kimijax.config import define_config_flag
+
+define_config_flag('config', None, 'config file, FILE[:VARIANT[,VARIANT]]; the files and their variants are '
+                   'listed above.')
 flags.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, checkpoints/, tensorboard/, loss.png.')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for multi-process runs.')
 flags.DEFINE_integer('num_processes', None, 'Number of processes in a multi-process run.')
@@ -63,27 +64,30 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)   # orbax logs every save step at INFO
   import jax
+  from kimijax.config import ConfigError, config_from_flags
+  try:   # a mistake in the command stops here, before any process waits for the others or computes
+    if FLAGS.mode != 'config' and not FLAGS.workdir:
+      raise UsageError(f'--workdir=DIR is required for --mode={FLAGS.mode}')
+    if FLAGS.mode in ('train', 'config') and FLAGS.config is None:
+      raise ConfigError(f'--config=FILE[:variant] is required for --mode={FLAGS.mode}')
+    config = config_from_flags('config') if FLAGS.mode in ('train', 'config') else None
+  except (ConfigError, UsageError) as e:
+    sys.exit(f'{type(e).__name__}: {e}')
   if FLAGS.coordinator_address or FLAGS.distributed:
     if FLAGS.peer_timeout_s <= 0:
       sys.exit(f'UsageError: --peer_timeout_s={FLAGS.peer_timeout_s} must be positive')
     join_processes(jax)
 
-  from kimijax.config import ConfigError, validate
   from kimijax.data import DataError
   from kimijax.train.checkpoint import CheckpointError
   from kimijax.train.interrupt import Interrupted
   from kimijax.train.lock import WorkdirError
   from kimijax.train.loop import NonFiniteError, train
   try:   # these errors carry one message naming the key or path; a traceback would bury it
-    if FLAGS.mode != 'config' and not FLAGS.workdir:
-      raise UsageError(f'--workdir=DIR is required for --mode={FLAGS.mode}')
     if FLAGS.mode == 'generate':
       return generate_text()
     if FLAGS.mode == 'eval':
       return evaluate_run()
-    if FLAGS.config is None:
-      raise ConfigError(f'--config=FILE[:variant] is required for --mode={FLAGS.mode}')
-    config = validate(FLAGS.config)
     if FLAGS.mode == 'config':
       return print_config(config)
     summary = train(config, FLAGS.workdir)
@@ -207,27 +211,5 @@ def _fmt(x) -> str:
   return 'n/a' if x is None else f'{x:.4f}'
 
 
-def bad_config_file(argv: list[str]) -> str | None:
-  """The message for a --config file that does not exist or whose get_config(variant) fails
-  (an unknown variant), else None. Inside flag parsing either would end in a traceback."""
-  values = [a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')]
-  values += [argv[i + 1] for i, a in enumerate(argv[1:-1], 1) if a == '--config']
-  for value in values:
-    path, variant = value.split(':', 1) if ':' in value else (value, None)
-    if not pathlib.Path(path).is_file():
-      return f'ConfigError: config file {path!r} not found (from --config={value})'
-    spec = importlib.util.spec_from_file_location('_kimijax_config_check', path)
-    try:
-      module = importlib.util.module_from_spec(spec)
-      spec.loader.exec_module(module)
-      module.get_config(variant) if variant is not None else module.get_config()
-    except Exception as e:   # a config file's own error: its message is what the user needs
-      return f'ConfigError: --config={value}: {type(e).__name__}: {e}'
-  return None
-
-
 if __name__ == '__main__':
-  from kimijax.config import unknown_override
-  if message := unknown_override(sys.argv) or bad_config_file(sys.argv):
-    sys.exit(message)
   app.run(main)

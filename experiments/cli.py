@@ -22,10 +22,3 @@ def user_errors():
   except (ConfigError, DataError, CheckpointError, WorkflowError) as e:
     sys.exit(f'{type(e).__name__}: {e}')
 
-
-def exit_on_unknown_config_key(argv: list[str]) -> None:
-  """Before flag parsing: --config.a.b=v with a key outside kimijax's schema stops with a message
-  naming it (ml_collections would raise a bare AttributeError)."""
-  from kimijax.config import unknown_override
-  if message := unknown_override(argv):
-    sys.exit(message)

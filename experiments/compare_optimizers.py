@@ -15,14 +15,12 @@ three runs (experiments/results/compare_optimizers.md, made by an earlier versio
 
 from __future__ import annotations
 
-import sys
-
 from absl import app, flags
 
 
 def define_flags():
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file('config', None, 'config file (path[:arg])', lock_config=True)
+  from kimijax.config import define_config_flag
+  define_config_flag('config', None, 'config file, FILE[:VARIANT[,VARIANT]].')
   flags.DEFINE_list('optimizers', ['adamw', 'muon', 'muonclip'], 'optimizer.name values to compare')
   flags.DEFINE_integer('seeds', 1, 'runs per optimizer')
   flags.DEFINE_string('workdir', 'runs/compare_optimizers', 'output folder (runs/, sweep.md, ...)')
@@ -34,15 +32,15 @@ def main(argv):
   del argv
   from experiments import sweep
   from experiments.cli import user_errors
+  from kimijax.config import config_from_flags
   FLAGS = flags.FLAGS
   with user_errors():
-    axes = sweep.parse_axes([f'optimizer.name={",".join(FLAGS.optimizers)}'], FLAGS.config)
-    sweep.run_sweep(FLAGS.config, axes, seeds=FLAGS.seeds, workdir=FLAGS.workdir, publish=FLAGS.publish,
+    config = config_from_flags('config')
+    axes = sweep.parse_axes([f'optimizer.name={",".join(FLAGS.optimizers)}'], config)
+    sweep.run_sweep(config, axes, seeds=FLAGS.seeds, workdir=FLAGS.workdir, publish=FLAGS.publish,
                     title='AdamW vs Muon vs MuonClip')
 
 
 if __name__ == '__main__':
-  from experiments.cli import exit_on_unknown_config_key
-  exit_on_unknown_config_key(sys.argv)
   define_flags()
   app.run(main)

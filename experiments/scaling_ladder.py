@@ -26,10 +26,9 @@ L = E + A C^-alpha (experiments/ladder_fit.py), and writes
                     of both cover (marked when that needs extrapolation)
   DIR/ladder.png    eval loss against compute, log-log, rungs and fits per variant
 
-Expected (smoke, 2-core CPU shared with other jobs, 2026-12-01): 6 runs in 10 min; eval loss
-adamw 2.754 / 2.338 / 2.180 and muon 2.711 / 2.100 / 1.836 at d32 / d48 / d64, alpha 0.064 vs 0.106,
-and muon's multiplier over adamw in ladder.md (the report's "52% of the FLOPs" would read 1.92x);
-experiments/results/ladder_smoke.md.
+Expected (smoke, 2-core CPU): 6 runs in about 10 min, muon below adamw at every rung, and muon's
+multiplier over adamw in ladder.md (the Moonlight report's "52% of the FLOPs" would read 1.92x);
+every figure: experiments/results/ladder_smoke.md.
 """
 
 from __future__ import annotations
@@ -310,8 +309,9 @@ def run_ladder(ladder: ml_collections.ConfigDict, workdir: str | pathlib.Path, *
 
 def define_flags():
   from absl import flags
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file('config', None, 'configs/ladder.py:NAME', lock_config=True)
+  from kimijax.config import define_config_flag
+  define_config_flag('config', None, 'the ladder, configs/ladder.py:NAME (--config.base.a.b=v overrides a key '
+                     'of every rung).')
   flags.DEFINE_string('workdir', None, 'output folder: <variant>/<rung>/ runs, ladder.json, ladder.md, ladder.png')
   flags.DEFINE_list('variants', [], "variants to run (default: all); the report covers every finished one")
   flags.DEFINE_float('time_budget_s', None, 'start no rung that would end past this many seconds')
@@ -326,9 +326,10 @@ def main(argv):
   del argv
   from absl import flags
   from experiments.cli import user_errors
+  from kimijax.config import config_from_flags
   with user_errors():
     f = flags.FLAGS
-    run_ladder(f.config, f.workdir, variants=f.variants or None, time_budget_s=f.time_budget_s, publish=f.publish,
+    run_ladder(config_from_flags('config', validate=False), f.workdir, variants=f.variants or None, time_budget_s=f.time_budget_s, publish=f.publish,
                drop_checkpoints=f.drop_finished_checkpoints, report_only=f.report_only)
 
 

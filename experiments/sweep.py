@@ -41,22 +41,15 @@ from experiments.runs import WorkflowError
 
 
 def parse_value(key: str, text: str, current):
-  """One --sweep value, typed like the config's current value at key."""
+  """One --sweep value, typed like the config's current value at key, as a --config.a.b=v override
+  is (an int key takes 1e3)."""
+  from kimijax.config import ConfigError
+  from kimijax.schema import parse_value
   try:
-    if isinstance(current, bool):
-      if text.lower() not in ('true', 'false'):
-        raise ValueError
-      return text.lower() == 'true'
-    if isinstance(current, int):
-      return int(text)
-    if isinstance(current, float):
-      return float(text)
-    if isinstance(current, str):
-      return text
-  except ValueError:
-    pass
-  raise WorkflowError(f'--sweep {key}={text!r}: {key} is of type {type(current).__name__} '
-                      f'({current!r}); {text!r} is not one')
+    return parse_value(key, text, current)
+  except ConfigError:
+    raise WorkflowError(f'--sweep {key}={text!r}: {key} is of type {type(current).__name__} '
+                        f'({current!r}); {text!r} is not one') from None
 
 
 def get_key(config: ml_collections.ConfigDict, key: str):
@@ -251,8 +244,8 @@ def run_points(config: ml_collections.ConfigDict, named_points: list[tuple[str, 
 
 def define_flags():
   from absl import flags
-  from ml_collections import config_flags
-  config_flags.DEFINE_config_file('config', None, 'base config file (path[:arg])', lock_config=True)
+  from kimijax.config import define_config_flag
+  define_config_flag('config', None, 'base config file, FILE[:VARIANT[,VARIANT]].')
   flags.DEFINE_multi_string('sweep', [], 'KEY=V1,V2,...: one axis of the cross product (repeatable)')
   flags.DEFINE_integer('seeds', 1, 'runs per point, seeds config.seed, config.seed + 1, ...')
   flags.DEFINE_string('workdir', None, 'output folder: runs/, sweep.json, sweep.md, loss_curves.png')
@@ -266,18 +259,17 @@ def main(argv):
   del argv
   from absl import flags
   from experiments.cli import user_errors
+  from kimijax.config import config_from_flags
   FLAGS = flags.FLAGS
   with user_errors():
     if not FLAGS.sweep:
       raise WorkflowError('give at least one --sweep=KEY=V1,V2,... (or use run.py for a single run)')
-    run_sweep(FLAGS.config, parse_axes(FLAGS.sweep, FLAGS.config), seeds=FLAGS.seeds,
+    config = config_from_flags('config')
+    run_sweep(config, parse_axes(FLAGS.sweep, config), seeds=FLAGS.seeds,
               workdir=FLAGS.workdir, publish=FLAGS.publish, title=FLAGS.title)
 
 
 if __name__ == '__main__':
-  import sys
   from absl import app
-  from experiments.cli import exit_on_unknown_config_key
-  exit_on_unknown_config_key(sys.argv)
   define_flags()
   app.run(main)

@@ -1,38 +1,38 @@
-"""The one configuration schema: every key a config may set, its default, and its validation.
+"""The one configuration schema: every key a config may set, its default, its doc and its checks.
 
-Config files in configs/ start from `base_config()` and override values; `validate(config)`
-runs before any compute and stops with one message naming the offending key and the allowed
-values. A key that is not in `base_config()` is an error, so typos never pass silently.
+Each key is declared once in SCHEMA (kimijax.schema.Key: default, one line of doc, allowed values
+or bounds); `base_config()` is the declared defaults, the config files in configs/ start from it,
+and `load('configs/x.py:variant', overrides)` runs one of them and validates it. `validate(config)`
+checks every key against its declaration (unknown keys, types, allowed values, bounds), then the
+rules between keys, section by section, and stops with one message naming the offending key.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib.util
+import pathlib
+import re
+import sys
+from typing import Any, Callable, Mapping
 
 import ml_collections
 
-from kimijax.data.pipeline import SOURCES as DATA_SOURCES, default_data_config
+from kimijax import schema
+from kimijax.data.pipeline import DATA_KEYS
 from kimijax.ops import attention as attention_ops, attnres as attnres_ops, kda as kda_ops, short_conv as short_conv_ops
+from kimijax.schema import NON_NEGATIVE, POSITIVE, ConfigError, Key
 
 # Letters accepted in model.layer_pattern: one letter per mixer sublayer kind.
 LAYER_KINDS = {'A': 'full attention (model.attention_kind)', 'K': 'Kimi Delta Attention'}
-RESIDUALS = ('standard', 'attnres_full', 'attnres_block')   # SPEC §4; kimijax/layers/residual.py
-OPTIMIZERS = ('adamw', 'muon', 'muonclip')   # kimijax/optim/factory.py
-SCHEDULES = ('cosine', 'wsd', 'constant')
-MLA_VIEWS = ('fused', 'per_part')   # muon's MLA matrices; kimijax/optim/routing.py
-# model.kda_recompute_projections: the KDA projections recomputed in the backward, in q, k, v order
-RECOMPUTABLE_PROJECTIONS = ('', 'q', 'k', 'v', 'qk', 'qv', 'kv', 'qkv')
 # Each op module holds a dict of the implementations it dispatches to; only built ones are listed.
 ATTN_IMPLS = attention_ops.IMPLS
 KDA_IMPLS = kda_ops.IMPLS
 SHORT_CONV_IMPLS = short_conv_ops.IMPLS
 ATTNRES_IMPLS = attnres_ops.IMPLS
-ATTNRES_DEPTH_WEIGHTS = attnres_ops.DEPTH_WEIGHTS   # SPEC §4 and its sigmoid ablation
-ATTENTION_KINDS = ('mha', 'gqa', 'mla')
-KDA_OUTPUT_GATES = ('sigmoid', 'swish', 'none')
-POSITIONS = ('rope', 'nope')
 DTYPES = ('float32', 'bfloat16')
 MESH_AXES = ('data', 'fsdp', 'tensor')
+# model.kda_recompute_projections: the KDA projections recomputed in the backward, in q, k, v order
+RECOMPUTABLE_PROJECTIONS = ('', 'q', 'k', 'v', 'qk', 'qv', 'kv', 'qkv')
 
 # Logical axis name -> mesh axes. Parameters use 'embed', 'heads', 'kv_heads', 'mlp', 'vocab';
 # activations use the 'act_*' names so that e.g. the parameter embedding dim can be fsdp-sharded
@@ -56,141 +56,153 @@ DEFAULT_RULES = (
 )
 
 
+def _layer_pattern(path: str, pattern: str) -> None:
+  if not pattern:
+    raise ConfigError(f'{path} is empty; use letters from {LAYER_KINDS}')
+  for letter in expand_pattern(pattern):
+    if letter not in LAYER_KINDS:
+      raise ConfigError(f'{path}={pattern!r} has unknown letter {letter!r}; allowed letters: {LAYER_KINDS}')
+
+
+def _mesh_size(path: str, size: int) -> None:
+  if size == 0 or size < -1:
+    raise ConfigError(f'{path}={size} must be a positive size or -1 (all remaining devices)')
+
+
+def _mesh_rules(path: str, rules) -> None:
+  for rule in rules:
+    if len(rule) != 2:
+      raise ConfigError(f'{path} entry {rule!r} must be (logical_name, mesh_axes)')
+    axes = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)
+    for axis in axes:
+      if axis is not None and axis not in MESH_AXES:
+        raise ConfigError(f'{path} entry {rule!r} names mesh axis {axis!r}; allowed: {MESH_AXES}')
+
+
+# Every key, declared once: Key(default, one line of doc, allowed= or bounds=). The defaults are a
+# tiny attention LM on the stdlib corpus, CPU-sized.
+SCHEMA = {
+    'seed': Key(0, 'seeds the parameters and the data order'),
+    'model': {
+        'vocab_size': Key(258, ">= the tokenizer's vocabulary (bytes + EOS + PAD)", bounds=POSITIVE),
+        'd_model': Key(256, 'width of the residual stream', bounds=POSITIVE),
+        'num_layers': Key(4, 'mixer layers (each with its MLP)', bounds=POSITIVE),
+        'num_heads': Key(4, 'attention heads; head_dim = d_model // num_heads', bounds=POSITIVE),
+        'num_kv_heads': Key(0, "0: same as num_heads; < num_heads with attention_kind='gqa'", bounds=NON_NEGATIVE),
+        'attention_kind': Key('mha', 'the attention layers (A): multi-head, grouped-query or MLA',
+                              allowed=('mha', 'gqa', 'mla')),
+        'mlp_dim': Key(768, 'SwiGLU hidden width', bounds=POSITIVE),
+        'layer_pattern': Key('A', "letters tiled to num_layers ('KKKA'), or a ratio 'K:A' ('3:1' = 'KKKA')",
+                             check=_layer_pattern),
+        'residual': Key('standard', "'standard' (h + f(h)) or Attention Residuals (docs/attention_residuals.md)",
+                        allowed=('standard', 'attnres_full', 'attnres_block')),
+        'attnres_block_size': Key(4, 'attnres_block: sublayers per block (attention and MLP count one each; the last '
+                                  'block takes the rest; 1 is Full AttnRes)', bounds=POSITIVE),
+        'attnres_impl': Key('xla', "AttnRes: 'pallas' runs the GPU kernels of kernels_pallas/attnres/ (phase 1, and "
+                            'phase 2 fused with the pre-norm; the default variant below only)', allowed=ATTNRES_IMPLS),
+        'attnres_key_norm': Key(True, 'AttnRes depth keys: RMSNorm(v_i) with a learned gain; False: the raw '
+                                'sources, no gain (the paper\'s "no key RMSNorm" ablation)'),
+        'attnres_depth_weights': Key('softmax', "AttnRes weights over the sources: softmax over depth or "
+                                     "'sigmoid' per source, not normalised (the paper's ablation)",
+                                     allowed=attnres_ops.DEPTH_WEIGHTS),
+        'position': Key('rope', 'positions of the attention layers: rotary or none', allowed=('rope', 'nope')),
+        'rope_theta': Key(10000.0, 'RoPE base frequency', bounds=POSITIVE),
+        'tie_embeddings': Key(True, 'the output head reuses the embedding matrix'),
+        'attn_impl': Key('xla', "'xla' runs everywhere; 'cudnn', 'tokamax' and 'gpu' (per call the faster of the two) "
+                         "need an NVIDIA GPU and compute_dtype='bfloat16' (kimijax/ops/attention.py)",
+                         allowed=ATTN_IMPLS),
+        'kda_impl': Key('chunk', 'the KDA implementation (kimijax/ops/kda.py)', allowed=KDA_IMPLS),
+        'norm_eps': Key(1e-6, 'eps of the RMSNorms', bounds=POSITIVE),
+        'init_std': Key(0.02, 'std of the normal initialisation of the matrices', bounds=POSITIVE),
+        'compute_dtype': Key('bfloat16', 'params stay float32; norms, softmax and the loss run in float32',
+                             allowed=DTYPES),
+        'residual_dtype': Key('float32', 'dtype of the residual stream between sublayers', allowed=DTYPES),
+        'remat': Key(False, 'rematerialise each layer in the backward pass'),
+        # Kimi Delta Attention layers ('K'; docs/kda.md)
+        'kda_num_heads': Key(0, '0: num_heads', bounds=NON_NEGATIVE),
+        'kda_head_dim': Key(0, '0: d_model // num_heads (key and value head dim)', bounds=NON_NEGATIVE),
+        'kda_short_conv': Key(True, 'depthwise causal conv (kernel 4) + SiLU on q, k, v'),
+        'short_conv_impl': Key('xla', "the short conv: 'pallas' runs the fused conv kernels "
+                               '(kimijax/ops/short_conv.py)', allowed=SHORT_CONV_IMPLS),
+        'kda_recompute_projections': Key('', "KDA projections its backward recomputes instead of keeping ('qkv': all);"
+                                         ' each saves 2 bytes per token and channel in bf16 for one more matmul',
+                                         allowed=RECOMPUTABLE_PROJECTIONS),
+        'kda_output_gate': Key('sigmoid', 'the KDA output gate (report Table 1)', allowed=('sigmoid', 'swish', 'none')),
+        'kda_gate_lower_bound': Key(0.0, '0: -exp(A_log) softplus gate; in [-5, 0): bounded sigmoid gate',
+                                    bounds='[-5, 0]'),
+        'kda_output_norm_eps': Key(1e-5, "eps of KDA's per-head output RMSNorm (Kimi Linear: its rms_norm_eps)",
+                                   bounds=POSITIVE),
+        # Multi-head Latent Attention (attention_kind='mla')
+        'mla_kv_lora_rank': Key(64, 'rank of the shared key-value latent', bounds=POSITIVE),
+        'mla_q_lora_rank': Key(0, '0: full-rank queries', bounds=NON_NEGATIVE),
+        'mla_qk_nope_head_dim': Key(0, '0: d_model // num_heads', bounds=NON_NEGATIVE),
+        'mla_qk_rope_head_dim': Key(0, 'decoupled dims, a per-head query part and a key part shared by all heads; '
+                                    '0: none', bounds=NON_NEGATIVE),
+        'mla_rope': Key(True, "rotate the decoupled dims with RoPE; False: unrotated, as Kimi Linear's MLA (\"NoPE\")"),
+        'mla_latent_norm_eps': Key(1e-6, 'eps of the q and kv latent RMSNorms (1e-6 in Kimi Linear and DeepSeek-V3)',
+                                   bounds=POSITIVE),
+        'mla_v_head_dim': Key(0, '0: the nope head dim', bounds=NON_NEGATIVE),
+        # Settings of the Pallas kernels, 'key=int/key=int' over their defaults ('': the defaults)
+        'kernels': {
+            'kda': Key('', 'the KDA kernels (kernels_pallas/kda)'),
+            'short_conv': Key('', 'the short-conv kernels (kernels_pallas/short_conv)'),
+            'attnres_phase1': Key('', 'the AttnRes phase-1 kernels (kernels_pallas/attnres)'),
+            'attnres_merge_norm': Key('', 'the fused AttnRes phase-2 + pre-norm kernels (kernels_pallas/attnres)'),
+        },
+    },
+    'train': {
+        'steps': Key(1000, 'optimizer steps', bounds=POSITIVE),
+        'batch_size': Key(16, 'global, in sequences', bounds=POSITIVE),
+        'seq_len': Key(256, 'tokens per sequence', bounds=POSITIVE),
+        'log_every': Key(10, 'steps between metrics.jsonl lines', bounds=POSITIVE),
+        'eval_every': Key(200, 'steps between evals', bounds=POSITIVE),
+        'eval_batches': Key(8, 'validation batches per eval', bounds=POSITIVE),
+        'checkpoint_every': Key(200, 'steps between checkpoints', bounds=POSITIVE),
+        'keep_checkpoints': Key(3, 'checkpoints kept on disk', bounds=POSITIVE),
+        'grad_clip': Key(1.0, 'global-norm clip; 0 disables', bounds=NON_NEGATIVE),
+        'plot': Key(True, 'loss-curve PNG in the workdir at the end'),
+        'log_attnres': Key(False, 'log per-sublayer depth-attention weights (AttnRes) and input/output RMS'),
+        'log_max_logits': Key(True, "log each attention layer's per-head max logit (docs/attention.md); False: "
+                              "no max-logit work runs, unless QK-Clip (optimizer.name='muonclip') needs them"),
+    },
+    'optimizer': {
+        'name': Key('adamw', "'muon' (Moonlight) or 'muonclip' (muon + QK-Clip); docs/optimizers.md",
+                    allowed=('adamw', 'muon', 'muonclip')),
+        'learning_rate': Key(3e-3, 'shared by AdamW and both sides of muon', bounds=POSITIVE),
+        'weight_decay': Key(0.1, 'decoupled (x lr); muon decays every parameter, adamw only matrices',
+                            bounds=NON_NEGATIVE),
+        'qk_clip_tau': Key(100.0, 'muonclip: logit cap tau', bounds=POSITIVE),
+        'schedule': Key('cosine', 'after the warmup', allowed=('cosine', 'wsd', 'constant')),
+        'warmup_steps': Key(50, 'linear warmup from 0', bounds=NON_NEGATIVE),
+        'decay_fraction': Key(0.2, 'wsd: fraction of steps spent decaying at the end', bounds='[0, 1]'),
+        'min_lr_ratio': Key(0.1, 'final lr = min_lr_ratio * learning_rate', bounds='[0, 1]'),
+        'b1': Key(0.9, 'AdamW beta1 (also muon\'s AdamW side)', bounds='[0, 1]'),
+        'b2': Key(0.95, 'AdamW beta2', bounds='[0, 1]'),
+        'eps': Key(1e-8, 'AdamW eps', bounds=POSITIVE),
+        'momentum': Key(0.95, 'muon: M = momentum * M + G (Moonlight, no bias correction)', bounds='[0, 1)'),
+        'nesterov': Key(True, 'muon: orthogonalise G + momentum * M instead of M'),
+        'ns_steps': Key(5, 'muon: Newton-Schulz iterations', bounds=POSITIVE),
+        'ns_dtype': Key('bfloat16', "muon: dtype of the Newton-Schulz matmuls ('float32' for exactness)",
+                        allowed=DTYPES),
+        'rms_scale': Key(0.2, 'muon: update = rms_scale * sqrt(max(A, B)) * NS(N), AdamW-like RMS', bounds=POSITIVE),
+        'muon_per_head': Key(False, 'muon: attention kernels as per-head matrices, not one [D, H*Dh]'),
+        'muon_split_matrices': Key(True, 'muon: each device runs Newton-Schulz on its share of whole matrices'),
+        'muon_mla_views': Key('fused', "muon: MLA parts fused as DeepSeek-V3's q_b_proj, kv_a_proj_with_mqa, kv_b_proj "
+                              "(Moonlight) or 'per_part' (kimijax/optim/routing.py)", allowed=('fused', 'per_part')),
+    },
+    'data': DATA_KEYS,
+    'mesh': {
+        'data': Key(-1, 'data-parallel size; -1: all devices not used by the other axes', check=_mesh_size),
+        'fsdp': Key(1, 'parameter-sharding size (-1: the remaining devices)', check=_mesh_size),
+        'tensor': Key(1, 'tensor-parallel size (-1: the remaining devices)', check=_mesh_size),
+        'rules': Key(DEFAULT_RULES, 'logical axis name -> mesh axes (DEFAULT_RULES)', check=_mesh_rules),
+    },
+}
+
+
 def base_config() -> ml_collections.ConfigDict:
-  """All keys with their defaults: a tiny attention LM on the stdlib corpus, CPU-sized."""
-  c = ml_collections.ConfigDict()
-  c.seed = 0
-
-  c.model = m = ml_collections.ConfigDict()
-  m.vocab_size = 258            # >= the tokenizer's vocabulary (bytes + EOS + PAD)
-  m.d_model = 256
-  m.num_layers = 4
-  m.num_heads = 4               # head_dim = d_model // num_heads
-  m.num_kv_heads = 0            # 0: same as num_heads; < num_heads with attention_kind='gqa'
-  m.attention_kind = 'mha'
-  m.mlp_dim = 768               # SwiGLU hidden width
-  m.layer_pattern = 'A'         # letters tiled to num_layers ('KKKA'), or a ratio 'K:A' ('3:1' = 'KKKA')
-  m.residual = 'standard'       # 'standard' (h + f(h)) | 'attnres_full' | 'attnres_block' (SPEC §4)
-  m.attnres_block_size = 4      # attnres_block: sublayers per block (attention and MLP count one each);
-                                # the last block takes the rest when it does not divide 2 * num_layers
-  m.attnres_impl = 'xla'        # AttnRes: 'xla' | 'pallas' (GPU kernels in kernels_pallas/attnres/: phase 1,
-                                # and phase 2 fused with the pre-norm; the default variant below only)
-  m.attnres_key_norm = True     # AttnRes depth keys: True: RMSNorm(v_i) with a learned gain (SPEC §4);
-                                # False: the raw sources v_i, no gain (the paper's "no key RMSNorm" ablation)
-  m.attnres_depth_weights = 'softmax'  # AttnRes weights over sources: 'softmax' over depth (SPEC §4) |
-                                # 'sigmoid': sigmoid(logit) per source, not normalised (the paper's ablation).
-                                # Maths of both switches: kimijax/ops/attnres.py; a non-default one needs 'xla'
-  m.position = 'rope'
-  m.rope_theta = 10000.0
-  m.tie_embeddings = True
-  m.attn_impl = 'xla'           # kimijax.ops.attention.IMPLS: 'xla' (runs everywhere) | 'cudnn' (cuDNN flash
-                                # attention + a max-logit kernel) | 'tokamax' (tokamax's Mosaic GPU flash
-                                # attention, max logits from its residuals, MLA's value dim unpadded;
-                                # SPEC §5) | 'gpu' (per call the faster of the two: tokamax with max
-                                # logits or MLA's value dim, else cuDNN); the GPU ones need an NVIDIA
-                                # GPU and compute_dtype='bfloat16'
-  m.kda_impl = 'chunk'          # kimijax.ops.kda.IMPLS: 'recurrent' | 'chunk'
-  m.norm_eps = 1e-6
-  m.init_std = 0.02
-  m.compute_dtype = 'bfloat16'  # params stay float32; norms, softmax and the loss run in float32
-  m.residual_dtype = 'float32'  # dtype of the residual stream between sublayers
-  m.remat = False               # rematerialise each layer in the backward pass
-  # Kimi Delta Attention layers ('K'; SPEC §1)
-  m.kda_num_heads = 0           # 0: num_heads
-  m.kda_head_dim = 0            # 0: d_model // num_heads (key and value head dim)
-  m.kda_short_conv = True       # depthwise causal conv (kernel 4) + SiLU on q, k, v
-  m.kda_conv_impl = 'xla'       # kimijax.ops.short_conv.IMPLS: 'xla' | 'pallas' (the fused conv kernels)
-  m.kda_recompute_projections = ''  # which of KDA's q/k/v projections its backward recomputes instead
-                                # of keeping: '' none, 'qkv' all; each one recomputed is 2 bytes per
-                                # token and channel less in bf16 and one [D, H*K] matmul more
-  m.kda_output_gate = 'sigmoid' # 'sigmoid' | 'swish' | 'none' (report Table 1)
-  m.kda_gate_lower_bound = 0.0  # 0: -exp(A_log) softplus gate; in [-5, 0): bounded sigmoid gate
-  m.kda_output_norm_eps = 1e-5  # eps of KDA's per-head output RMSNorm (Kimi Linear: its rms_norm_eps)
-  # Multi-head Latent Attention (attention_kind='mla')
-  m.mla_kv_lora_rank = 64
-  m.mla_q_lora_rank = 0         # 0: full-rank queries
-  m.mla_qk_nope_head_dim = 0    # 0: d_model // num_heads
-  m.mla_qk_rope_head_dim = 0    # decoupled dims: a per-head query part and a key part shared by all heads;
-                                # 0: none (NoPE without decoupled dims)
-  m.mla_rope = True             # rotate the decoupled dims with RoPE; False: keep them unrotated, as Kimi
-                                # Linear's released MLA ("NoPE", 64 decoupled dims) does
-  m.mla_latent_norm_eps = 1e-6  # eps of the q and kv latent RMSNorms (1e-6 in Kimi Linear and DeepSeek-V3)
-  m.mla_v_head_dim = 0          # 0: the nope head dim
-
-  c.train = t = ml_collections.ConfigDict()
-  t.steps = 1000
-  t.batch_size = 16             # global, in sequences
-  t.seq_len = 256
-  t.log_every = 10
-  t.eval_every = 200
-  t.eval_batches = 8
-  t.checkpoint_every = 200
-  t.keep_checkpoints = 3
-  t.grad_clip = 1.0             # global-norm clip; 0 disables
-  t.plot = True                 # loss-curve PNG in the workdir at the end
-  t.log_attnres = False         # log per-sublayer depth-attention weights (AttnRes) and input/output RMS
-  t.log_max_logits = True       # compute and log each attention layer's per-head max logit (SPEC §3);
-                                # False: no max-logit work runs, unless QK-Clip (optimizer.name='muonclip')
-                                # needs them, and then they are still logged (already computed, a few floats)
-
-  c.optimizer = o = ml_collections.ConfigDict()
-  o.name = 'adamw'              # 'adamw' | 'muon' (Moonlight, SPEC §2) | 'muonclip' (muon + QK-Clip, SPEC §3)
-  o.learning_rate = 3e-3        # shared by AdamW and both sides of muon
-  o.weight_decay = 0.1          # decoupled (x lr); muon decays every parameter, adamw only matrices
-  o.qk_clip_tau = 100.0         # muonclip: logit cap tau
-  o.schedule = 'cosine'
-  o.warmup_steps = 50
-  o.decay_fraction = 0.2        # wsd: fraction of steps spent decaying at the end
-  o.min_lr_ratio = 0.1          # final lr = min_lr_ratio * learning_rate
-  o.b1 = 0.9                    # AdamW betas and eps (also muon's AdamW side)
-  o.b2 = 0.95
-  o.eps = 1e-8
-  o.momentum = 0.95             # muon: M = momentum * M + G (Moonlight, no bias correction)
-  o.nesterov = True             # muon: orthogonalise G + momentum * M instead of M
-  o.ns_steps = 5                # muon: Newton-Schulz iterations
-  o.ns_dtype = 'bfloat16'       # muon: dtype of the Newton-Schulz matmuls ('float32' for exactness)
-  o.rms_scale = 0.2             # muon: update = rms_scale * sqrt(max(A, B)) * NS(N), AdamW-like RMS
-  o.muon_per_head = False       # muon: attention kernels as per-head matrices, not one [D, H*Dh]
-  o.muon_split_matrices = True  # muon: each device runs Newton-Schulz on its share of whole matrices
-  o.muon_mla_views = 'fused'    # muon: 'fused' MLA parts as DeepSeek-V3's q_b_proj, kv_a_proj_with_mqa,
-                                # kv_b_proj (Moonlight) | 'per_part' (each parameter its own matrix)
-
-  c.data = default_data_config()   # source, path, val_fraction, mqar_num_pairs
-
-  c.mesh = ms = ml_collections.ConfigDict()
-  ms.data = -1                  # -1: all devices not used by the other axes
-  ms.fsdp = 1
-  ms.tensor = 1
-  ms.rules = DEFAULT_RULES
-  return c
-
-
-class ConfigError(ValueError):
-  """A config value or key that cannot be used; the message names the key."""
-
-
-def _check_keys(config: ml_collections.ConfigDict, schema: ml_collections.ConfigDict, prefix: str):
-  for key in config.keys():
-    path = f'{prefix}{key}'
-    if key not in schema:
-      raise ConfigError(f'unknown config key {path!r}; known keys here: {sorted(schema.keys())}')
-    if isinstance(schema[key], ml_collections.ConfigDict):
-      if not isinstance(config[key], ml_collections.ConfigDict):
-        raise ConfigError(f'config key {path!r} must be a group with keys {sorted(schema[key].keys())}')
-      _check_keys(config[key], schema[key], path + '.')
-  for key in schema.keys():
-    if key not in config:
-      raise ConfigError(f'config key {prefix}{key!r} is missing; start configs from kimijax.config.base_config()')
-
-
-def _one_of(path: str, value: Any, allowed) -> None:
-  if value not in allowed:
-    raise ConfigError(f'{path}={value!r} is not allowed; allowed values: {list(allowed)}')
-
-
-def _positive(path: str, value, *, zero_ok: bool = False) -> None:
-  if value < 0 or (value == 0 and not zero_ok):
-    raise ConfigError(f'{path}={value!r} must be {"non-negative" if zero_ok else "positive"}')
+  """All keys with their declared defaults: a tiny attention LM on the stdlib corpus, CPU-sized."""
+  return schema.defaults(SCHEMA)
 
 
 def expand_pattern(pattern: str) -> str:
@@ -217,14 +229,14 @@ def kda_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
 
 
 def portable(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """A copy of the model config with the implementations that run on any machine ('xla' attention
-  and AttnRes, 'chunk' KDA unless 'recurrent', 'xla' short convs): same parameters, so shapes and counts of a GPU
-  config can be traced on a CPU."""
+  """A copy of the model config with the implementations that run on any machine ('xla' attention,
+  AttnRes and short convs; the default KDA for 'pallas'): same parameters, so shapes and counts of a
+  GPU config can be traced on a CPU."""
   model = model.copy_and_resolve_references()
   model.attn_impl, model.attnres_impl = 'xla', 'xla'
-  if model.kda_impl not in ('recurrent', 'chunk'):
-    model.kda_impl = 'chunk'
-  model.kda_conv_impl = 'xla'
+  if model.kda_impl == 'pallas':
+    model.kda_impl = SCHEMA['model']['kda_impl'].default
+  model.short_conv_impl = 'xla'
   return model
 
 
@@ -232,144 +244,179 @@ def num_kv_heads(model: ml_collections.ConfigDict) -> int:
   return model.num_kv_heads or model.num_heads
 
 
-def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Checks every key and value; raises ConfigError naming the first bad one. Returns config."""
-  _check_keys(config, base_config(), '')
-  m, t, o, d, ms = config.model, config.train, config.optimizer, config.data, config.mesh
-
-  for key in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'mlp_dim'):
-    _positive(f'model.{key}', m[key])
-  _positive('model.num_kv_heads', m.num_kv_heads, zero_ok=True)
+def _model_rules(m: ml_collections.ConfigDict) -> None:
   if m.d_model % m.num_heads:
     raise ConfigError(f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}')
   if (m.d_model // m.num_heads) % 2 and m.position == 'rope':
     raise ConfigError(f'head_dim = model.d_model // model.num_heads = {m.d_model // m.num_heads} '
                       'must be even for model.position=\'rope\'')
-  _one_of('model.attention_kind', m.attention_kind, ATTENTION_KINDS)
   kv = num_kv_heads(m)
   if m.attention_kind == 'mha' and kv != m.num_heads:
     raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} differs from model.num_heads={m.num_heads}; '
                       "set model.attention_kind='gqa' for grouped-query attention")
   if m.num_heads % kv:
     raise ConfigError(f'model.num_kv_heads={kv} does not divide model.num_heads={m.num_heads}')
-  if not m.layer_pattern:
-    raise ConfigError(f'model.layer_pattern is empty; use letters from {LAYER_KINDS}')
-  for letter in expand_pattern(m.layer_pattern):
-    if letter not in LAYER_KINDS:
-      raise ConfigError(f'model.layer_pattern={m.layer_pattern!r} has unknown letter {letter!r}; '
-                        f'allowed letters: {LAYER_KINDS}')
-  _one_of('model.residual', m.residual, RESIDUALS)
-  _one_of('model.kda_output_gate', m.kda_output_gate, KDA_OUTPUT_GATES)
-  if not -5.0 <= m.kda_gate_lower_bound <= 0.0:
-    raise ConfigError(f'model.kda_gate_lower_bound={m.kda_gate_lower_bound!r} must lie in [-5, 0] (0: unbounded gate)')
-  for key in ('kda_num_heads', 'kda_head_dim', 'mla_q_lora_rank', 'mla_qk_nope_head_dim',
-              'mla_qk_rope_head_dim', 'mla_v_head_dim'):
-    _positive(f'model.{key}', m[key], zero_ok=True)
-  _positive('model.mla_kv_lora_rank', m.mla_kv_lora_rank)
   if m.mla_qk_rope_head_dim % 2 and m.mla_rope:
     raise ConfigError(f'model.mla_qk_rope_head_dim={m.mla_qk_rope_head_dim} must be even (rotary pairs) '
                       'with model.mla_rope=True')
-  if not isinstance(m.attnres_block_size, int) or m.attnres_block_size < 1:
-    raise ConfigError(f'model.attnres_block_size={m.attnres_block_size!r} must be a positive integer '
-                      '(sublayers per block; 1 is Full AttnRes)')
-  _one_of('model.attnres_impl', m.attnres_impl, ATTNRES_IMPLS)
-  if not isinstance(m.attnres_key_norm, bool):
-    raise ConfigError(f'model.attnres_key_norm={m.attnres_key_norm!r} is not allowed; allowed values: '
-                      '[True, False]')
-  _one_of('model.attnres_depth_weights', m.attnres_depth_weights, ATTNRES_DEPTH_WEIGHTS)
   if (m.residual != 'standard' and not ATTNRES_IMPLS[m.attnres_impl].all_variants
       and not attnres_ops.is_default_variant(m.attnres_key_norm, m.attnres_depth_weights)):
     changed = [f'model.{k}={m[k]!r}' for k, default in (('attnres_key_norm', True),
                                                          ('attnres_depth_weights', 'softmax'))
                if m[k] != default]
     raise ConfigError(f"{' and '.join(changed)} need{'s' * (len(changed) == 1)} model.attnres_impl='xla': "
-                      f"model.attnres_impl={m.attnres_impl!r} implements only SPEC §4's softmax over "
+                      f"model.attnres_impl={m.attnres_impl!r} implements only the softmax over "
                       "RMS-normalised keys (model.attnres_key_norm=True, model.attnres_depth_weights='softmax')")
   if m.residual != 'standard' and m.attnres_impl == 'pallas' and m.d_model % 16:
     raise ConfigError(f"model.attnres_impl='pallas' needs model.d_model divisible by 16; got {m.d_model}")
-  _one_of('model.position', m.position, POSITIONS)
-  _one_of('model.attn_impl', m.attn_impl, ATTN_IMPLS)
-  _one_of('model.kda_impl', m.kda_impl, KDA_IMPLS)
-  _one_of('model.kda_conv_impl', m.kda_conv_impl, SHORT_CONV_IMPLS)
   head_dim = kda_dims(m)[1]
-  for key in ('kda_impl', 'kda_conv_impl'):
+  for key in ('kda_impl', 'short_conv_impl'):
     if m[key] == 'pallas' and 'K' in layer_kinds(m) and (head_dim < 16 or head_dim & (head_dim - 1)):
       raise ConfigError(f"model.{key}='pallas' needs the KDA head dim (model.kda_head_dim, or d_model // "
                         f"num_heads) a power of two >= 16; got {head_dim}")
-  _one_of('model.compute_dtype', m.compute_dtype, DTYPES)
-  _one_of('model.residual_dtype', m.residual_dtype, DTYPES)
-  _positive('model.norm_eps', m.norm_eps)
-  _positive('model.mla_latent_norm_eps', m.mla_latent_norm_eps)
-  _positive('model.kda_output_norm_eps', m.kda_output_norm_eps)
-  _one_of('model.mla_rope', m.mla_rope, (True, False))
-  _one_of('model.kda_recompute_projections', m.kda_recompute_projections, RECOMPUTABLE_PROJECTIONS)
-  _positive('model.init_std', m.init_std)
-  _positive('model.rope_theta', m.rope_theta)
 
-  for key in ('steps', 'batch_size', 'seq_len', 'log_every', 'eval_every', 'eval_batches',
-              'checkpoint_every', 'keep_checkpoints'):
-    _positive(f'train.{key}', t[key])
-  _positive('train.grad_clip', t.grad_clip, zero_ok=True)
-  for key in ('log_attnres', 'log_max_logits'):
-    _one_of(f'train.{key}', t[key], (True, False))
 
-  _one_of('optimizer.name', o.name, OPTIMIZERS)
-  _one_of('optimizer.schedule', o.schedule, SCHEDULES)
-  _positive('optimizer.learning_rate', o.learning_rate)
-  _positive('optimizer.weight_decay', o.weight_decay, zero_ok=True)
-  _positive('optimizer.qk_clip_tau', o.qk_clip_tau)
-  _positive('optimizer.warmup_steps', o.warmup_steps, zero_ok=True)
-  _positive('optimizer.eps', o.eps)
-  if not 0.0 <= o.momentum < 1.0:
-    raise ConfigError(f'optimizer.momentum={o.momentum!r} must lie in [0, 1)')
-  _positive('optimizer.ns_steps', o.ns_steps)
-  _one_of('optimizer.ns_dtype', o.ns_dtype, DTYPES)
-  _one_of('optimizer.muon_mla_views', o.muon_mla_views, MLA_VIEWS)
-  _positive('optimizer.rms_scale', o.rms_scale)
-  for key in ('nesterov', 'muon_per_head', 'muon_split_matrices'):
-    _one_of(f'optimizer.{key}', o[key], (True, False))
-  for key in ('b1', 'b2', 'decay_fraction', 'min_lr_ratio'):
-    if not 0.0 <= o[key] <= 1.0:
-      raise ConfigError(f'optimizer.{key}={o[key]!r} must lie in [0, 1]')
-
-  _one_of('data.source', d.source, DATA_SOURCES)
+def _data_rules(d: ml_collections.ConfigDict) -> None:
   if d.source == 'text' and not d.path:
     raise ConfigError("data.path must name a text file or folder when data.source='text'")
-  if not 0.0 < d.val_fraction < 1.0:
-    raise ConfigError(f'data.val_fraction={d.val_fraction!r} must lie in (0, 1)')
-  _positive('data.mqar_num_pairs', d.mqar_num_pairs)
 
-  for axis in MESH_AXES:
-    if ms[axis] == 0 or ms[axis] < -1:
-      raise ConfigError(f'mesh.{axis}={ms[axis]} must be a positive size or -1 (all remaining devices)')
+
+def _mesh_rules_between_axes(ms: ml_collections.ConfigDict) -> None:
   if sum(ms[a] == -1 for a in MESH_AXES) > 1:
     raise ConfigError('at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1')
-  for rule in ms.rules:
-    if len(rule) != 2:
-      raise ConfigError(f'mesh.rules entry {rule!r} must be (logical_name, mesh_axes)')
-    axes = rule[1] if isinstance(rule[1], (tuple, list)) else (rule[1],)
-    for axis in axes:
-      if axis is not None and axis not in MESH_AXES:
-        raise ConfigError(f'mesh.rules entry {rule!r} names mesh axis {axis!r}; allowed: {MESH_AXES}')
+
+
+# The rules between keys, by section (train and optimizer have none: each of their keys stands alone).
+RULES = {'model': _model_rules, 'data': _data_rules, 'mesh': _mesh_rules_between_axes}
+
+
+def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Checks every key against SCHEMA, then the rules between keys; raises ConfigError naming the
+  first bad key. Returns config."""
+  schema.check(config, SCHEMA)
+  for section, rules in RULES.items():
+    rules(config[section])
   return config
 
 
-def unknown_override(argv: list[str]) -> str | None:
-  """The message for a --config.a.b=v whose key is not in the schema, else None. ml_collections
-  would fail inside flag parsing with a bare AttributeError naming neither the key nor the
-  allowed ones."""
-  for arg in argv[1:]:
+# ----------------------------------------------------------------------------- config files
+
+
+def apply_variants(config: ml_collections.ConfigDict, variants: Mapping[str, Callable[[Any], Any]],
+                   names: str | None) -> ml_collections.ConfigDict:
+  """config with the comma-separated variant `names` applied, in the order `variants` lists them
+  (so that ':a,b' and ':b,a' are one config). A config file declares its variants as
+  VARIANTS = {name: function that edits the config} and ends get_config with this call."""
+  chosen = [n for n in (names or '').split(',') if n]
+  for name in chosen:
+    if name not in variants:
+      raise ConfigError(f"unknown variant {name!r}; allowed: {', '.join(map(repr, variants))}")
+  for name, edit in variants.items():
+    if name in chosen:
+      edit(config)
+  return config
+
+
+def _find_file(path: str) -> pathlib.Path:
+  """A config file by path: as given (absolute, or from the working directory), else from the
+  repository root, so that 'configs/x.py' loads from any working directory."""
+  candidates = [pathlib.Path(path)]
+  if not candidates[0].is_absolute():
+    candidates.append(pathlib.Path(__file__).resolve().parents[1] / path)
+  for candidate in candidates:
+    if candidate.is_file():
+      return candidate
+  raise ConfigError(f'config file {path!r} not found')
+
+
+def _get_config(path: str, variants: str):
+  """Runs the config file at path and returns its get_config(variants); any error of the file's
+  own is one ConfigError naming the file."""
+  file = _find_file(path)
+  spec = importlib.util.spec_from_file_location(f'_kimijax_config_{file.stem}', file)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+    if not hasattr(module, 'get_config'):
+      raise ConfigError('defines no get_config()')
+    return module.get_config(variants) if variants else module.get_config()
+  except ConfigError as e:
+    raise ConfigError(f'{path}: {e}') from None
+  except Exception as e:   # a config file's own error: its message is what the user needs
+    raise ConfigError(f'{path}: {type(e).__name__}: {e}') from e
+
+
+def override(config: ml_collections.ConfigDict, path: str, value) -> None:
+  """config['a.b.c'] = value for a key that exists; a string is parsed as the key's type (an int
+  key takes '1e3'), an integral float becomes an int for an int key."""
+  parts = path.split('.')
+  node = config
+  for i, part in enumerate(parts):
+    where = repr('.'.join(parts[:i])) if i else 'the config'
+    if not isinstance(node, ml_collections.ConfigDict):
+      raise ConfigError(f'unknown config key {path!r}: {where} is a value, not a group')
+    if part not in node:
+      raise ConfigError(f'unknown config key {path!r}; known keys in {where}: {sorted(node.keys())}')
+    parent, node = node, node[part]
+  if isinstance(node, ml_collections.ConfigDict):
+    raise ConfigError(f'config key {path!r} is a group; override its keys ({path}.KEY=VALUE)')
+  if isinstance(value, str) and not isinstance(node, str):
+    value = schema.parse_value(path, value, node)
+  elif type(node) is int and isinstance(value, float) and value.is_integer():
+    value = int(value)
+  try:
+    parent[parts[-1]] = value
+  except TypeError:
+    raise ConfigError(f'{path}={value!r} is not of the type of {path} ({type(node).__name__})') from None
+
+
+def load_file(spec: str, overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+  """load() without the validation, for config files of another kind (configs/ladder.py)."""
+  path, _, variants = spec.partition(':')
+  config = _get_config(path, variants)
+  for key, value in (overrides or {}).items():
+    override(config, key, value)
+  return config
+
+
+def load(spec: str, overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+  """The validated config of a config file. spec: 'FILE[:VARIANT[,VARIANT...]]' (the variants the
+  file's VARIANTS name), FILE found from the working directory or else the repository root;
+  overrides: {'a.b': value}, a string parsed as the key's type as on the command line
+  ({'train.steps': '1e3'}). Any mistake is one ConfigError naming the file, variant or key. The
+  config comes locked: assigning a key that does not exist is an error."""
+  return validate(load_file(spec, overrides)).lock()
+
+
+def define_config_flag(name: str = 'config', default: str | None = None,
+                       help_string: str = 'config file, FILE[:VARIANT[,VARIANT]] (the variants: its VARIANTS).',
+                       flag_values=None) -> None:
+  """Defines the absl flag --NAME=FILE[:VARIANT,...] and its --NAME.a.b=VALUE overrides, as run.py
+  has them; `config_from_flags(NAME)` loads the config once the flags are parsed."""
+  from absl import flags
+  flag_values = flags.FLAGS if flag_values is None else flag_values
+  flags.DEFINE_string(name, default, f'{help_string} Override any key with --{name}.KEY=VALUE.',
+                      flag_values=flag_values)
+  # absl knows no flag patterns: each --NAME.a.b on this command line becomes a string flag, parsed
+  # as the key's type when the config is loaded.
+  for arg in sys.argv[1:]:
     if arg == '--':
       break
-    if not arg.startswith('--config.'):
-      continue
-    path = arg[len('--config.'):].split('=', 1)[0]
-    node, parent = base_config(), 'config'
-    for part in path.split('.'):
-      if not isinstance(node, ml_collections.ConfigDict):
-        return f'ConfigError: unknown config key {path!r} (from {arg}): {parent!r} is a value, not a group'
-      if part not in node:
-        return (f'ConfigError: unknown config key {path!r} (from {arg}); '
-                f'allowed keys in {parent!r}: {sorted(node.keys())}')
-      node, parent = node[part], part if parent == 'config' else f'{parent}.{part}'
-  return None
+    match = re.match(rf'--{re.escape(name)}\.([\w.]+)(=|$)', arg)
+    if match and f'{name}.{match.group(1)}' not in flag_values:
+      flags.DEFINE_string(f'{name}.{match.group(1)}', None, f'override of config key {match.group(1)}',
+                          flag_values=flag_values)
+
+
+def config_from_flags(name: str = 'config', *, validate: bool = True, flag_values=None) -> ml_collections.ConfigDict:
+  """The config of the parsed --NAME flag with its --NAME.a.b overrides: load(), or load_file()
+  with validate=False. Call it inside the script's error handling: mistakes are ConfigErrors."""
+  from absl import flags
+  flag_values = flags.FLAGS if flag_values is None else flag_values
+  spec = flag_values[name].value
+  if not spec:
+    raise ConfigError(f'--{name}=FILE[:VARIANT] is required')
+  prefix = f'{name}.'
+  overrides = {flag[len(prefix):]: flag_values[flag].value for flag in flag_values
+               if flag.startswith(prefix) and flag_values[flag].present}
+  return (load if validate else load_file)(spec, overrides)

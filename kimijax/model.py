@@ -69,7 +69,7 @@ def make_mixer(cfg: ml_collections.ConfigDict, kind: str, dtype, max_logits: boo
     heads, head_dim = config_lib.kda_dims(cfg)
     return KimiDeltaAttention(heads, head_dim, cfg.kda_impl, cfg.kda_short_conv, cfg.kda_output_gate,
                               cfg.kda_gate_lower_bound, cfg.init_std, dtype, cfg.kda_output_norm_eps,
-                              cfg.kda_conv_impl, cfg.kda_recompute_projections, name='kda')
+                              cfg.short_conv_impl, cfg.kda_recompute_projections, name='kda')
   if kind == 'A' and cfg.attention_kind == 'mla':
     return MultiHeadLatentAttention(
         cfg.num_heads, cfg.mla_kv_lora_rank, cfg.mla_qk_nope_head_dim or cfg.d_model // cfg.num_heads,

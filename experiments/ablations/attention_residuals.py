@@ -59,11 +59,12 @@ CLAIMS = [
 
 
 def base(scale: str):
-  from configs.default import get_config
+  from kimijax.config import load
+  config = load('configs/default.py')
   if scale == 'cpu':
-    return common.sized(get_config(), scale, d_model=64, num_layers=8, num_heads=4, seq_len=128,
+    return common.sized(config, scale, d_model=64, num_layers=8, num_heads=4, seq_len=128,
                         batch_size=8, steps=300)
-  return common.sized(get_config(), scale, d_model=512, num_layers=8, num_heads=8, seq_len=1024,
+  return common.sized(config, scale, d_model=512, num_layers=8, num_heads=8, seq_len=1024,
                       batch_size=16, steps=1500, model__attnres_impl='pallas', optimizer__learning_rate=2e-3)
 
 

@@ -108,21 +108,21 @@ def report(title: str, arms: list[Arm], claims: list[Claim], data: dict, command
 def sized(config, scale: str, *, d_model: int, num_layers: int, num_heads: int, seq_len: int,
           batch_size: int, steps: int, **overrides):
   """config at an ablation's size: width, depth, heads, SwiGLU 3 d, tokens per step, steps (evals
-  and checkpoints every steps / 5, warmup 5%). scale 'gpu' adds the H200 settings of
-  configs/bench_350m.py (bf16, tokamax attention), 16 eval batches and the site-packages corpus.
-  Keys in `overrides` are written with '__' for '.' (model__attn_impl='xla')."""
+  and checkpoints every steps / 5, warmup 5%). scale 'gpu' adds kimijax/configs_common.py's GPU
+  kernels (bf16, tokamax attention, the Pallas KDA and short conv) and GPU data (the site-packages
+  corpus, 16 eval batches). Keys in `overrides` are written with '__' for '.' (model__attn_impl='xla')."""
   from experiments.runs import with_overrides
+  from kimijax import configs_common
   every = max(steps // 5, 1)
-  values = {'model.d_model': d_model, 'model.num_layers': num_layers, 'model.num_heads': num_heads,
-            'model.mlp_dim': 3 * d_model, 'train.seq_len': seq_len, 'train.batch_size': batch_size,
-            'train.steps': steps, 'train.eval_every': every, 'train.checkpoint_every': every,
-            'optimizer.warmup_steps': max(steps // 20, 1)}
+  config = with_overrides(config, {
+      'model.d_model': d_model, 'model.num_layers': num_layers, 'model.num_heads': num_heads,
+      'model.mlp_dim': 3 * d_model, 'train.seq_len': seq_len, 'train.batch_size': batch_size,
+      'train.steps': steps, 'train.eval_every': every, 'train.checkpoint_every': every,
+      'optimizer.warmup_steps': max(steps // 20, 1)})
   if scale == 'gpu':
-    values.update({'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'tokamax', 'model.kda_impl': 'pallas',
-                   'model.kda_conv_impl': 'pallas',
-                   'train.eval_batches': 16, 'data.source': 'site_packages'})
-  values.update({k.replace('__', '.'): v for k, v in overrides.items()})
-  return with_overrides(config, values)
+    configs_common.gpu_kernels(config.model, attn_impl='tokamax')
+    configs_common.gpu_data(config)
+  return with_overrides(config, {k.replace('__', '.'): v for k, v in overrides.items()})
 
 
 def define_flags(default_workdir: str):

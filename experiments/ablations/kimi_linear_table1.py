@@ -46,11 +46,12 @@ CLAIMS = [
 
 
 def base(scale: str):
-  from configs.kimi_linear_small import get_config
+  from kimijax.config import load
+  config = load('configs/kimi_linear_small.py')
   if scale == 'cpu':
-    return common.sized(get_config(), scale, d_model=32, num_layers=16, num_heads=2, seq_len=128,
+    return common.sized(config, scale, d_model=32, num_layers=16, num_heads=2, seq_len=128,
                         batch_size=8, steps=100, model__mla_kv_lora_rank=32)
-  return common.sized(get_config(), scale, d_model=512, num_layers=16, num_heads=8, seq_len=2048,
+  return common.sized(config, scale, d_model=512, num_layers=16, num_heads=8, seq_len=2048,
                       batch_size=16, steps=1000, model__mla_kv_lora_rank=256, optimizer__learning_rate=2e-3)
 
 

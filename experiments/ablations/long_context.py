@@ -27,11 +27,12 @@ CLAIMS = [common.Claim('hybrid_3to1', '<', 'attention', metric='long_context_los
 
 
 def base(scale: str):
-  from configs.kimi_linear_small import get_config
+  from kimijax.config import load
+  config = load('configs/kimi_linear_small.py')
   if scale == 'cpu':
-    return common.sized(get_config(), scale, d_model=64, num_layers=4, num_heads=2, seq_len=1024,
+    return common.sized(config, scale, d_model=64, num_layers=4, num_heads=2, seq_len=1024,
                         batch_size=4, steps=150, model__mla_kv_lora_rank=32)
-  return common.sized(get_config(), scale, d_model=512, num_layers=8, num_heads=8, seq_len=8192,
+  return common.sized(config, scale, d_model=512, num_layers=8, num_heads=8, seq_len=8192,
                       batch_size=4, steps=1000, model__mla_kv_lora_rank=256, optimizer__learning_rate=2e-3)
 
 

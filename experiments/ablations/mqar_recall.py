@@ -40,11 +40,12 @@ def claims(scale: str) -> list[common.Claim]:
 
 
 def base(scale: str):
-  from configs.default import get_config
+  from kimijax.config import load
+  config = load('configs/default.py')
   if scale == 'cpu':   # seq_len is set per arm
-    return common.sized(get_config(), scale, d_model=64, num_layers=4, num_heads=2, seq_len=128,
+    return common.sized(config, scale, d_model=64, num_layers=4, num_heads=2, seq_len=128,
                         batch_size=16, steps=300, train__eval_batches=4, data__source='mqar')
-  return common.sized(get_config(), scale, d_model=256, num_layers=4, num_heads=4, seq_len=512,
+  return common.sized(config, scale, d_model=256, num_layers=4, num_heads=4, seq_len=512,
                       batch_size=32, steps=2000, train__eval_batches=8, optimizer__learning_rate=1e-3,
                       data__source='mqar')
 

@@ -28,11 +28,12 @@ CLAIMS = [common.Claim(f'muon_rms{s:g}', '<', 'adamw', source=SOURCE) for s in S
 
 
 def base(scale: str):
-  from configs.default import get_config
+  from kimijax.config import load
+  config = load('configs/default.py')
   if scale == 'cpu':
-    return common.sized(get_config(), scale, d_model=128, num_layers=2, num_heads=2, seq_len=128,
+    return common.sized(config, scale, d_model=128, num_layers=2, num_heads=2, seq_len=128,
                         batch_size=16, steps=200)
-  return common.sized(get_config(), scale, d_model=512, num_layers=8, num_heads=8, seq_len=1024,
+  return common.sized(config, scale, d_model=512, num_layers=8, num_heads=8, seq_len=1024,
                       batch_size=16, steps=1500, optimizer__learning_rate=2e-3)
 
 

@@ -27,11 +27,12 @@ CLAIMS = [
 
 
 def base(scale: str):
-  from configs.default import get_config
+  from kimijax.config import load
+  config = load('configs/default.py')
   if scale == 'cpu':    # configs/default.py as it is (3.5M parameters), 300 steps
-    return common.sized(get_config(), scale, d_model=256, num_layers=4, num_heads=4, seq_len=256,
+    return common.sized(config, scale, d_model=256, num_layers=4, num_heads=4, seq_len=256,
                         batch_size=16, steps=300, optimizer__qk_clip_tau=5.0)
-  return common.sized(get_config(), scale, d_model=512, num_layers=8, num_heads=8, seq_len=1024,
+  return common.sized(config, scale, d_model=512, num_layers=8, num_heads=8, seq_len=1024,
                       batch_size=16, steps=1500, optimizer__learning_rate=3e-3, optimizer__qk_clip_tau=10.0)
 
 

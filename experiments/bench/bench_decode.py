@@ -16,9 +16,10 @@ Results: experiments/results/bench_decode.md.
 import functools
 
 from absl import app, flags
-from ml_collections import config_flags
 
-config_flags.DEFINE_config_file('config', 'configs/kimi_linear_small.py', 'model config', lock_config=False)
+from kimijax.config import define_config_flag
+
+define_config_flag('config', 'configs/kimi_linear_small.py', 'model config, FILE[:VARIANT[,VARIANT]].')
 flags.DEFINE_list('contexts', ['4096', '32768', '131072'], 'context lengths')
 flags.DEFINE_integer('batch', 1, 'sequences decoded together')
 flags.DEFINE_integer('steps', 50, 'timed decode steps')
@@ -78,10 +79,14 @@ def bench(model, params, m, context: int, batch: int, steps: int) -> dict:
 
 def main(argv):
   del argv
-  hybrid = FLAGS.hybrid_pattern or FLAGS.config.model.layer_pattern
-  models = {p: build(FLAGS.config.copy_and_resolve_references(), p)
+  from experiments.cli import user_errors
+  from kimijax.config import config_from_flags
+  with user_errors():
+    config = config_from_flags('config')
+  hybrid = FLAGS.hybrid_pattern or config.model.layer_pattern
+  models = {p: build(config.copy_and_resolve_references(), p)
             for p in (hybrid, FLAGS.baseline_pattern)}
-  print(f'batch {FLAGS.batch}; {FLAGS.steps} timed steps; compute dtype {FLAGS.config.model.compute_dtype}')
+  print(f'batch {FLAGS.batch}; {FLAGS.steps} timed steps; compute dtype {config.model.compute_dtype}')
   print(f'{"context":>8} {"pattern":>8} {"params M":>9} {"ms/token":>9} {"tokens/s":>9} {"cache MiB/seq":>14}')
   for context in map(int, FLAGS.contexts):
     rows = {}

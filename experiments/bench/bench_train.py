@@ -18,9 +18,10 @@ import json
 import time
 
 from absl import app, flags
-from ml_collections import config_flags
 
-config_flags.DEFINE_config_file('config', None, 'config file', lock_config=True)
+from kimijax.config import define_config_flag
+
+define_config_flag('config', None, 'config file, FILE[:VARIANT[,VARIANT]].')
 flags.DEFINE_integer('steps', 20, 'timed steps')
 flags.DEFINE_integer('warmup', 3, 'untimed steps (the first compiles)')
 flags.DEFINE_float('peak_tflops', 989.0, 'dense bf16 peak of one device, TFLOP/s')
@@ -66,7 +67,7 @@ def main(argv):
   import jax
   import jax.numpy as jnp
 
-  from kimijax.config import validate
+  from kimijax.config import ConfigError, config_from_flags
   from kimijax.model import count_params
   from kimijax.parallel import mesh as mesh_lib
   from kimijax.train.flops import model_flops_per_token
@@ -74,7 +75,10 @@ def main(argv):
 
   from experiments.bench import timing
 
-  config = validate(FLAGS.config)
+  try:
+    config = config_from_flags('config')
+  except ConfigError as e:    # a bad file, variant or key: one line naming it
+    raise SystemExit(f'ConfigError: {e}') from None
   try:
     tiles = _set_kernel_tiles()
   except ValueError as e:     # a mistyped tile key or value: one line naming it

@@ -11,7 +11,7 @@ lowering does not depend on the batch's size); attention runs the XLA form, sinc
 tokamax's lowering needs a GPU. Prints the seconds, the module's characters and how often each
 Pallas kernel's name occurs in it: a kernel that every layer calls with the same shapes should
 be lowered once (kernels_pallas/__init__.py), not once per layer. Measured:
-experiments/results/bench_kda.md (fourteenth session).
+experiments/results/bench_kda.md.
 """
 
 import collections
@@ -21,7 +21,6 @@ import time
 import jax
 import jax.numpy as jnp
 from absl import app, flags
-from ml_collections import config_flags
 
 FLAGS = flags.FLAGS
 
@@ -29,7 +28,8 @@ FLAGS = flags.FLAGS
 def define_flags():
   """The command line (defined only when run as a script, so that tests can import the module
   next to others that define flags of the same names)."""
-  config_flags.DEFINE_config_file('config', None, 'config file', lock_config=False)
+  from kimijax.config import define_config_flag
+  define_config_flag('config', None, 'config file, FILE[:VARIANT[,VARIANT]].')
   flags.DEFINE_integer('seq_len', 256, 'tokens per sequence of the lowered batch (2 sequences)')
   flags.DEFINE_integer('top', 12, 'kernel names to list')
 
@@ -68,7 +68,10 @@ def kernel_counts(module: str) -> collections.Counter:
 
 def main(argv):
   del argv
-  cfg = FLAGS.config.model
+  from experiments.cli import user_errors
+  from kimijax.config import config_from_flags
+  with user_errors():
+    cfg = config_from_flags('config').model
   cfg.attn_impl = 'xla'
   seconds, module = lower_gradient(cfg, FLAGS.seq_len)
   counts = kernel_counts(module)

@@ -18,6 +18,7 @@ import numpy as np
 from kimijax.data.mqar import mqar_batch, mqar_layout
 from kimijax.data.sources import SPLITS, DataError, corpus_report, stdlib_documents, text_documents
 from kimijax.data.tokenizer import EOS_ID, VOCAB_SIZE
+from kimijax.schema import POSITIVE, Key, defaults
 
 SOURCES = ('stdlib', 'text', 'mqar', 'site_packages')   # site_packages: kimijax/data/site_packages.py
 _SPLIT_IDS = {'train': 0, 'validation': 1}
@@ -25,14 +26,19 @@ _SPLIT_IDS = {'train': 0, 'validation': 1}
 _READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
 
 
+# The `data.*` section of the config (kimijax.schema.Key: default, doc, allowed values or bounds).
+DATA_KEYS = {
+    'source': Key('stdlib', 'the corpus (kimijax/data/sources.py; site_packages: kimijax/data/site_packages.py)',
+                  allowed=SOURCES),
+    'path': Key('', "file or folder, for source='text'"),
+    'val_fraction': Key(0.05, 'fraction of files (or bytes) for validation', bounds='(0, 1)'),
+    'mqar_num_pairs': Key(16, 'key-value pairs per MQAR sequence', bounds=POSITIVE),
+}
+
+
 def default_data_config() -> ml_collections.ConfigDict:
   """The `data.*` section of the config, with defaults."""
-  return ml_collections.ConfigDict({
-      'source': 'stdlib',        # one of SOURCES
-      'path': '',                # file or folder, for source='text'
-      'val_fraction': 0.05,      # fraction of files (or bytes) for validation
-      'mqar_num_pairs': 16,      # key-value pairs per MQAR sequence
-  })
+  return defaults(DATA_KEYS)
 
 
 def data_report(config: ml_collections.ConfigDict) -> list[str]:

@@ -26,13 +26,16 @@ from kimijax.config import base_config
 MUST_MATCH = ('model',)
 # Keys inside MUST_MATCH that choose how to compute, not what: a checkpoint restores under any of
 # their values (e.g. trained with cuDNN attention on a GPU, evaluated with 'xla' on a CPU).
-MAY_DIFFER = ('model.attn_impl', 'model.kda_impl', 'model.kda_conv_impl', 'model.kda_recompute_projections',
-              'model.attnres_impl', 'model.remat')
+MAY_DIFFER = ('model.attn_impl', 'model.kda_impl', 'model.short_conv_impl', 'model.kda_recompute_projections',
+              'model.attnres_impl', 'model.remat', 'model.kernels.kda', 'model.kernels.short_conv',
+              'model.kernels.attnres_phase1', 'model.kernels.attnres_merge_norm')
 
 
 # Saved values from before a key changed its type, as the key's value now: a config.json written
 # then reads as the same config (restore, run folders, --mode=eval).
 LEGACY_VALUES = {'model.kda_recompute_projections': {False: '', True: 'qkv'}}
+# Keys saved under a former name, by their name now.
+LEGACY_NAMES = {'model.kda_conv_impl': 'model.short_conv_impl'}
 
 
 def _current(key: str, value):
@@ -59,7 +62,7 @@ def config_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[st
   """Keys under MUST_MATCH (less MAY_DIFFER) whose saved value differs from `config`, as
   'key: saved -> now'. A key the saved config lacks (added to the schema after it was written)
   matches its default."""
-  keys = set(_flatten(json.loads(config.to_json()))) | set(_flatten(saved))
+  keys = set(_flatten(json.loads(config.to_json()))) | {LEGACY_NAMES.get(k, k) for k in _flatten(saved)}
   keys = sorted(k for k in keys if k.split('.')[0] in MUST_MATCH and k not in MAY_DIFFER)
   return config_differences(saved, config, keys + list(MUST_MATCH_KEYS))
 
@@ -77,7 +80,7 @@ def config_differences(saved: dict, config: ml_collections.ConfigDict, keys=None
   """'key: saved -> now' for each of `keys` (None: every key of either) whose value differs; a key
   the saved config lacks (added to the schema after it was written) has its default."""
   now = _flatten(json.loads(config.to_json()))
-  before = {k: _current(k, v) for k, v in _flatten(saved).items()}
+  before = {LEGACY_NAMES.get(k, k): _current(k, v) for k, v in _flatten(saved).items()}
   keys = sorted(set(now) | set(before)) if keys is None else keys
   defaults = _flatten(json.loads(base_config().to_json()))
   return [f'{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}' for k in keys
@@ -185,12 +188,12 @@ def load_run_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   if not path.exists():
     raise CheckpointError(f'{path} not found: --workdir must be a folder that run.py trained into')
   config = base_config()
-  for group, values in json.loads(path.read_text()).items():
-    if isinstance(values, dict):
-      for key, value in values.items():
-        config[group][key] = tuple(tuple(r) for r in value) if key == 'rules' else _current(f'{group}.{key}', value)
-    else:
-      config[group] = values
+  for key, value in _flatten(json.loads(path.read_text())).items():
+    *groups, name = LEGACY_NAMES.get(key, key).split('.')
+    node = config
+    for group in groups:
+      node = node[group]
+    node[name] = tuple(tuple(r) for r in value) if key == 'mesh.rules' else _current(key, value)
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
   return validate(config)
 

@@ -33,8 +33,11 @@ def _what_it_trains(config) -> str:
   from kimijax.train.checkpoint import MAY_DIFFER
   d = config.to_dict()
   for key in MAY_DIFFER:
-    group, name = key.split('.')
-    d[group].pop(name, None)
+    *groups, name = key.split('.')
+    node = d
+    for group in groups:
+      node = node[group]
+    node.pop(name, None)
   return repr(sorted((k, repr(v)) for k, v in d.items()))
 
 

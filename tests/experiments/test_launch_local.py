@@ -1,4 +1,4 @@
-"""experiments/launch_local.py: N local processes of one command, their logs, their failures.
+"""experiments/tools/launch_local.py: N local processes of one command, their logs, their failures.
 
 The training test runs the launcher itself (CPU processes of one device each, as
 tests/train/test_multiprocess.py starts them by hand): two processes log what each process
@@ -19,11 +19,11 @@ import time
 import numpy as np
 import pytest
 
-from experiments import launch_local
+from experiments.tools import launch_local
 from helpers import eval_losses, run_py_args, tiny_run_overrides, train_losses
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-LAUNCHER = [sys.executable, str(REPO / 'experiments' / 'launch_local.py')]
+LAUNCHER = [sys.executable, str(REPO / 'experiments' / 'tools' / 'launch_local.py')]
 TIMEOUT_S = 240
 STEPS = 3
 RTOL = 1e-5     # as tests/train/test_multiprocess.py: two processes sum the batch in another order

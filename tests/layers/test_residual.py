@@ -287,10 +287,10 @@ def test_config_rejects_bad_values(key, value):
 
 def test_training_logs_depth_statistics_and_plot_script_draws_them(tmp_path):
   """train.log_attnres: metrics.jsonl carries one weight row per consumer (only the sources it
-  sees, summing to 1) and the RMS lists; experiments/plot_attnres.py reads the checkpoint back
+  sees, summing to 1) and the RMS lists; experiments/tools/plot_attnres.py reads the checkpoint back
   and writes both figures."""
   from configs.default import get_config
-  from experiments import plot_attnres
+  from experiments.tools import plot_attnres
   from kimijax.train.loop import train
   from kimijax.train.metrics import read_metrics
 

@@ -52,7 +52,7 @@ def _cases(tmp: pathlib.Path) -> dict:
       'prompt not utf-8': (gen + [os.fsdecode(b'--prompt=abc\xff\xfe')], '--prompt is not valid UTF-8'),
       'generate without a run': (gen, 'config.json not found'),
       'eval without a run': (run + ['--mode=eval', f'--workdir={no_run}'], 'config.json not found'),
-      'plot_attnres on a non-run': ([sys.executable, str(ROOT / 'experiments/plot_attnres.py'), f'--workdir={no_run}'],
+      'plot_attnres on a non-run': ([sys.executable, str(ROOT / 'experiments/tools/plot_attnres.py'), f'--workdir={no_run}'],
                                     f'--workdir={no_run}: {no_run}/config.json not found'),
       'nan stop': (run + ['--config=configs/default.py', f'--workdir={tmp}/nan'] + TINY_FLAGS
                    + ['--config.optimizer.learning_rate=1e6', '--config.train.grad_clip=0.0',
@@ -63,8 +63,8 @@ def _cases(tmp: pathlib.Path) -> dict:
                               "ConfigError: attention impl='tokamax' needs an NVIDIA GPU"),
       'kda kernels head dim': (run + ['--config=configs/default.py', f'--workdir={tmp}/kh'] + TINY_FLAGS
                                + ['--config.model.layer_pattern=KA', '--config.model.kda_head_dim=24',
-                                  '--config.model.kda_conv_impl=pallas'],
-                               "ConfigError: model.kda_conv_impl='pallas' needs the KDA head dim"),
+                                  '--config.model.short_conv_impl=pallas'],
+                               "ConfigError: model.short_conv_impl='pallas' needs the KDA head dim"),
       'peers never come': (run + ['--config=configs/default.py', f'--workdir={tmp}/mp', '--num_processes=2',
                                   '--process_id=0', f'--coordinator_address=127.0.0.1:{_free_port()}',
                                   '--peer_timeout_s=3'] + TINY_FLAGS,
@@ -120,14 +120,15 @@ def test_mode_config_prints_resolved_config_and_parameter_counts():
 
 
 def _allowed_variants(config_file: pathlib.Path) -> list[str]:
-  """The variants a config file accepts, from its own error for an unknown one."""
+  """The variants a config file accepts (its VARIANTS), which its error for an unknown one lists."""
   import importlib.util
   spec = importlib.util.spec_from_file_location(config_file.stem, config_file)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   with pytest.raises(ValueError) as info:
     module.get_config('__no_such_variant__')
-  return re.findall(r"'(\w+)'", str(info.value).split('allowed:', 1)[1])
+  assert re.findall(r"'(\w+)'", str(info.value).split('allowed:', 1)[1]) == list(module.VARIANTS)
+  return list(module.VARIANTS)
 
 
 @pytest.mark.parametrize('config_file', sorted((ROOT / 'configs').glob('*.py')), ids=lambda p: p.name)

@@ -1,6 +1,6 @@
 r"""Start N processes of one command on this machine, joined through jax.distributed.
 
-    python -m experiments.launch_local [--num_processes=2] [--gpus_per_process=1] [--log_dir=DIR] \
+    python -m experiments.tools.launch_local [--num_processes=2] [--gpus_per_process=1] [--log_dir=DIR] \
         -- RUN_PY_ARGS...
 
 Each process runs `python run.py RUN_PY_ARGS --coordinator_address=127.0.0.1:PORT
@@ -26,18 +26,17 @@ The environment is passed on unchanged otherwise (e.g. NCCL_* settings).
 --program runs something other than run.py: a Python script (path ending in .py) or a module
 name (`experiments.foo`, run with -m); it must accept the three distributed flags above.
 
-The issue-19 runs on one host with two H200s (experiments/results/multi_gpu.md: all the
-commands, including the resume across process counts, the criteria and the results). S holds
-what the runs share: 50 steps, 16 sequences of 4096 tokens per GPU, a learning-rate schedule
-that does not depend on train.steps, one checkpoint at the end:
+Runs on one host with two GPUs, one process against two: S holds what the runs share: 50 steps,
+16 sequences of 4096 tokens per GPU, a learning-rate schedule that does not depend on
+train.steps, one checkpoint at the end:
 
     S='--config.train.steps=50 --config.train.checkpoint_every=50 --config.train.log_every=5
        --config.train.eval_every=50 --config.train.plot=False --config.train.batch_size=32
        --config.optimizer.schedule=constant --config.optimizer.warmup_steps=10'
     # data parallel: one process over both GPUs, then two processes of one GPU each
-    python -m experiments.launch_local --num_processes=1 --gpus_per_process=2 -- \
+    python -m experiments.tools.launch_local --num_processes=1 --gpus_per_process=2 -- \
         --config=configs/bench_350m.py --workdir=runs/mgpu/data_1proc $S
-    python -m experiments.launch_local --num_processes=2 --gpus_per_process=1 -- \
+    python -m experiments.tools.launch_local --num_processes=2 --gpus_per_process=1 -- \
         --config=configs/bench_350m.py --workdir=runs/mgpu/data_2proc $S
     # fsdp (parameters, gradients and optimizer states sharded over the GPUs): the same two
     # commands with --workdir=runs/mgpu/fsdp_1proc, fsdp_2proc and
@@ -71,7 +70,7 @@ import time
 
 from absl import app, flags
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLAGS = flags.FLAGS
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 DISTRIBUTED_FLAGS = ('--coordinator_address', '--num_processes', '--process_id', '--distributed')

@@ -1,7 +1,7 @@
-"""train.log_max_logits: with it off and no QK-Clip, nothing computes max logits (the attention op
-is asked for none, in the train and the eval step alike) and no 'max_logit' is logged; with
-either on they are computed and reach the optimizer and the log. Traced with eval_shape, so
-nothing compiles."""
+"""kimijax/train/step.py's train.log_max_logits: with it off and no QK-Clip, nothing computes max
+logits (the attention op is asked for none, in the train and the eval step alike) and no
+'max_logit' is logged; with either on they are computed and reach the optimizer and the log.
+Traced with eval_shape, so nothing compiles."""
 
 import contextlib
 

@@ -1,7 +1,7 @@
 """Attention Residuals analysis figures from trained runs (depth weights as in the AttnRes report's
 Figure 8, and per-sublayer RMS for the PreNorm-dilution comparison).
 
-    python -m experiments.plot_attnres --workdir=runs/block [--workdir=runs/standard ...] \
+    python -m experiments.tools.plot_attnres --workdir=runs/block [--workdir=runs/standard ...] \
         [--batches=4] [--out=DIR]
 
 For each workdir: reads config.json and the latest checkpoint (restored onto one device), runs
