@@ -49,7 +49,7 @@ def get_config(arg: str | None = None):
   m.attn_impl = 'gpu'                 # tokamax when max logits are logged or clipped (free from its
                                       # residuals) or for MLA, else cuDNN; :tokamax, :cudnn force one
   m.kda_impl = 'pallas'               # used by the KDA layers of :hybrid
-  m.kda_conv_impl = 'pallas'          # their short convs: the fused conv + activation kernels
+  m.short_conv_impl = 'pallas'        # their short convs: the fused conv + activation kernels
   m.kda_recompute_projections = 'qk'  # their q and k projections recomputed in the backward, v's kept
                                       # (4.5 GiB less than keeping all three)
   m.compute_dtype = 'bfloat16'

@@ -60,7 +60,7 @@ def _gpu(c: ml_collections.ConfigDict) -> None:
   b.model.compute_dtype = 'bfloat16'    # as configs/bench_350m.py: bf16 matmuls, tokamax attention
   b.model.attn_impl = 'tokamax'
   b.model.kda_impl = 'pallas'           # the fused KDA kernels (kernels_pallas/kda)
-  b.model.kda_conv_impl = 'pallas'      # and the fused short convs (kernels_pallas/short_conv)
+  b.model.short_conv_impl = 'pallas'    # and the fused short convs (kernels_pallas/short_conv)
   b.model.residual_dtype = 'float32'    # small models: keep the residual stream exact
   b.train.seq_len = 1024
   b.train.eval_batches = 16

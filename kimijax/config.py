@@ -22,12 +22,20 @@ SCHEDULES = ('cosine', 'wsd', 'constant')
 MLA_VIEWS = ('fused', 'per_part')   # muon's MLA matrices; kimijax/optim/routing.py
 # model.kda_recompute_projections: the KDA projections recomputed in the backward, in q, k, v order
 RECOMPUTABLE_PROJECTIONS = ('', 'q', 'k', 'v', 'qk', 'qv', 'kv', 'qkv')
-# Each op module holds a dict of the implementations it dispatches to; only built ones are listed.
+# Each op module holds a mapping of the implementations it dispatches to; only built ones are listed.
 ATTN_IMPLS = attention_ops.IMPLS
 KDA_IMPLS = kda_ops.IMPLS
 SHORT_CONV_IMPLS = short_conv_ops.IMPLS
 ATTNRES_IMPLS = attnres_ops.IMPLS
 ATTNRES_DEPTH_WEIGHTS = attnres_ops.DEPTH_WEIGHTS   # SPEC §4 and its sigmoid ablation
+# model.kernels key -> the parser of the settings of the Pallas kernels it overrides ('key=int/key=int'
+# -> a frozen dataclass of kernels_pallas/<op>/settings.py), from the ops' 'pallas' implementations
+KERNEL_SETTINGS = {
+    'kda': KDA_IMPLS['pallas'].parse_settings,
+    'short_conv': SHORT_CONV_IMPLS['pallas'].parse_settings,
+    'attnres_phase1': ATTNRES_IMPLS['pallas'].parse_phase1_settings,
+    'attnres_merge_norm': ATTNRES_IMPLS['pallas'].parse_merge_norm_settings,
+}
 ATTENTION_KINDS = ('mha', 'gqa', 'mla')
 KDA_OUTPUT_GATES = ('sigmoid', 'swish', 'none')
 POSITIONS = ('rope', 'nope')
@@ -89,7 +97,8 @@ def base_config() -> ml_collections.ConfigDict:
                                 # SPEC §5) | 'gpu' (per call the faster of the two: tokamax with max
                                 # logits or MLA's value dim, else cuDNN); the GPU ones need an NVIDIA
                                 # GPU and compute_dtype='bfloat16'
-  m.kda_impl = 'chunk'          # kimijax.ops.kda.IMPLS: 'recurrent' | 'chunk'
+  m.kda_impl = 'xla'            # kimijax.ops.kda.IMPLS: 'xla' (the chunkwise form) | 'xla_recurrent' (the
+                                # token-by-token scan, the reference) | 'pallas' (the fused kernels)
   m.norm_eps = 1e-6
   m.init_std = 0.02
   m.compute_dtype = 'bfloat16'  # params stay float32; norms, softmax and the loss run in float32
@@ -99,7 +108,8 @@ def base_config() -> ml_collections.ConfigDict:
   m.kda_num_heads = 0           # 0: num_heads
   m.kda_head_dim = 0            # 0: d_model // num_heads (key and value head dim)
   m.kda_short_conv = True       # depthwise causal conv (kernel 4) + SiLU on q, k, v
-  m.kda_conv_impl = 'xla'       # kimijax.ops.short_conv.IMPLS: 'xla' | 'pallas' (the fused conv kernels)
+  m.short_conv_impl = 'xla'     # KDA's short convs, kimijax.ops.short_conv.IMPLS: 'xla' | 'pallas' (the fused
+                                # conv kernels)
   m.kda_recompute_projections = ''  # which of KDA's q/k/v projections its backward recomputes instead
                                 # of keeping: '' none, 'qkv' all; each one recomputed is 2 bytes per
                                 # token and channel less in bf16 and one [D, H*K] matmul more
@@ -116,6 +126,13 @@ def base_config() -> ml_collections.ConfigDict:
                                 # Linear's released MLA ("NoPE", 64 decoupled dims) does
   m.mla_latent_norm_eps = 1e-6  # eps of the q and kv latent RMSNorms (1e-6 in Kimi Linear and DeepSeek-V3)
   m.mla_v_head_dim = 0          # 0: the nope head dim
+  # Settings of the Pallas kernels over their measured defaults, 'key=int/key=int' ('' = the defaults;
+  # the keys are the fields of kernels_pallas/<op>/settings.py): used where the impl is 'pallas'
+  m.kernels = k = ml_collections.ConfigDict()
+  k.kda = ''                    # KdaSettings (kernels_pallas/kda/settings.py), e.g. 'flat_branch=0'
+  k.short_conv = ''             # ShortConvSettings (kernels_pallas/short_conv/settings.py)
+  k.attnres_phase1 = ''         # Phase1Settings (kernels_pallas/attnres/settings.py)
+  k.attnres_merge_norm = ''     # MergeNormSettings (kernels_pallas/attnres/settings.py)
 
   c.train = t = ml_collections.ConfigDict()
   t.steps = 1000
@@ -218,14 +235,20 @@ def kda_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
 
 def portable(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A copy of the model config with the implementations that run on any machine ('xla' attention
-  and AttnRes, 'chunk' KDA unless 'recurrent', 'xla' short convs): same parameters, so shapes and counts of a GPU
-  config can be traced on a CPU."""
+  and AttnRes, 'xla' KDA unless 'xla_recurrent', 'xla' short convs): same parameters, so shapes and
+  counts of a GPU config can be traced on a CPU."""
   model = model.copy_and_resolve_references()
   model.attn_impl, model.attnres_impl = 'xla', 'xla'
-  if model.kda_impl not in ('recurrent', 'chunk'):
-    model.kda_impl = 'chunk'
-  model.kda_conv_impl = 'xla'
+  if model.kda_impl not in ('xla', 'xla_recurrent'):
+    model.kda_impl = 'xla'
+  model.short_conv_impl = 'xla'
   return model
+
+
+def kernel_settings(model: ml_collections.ConfigDict) -> dict:
+  """model.kernels parsed: {key: the settings of its Pallas kernels} (KERNEL_SETTINGS; '' gives the
+  defaults), the values a model hands to its layers."""
+  return {key: parse(model.kernels[key]) for key, parse in KERNEL_SETTINGS.items()}
 
 
 def num_kv_heads(model: ml_collections.ConfigDict) -> int:
@@ -290,9 +313,17 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _one_of('model.position', m.position, POSITIONS)
   _one_of('model.attn_impl', m.attn_impl, ATTN_IMPLS)
   _one_of('model.kda_impl', m.kda_impl, KDA_IMPLS)
-  _one_of('model.kda_conv_impl', m.kda_conv_impl, SHORT_CONV_IMPLS)
+  _one_of('model.short_conv_impl', m.short_conv_impl, SHORT_CONV_IMPLS)
+  for key, parse in KERNEL_SETTINGS.items():
+    text = m.kernels[key]
+    if not isinstance(text, str):
+      raise ConfigError(f"model.kernels.{key}={text!r} must be a string 'key=int/key=int' ('' for the defaults)")
+    try:
+      parse(text)
+    except ValueError as e:
+      raise ConfigError(f'model.kernels.{key}={text!r}: {e}') from None
   head_dim = kda_dims(m)[1]
-  for key in ('kda_impl', 'kda_conv_impl'):
+  for key in ('kda_impl', 'short_conv_impl'):
     if m[key] == 'pallas' and 'K' in layer_kinds(m) and (head_dim < 16 or head_dim & (head_dim - 1)):
       raise ConfigError(f"model.{key}='pallas' needs the KDA head dim (model.kda_head_dim, or d_model // "
                         f"num_heads) a power of two >= 16; got {head_dim}")

@@ -119,7 +119,7 @@ def sized(config, scale: str, *, d_model: int, num_layers: int, num_heads: int, 
             'optimizer.warmup_steps': max(steps // 20, 1)}
   if scale == 'gpu':
     values.update({'model.compute_dtype': 'bfloat16', 'model.attn_impl': 'tokamax', 'model.kda_impl': 'pallas',
-                   'model.kda_conv_impl': 'pallas',
+                   'model.short_conv_impl': 'pallas',
                    'train.eval_batches': 16, 'data.source': 'site_packages'})
   values.update({k.replace('__', '.'): v for k, v in overrides.items()})
   return with_overrides(config, values)

@@ -26,19 +26,25 @@ from kimijax.config import base_config
 MUST_MATCH = ('model',)
 # Keys inside MUST_MATCH that choose how to compute, not what: a checkpoint restores under any of
 # their values (e.g. trained with cuDNN attention on a GPU, evaluated with 'xla' on a CPU).
-MAY_DIFFER = ('model.attn_impl', 'model.kda_impl', 'model.kda_conv_impl', 'model.kda_recompute_projections',
-              'model.attnres_impl', 'model.remat')
+MAY_DIFFER = ('model.attn_impl', 'model.kda_impl', 'model.short_conv_impl', 'model.kda_recompute_projections',
+              'model.attnres_impl', 'model.remat', 'model.kernels.kda', 'model.kernels.short_conv',
+              'model.kernels.attnres_phase1', 'model.kernels.attnres_merge_norm')
 
 
-# Saved values from before a key changed its type, as the key's value now: a config.json written
-# then reads as the same config (restore, run folders, --mode=eval).
-LEGACY_VALUES = {'model.kda_recompute_projections': {False: '', True: 'qkv'}}
+# Saved values from before a key changed its type or its values were renamed, as the key's value
+# now, and saved keys that were renamed, as the key now: a config.json written then reads as the
+# same config (restore, run folders, --mode=eval).
+LEGACY_VALUES = {'model.kda_recompute_projections': {False: '', True: 'qkv'},
+                 'model.kda_impl': {'chunk': 'xla', 'recurrent': 'xla_recurrent'}}
+LEGACY_KEYS = {'model.kda_conv_impl': 'model.short_conv_impl'}
 
 
 def _current(key: str, value):
   """A saved value of `key` ('group.name') as the schema now spells it."""
   legacy = LEGACY_VALUES.get(key)
-  return legacy[value] if legacy is not None and isinstance(value, bool) else value
+  if legacy is not None and isinstance(value, (bool, str)) and value in legacy:
+    return legacy[value]
+  return value
 
 
 class CheckpointError(RuntimeError):
@@ -59,7 +65,7 @@ def config_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[st
   """Keys under MUST_MATCH (less MAY_DIFFER) whose saved value differs from `config`, as
   'key: saved -> now'. A key the saved config lacks (added to the schema after it was written)
   matches its default."""
-  keys = set(_flatten(json.loads(config.to_json()))) | set(_flatten(saved))
+  keys = set(_flatten(json.loads(config.to_json()))) | {LEGACY_KEYS.get(k, k) for k in _flatten(saved)}
   keys = sorted(k for k in keys if k.split('.')[0] in MUST_MATCH and k not in MAY_DIFFER)
   return config_differences(saved, config, keys + list(MUST_MATCH_KEYS))
 
@@ -77,7 +83,7 @@ def config_differences(saved: dict, config: ml_collections.ConfigDict, keys=None
   """'key: saved -> now' for each of `keys` (None: every key of either) whose value differs; a key
   the saved config lacks (added to the schema after it was written) has its default."""
   now = _flatten(json.loads(config.to_json()))
-  before = {k: _current(k, v) for k, v in _flatten(saved).items()}
+  before = {LEGACY_KEYS.get(k, k): _current(LEGACY_KEYS.get(k, k), v) for k, v in _flatten(saved).items()}
   keys = sorted(set(now) | set(before)) if keys is None else keys
   defaults = _flatten(json.loads(base_config().to_json()))
   return [f'{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}' for k in keys
@@ -187,8 +193,13 @@ def load_run_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   config = base_config()
   for group, values in json.loads(path.read_text()).items():
     if isinstance(values, dict):
-      for key, value in values.items():
-        config[group][key] = tuple(tuple(r) for r in value) if key == 'rules' else _current(f'{group}.{key}', value)
+      for key, value in _flatten(values).items():      # a nested group (model.kernels) key by key
+        key = LEGACY_KEYS.get(f'{group}.{key}', f'{group}.{key}').split('.', 1)[1]
+        *parents, name = key.split('.')
+        node = config[group]
+        for parent in parents:
+          node = node[parent]
+        node[name] = tuple(tuple(r) for r in value) if key == 'rules' else _current(f'{group}.{key}', value)
     else:
       config[group] = values
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1

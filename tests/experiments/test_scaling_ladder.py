@@ -120,11 +120,11 @@ def test_a_run_from_before_a_config_key_existed_is_the_same_run(tmp_path):
   here) is reused, not refused; one with a different value for it is refused."""
   config = tiny_ladder().base
   saved = runs.config_json(config)
-  del saved['model']['kda_conv_impl']
+  del saved['model']['short_conv_impl']
   (tmp_path / 'config.json').write_text(json.dumps(saved))
   runs.check_folder(tmp_path, config)
-  config.model.kda_conv_impl = 'pallas'
-  with pytest.raises(runs.WorkflowError, match="model.kda_conv_impl: 'xla' -> 'pallas'"):
+  config.model.short_conv_impl = 'pallas'
+  with pytest.raises(runs.WorkflowError, match="model.short_conv_impl: 'xla' -> 'pallas'"):
     runs.check_folder(tmp_path, config)
 
 

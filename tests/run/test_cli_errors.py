@@ -63,8 +63,8 @@ def _cases(tmp: pathlib.Path) -> dict:
                               "ConfigError: attention impl='tokamax' needs an NVIDIA GPU"),
       'kda kernels head dim': (run + ['--config=configs/default.py', f'--workdir={tmp}/kh'] + TINY_FLAGS
                                + ['--config.model.layer_pattern=KA', '--config.model.kda_head_dim=24',
-                                  '--config.model.kda_conv_impl=pallas'],
-                               "ConfigError: model.kda_conv_impl='pallas' needs the KDA head dim"),
+                                  '--config.model.short_conv_impl=pallas'],
+                               "ConfigError: model.short_conv_impl='pallas' needs the KDA head dim"),
       'peers never come': (run + ['--config=configs/default.py', f'--workdir={tmp}/mp', '--num_processes=2',
                                   '--process_id=0', f'--coordinator_address=127.0.0.1:{_free_port()}',
                                   '--peer_timeout_s=3'] + TINY_FLAGS,

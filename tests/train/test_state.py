@@ -38,7 +38,7 @@ def test_host_init_never_lowers_the_forwards_gpu_kernels(monkeypatch):
   Pallas kernels lower as on a GPU (through Triton), which the CPU cannot: the forward fails to
   compile for it, and the host init must not."""
   config = make_config({**TINY, 'model.layer_pattern': 'KA', 'model.kda_impl': 'pallas',
-                        'model.kda_conv_impl': 'pallas'})
+                        'model.short_conv_impl': 'pallas'})
   run = build_training(config, mesh_lib.make_mesh(config.mesh))
   monkeypatch.setattr(common, 'kernels_interpreted', lambda: False)
   state = init_state(run.model, run.optimizer, config, run.abstract_state, on_host=True)
