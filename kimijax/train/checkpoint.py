@@ -26,9 +26,9 @@ from kimijax.config import base_config
 MUST_MATCH = ('model',)
 # Keys inside MUST_MATCH that choose how to compute, not what: a checkpoint restores under any of
 # their values (e.g. trained with cuDNN attention on a GPU, evaluated with 'xla' on a CPU).
+# (model.kernels: the group, every key in it.)
 MAY_DIFFER = ('model.attn_impl', 'model.kda_impl', 'model.short_conv_impl', 'model.kda_recompute_projections',
-              'model.attnres_impl', 'model.remat', 'model.kernels.kda', 'model.kernels.short_conv',
-              'model.kernels.attnres_phase1', 'model.kernels.attnres_merge_norm')
+              'model.attnres_impl', 'model.remat', 'model.kernels')
 
 
 # Saved values from before a key changed its type or its values were renamed, as the key's value
@@ -66,7 +66,8 @@ def config_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[st
   'key: saved -> now'. A key the saved config lacks (added to the schema after it was written)
   matches its default."""
   keys = set(_flatten(json.loads(config.to_json()))) | {LEGACY_KEYS.get(k, k) for k in _flatten(saved)}
-  keys = sorted(k for k in keys if k.split('.')[0] in MUST_MATCH and k not in MAY_DIFFER)
+  keys = sorted(k for k in keys if k.split('.')[0] in MUST_MATCH
+                and not any(k == m or k.startswith(m + '.') for m in MAY_DIFFER))
   return config_differences(saved, config, keys + list(MUST_MATCH_KEYS))
 
 
