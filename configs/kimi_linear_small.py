@@ -37,7 +37,7 @@ def get_config(variants: str | None = None):
   m.mla_rope = False                # ... and not rotated (Kimi Linear's NoPE)
   m.mla_latent_norm_eps = 1e-6
   m.kda_output_norm_eps = m.norm_eps
-  m.kda_impl = 'chunk'
+  m.kda_impl = 'xla'
   return apply_variants(c, VARIANTS, variants)
 
 

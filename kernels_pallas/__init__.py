@@ -3,8 +3,8 @@ README (backend, tiles, precision, what is recomputed), and common.py, the helpe
 kimijax.ops dispatches to them; nothing else in kimijax imports them.
 
 Tracing: each op's entry point checks its arguments, then calls its body under one jax.jit whose
-static arguments include the tiles (the KDA and short-conv kernels read their module's TILES
-while tracing, so the current TILES are passed as a `FrozenTiles` key). A model calls an op once
+static arguments include the kernels' settings (a frozen dataclass of kernels_pallas/<op>/settings.py,
+passed from the op down to every kernel call; nothing global). A model calls an op once
 per layer with the same shapes; through the shared jit those calls are one trace and one lowering,
 and the lowered module holds each kernel once instead of once per layer. For the gradient of
 configs/bench_350m.py:hybrid (18 KDA layers) that is 25 Triton kernels instead of 522, lowered on

@@ -1,12 +1,16 @@
-"""What several Pallas kernels share: tile settings and their parsing, row padding, the custom-VJP
-helpers for symbolic-zero cotangents, Triton compiler parameters and when to interpret.
+"""What several Pallas kernels share: the base of their settings and its parsing, row padding, the
+custom-VJP helpers for symbolic-zero cotangents, Triton compiler parameters and when to interpret.
 
-A kernel's tiles are a dict of ints with the kernel's defaults (`DEFAULT_TILES` in its module);
-callers override some keys (`with_defaults`), benchmarks read them from a flag ('bt=32/warps=8',
-`parse_tiles`), and the custom VJP takes them as a static argument (`FrozenTiles`, hashable).
+Each kernel family's settings (tiles, warps, stages, switches) are a frozen dataclass of ints with
+the measured defaults (kernels_pallas/<op>/settings.py, a `Settings`), passed from the op down to
+every kernel call and taken by the custom VJP and the shared jit as a static argument (hashable).
+Callers change some fields with `replace`, benchmarks and the config from text ('bt=32/warps=8',
+`from_string`); a key that is not a field is an error naming it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 # Imported for its side effect only: it registers a config option that is part of jit's trace
@@ -18,30 +22,47 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 
-# ----------------------------------------------------------------------------- tiles
+# ----------------------------------------------------------------------------- settings
 
 
-def with_defaults(tiles, defaults, op: str) -> dict:
-  """defaults updated with tiles (None: none), refusing keys that defaults does not have.
-  op names the kernel family in the error ('attnres phase1', 'kda chunk', ...)."""
-  unknown = sorted(set(tiles or {}) - set(defaults))
-  if unknown:
-    raise ValueError(f'{op}: unknown tile keys {unknown}; allowed: {sorted(defaults)}')
-  return dict(defaults, **(tiles or {}))
-
-
-def parse_tiles(text: str) -> dict:
-  """'bt=32/warps=8' -> {'bt': 32, 'warps': 8} ('' -> {}), for the benchmarks' tile flags."""
+def parse_settings(text: str) -> dict:
+  """'bt=32/warps=8' -> {'bt': 32, 'warps': 8} ('' -> {}), the benchmarks' and the config's form."""
   try:
     return {k: int(v) for k, v in (kv.split('=') for kv in text.split('/') if kv)}
   except ValueError:
-    raise ValueError(f"kernel tiles: expected 'key=int/key=int', got {text!r}") from None
+    raise ValueError(f"kernel settings: expected 'key=int/key=int', got {text!r}") from None
 
 
-class FrozenTiles(dict):
-  """A hashable dict of tile sizes (a static argument of a custom VJP or of jit)."""
-  def __hash__(self):
-    return hash(tuple(sorted(self.items())))
+class Settings:
+  """Base of the kernel families' settings: subclasses are frozen dataclasses whose fields are ints
+  (their defaults the measured ones), hashable, so that a jit or custom VJP takes them as a static
+  argument. FAMILY names the kernels in errors; SWITCHES are the fields that are 0 or 1, every
+  other field is a positive int."""
+  FAMILY = 'kernels'
+  SWITCHES = ()
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f'{self.FAMILY}: {field.name} must be an int, got {value!r}')
+      if field.name in self.SWITCHES and value not in (0, 1):
+        raise ValueError(f'{self.FAMILY}: {field.name} is a switch, 0 or 1; got {value}')
+      if field.name not in self.SWITCHES and value < 1:
+        raise ValueError(f'{self.FAMILY}: {field.name} must be a positive int, got {value}')
+
+  def replace(self, **changes):
+    """A copy with some fields changed; a name that is not a field is an error naming it."""
+    names = [field.name for field in dataclasses.fields(self)]
+    unknown = sorted(set(changes) - set(names))
+    if unknown:
+      raise ValueError(f'{self.FAMILY}: unknown keys {unknown}; allowed: {sorted(names)}')
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_string(cls, text: str):
+    """The defaults with the fields named in text ('key=int/key=int'; '' the defaults) changed."""
+    return cls().replace(**parse_settings(text))
 
 
 def power_of_two_divisor(n: int, at_most: int) -> int:
@@ -76,10 +97,15 @@ def pad_rows(x, m_pad: int, value=0):
 # ----------------------------------------------------------------------------- backend
 
 
-def compiler_params(tiles, kernel: str = ''):
-  """Triton settings of one kernel from its tile keys: warps{kernel} and stages{kernel}."""
+def triton_params(num_warps: int, num_stages: int):
+  """Triton's compiler parameters of one kernel."""
   from jax.experimental.pallas import triton as plgpu
-  return plgpu.CompilerParams(num_warps=tiles['warps' + kernel], num_stages=tiles['stages' + kernel])
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def compiler_params(settings, kernel: str = ''):
+  """Triton parameters of one kernel from its family's settings: fields warps{kernel} and stages{kernel}."""
+  return triton_params(getattr(settings, 'warps' + kernel), getattr(settings, 'stages' + kernel))
 
 
 def kernels_interpreted() -> bool:

@@ -24,11 +24,19 @@ from kimijax.schema import NON_NEGATIVE, POSITIVE, ConfigError, Key
 
 # Letters accepted in model.layer_pattern: one letter per mixer sublayer kind.
 LAYER_KINDS = {'A': 'full attention (model.attention_kind)', 'K': 'Kimi Delta Attention'}
-# Each op module holds a dict of the implementations it dispatches to; only built ones are listed.
+# Each op module holds a mapping of the implementations it dispatches to; only built ones are listed.
 ATTN_IMPLS = attention_ops.IMPLS
 KDA_IMPLS = kda_ops.IMPLS
 SHORT_CONV_IMPLS = short_conv_ops.IMPLS
 ATTNRES_IMPLS = attnres_ops.IMPLS
+# model.kernels key -> the parser of the settings of the Pallas kernels it overrides ('key=int/key=int'
+# -> a frozen dataclass of kernels_pallas/<op>/settings.py), from the ops' 'pallas' implementations
+KERNEL_SETTINGS = {
+    'kda': KDA_IMPLS['pallas'].parse_settings,
+    'short_conv': SHORT_CONV_IMPLS['pallas'].parse_settings,
+    'attnres_phase1': ATTNRES_IMPLS['pallas'].parse_phase1_settings,
+    'attnres_merge_norm': ATTNRES_IMPLS['pallas'].parse_merge_norm_settings,
+}
 DTYPES = ('float32', 'bfloat16')
 MESH_AXES = ('data', 'fsdp', 'tensor')
 # model.kda_recompute_projections: the KDA projections recomputed in the backward, in q, k, v order
@@ -62,6 +70,16 @@ def _layer_pattern(path: str, pattern: str) -> None:
   for letter in expand_pattern(pattern):
     if letter not in LAYER_KINDS:
       raise ConfigError(f'{path}={pattern!r} has unknown letter {letter!r}; allowed letters: {LAYER_KINDS}')
+
+
+def _kernel_settings(key: str) -> Callable[[str, str], None]:
+  """The check of model.kernels.<key>: its 'key=int/key=int' text parses as that kernel family's settings."""
+  def check(path: str, text: str) -> None:
+    try:
+      KERNEL_SETTINGS[key](text)
+    except ValueError as e:
+      raise ConfigError(f'{path}={text!r}: {e}') from None
+  return check
 
 
 def _mesh_size(path: str, size: int) -> None:
@@ -111,7 +129,8 @@ SCHEMA = {
         'attn_impl': Key('xla', "'xla' runs everywhere; 'cudnn', 'tokamax' and 'gpu' (per call the faster of the two) "
                          "need an NVIDIA GPU and compute_dtype='bfloat16' (kimijax/ops/attention.py)",
                          allowed=ATTN_IMPLS),
-        'kda_impl': Key('chunk', 'the KDA implementation (kimijax/ops/kda.py)', allowed=KDA_IMPLS),
+        'kda_impl': Key('xla', "KDA (kimijax/ops/kda.py): 'xla' the chunkwise form, 'xla_recurrent' the "
+                        "token scan (the reference), 'pallas' the fused kernels", allowed=KDA_IMPLS),
         'norm_eps': Key(1e-6, 'eps of the RMSNorms', bounds=POSITIVE),
         'init_std': Key(0.02, 'std of the normal initialisation of the matrices', bounds=POSITIVE),
         'compute_dtype': Key('bfloat16', 'params stay float32; norms, softmax and the loss run in float32',
@@ -144,10 +163,13 @@ SCHEMA = {
         'mla_v_head_dim': Key(0, '0: the nope head dim', bounds=NON_NEGATIVE),
         # Settings of the Pallas kernels, 'key=int/key=int' over their defaults ('': the defaults)
         'kernels': {
-            'kda': Key('', 'the KDA kernels (kernels_pallas/kda)'),
-            'short_conv': Key('', 'the short-conv kernels (kernels_pallas/short_conv)'),
-            'attnres_phase1': Key('', 'the AttnRes phase-1 kernels (kernels_pallas/attnres)'),
-            'attnres_merge_norm': Key('', 'the fused AttnRes phase-2 + pre-norm kernels (kernels_pallas/attnres)'),
+            'kda': Key('', 'KdaSettings (kernels_pallas/kda/settings.py)', check=_kernel_settings('kda')),
+            'short_conv': Key('', 'ShortConvSettings (kernels_pallas/short_conv/settings.py)',
+                              check=_kernel_settings('short_conv')),
+            'attnres_phase1': Key('', 'Phase1Settings (kernels_pallas/attnres/settings.py)',
+                                  check=_kernel_settings('attnres_phase1')),
+            'attnres_merge_norm': Key('', 'MergeNormSettings, AttnRes phase 2 fused with the pre-norm '
+                                      '(kernels_pallas/attnres/settings.py)', check=_kernel_settings('attnres_merge_norm')),
         },
     },
     'train': {
@@ -229,15 +251,21 @@ def kda_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
 
 
 def portable(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """A copy of the model config with the implementations that run on any machine ('xla' attention,
-  AttnRes and short convs; the default KDA for 'pallas'): same parameters, so shapes and counts of a
-  GPU config can be traced on a CPU."""
+  """A copy of the model config with the implementations that run on any machine ('xla' attention
+  and AttnRes, 'xla' KDA unless 'xla_recurrent', 'xla' short convs): same parameters, so shapes and
+  counts of a GPU config can be traced on a CPU."""
   model = model.copy_and_resolve_references()
   model.attn_impl, model.attnres_impl = 'xla', 'xla'
-  if model.kda_impl == 'pallas':
-    model.kda_impl = SCHEMA['model']['kda_impl'].default
+  if model.kda_impl not in ('xla', 'xla_recurrent'):
+    model.kda_impl = 'xla'
   model.short_conv_impl = 'xla'
   return model
+
+
+def kernel_settings(model: ml_collections.ConfigDict) -> dict:
+  """model.kernels parsed: {key: the settings of its Pallas kernels} (KERNEL_SETTINGS; '' gives the
+  defaults), the values a model hands to its layers."""
+  return {key: parse(model.kernels[key]) for key, parse in KERNEL_SETTINGS.items()}
 
 
 def num_kv_heads(model: ml_collections.ConfigDict) -> int:

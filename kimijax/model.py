@@ -60,25 +60,33 @@ def _cotangent_in_bwd(dtype, _, g):
 cotangent_in.defvjp(_cotangent_in_fwd, _cotangent_in_bwd)
 
 
-def make_mixer(cfg: ml_collections.ConfigDict, kind: str, dtype, max_logits: bool = True) -> nn.Module:
+def make_mixer(cfg: ml_collections.ConfigDict, kind: str, dtype, max_logits: bool = True,
+               kernels: dict | None = None) -> nn.Module:
   """The sequence mixer of a model.layer_pattern letter. Called as mixer(x_btd, positions_bt, cache)
   it returns (y_btd, max_logits [H] fp32 or None, new cache or None). max_logits is None for
   mixers without softmax logits (KDA), when decoding and when `max_logits` is False; the cache
-  (kimijax/infer/cache.py) is None in training."""
+  (kimijax/infer/cache.py) is None in training. kernels: model.kernels parsed
+  (config_lib.kernel_settings; None: parsed here)."""
   if kind == 'K':
+    kernels = config_lib.kernel_settings(cfg) if kernels is None else kernels
     heads, head_dim = config_lib.kda_dims(cfg)
-    return KimiDeltaAttention(heads, head_dim, cfg.kda_impl, cfg.kda_short_conv, cfg.kda_output_gate,
-                              cfg.kda_gate_lower_bound, cfg.init_std, dtype, cfg.kda_output_norm_eps,
-                              cfg.short_conv_impl, cfg.kda_recompute_projections, name='kda')
+    return KimiDeltaAttention(
+        num_heads=heads, head_dim=head_dim, impl=cfg.kda_impl, short_conv=cfg.kda_short_conv,
+        output_gate=cfg.kda_output_gate, gate_lower_bound=cfg.kda_gate_lower_bound, init_std=cfg.init_std,
+        dtype=dtype, output_norm_eps=cfg.kda_output_norm_eps, short_conv_impl=cfg.short_conv_impl,
+        recompute_projections=cfg.kda_recompute_projections, settings=kernels['kda'],
+        short_conv_settings=kernels['short_conv'], name='kda')
   if kind == 'A' and cfg.attention_kind == 'mla':
     return MultiHeadLatentAttention(
-        cfg.num_heads, cfg.mla_kv_lora_rank, cfg.mla_qk_nope_head_dim or cfg.d_model // cfg.num_heads,
-        cfg.mla_qk_rope_head_dim, cfg.mla_v_head_dim, cfg.mla_q_lora_rank, cfg.rope_theta,
-        cfg.attn_impl, cfg.mla_latent_norm_eps, cfg.init_std, dtype, cfg.mla_rope, max_logits,
-        name='mla')
+        num_heads=cfg.num_heads, kv_lora_rank=cfg.mla_kv_lora_rank,
+        qk_nope_head_dim=cfg.mla_qk_nope_head_dim or cfg.d_model // cfg.num_heads,
+        qk_rope_head_dim=cfg.mla_qk_rope_head_dim, v_head_dim=cfg.mla_v_head_dim, q_lora_rank=cfg.mla_q_lora_rank,
+        rope_theta=cfg.rope_theta, impl=cfg.attn_impl, norm_eps=cfg.mla_latent_norm_eps, init_std=cfg.init_std,
+        dtype=dtype, rope=cfg.mla_rope, max_logits=max_logits, name='mla')
   if kind == 'A':
-    return SelfAttention(cfg.num_heads, config_lib.num_kv_heads(cfg), cfg.position == 'rope',
-                         cfg.rope_theta, cfg.attn_impl, cfg.init_std, dtype, max_logits, name='attention')
+    return SelfAttention(num_heads=cfg.num_heads, num_kv_heads=config_lib.num_kv_heads(cfg),
+                         rope=cfg.position == 'rope', rope_theta=cfg.rope_theta, impl=cfg.attn_impl,
+                         init_std=cfg.init_std, dtype=dtype, max_logits=max_logits, name='attention')
   raise ValueError(f'unknown layer kind {kind!r}')
 
 
@@ -88,22 +96,24 @@ class Layer(nn.Module):
   (model.residual) is all in `residual_lib`, so mixers never see it.
 
   (state, positions [B, T], cache) -> (state, max logits [H] of an attention mixer or None,
-  per-sublayer statistics when `log` else None, the mixer's new cache or None)."""
+  per-sublayer statistics when `log` else None, the mixer's new cache or None). kernels: the
+  Pallas kernels' settings, model.kernels parsed (config_lib.kernel_settings)."""
   cfg: ml_collections.ConfigDict
   kind: str
   index: int
   log: bool = False
   max_logits: bool = True
+  kernels: dict | None = None
 
   @nn.compact
   def __call__(self, state, positions_bt, cache=None):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.compute_dtype)
-    res = residual_lib.make_residual(cfg, log=self.log)
+    res = residual_lib.make_residual(cfg, log=self.log, kernels=self.kernels)
     stats = {'weights': [], 'input_rms': [], 'output_rms': []}
 
     def sublayer(state, offset: int, name: str, fn):
-      norm = RMSNorm(cfg.norm_eps, dtype, name=f'{name}_norm')
+      norm = RMSNorm(eps=cfg.norm_eps, dtype=dtype, name=f'{name}_norm')
       x_btd, h_btd, w_n, state = res.read(state, 2 * self.index + offset, norm)
       y_btd, extra = fn(x_btd)
       if self.log:
@@ -112,13 +122,13 @@ class Layer(nn.Module):
         stats['output_rms'].append(residual_lib.rms(y_btd))
       return res.write(state, y_btd, 2 * self.index + offset), extra
 
-    mixer = make_mixer(cfg, self.kind, dtype, self.max_logits)
+    mixer = make_mixer(cfg, self.kind, dtype, self.max_logits, self.kernels)
     def run_mixer(x_btd):
       y_btd, max_logits_h, new_cache = mixer(x_btd, positions_bt, cache)
       return y_btd, (max_logits_h, new_cache)
 
     state, (max_logits_h, new_cache) = sublayer(state, 0, 'mixer', run_mixer)
-    mlp = SwiGLU(cfg.mlp_dim, cfg.init_std, dtype, name='mlp')
+    mlp = SwiGLU(hidden=cfg.mlp_dim, init_std=cfg.init_std, dtype=dtype, name='mlp')
     state, _ = sublayer(state, 1, 'mlp', lambda x: (mlp(x), None))
     return state, max_logits_h, (stats if self.log else None), new_cache
 
@@ -140,8 +150,10 @@ class Transformer(nn.Module):
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     embed = self.param('embed', nn.with_logical_partitioning(
         nn.initializers.normal(cfg.init_std), ('vocab', 'embed')), (cfg.vocab_size, cfg.d_model), jnp.float32)
+    # The Pallas kernels' settings (model.kernels), parsed once and handed to the layers as values.
+    kernels = config_lib.kernel_settings(cfg)
     # The residual stream is kept in residual_dtype (default float32); sublayers compute in `dtype`.
-    res = residual_lib.make_residual(cfg, log=self.log_attnres)
+    res = residual_lib.make_residual(cfg, log=self.log_attnres, kernels=kernels)
     state = res.start(jnp.take(embed, tokens_bt, axis=0).astype(cfg.residual_dtype))
 
     # Remat per layer: the residual state (h, or the AttnRes sources) is the saved carry.
@@ -149,14 +161,15 @@ class Transformer(nn.Module):
     max_logits, stats, new_cache = {}, [], {}
     for i, kind in enumerate(config_lib.layer_kinds(cfg)):
       name = f'layer_{i}'
-      state, m, s, new_cache[name] = layer_cls(cfg, kind, i, self.log_attnres, self.max_logits, name=name)(
-          state, positions_bt, None if cache is None else cache[name])
+      layer = layer_cls(cfg=cfg, kind=kind, index=i, log=self.log_attnres, max_logits=self.max_logits,
+                        kernels=kernels, name=name)
+      state, m, s, new_cache[name] = layer(state, positions_bt, None if cache is None else cache[name])
       stats.append(s)
       if m is not None:
         max_logits[f'layer_{i}'] = m
     # The final norm's input (AttnRes: the final aggregator's).
     x_btd, h_btd, w_n, _ = res.read(state, residual_lib.num_sublayers(cfg),
-                                    RMSNorm(cfg.norm_eps, dtype, name='final_norm'))
+                                    RMSNorm(eps=cfg.norm_eps, dtype=dtype, name='final_norm'))
     if cfg.tie_embeddings:
       head_dv = embed.T
     else:

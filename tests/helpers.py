@@ -66,6 +66,14 @@ def forward(cfg, params, tokens, positions=None):
   return _FORWARDS[key]({'params': params}, tokens, positions)
 
 
+def impl_params(impls):
+  """pytest params over an op's IMPLS (the tokamax test_base pattern: one suite, every entry), an
+  entry whose capability gpu_only is set marked gpu (skipped off the GPU)."""
+  import pytest
+  return [pytest.param(name, id=name, marks=[pytest.mark.gpu] if getattr(impl, 'gpu_only', False) else [])
+          for name, impl in impls.items()]
+
+
 def rel_err(a, ref):
   return float(np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref)))
 
@@ -80,6 +88,25 @@ def cross_entropy(logits_btv, tokens_bt):
   """Next-token loss: logits at t predict token t + 1."""
   logp = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)
   return -jnp.mean(jnp.take_along_axis(logp, tokens_bt[:, 1:, None], axis=-1))
+
+
+# ----------------------------------------------------------------------------- short conv inputs
+
+
+def short_conv_inputs(seed, b, t, h, dk, dtype=jnp.float32):
+  """x [B, T, H, K] ~ N(0, 1) in dtype, taps w [4, H, K] ~ U(-0.5, 0.5) float32, a cotangent dy."""
+  kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(kx, (b, t, h, dk), jnp.float32).astype(dtype)
+  w = jax.random.uniform(kw, (4, h, dk), jnp.float32, -0.5, 0.5)
+  dy = jax.random.normal(kd, (b, t, h, dk), jnp.float32)
+  return x, w, dy
+
+
+def short_conv_grads(impl, activation, x, w, dy, settings=None):
+  """The gradients in x and w of sum(short_conv(x, w) * dy) under impl (and its kernels' settings)."""
+  from kimijax.ops.short_conv import short_conv
+  loss = lambda x, w: jnp.sum(short_conv(x, w, activation, impl=impl, settings=settings)[0].astype(jnp.float32) * dy)
+  return jax.jit(jax.grad(loss, (0, 1)))(x, w)
 
 
 # ----------------------------------------------------------------------------- AttnRes inputs

@@ -197,6 +197,16 @@ def np_conv(x, w):
   return sum(xp[:, j: j + x.shape[1]] * w[j] for j in range(width))
 
 
+def np_short_conv(x, w, activation):
+  """SPEC §1's short conv and its activation in float64: 'none', 'silu', or 'silu_l2' (SiLU, then
+  each head's features divided by their L2 norm, eps 1e-6)."""
+  y = np_conv(np.asarray(x, np.float64), np.asarray(w, np.float64))
+  if activation == 'none':
+    return y
+  a = np_silu(y)
+  return a / np.sqrt(np.sum(a * a, -1, keepdims=True) + 1e-6) if activation == 'silu_l2' else a
+
+
 def np_kda_layer(p, x, *, short_conv, output_gate, lower_bound):
   """float64 SPEC §1 layer with parameters p (the layer's tree) on x [B, T, D] -> y [B, T, D]."""
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)

@@ -202,3 +202,39 @@ def test_param_count_matches_closed_form(overrides):
     assert expected == 258 * 256 + 4 * (4 * 256 * 256 + 2 * 256 + 3 * 256 * 768) + 256 == 3_476_224
   assert count_params(shapes) == expected
   assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(shapes))) == expected
+
+
+# ----------------------------------------------------------------------------- kernel settings
+
+
+def test_kernel_settings_from_the_config_reach_the_layers_and_bad_ones_name_the_key():
+  """model.kernels: 'key=int/key=int' over each kernel family's measured defaults ('' the
+  defaults), parsed once into frozen settings that the model hands to the KDA layers, their short
+  convs and the AttnRes residual; an unknown key or a bad value is one ConfigError naming the
+  config key, before anything is built."""
+  from kernels_pallas.attnres.settings import MergeNormSettings, Phase1Settings
+  from kernels_pallas.kda.settings import KdaSettings
+  from kernels_pallas.short_conv.settings import ShortConvSettings
+  from kimijax.layers import residual as residual_lib
+  from kimijax.model import make_mixer
+
+  c = config_lib.base_config()
+  c.model.update(layer_pattern='KA', residual='attnres_block')
+  c.model.kernels.kda = 'warps_diag=4/flat_branch=0'
+  c.model.kernels.attnres_phase1 = 'bt=32'
+  m = config_lib.validate(c).model
+  kernels = config_lib.kernel_settings(m)
+  assert kernels == {'kda': KdaSettings(warps_diag=4, flat_branch=0), 'short_conv': ShortConvSettings(),
+                     'attnres_phase1': Phase1Settings(bt=32), 'attnres_merge_norm': MergeNormSettings()}
+  mixer = make_mixer(m, 'K', jnp.float32, kernels=kernels)
+  assert mixer.settings == KdaSettings(warps_diag=4, flat_branch=0) and mixer.short_conv_settings == ShortConvSettings()
+  residual = residual_lib.make_residual(m, kernels=kernels)
+  assert residual.phase1_settings == Phase1Settings(bt=32) and residual.merge_norm_settings == MergeNormSettings()
+  for key, text, says in [('kda', 'warps_dig=2', r"unknown keys \['warps_dig'\]"),
+                          ('short_conv', 'rows=0', 'rows must be a positive int'),
+                          ('attnres_phase1', 'bt_grads=48', r'bt_grads \(48\) must divide rows_grads'),
+                          ('attnres_merge_norm', 'groups', "expected 'key=int/key=int'")]:
+    c = config_lib.base_config()
+    c.model.kernels[key] = text
+    with pytest.raises(config_lib.ConfigError, match=rf"model.kernels.{key}='{text}': .*{says}"):
+      config_lib.validate(c)

@@ -30,9 +30,9 @@ flags.DEFINE_list('sources', ['2', '5', '9'], 'n, block sums seen by the block')
 flags.DEFINE_list('impls', ['xla', 'pallas'], 'phase-1 impls to time')
 flags.DEFINE_string('dtype', 'bfloat16', 'source dtype')
 flags.DEFINE_list('pallas_tiles', [], "extra Pallas tile settings to time, each 'key=value/key=value' "
-                  "over kernels_pallas.attnres.phase1.DEFAULT_TILES' keys (e.g. bt=32/warps=8)")
+                  "over the fields of kernels_pallas.attnres.settings.Phase1Settings (e.g. bt=32/warps=8)")
 flags.DEFINE_list('merge_tiles', [], "extra tile settings of the fused phase-2 kernels to time "
-                  "(kernels_pallas.attnres.merge_norm.DEFAULT_TILES' keys)")
+                  "(the fields of kernels_pallas.attnres.settings.MergeNormSettings)")
 flags.DEFINE_bool('merge_add', True, 'phase 2 also adds the previous sublayer output to the partial '
                   'sum first, as the model does with the Pallas kernels and no remat')
 flags.DEFINE_bool('per_kernel', False, "also print each kernel's device time per forward call and per "
@@ -86,10 +86,9 @@ def _inputs(n, s, dtype, key=0):
   return sources, queries, keys[n + 1], keys[n + 2]
 
 
-def _tiles(impl):
-  """'pallas:bt=32/warps=8' -> {'bt': 32, 'warps': 8}."""
-  from kernels_pallas.common import parse_tiles
-  return parse_tiles(impl.split(':')[1])
+def _settings(impl, settings_type):
+  """'pallas:bt=32/warps=8' -> settings_type with bt=32, warps=8 (the other fields the defaults)."""
+  return settings_type.from_string(impl.split(':')[1])
 
 
 def _phase1_fns(impl):
@@ -103,7 +102,8 @@ def _phase1_fns(impl):
     if ':' not in impl:
       return ops_phase1(v, q, impl=impl)
     from kernels_pallas.attnres.phase1 import phase1 as kernel
-    return kernel(v, q, tiles=_tiles(impl), interpret=kernels_interpreted())
+    from kernels_pallas.attnres.settings import Phase1Settings
+    return kernel(v, q, settings=_settings(impl, Phase1Settings), interpret=kernels_interpreted())
 
   def loss(sources, queries, w_outs, w_lse):
     # The sources as passed through count too: in the model, later blocks use them.
@@ -172,8 +172,9 @@ def _merge_fns(impl):
     if impl == 'pallas':
       return merge_norm(o, lse, p, q, scale, dtype=o.dtype, addend=y, impl='pallas')
     from kernels_pallas.attnres.merge_norm import merge_norm as kernel
+    from kernels_pallas.attnres.settings import MergeNormSettings
     return kernel(o, lse, p, q, scale, eps=1e-6, norm_eps=1e-6, dtype=o.dtype, addend=y,
-                  tiles=_tiles(impl), interpret=kernels_interpreted())
+                  settings=_settings(impl, MergeNormSettings), interpret=kernels_interpreted())
 
   def loss(*args):
     x, p = fn(*args[:-1])

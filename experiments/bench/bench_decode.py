@@ -39,7 +39,7 @@ def build(config, pattern: str):
 
   m = config.model
   m.layer_pattern = pattern
-  m.kda_impl = 'recurrent'   # decoding uses kda_step whatever the impl; the scan compiles fastest for init
+  m.kda_impl = 'xla_recurrent'   # decoding uses kda_step whatever the impl; the scan compiles fastest for init
   validate(config)
   model = Transformer(m)
   params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))['params'])

@@ -3,7 +3,7 @@
     python -m experiments.bench.bench_kda                             # GPU, SPEC §5 shape B=8 T=4096 H=16 D=128
     python -m experiments.bench.bench_kda --batch=1 --seq_len=2048 --heads=2 --head_dim=64 --dtype=float32   # CPU
 
-Times kimijax's implementations ('recurrent', 'chunk', 'pallas': --impls) on random
+Times kimijax's implementations ('xla_recurrent', 'xla', 'pallas': --impls) on random
 inputs of one shape (q, k L2-normalised; g = -exp(U(-7, --gate_log_max)), by default 0.5: the
 range of the KDA gate at init, where no 16-token sub-chunk is steep; beta = sigmoid(N(0, 1))).
 --gate_log_max=3 makes nearly every sub-chunk steep (its decay drops by 60 or more in some
@@ -16,9 +16,9 @@ decay gate's pre-activation and parameters in place of g (kimijax.ops.kda.kda's 
 --kernels lists the device time of every kernel inside one call of 'pallas' and of fla, from
 their profilers: the per-kernel comparison of the two, without the launch gaps of --stages.
 --short_conv adds the layer's short conv + activation (kimijax.ops.short_conv) under each of its
-impls (--conv_tiles: the Pallas kernels under other TILES settings too; with --kernels, each
-kernel's device time in forward+backward). --kda_tiles times impl='pallas' under other
-settings of its TILES (with --stages, its stages too). Each figure is the median (and min) of
+impls (--conv_tiles: the Pallas kernels under other settings too, ShortConvSettings; with
+--kernels, each kernel's device time in forward+backward). --kda_tiles times impl='pallas' under
+other settings of its kernels (KdaSettings; with --stages, its stages too). Each figure is the median (and min) of
 --repeats timed calls after --warmup calls, each call waited for; the 'queued' columns are the
 mean of --repeats calls issued back to back and waited for once, the time per call when the host
 runs ahead of the device, as in training (timing.queued_ms). --timeline=N traces N waited calls
@@ -37,15 +37,16 @@ flags.DEFINE_integer('batch', 8, 'B')
 flags.DEFINE_integer('seq_len', 4096, 'T')
 flags.DEFINE_integer('heads', 16, 'H')
 flags.DEFINE_integer('head_dim', 128, 'K = V')
-flags.DEFINE_integer('chunk_size', 64, "chunk length of impl='chunk'")
+flags.DEFINE_integer('chunk_size', 64, "chunk length of impl='xla'")
 flags.DEFINE_string('dtype', None, 'input dtype of q, k, v, beta (g is float32); default bfloat16 on GPU, '
                     'float32 on CPU')
-flags.DEFINE_list('impls', ['recurrent', 'chunk', 'pallas', 'fla'], 'what to time')
+flags.DEFINE_list('impls', ['xla_recurrent', 'xla', 'pallas', 'fla'], 'what to time')
 flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
 flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
 flags.DEFINE_bool('stages', False, "also time each stage of impl='pallas' on its own (forward kernels, "
                   'the backward\'s recomputation, reverse state pass and input gradients)')
-flags.DEFINE_list('kda_tiles', [''], "settings of kernels_pallas.kda.op.TILES to time impl='pallas' under "
+flags.DEFINE_list('kda_tiles', [''], "settings of the KDA kernels (kernels_pallas.kda.settings.KdaSettings) "
+                  "to time impl='pallas' under "
                   "(and its stages, with --stages), one per entry, each 'key=int/key=int' (e.g. "
                   "warps_diag=2/heads_diag=8); '' is the defaults")
 flags.DEFINE_float('gate_log_max', 0.5, 'g = -exp(U(-7, gate_log_max))')
@@ -62,8 +63,9 @@ flags.DEFINE_integer('timeline', 0, "trace this many synchronised calls of impl=
                      'events of 20 us or more (experiments/tools/profile_summary.call_timelines)')
 flags.DEFINE_bool('short_conv', False, "also time the KDA layer's short conv + SiLU + L2 norm "
                   '(kimijax.ops.short_conv, one of q, k, v at the same shape) under each of its impls')
-flags.DEFINE_list('conv_tiles', [''], "with --short_conv: settings of kernels_pallas.short_conv.conv.TILES "
-                  "to time impl='pallas' under, '' for the defaults (e.g. --conv_tiles=,dz_tiles=1/dz_rows=32)")
+flags.DEFINE_list('conv_tiles', [''], "with --short_conv: settings of the short-conv kernels (kernels_pallas."
+                  "short_conv.settings.ShortConvSettings) to time impl='pallas' under, '' for the defaults "
+                  "(e.g. --conv_tiles=,dz_tiles=1/dz_rows=32)")
 FLAGS = flags.FLAGS
 
 
@@ -95,9 +97,9 @@ def _print_row(row):
   print('| ' + ' | '.join(list(row) + [''] * (len(HEADER) - len(row))) + ' |', flush=True)
 
 
-def _jax_rows(shape, dtype_name, impls, label=''):
+def _jax_rows(shape, dtype_name, impls, label='', settings=None):
   """The op's forward and forward+backward under each of `impls`, one printed row each
-  (`label` is appended to the row's name)."""
+  (`label` is appended to the row's name); settings: the Pallas kernels' (None: the defaults)."""
   import jax
   import jax.numpy as jnp
 
@@ -128,7 +130,7 @@ def _jax_rows(shape, dtype_name, impls, label=''):
 
     def fn(q, k, v, g, beta, *gate, impl=impl):
       kw = dict(zip(('a_log', 'dt_bias'), gate))
-      return kda_lib.kda(q, k, v, g, beta, impl=impl, chunk_size=FLAGS.chunk_size, **kw)[0]
+      return kda_lib.kda(q, k, v, g, beta, impl=impl, chunk_size=FLAGS.chunk_size, settings=settings, **kw)[0]
 
     fwd = jax.jit(fn)
     loss = lambda do, *a, fn=fn: jnp.sum(fn(*a).astype(jnp.float32) * do.astype(jnp.float32))
@@ -231,10 +233,10 @@ def _print_kernels(what, kernels):
     _print_row([f'{what}: {name[:80]}', '%.3f' % ms])
 
 
-def _stage_rows(shape, dtype_name):
-  """Each Pallas kernel of impl='pallas' on its own (kernels_pallas/kda/op.py), jitted separately;
-  what the forward+backward time leaves over is XLA's share (padding, casts, the sums of the
-  partial gradients)."""
+def _stage_rows(shape, dtype_name, settings):
+  """Each Pallas kernel of impl='pallas' on its own (kernels_pallas/kda/op.py) under `settings`
+  (a KdaSettings), jitted separately; what the forward+backward time leaves over is XLA's share
+  (padding, casts, the sums of the partial gradients)."""
   import jax
   import jax.numpy as jnp
 
@@ -252,8 +254,8 @@ def _stage_rows(shape, dtype_name):
   s0 = jnp.zeros((b, h, d, d), jnp.float32)
   c, scale = op.chunk_len(t), d ** -0.5
   interp = jax.default_backend() != 'gpu'
-  kw = dict(c=c, interpret=interp)
-  gc = op.chunk_cumsum(g, c, interpret=interp)
+  kw = dict(c=c, settings=settings, interpret=interp)
+  gc = op.chunk_cumsum(g, c, settings=settings, interpret=interp)
   scores = jax.jit(lambda *a: op.scores_fwd(*a, scale=scale, **kw))
   aqk, n = scores(q, k, gc, beta)
   inverse = jax.jit(lambda n: op.wy_inverse(n, dtype=dtype, **kw))
@@ -265,10 +267,11 @@ def _stage_rows(shape, dtype_name):
   bwd = jax.jit(lambda *a: op.state_bwd(*a, **kw))
   f32 = lambda x: x.astype(jnp.float32)
   sbwd = jax.jit(lambda *a: op.scores_bwd(*a, scale=scale, **kw))
-  cumsum = {rev: jax.jit(lambda x, rev=rev: op.chunk_cumsum(x, c, reverse=rev, interpret=interp)) for rev in (False, True)}
+  cumsum = {rev: jax.jit(lambda x, rev=rev: op.chunk_cumsum(x, c, reverse=rev, settings=settings, interpret=interp))
+            for rev in (False, True)}
   f_pre = g.astype(dtype)           # the gated kernels read the gate's pre-activation in the input dtype
   rows_hk = jnp.full((h, d), 4.0), jnp.full((h, d), -4.0)    # exp(A_log), dt_bias
-  gate_kw = dict(lower_bound=0.0, t_valid=None, interpret=interp)
+  gate_kw = dict(lower_bound=0.0, t_valid=None, settings=settings, interpret=interp)
   gated = jax.jit(lambda f: op.gated_cumsum(f, *rows_hk, c, **gate_kw))
   ends = jnp.zeros((b, t // c, h, d), jnp.float32)
   gated_rev = jax.jit(lambda x, f: op.gated_reverse_cumsum(x, ends, f, *rows_hk, c, **gate_kw))
@@ -278,7 +281,7 @@ def _stage_rows(shape, dtype_name):
   dw = cot(hs, dh, do, dv_new, v_new)[2]
   wy_back = jax.jit(lambda *a: op.wy_backward(*a, **kw))
   sync = jax.block_until_ready
-  diag = jax.jit(lambda *a: op.diag_fwd(*a, scale=scale, interpret=interp))
+  diag = jax.jit(lambda *a: op.diag_fwd(*a, scale=scale, settings=settings, interpret=interp))
   stages = [('chunk_cumsum', lambda: cumsum[False](g)),
             ('chunk_cumsum reverse (backward)', lambda: cumsum[True](g)),
             ('gated cumsum (the gate fused: --gated)', lambda: gated(f_pre)),
@@ -309,14 +312,11 @@ def _short_conv_rows(shape, dtype_name):
   x = jax.random.normal(keys[0], shape, jnp.dtype(dtype_name))
   w = jax.random.uniform(keys[1], (4,) + shape[2:], jnp.float32, -0.5, 0.5)
   dy = jax.random.normal(keys[2], shape, jnp.dtype(dtype_name))
-  from kernels_pallas.common import parse_tiles, with_defaults
-  from kernels_pallas.short_conv import conv
-  defaults = dict(conv.TILES)
-  settings = [(text, with_defaults(parse_tiles(text), defaults, 'short_conv pallas')) for text in FLAGS.conv_tiles]
+  from kernels_pallas.short_conv.settings import ShortConvSettings
+  settings = [(text, ShortConvSettings.from_string(text)) for text in FLAGS.conv_tiles]
   rows = []
-  for impl, (text, tiles) in [('xla', ('', defaults))] + [('pallas', st) for st in settings]:
-    conv.TILES = tiles
-    fn = lambda x, w, impl=impl: sc.short_conv(x, w, 'silu_l2', impl=impl)[0]
+  for impl, (text, conv_settings) in [('xla', ('', None))] + [('pallas', st) for st in settings]:
+    fn = lambda x, w, impl=impl, st=conv_settings: sc.short_conv(x, w, 'silu_l2', impl=impl, settings=st)[0]
     loss = lambda x, w, dy, fn=fn: jnp.sum(fn(x, w).astype(jnp.float32) * dy.astype(jnp.float32))
     calls = ((jax.jit(fn), (x, w)), (jax.jit(jax.grad(loss, argnums=(0, 1))), (x, w, dy)))
     row = [f'short_conv {impl} (silu_l2)' + (f' [{text}]' if text else '')] + _cells(
@@ -326,7 +326,6 @@ def _short_conv_rows(shape, dtype_name):
     if FLAGS.kernels and jax.default_backend() == 'gpu':
       f, a = calls[1]
       _print_kernels(row[0] + ' forward+backward', _jax_kernel_ms(lambda f=f, a=a: f(*a)))
-  conv.TILES = defaults
   return rows
 
 
@@ -381,21 +380,22 @@ def main(argv):
         f'queued: the mean of {FLAGS.repeats} calls issued back to back and waited for once\n')
   _print_row(HEADER)
   _print_row(['---'] * len(HEADER))
-  from kernels_pallas.common import parse_tiles, with_defaults
-  from kernels_pallas.kda import op
-  defaults = dict(op.TILES)     # every --kda_tiles entry checked before anything runs
-  settings = [with_defaults(parse_tiles(text), defaults, 'kda pallas') for text in FLAGS.kda_tiles]
+  from kernels_pallas.kda.settings import KdaSettings
+  # every --kda_tiles and --conv_tiles entry checked before anything runs
+  settings = [KdaSettings.from_string(text) for text in FLAGS.kda_tiles]
+  if FLAGS.short_conv:
+    from kernels_pallas.short_conv.settings import ShortConvSettings
+    for text in FLAGS.conv_tiles:
+      ShortConvSettings.from_string(text)
   _jax_rows(shape, dtype, FLAGS.impls)   # each row is printed as soon as it is timed
   if FLAGS.short_conv:
     _short_conv_rows(shape, dtype)
-  for text, tiles in zip(FLAGS.kda_tiles, settings):
-    op.TILES = tiles
+  for text, kda_settings in zip(FLAGS.kda_tiles, settings):
     if text and 'pallas' in FLAGS.impls:   # the whole op under this setting (the default's row is above)
-      _jax_rows(shape, dtype, ['pallas'], f' [{text}]')
+      _jax_rows(shape, dtype, ['pallas'], f' [{text}]', settings=kda_settings)
     if FLAGS.stages:
-      for row in _stage_rows(shape, dtype):
+      for row in _stage_rows(shape, dtype, kda_settings):
         _print_row([row[0] + (f' [{text}]' if text else '')] + row[1:])
-  op.TILES = defaults
   if 'fla' in FLAGS.impls and backend == 'gpu' and not FLAGS.gated:
     _fla_rows(shape)
 

@@ -27,38 +27,29 @@ flags.DEFINE_integer('warmup', 3, 'untimed steps (the first compiles)')
 flags.DEFINE_float('peak_tflops', 989.0, 'dense bf16 peak of one device, TFLOP/s')
 flags.DEFINE_string('json_out', None, 'also write the figures to this JSON file')
 flags.DEFINE_string('profile_dir', None, 'write a profiler trace (perfetto JSON too) of 3 extra steps here')
-flags.DEFINE_string('phase1_tiles', '', "AttnRes phase-1 kernel tiles for this run, 'key=int/key=int' over "
-                    'kernels_pallas.attnres.phase1.DEFAULT_TILES (for step-level tile sweeps)')
+flags.DEFINE_string('phase1_tiles', '', "AttnRes phase-1 kernel settings for this run, 'key=int/key=int' over "
+                    'kernels_pallas.attnres.settings.Phase1Settings (for step-level tile sweeps; sets '
+                    'model.kernels.attnres_phase1)')
 flags.DEFINE_string('merge_tiles', '', 'the same for the fused phase-2 kernels '
-                    '(kernels_pallas.attnres.merge_norm.DEFAULT_TILES)')
-flags.DEFINE_string('kda_tiles', '', "the same for the KDA kernels (kernels_pallas.kda.op.TILES), e.g. "
-                    "'flat_branch=0'")
-flags.DEFINE_string('conv_tiles', '', "the same for the short-conv kernels (kernels_pallas.short_conv.conv.TILES), "
-                    "e.g. 'dz_tiles=1/dz_rows=32'")
+                    '(MergeNormSettings; model.kernels.attnres_merge_norm)')
+flags.DEFINE_string('kda_tiles', '', "the same for the KDA kernels (kernels_pallas.kda.settings.KdaSettings; "
+                    "model.kernels.kda), e.g. 'flat_branch=0'")
+flags.DEFINE_string('conv_tiles', '', "the same for the short-conv kernels (kernels_pallas.short_conv.settings."
+                    "ShortConvSettings; model.kernels.short_conv), e.g. 'dz_tiles=1/dz_rows=32'")
 flags.mark_flags_as_required(['config'])
 FLAGS = flags.FLAGS
 
 
-def _set_kernel_tiles() -> dict:
-  """Applies --phase1_tiles / --merge_tiles / --kda_tiles / --conv_tiles to the kernels' defaults
-  (checked before any compile) and returns the overrides, for the results."""
-  from kernels_pallas.common import parse_tiles, with_defaults
+def _kernel_tiles(config) -> dict:
+  """--kda_tiles / --conv_tiles / --phase1_tiles / --merge_tiles as the config's model.kernels
+  settings (the model passes them to the kernels; validate checks them before any compile).
+  Returns the overrides, for the results."""
   tiles = {}
-  if FLAGS.kda_tiles:
-    from kernels_pallas.kda import op as kda_op
-    kda_op.TILES = with_defaults(parse_tiles(FLAGS.kda_tiles), kda_op.TILES, 'kda pallas')
-    tiles['kda'] = FLAGS.kda_tiles
-  if FLAGS.conv_tiles:
-    from kernels_pallas.short_conv import conv
-    conv.TILES = with_defaults(parse_tiles(FLAGS.conv_tiles), conv.TILES, 'short_conv pallas')
-    tiles['short_conv'] = FLAGS.conv_tiles
-  if FLAGS.phase1_tiles or FLAGS.merge_tiles:
-    from kernels_pallas.attnres import merge_norm as attnres_merge, phase1 as attnres
-    for flag, module, op in ((FLAGS.phase1_tiles, attnres, 'phase1'),
-                             (FLAGS.merge_tiles, attnres_merge, 'merge_norm')):
-      if flag:
-        module.DEFAULT_TILES = with_defaults(parse_tiles(flag), module.DEFAULT_TILES, op)
-        tiles[op] = flag
+  for key, flag in (('kda', FLAGS.kda_tiles), ('short_conv', FLAGS.conv_tiles),
+                    ('phase1', FLAGS.phase1_tiles), ('merge_norm', FLAGS.merge_tiles)):
+    if flag:
+      config.model.kernels[{'phase1': 'attnres_phase1', 'merge_norm': 'attnres_merge_norm'}.get(key, key)] = flag
+      tiles[key] = flag
   return tiles
 
 
@@ -67,7 +58,7 @@ def main(argv):
   import jax
   import jax.numpy as jnp
 
-  from kimijax.config import ConfigError, config_from_flags
+  from kimijax.config import config_from_flags, validate
   from kimijax.model import count_params
   from kimijax.parallel import mesh as mesh_lib
   from kimijax.train.flops import model_flops_per_token
@@ -76,13 +67,11 @@ def main(argv):
   from experiments.bench import timing
 
   try:
-    config = config_from_flags('config')
-  except ConfigError as e:    # a bad file, variant or key: one line naming it
+    config = config_from_flags('config', validate=False)
+    tiles = _kernel_tiles(config)
+    config = validate(config)
+  except ValueError as e:    # a bad file, variant, key or tile setting: one line naming it
     raise SystemExit(f'ConfigError: {e}') from None
-  try:
-    tiles = _set_kernel_tiles()
-  except ValueError as e:     # a mistyped tile key or value: one line naming it
-    raise SystemExit(f'bench_train: {e}') from None
   t = config.train
   mesh = mesh_lib.make_mesh(config.mesh)
   run = build_training(config, mesh)

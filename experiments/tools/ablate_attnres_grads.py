@@ -5,7 +5,7 @@
 Times kernels_pallas.attnres.phase1_backward.grads_kernel, then copies of it with parts of its work
 left out, through the kernel's own pallas_call (phase1_backward.grads_call), on the bench_350m
 shape (16 x 4096 tokens, D = 1024, bf16 sources), with random inputs and the default tiles or
---tiles (so the first row alone is a tile sweep's figure). The copies' outputs are wrong on
+--tiles (Phase1Settings; so the first row alone is a tile sweep's figure). The copies' outputs are wrong on
 purpose; only their times mean something. Each figure is the median wall time of 20 jitted
 calls (the launch included), so compare them with each other:
     dv_i = c_i v_i + dv_in_i + sum_j alpha_ji do_j + sum_j b_ji q_j,   dq += b_parts_i^T v_i
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from absl import app, flags
 from jax.experimental import pallas as pl
 
-from kernels_pallas.attnres import bf16_split, phase1 as attnres, phase1_backward
+from kernels_pallas.attnres import bf16_split, phase1_backward
+from kernels_pallas.attnres.settings import Phase1Settings
 
 flags.DEFINE_integer('sources', 8, 'n, block sums')
 flags.DEFINE_integer('queries', 6, 'S, consumers per block')
@@ -83,7 +84,7 @@ def median_ms(fn, args, calls=20, warmup=3):
 
 def main(argv):
   del argv
-  tiles = attnres.with_defaults(attnres.parse_tiles(FLAGS.tiles), attnres.DEFAULT_TILES, 'phase1')
+  settings = Phase1Settings.from_string(FLAGS.tiles)
   if jax.default_backend() != 'gpu':
     raise SystemExit('ablate_attnres_grads.py times compiled Triton kernels: it needs a GPU')
   n, s, m, d = FLAGS.sources, FLAGS.queries, FLAGS.tokens, FLAGS.d_model
@@ -98,12 +99,12 @@ def main(argv):
   print('|---|---|')
   for name, parts in VARIANTS.items():
     if parts is None:
-      kernel = functools.partial(phase1_backward.grads_kernel, n=n, s=s, bt=tiles['bt_grads'], accumulate=True,
+      kernel = functools.partial(phase1_backward.grads_kernel, n=n, s=s, bt=settings.bt_grads, accumulate=True,
                                  source_parts=1)
     else:
-      kernel = make_kernel(n, s, tiles['bt_grads'], **parts)
+      kernel = make_kernel(n, s, settings.bt_grads, **parts)
     accumulated = d_sources_in if (parts or {}).get('dv_in', True) else []
-    fn = jax.jit(lambda a, b, c, e, kernel=kernel: phase1_backward.grads_call(kernel, a, b, c, e, tiles))
+    fn = jax.jit(lambda a, b, c, e, kernel=kernel: phase1_backward.grads_call(kernel, a, b, c, e, settings))
     print(f'| {name} | {median_ms(fn, (d_outs, sources, accumulated, coefficients)):.2f} |', flush=True)
 
 

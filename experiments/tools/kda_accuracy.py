@@ -8,9 +8,9 @@ The call is the KDA layer's (kimijax.ops.kda.kda with a_log= and dt_bias=, the g
 its pre-activation f), with an initial state and the final state returned; --nogated passes a
 float32 log-decay g instead. Inputs: q, k unit vectors, v ~ N(0, 1), beta ~ U(0, 1), s0 ~ N(0, 1),
 f ~ N(0, --f_std), A_log and dt_bias from the layer's initialisers (decays near -0.01 to -0.2
-per token). Each implementation (--impls: 'pallas', 'chunk', 'recurrent', and fla's Triton
+per token). Each implementation (--impls: 'pallas', 'xla', 'xla_recurrent', and fla's Triton
 `chunk_kda` where PyTorch sees a GPU) runs on the inputs in --dtype; the reference is
-impl='chunk' on the same values cast to float32 under matmul precision 'highest'. The loss is a
+impl='xla' (the chunkwise form) on the same values cast to float32 under matmul precision 'highest'. The loss is a
 fixed random linear functional of (o, final state), so every gradient is that of one scalar.
 
 Prints one Markdown row per implementation: the relative RMSE (||x - x_ref|| / ||x_ref||, as
@@ -32,7 +32,7 @@ flags.DEFINE_integer('seq_len', 1000, 'T (any: the implementations pad the tail)
 flags.DEFINE_integer('heads', 4, 'H')
 flags.DEFINE_integer('head_dim', 128, 'K = V')
 flags.DEFINE_string('dtype', 'bfloat16', 'dtype of q, k, v, beta and f (states and the gate parameters: float32)')
-flags.DEFINE_list('impls', ['pallas', 'chunk', 'fla'], "what to measure: kimijax impls and 'fla'")
+flags.DEFINE_list('impls', ['pallas', 'xla', 'fla'], "what to measure: kimijax impls and 'fla'")
 flags.DEFINE_bool('gated', True, 'the gate from its pre-activation inside the op (the KDA layer\'s call)')
 flags.DEFINE_float('f_std', 0.5, 'standard deviation of the gate pre-activation f')
 flags.DEFINE_integer('seed', 0, 'seed of the inputs')
@@ -111,7 +111,7 @@ def errors(shape, dtype_name: str, impls, *, gated: bool = True, f_std: float = 
   import jax.numpy as jnp
   x = inputs(shape, gated=gated, f_std=f_std, seed=seed)
   with jax.default_matmul_precision('highest'):
-    ref = _jax_outputs('chunk', x, jnp.float32)
+    ref = _jax_outputs('xla', x, jnp.float32)
   columns = ['o', 'final state'] + ['d' + ('g' if n == 'f' and not gated else n) for n in NAMES if n in x]
   out = {}
   for impl in impls:
@@ -130,7 +130,7 @@ def main(argv):
       raise app.UsageError(f'--impls: {impl!r} is unknown; allowed: {tuple(kda_lib.IMPLS)} and fla')
   print(f'jax {jax.__version__}; backend {jax.default_backend()}; device {jax.devices()[0].device_kind}')
   print(f'shape B, T, H, K=V = {shape}; inputs {FLAGS.dtype}; gated {FLAGS.gated}; relative RMSE against '
-        "impl='chunk' in float32 (matmul precision 'highest')\n")
+        "impl='xla' in float32 (matmul precision 'highest')\n")
   result, columns = errors(shape, FLAGS.dtype, FLAGS.impls, gated=FLAGS.gated, f_std=FLAGS.f_std, seed=FLAGS.seed)
   print('| implementation | ' + ' | '.join(columns) + ' |')
   print('|---' * (len(columns) + 1) + '|')

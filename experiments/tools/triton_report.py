@@ -63,17 +63,18 @@ def lower_for_h200(fn, *args) -> str:
     return export.export(jax.jit(fn), platforms=['cuda'], disabled_checks=[triton])(*args).mlir_module()
 
 
-def attnres_block(n, s, m, d, dtype, phase1_tiles=None, merge_tiles=None):
+def attnres_block(n, s, m, d, dtype, phase1_settings=None, merge_settings=None):
   """(fn, args): value and gradient of phase 1 (n sources [M, D], S queries) and of merge_norm of
   its first output, with an addend and a later use of the partial sum: every AttnRes kernel, the
-  merge_norm backward in its variant that adds that later use's gradient."""
+  merge_norm backward in its variant that adds that later use's gradient. phase1_settings,
+  merge_settings: the kernels' Phase1Settings and MergeNormSettings (None: the defaults)."""
   from kernels_pallas.attnres.merge_norm import merge_norm
   from kernels_pallas.attnres.phase1 import phase1
 
   def block(sources, queries, partial, y, scale):
-    outs, lse, passed = phase1(sources, queries, tiles=phase1_tiles)
+    outs, lse, passed = phase1(sources, queries, settings=phase1_settings)
     x, p = merge_norm(outs[0], lse[0], partial, queries[0], scale, eps=1e-6, norm_eps=1e-6,
-                      dtype=jnp.bfloat16, addend=y, tiles=merge_tiles)
+                      dtype=jnp.bfloat16, addend=y, settings=merge_settings)
     return (jnp.sum(x.astype(jnp.float32)) + jnp.sum(p.astype(jnp.float32) ** 2)
             + sum(jnp.sum(v.astype(jnp.float32) ** 2) for v in passed))
 
@@ -181,17 +182,15 @@ def sass_counts(sass: str) -> collections.Counter:
 
 def main(argv):
   del argv
-  from kernels_pallas.attnres import merge_norm as attnres_merge, phase1 as attnres
+  from kernels_pallas.attnres.settings import MergeNormSettings, Phase1Settings
   # Tile flags checked here, before anything is lowered: one error that names the bad key.
-  phase1_tiles = attnres.with_defaults(attnres.parse_tiles(FLAGS.phase1_tiles),
-                                       attnres.DEFAULT_TILES, 'phase1')
-  merge_tiles = attnres.with_defaults(attnres.parse_tiles(FLAGS.merge_tiles),
-                                      attnres_merge.DEFAULT_TILES, 'merge_norm')
+  phase1_settings = Phase1Settings.from_string(FLAGS.phase1_tiles)
+  merge_settings = MergeNormSettings.from_string(FLAGS.merge_tiles)
   if subprocess.run([FLAGS.triton_python, '-c', 'import triton'], capture_output=True).returncode:
     raise SystemExit(f'triton_report.py: {FLAGS.triton_python} cannot import triton; '
                      'pip install triton==3.6.0 there, or pass --triton_python')
   fn, args = attnres_block(FLAGS.sources, FLAGS.queries, FLAGS.tokens, FLAGS.d_model,
-                           jnp.dtype(FLAGS.dtype), phase1_tiles, merge_tiles)
+                           jnp.dtype(FLAGS.dtype), phase1_settings, merge_settings)
   kernels = kernel_irs(fn, *args)
   out_dir = pathlib.Path(FLAGS.out_dir or tempfile.mkdtemp(prefix='triton_report_'))
   out_dir.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import compiler_params
+from kernels_pallas.common import triton_params
 
 
 def _kernel(q_ref, k_ref, o_ref, *, scale, block_q, block_k, t, s, causal):
@@ -66,7 +66,7 @@ def max_logits(q, k, *, causal=True, scale=None, block_q=128, block_k=64, num_wa
                 pl.BlockSpec((None, s_pad, None, d_pad), lambda bi, hi, qi: (bi, 0, hi // group, 0))],
       out_specs=pl.BlockSpec((None, None, block_q), lambda bi, hi, qi: (bi, hi, qi)),
       out_shape=jax.ShapeDtypeStruct((b, h, t_pad), jnp.float32),
-      compiler_params=compiler_params({'warps': num_warps, 'stages': num_stages}),
+      compiler_params=triton_params(num_warps, num_stages),
       interpret=interpret,
       name='attention_max_logits',
   )(q, k)

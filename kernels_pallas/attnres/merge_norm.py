@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import (FrozenTiles, compiler_params, defvjp_with_symbolic_zeros, dense,
-                                   feature_chunk, is_zero, pad_rows, round_up, with_defaults)
+from kernels_pallas.attnres.settings import MergeNormSettings
+from kernels_pallas.common import (compiler_params, defvjp_with_symbolic_zeros, dense, feature_chunk, is_zero,
+                                   pad_rows, round_up)
 
 F32 = jnp.float32
 
@@ -141,44 +142,44 @@ def _bwd_kernel(*refs, bt, tiles_per_program, dc, accumulate):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _merge_norm(o, lse, p, addends, q, gamma, eps, norm_eps, dtype, tiles, interpret):
-  return _merge_norm_fwd(o, lse, p, addends, q, gamma, eps, norm_eps, dtype, tiles, interpret)[0]
+def _merge_norm(o, lse, p, addends, q, gamma, eps, norm_eps, dtype, settings, interpret):
+  return _merge_norm_fwd(o, lse, p, addends, q, gamma, eps, norm_eps, dtype, settings, interpret)[0]
 
 
-def _merge_norm_fwd(o, lse, p, addends, q, gamma, eps, norm_eps, dtype, tiles, interpret):
+def _merge_norm_fwd(o, lse, p, addends, q, gamma, eps, norm_eps, dtype, settings, interpret):
   """addends: () or (y,), y to be added to p first (then the partial sum returned is p + y)."""
   m, d = p.shape
-  bt, add = tiles['bt'], len(addends)
+  bt, add = settings.bt, len(addends)
   rows = pl.BlockSpec((bt, d), lambda t: (t, 0))
   vector = pl.BlockSpec((d,), lambda t: (0,))
   x, stats, *p_sum = pl.pallas_call(
-      functools.partial(_fwd_kernel, dc=feature_chunk(d, tiles['dc']), eps=eps, norm_eps=norm_eps,
+      functools.partial(_fwd_kernel, dc=feature_chunk(d, settings.dc), eps=eps, norm_eps=norm_eps,
                         add=add),
       grid=(m // bt,),
       in_specs=[rows] * (2 + add) + [pl.BlockSpec((bt,), lambda t: (t,)), vector, vector],
       out_specs=[rows, pl.BlockSpec((3, bt), lambda t: (0, t))] + [rows] * add,
       out_shape=[jax.ShapeDtypeStruct((m, d), dtype), jax.ShapeDtypeStruct((3, m), F32)]
                 + [jax.ShapeDtypeStruct((m, d), p.dtype)] * add,
-      compiler_params=compiler_params(tiles), interpret=interpret, name='attnres_merge_norm',
+      compiler_params=compiler_params(settings), interpret=interpret, name='attnres_merge_norm',
   )(o, p, *addends, lse, q, gamma)
   p = p_sum[0] if add else p
   return (x, p), (o, lse, p, q, gamma, stats, (None,) * add)
 
 
-def _merge_norm_bwd(eps, norm_eps, dtype, tiles, interpret, res, cotangents):
+def _merge_norm_bwd(eps, norm_eps, dtype, settings, interpret, res, cotangents):
   del eps, norm_eps
   o, lse, p, q, gamma, stats, addends = res
   m, d = p.shape
   dx, dp_in = dense(cotangents[0], (m, d), dtype), cotangents[1]
   # No later use of the partial sum (the last consumer's): nothing to add, no zeros to read.
   dp_in = [] if is_zero(dp_in) else [dp_in]
-  bt, g = tiles['bt'], tiles['groups']
+  bt, g = settings.bt, settings.groups
   rows = pl.BlockSpec((bt * g, d), lambda t: (t, 0))
   vector = pl.BlockSpec((d,), lambda t: (0,))
   partial = pl.BlockSpec((None, d), lambda t: (t, 0))
   programs = m // (bt * g)
   do, dp, dlse, dq_parts, dgamma_parts = pl.pallas_call(
-      functools.partial(_bwd_kernel, bt=bt, tiles_per_program=g, dc=feature_chunk(d, tiles['dc']),
+      functools.partial(_bwd_kernel, bt=bt, tiles_per_program=g, dc=feature_chunk(d, settings.dc),
                         accumulate=bool(dp_in)),
       grid=(programs,),
       in_specs=[rows] * (3 + len(dp_in)) + [pl.BlockSpec((bt * g,), lambda t: (t,)),
@@ -186,7 +187,7 @@ def _merge_norm_bwd(eps, norm_eps, dtype, tiles, interpret, res, cotangents):
       out_specs=[rows, rows, pl.BlockSpec((bt * g,), lambda t: (t,)), partial, partial],
       out_shape=[jax.ShapeDtypeStruct((m, d), o.dtype), jax.ShapeDtypeStruct((m, d), p.dtype),
                  jax.ShapeDtypeStruct((m,), F32)] + [jax.ShapeDtypeStruct((programs, d), F32)] * 2,
-      compiler_params=compiler_params(tiles), interpret=interpret, name='attnres_merge_norm_bwd',
+      compiler_params=compiler_params(settings), interpret=interpret, name='attnres_merge_norm_bwd',
   )(dx, *dp_in, o, p, lse, stats, q, gamma)
   # p = p_prev + y: both get p's gradient.
   return (do, dlse, dp, tuple(dp for _ in addends), jnp.sum(dq_parts, axis=0),
@@ -195,14 +196,9 @@ def _merge_norm_bwd(eps, norm_eps, dtype, tiles, interpret, res, cotangents):
 
 defvjp_with_symbolic_zeros(_merge_norm, _merge_norm_fwd, _merge_norm_bwd, num_diff_args=6)
 
-# bt rows per tile, held in registers as feature chunks of dc (D itself when D is a power of two
-# <= dc; the chunk loads must be powers of two); `groups` tiles per backward program; warps and
-# Triton pipeline stages. Measured on an H200 (experiments/results/bench_attnres.md).
-DEFAULT_TILES = {'bt': 2, 'dc': 1024, 'warps': 4, 'stages': 2, 'groups': 8}
-
 
 def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dtype,
-               addend=None, tiles=None, interpret: bool = False):
+               addend=None, settings=None, interpret: bool = False):
   """o, partial [..., D] (one dtype), lse [...], query and scale [D] -> (x [..., D] in `dtype`,
   partial): x = scale * rms_normalise(h, norm_eps), h = sigma o + (1 - sigma) partial (see the
   module docstring). With `addend` y (like partial), the partial sum is partial + y, formed in
@@ -210,7 +206,8 @@ def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dt
   the kernel reads it back. The partial sum comes back (partial, or partial + y) so that the
   caller's later uses of it (the next partial sum) go through this op: the backward kernel then
   adds their gradient to its own, where otherwise XLA would add the two in a separate pass.
-  Differentiable in o, lse, partial, addend, query and scale."""
+  settings: the kernels' MergeNormSettings (settings.py; None: the defaults). Differentiable in o,
+  lse, partial, addend, query and scale."""
   shape = partial.shape
   if o.shape != shape or o.dtype != partial.dtype or lse.shape != shape[:-1] \
       or query.shape != shape[-1:] or scale.shape != shape[-1:] \
@@ -219,23 +216,26 @@ def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dt
                      f'lse [...], query and scale [D]; got o {o.shape} {o.dtype}, partial {shape} '
                      f'{partial.dtype}, addend {None if addend is None else (addend.shape, addend.dtype)}, '
                      f'lse {lse.shape}, query {query.shape}, scale {scale.shape}')
-  tiles = with_defaults(tiles, DEFAULT_TILES, 'attnres merge_norm')
+  settings = MergeNormSettings() if settings is None else settings
+  if not isinstance(settings, MergeNormSettings):
+    raise TypeError(f'attnres merge_norm: settings must be a MergeNormSettings (kernels_pallas/attnres/'
+                    f'settings.py) or None, got {type(settings).__name__}')
   return _merge_norm_flat(o, lse, partial, addend, query, scale, eps=float(eps), norm_eps=float(norm_eps),
-                          dtype=jnp.dtype(dtype), tiles=FrozenTiles(tiles), interpret=bool(interpret))
+                          dtype=jnp.dtype(dtype), settings=settings, interpret=bool(interpret))
 
 
-@functools.partial(jax.jit, static_argnames=('eps', 'norm_eps', 'dtype', 'tiles', 'interpret'))
-def _merge_norm_flat(o, lse, partial, addend, query, scale, *, eps, norm_eps, dtype, tiles, interpret):
+@functools.partial(jax.jit, static_argnames=('eps', 'norm_eps', 'dtype', 'settings', 'interpret'))
+def _merge_norm_flat(o, lse, partial, addend, query, scale, *, eps, norm_eps, dtype, settings, interpret):
   """merge_norm after its checks, under one jax.jit shared by every call of the same shapes and
   settings (kernels_pallas/__init__.py)."""
   shape = partial.shape
   d, m = shape[-1], math.prod(shape[:-1])
-  m_pad = round_up(m, tiles['bt'] * tiles['groups'])
+  m_pad = round_up(m, settings.bt * settings.groups)
   # Padded with ones (a zero row would give an infinite rsqrt for eps = 0); the padded rows'
   # outputs are dropped, so they add nothing to any gradient.
   flat = lambda a: pad_rows(a.reshape(m, d), m_pad, value=1)
   lse = jnp.pad(lse.reshape(m).astype(F32), (0, m_pad - m))
   addends = () if addend is None else (flat(addend),)
   x, p = _merge_norm(flat(o), lse, flat(partial), addends, query.astype(F32), scale.astype(F32),
-                     eps, norm_eps, dtype, tiles, interpret)
+                     eps, norm_eps, dtype, settings, interpret)
   return x[:m].reshape(shape), p[:m].reshape(shape)

@@ -34,41 +34,31 @@ import jax.numpy as jnp
 from kernels_pallas.attnres.bf16_split import source_parts, sum_terms, terms_side_by_side
 from kernels_pallas.attnres.phase1_backward import grads_call, grads_kernel, vdo_call
 from kernels_pallas.attnres.phase1_forward import combine_call, logits_call
-from kernels_pallas.common import (FrozenTiles, defvjp_with_symbolic_zeros, dense, is_zero, pad_rows,
-                                   parse_tiles, round_up, with_defaults)
+from kernels_pallas.attnres.settings import Phase1Settings
+from kernels_pallas.common import defvjp_with_symbolic_zeros, dense, is_zero, pad_rows, round_up
 
-__all__ = ['DEFAULT_TILES', 'MAX_QUERIES', 'parse_tiles', 'phase1', 'with_defaults']
+__all__ = ['MAX_QUERIES', 'Phase1Settings', 'phase1']
 
 MAX_QUERIES = 16              # queries per kernel call; more run in groups
 
-# Per kernel: rows per tile (bt), features per chunk (dc, a power of two), warps and Triton
-# pipeline stages. A grads program covers rows_grads rows in steps of bt_grads; the logits and
-# vdo kernels hold whole rows, dc features at a time. Measured on an H200 at S = 6 and n = 8, the
-# grads kernel also at n = 3, 4, 5 (experiments/results/bench_attnres.md). rows_grads and
-# bt_logits are a dot's dimension: >= 16.
-DEFAULT_TILES = {'bt': 16, 'dc': 128, 'warps': 4, 'stages': 2,                 # combine
-                 'bt_grads': 8, 'rows_grads': 128, 'dc_grads': 128, 'warps_grads': 4, 'stages_grads': 2,
-                 'bt_vdo': 16, 'dc_vdo': 64, 'warps_vdo': 4, 'stages_vdo': 2,
-                 'bt_logits': 64, 'dc_logits': 128, 'warps_logits': 4, 'stages_logits': 2}
-
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _phase1(sources, queries, eps, tiles, interpret):
-  return _phase1_fwd(sources, queries, eps, tiles, interpret)[0]
+def _phase1(sources, queries, eps, settings, interpret):
+  return _phase1_fwd(sources, queries, eps, settings, interpret)[0]
 
 
-def _phase1_fwd(sources, queries, eps, tiles, interpret):
+def _phase1_fwd(sources, queries, eps, settings, interpret):
   s = queries.shape[0]
   q_parts = terms_side_by_side(queries.T, axis=1)                    # [D, N]
-  terms, r = logits_call(sources, q_parts, eps, tiles, interpret)
+  terms, r = logits_call(sources, q_parts, eps, settings, interpret)
   logits = sum_terms(terms, s, axis=2).transpose(0, 2, 1)           # [n, S, M]
   lse = jax.nn.logsumexp(logits, axis=0)                             # [S, M]
   alpha = jnp.exp(logits - lse)                                      # [n, S, M]
-  outs = combine_call(sources, alpha, tiles, interpret)
+  outs = combine_call(sources, alpha, settings, interpret)
   return (tuple(outs), lse, sources), (sources, queries, logits, r, lse)
 
 
-def _phase1_bwd(eps, tiles, interpret, res, cotangents):
+def _phase1_bwd(eps, settings, interpret, res, cotangents):
   del eps
   sources, queries, logits, r, lse = res
   d_outs, d_lse, d_sources_in = cotangents
@@ -79,24 +69,25 @@ def _phase1_bwd(eps, tiles, interpret, res, cotangents):
   # without those inputs, rather than reading n arrays of zeros.
   accumulate = not all(is_zero(x) for x in d_sources_in)
   d_sources_in = [dense(x, v.shape, v.dtype) for x, v in zip(d_sources_in, sources)] if accumulate else []
-  vdo = vdo_call(d_outs, sources, tiles, interpret)
+  vdo = vdo_call(d_outs, sources, settings, interpret)
   alpha = jnp.exp(logits - lse)                                      # [n, S, M]
   d_logits = alpha * (vdo - jnp.sum(alpha * vdo, axis=0) + d_lse)
   b = d_logits * r[:, None]
   c = -(r * r / d) * jnp.sum(d_logits * logits, axis=1)               # [n, M]
   b_parts = terms_side_by_side(b, axis=1)                            # [n, N, M], for the dq dots
-  kernel = functools.partial(grads_kernel, n=n, s=s, bt=tiles['bt_grads'], accumulate=accumulate,
+  kernel = functools.partial(grads_kernel, n=n, s=s, bt=settings.bt_grads, accumulate=accumulate,
                              source_parts=source_parts(sources))
   d_sources, dq_parts = grads_call(kernel, d_outs, sources, d_sources_in, (alpha, b, c, queries, b_parts),
-                                   tiles, interpret)
+                                   settings, interpret)
   return tuple(d_sources), sum_terms(jnp.sum(dq_parts, axis=0), s, axis=0)
 
 
 defvjp_with_symbolic_zeros(_phase1, _phase1_fwd, _phase1_bwd, num_diff_args=2)
 
 
-def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool = False):
-  """sources: n >= 1 arrays [..., D] of one shape and dtype; queries [S, D].
+def phase1(sources, queries, *, eps: float = 1e-6, settings=None, interpret: bool = False):
+  """sources: n >= 1 arrays [..., D] of one shape and dtype; queries [S, D]; settings: the kernels'
+  Phase1Settings (None: the defaults).
   Returns (o: S arrays [..., D] in the sources' dtype, lse [S, ...] float32, the sources again).
   Take later uses of the sources from the third output: their gradient then reaches the
   backward `grads` kernel, which adds it to its own in the same pass (else XLA adds the two
@@ -108,31 +99,28 @@ def phase1(sources, queries, *, eps: float = 1e-6, tiles=None, interpret: bool =
   if s > MAX_QUERIES:
     outs, lses = (), []
     for k in range(0, s, MAX_QUERIES):
-      o, lse, sources = phase1(sources, queries[k:k + MAX_QUERIES], eps=eps, tiles=tiles,
+      o, lse, sources = phase1(sources, queries[k:k + MAX_QUERIES], eps=eps, settings=settings,
                                interpret=interpret)
       outs, lses = outs + o, lses + [lse]
     return outs, jnp.concatenate(lses), sources
-  tiles = with_defaults(tiles, DEFAULT_TILES, 'attnres phase1')
-  if min(tiles['rows_grads'], tiles['bt_logits']) < 16:
-    raise ValueError(f"attnres phase1: tiles rows_grads and bt_logits are a dot's dimension and must "
-                     f"be >= 16; got {tiles['rows_grads']} and {tiles['bt_logits']}")
-  if tiles['rows_grads'] % tiles['bt_grads']:
-    raise ValueError(f"attnres phase1: tile bt_grads ({tiles['bt_grads']}) must divide rows_grads "
-                     f"({tiles['rows_grads']})")
-  return _phase1_flat(sources, queries, eps=float(eps), tiles=FrozenTiles(tiles), interpret=bool(interpret))
+  settings = Phase1Settings() if settings is None else settings
+  if not isinstance(settings, Phase1Settings):
+    raise TypeError(f'attnres phase1: settings must be a Phase1Settings (kernels_pallas/attnres/settings.py) '
+                    f'or None, got {type(settings).__name__}')
+  return _phase1_flat(sources, queries, eps=float(eps), settings=settings, interpret=bool(interpret))
 
 
-@functools.partial(jax.jit, static_argnames=('eps', 'tiles', 'interpret'))
-def _phase1_flat(sources, queries, *, eps, tiles, interpret):
+@functools.partial(jax.jit, static_argnames=('eps', 'settings', 'interpret'))
+def _phase1_flat(sources, queries, *, eps, settings, interpret):
   """phase1 after its checks, under one jax.jit shared by every call of the same shapes and
   settings (kernels_pallas/__init__.py)."""
   shape, s = sources[0].shape, queries.shape[0]
   d, m = shape[-1], math.prod(shape[:-1])
-  m_pad = round_up(m, math.lcm(tiles['bt'], tiles['rows_grads'], tiles['bt_vdo'], tiles['bt_logits']))
+  m_pad = round_up(m, math.lcm(settings.bt, settings.rows_grads, settings.bt_vdo, settings.bt_logits))
   # Padded with ones: a zero row would give r = rsqrt(eps), infinite for eps = 0. The padded rows'
   # outputs are dropped, so their cotangents, and their share of every gradient, are zero.
   flat = tuple(pad_rows(v.reshape(m, d), m_pad, value=1) for v in sources)
   # float32 queries into the custom VJP: the cast's transpose gives dq the queries' own dtype.
-  outs, lse, flat = _phase1(flat, queries.astype(jnp.float32), eps, tiles, interpret)
+  outs, lse, flat = _phase1(flat, queries.astype(jnp.float32), eps, settings, interpret)
   unflat = lambda x: x[:m].reshape(shape)
   return (tuple(map(unflat, outs)), lse[:, :m].reshape((s,) + shape[:-1]), tuple(map(unflat, flat)))

@@ -36,17 +36,17 @@ def _vdo_kernel(*refs, n, s, dc):
       g_ref[i, j, :] = acc[i * s + j]
 
 
-def vdo_call(d_outs, sources, tiles, interpret):
+def vdo_call(d_outs, sources, settings, interpret):
   """d_outs S and sources n arrays [M, D] -> g [n, S, M] float32, g_ji = do_j . v_i per token."""
   n, (m, d), s = len(sources), sources[0].shape, len(d_outs)
-  rows_bt = tiles['bt_vdo']
+  rows_bt = settings.bt_vdo
   return pl.pallas_call(
-      functools.partial(_vdo_kernel, n=n, s=s, dc=feature_chunk(d, tiles['dc_vdo'])),
+      functools.partial(_vdo_kernel, n=n, s=s, dc=feature_chunk(d, settings.dc_vdo)),
       grid=(m // rows_bt,),
       in_specs=[pl.BlockSpec((rows_bt, d), lambda t: (t, 0))] * (s + n),
       out_specs=pl.BlockSpec((n, s, rows_bt), lambda t: (0, 0, t)),
       out_shape=jax.ShapeDtypeStruct((n, s, m), jnp.float32),
-      compiler_params=compiler_params(tiles, '_vdo'), interpret=interpret, name='attnres_phase1_vdo',
+      compiler_params=compiler_params(settings, '_vdo'), interpret=interpret, name='attnres_phase1_vdo',
   )(*d_outs, *sources)
 
 
@@ -98,13 +98,13 @@ def grads_kernel(*refs, n, s, bt, accumulate, source_parts):
   dq_ref[...] = jax.lax.fori_loop(0, block_rows // k_rows, dots, jnp.zeros(dq_ref.shape, jnp.float32))
 
 
-def grads_call(kernel, d_outs, sources, d_sources_in, coefficients, tiles, interpret=False):
+def grads_call(kernel, d_outs, sources, d_sources_in, coefficients, settings, interpret=False):
   """The grads kernel's pallas_call (also run by experiments/tools/ablate_attnres_grads.py with copies
   of the kernel): d_outs S and sources n arrays [M, D], d_sources_in n or none, coefficients
   (alpha [n, S, M], b [n, S, M], c [n, M], queries [S, D], b_parts [n, width, M]).
   Returns (n source gradients, per-program dq partials [programs, width, D])."""
   n, (m, d), s = len(sources), sources[0].shape, len(d_outs)
-  rows, dc = tiles['rows_grads'], feature_chunk(d, tiles['dc_grads'])
+  rows, dc = settings.rows_grads, feature_chunk(d, settings.dc_grads)
   width = coefficients[-1].shape[1]
   tile_spec = pl.BlockSpec((rows, dc), lambda k, t: (t, k))
   *d_sources, dq_parts = pl.pallas_call(
@@ -117,6 +117,6 @@ def grads_call(kernel, d_outs, sources, d_sources_in, coefficients, tiles, inter
       out_specs=[tile_spec] * n + [pl.BlockSpec((None, width, dc), lambda k, t: (t, 0, k))],
       out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype) for x in sources]
                 + [jax.ShapeDtypeStruct((m // rows, width, d), jnp.float32)],
-      compiler_params=compiler_params(tiles, '_grads'), interpret=interpret, name='attnres_phase1_grads',
+      compiler_params=compiler_params(settings, '_grads'), interpret=interpret, name='attnres_phase1_grads',
   )(*d_outs, *sources, *d_sources_in, *coefficients)
   return d_sources, dq_parts

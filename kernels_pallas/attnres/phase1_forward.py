@@ -51,13 +51,13 @@ def _combine_kernel(*refs, n, s):
     outs[j][...] = acc[j].astype(outs[j].dtype)
 
 
-def logits_call(sources, q_parts, eps, tiles, interpret):
+def logits_call(sources, q_parts, eps, settings, interpret):
   """sources n arrays [M, D], q_parts [D, width] (the queries' terms side by side) ->
   (terms [n, M, width] float32, r [n, M] float32)."""
   n, (m, d) = len(sources), sources[0].shape
-  rows = tiles['bt_logits']
+  rows = settings.bt_logits
   return pl.pallas_call(
-      functools.partial(_logits_kernel, n=n, dc=feature_chunk(d, tiles['dc_logits']), eps=eps,
+      functools.partial(_logits_kernel, n=n, dc=feature_chunk(d, settings.dc_logits), eps=eps,
                         source_parts=source_parts(sources)),
       grid=(m // rows,),
       in_specs=[pl.BlockSpec((rows, d), lambda t: (t, 0))] * n
@@ -66,15 +66,15 @@ def logits_call(sources, q_parts, eps, tiles, interpret):
                  pl.BlockSpec((n, rows), lambda t: (0, t))],
       out_shape=[jax.ShapeDtypeStruct((n, m, q_parts.shape[1]), jnp.float32),
                  jax.ShapeDtypeStruct((n, m), jnp.float32)],
-      compiler_params=compiler_params(tiles, '_logits'), interpret=interpret,
+      compiler_params=compiler_params(settings, '_logits'), interpret=interpret,
       name='attnres_phase1_logits',
   )(*sources, q_parts)
 
 
-def combine_call(sources, alpha, tiles, interpret):
+def combine_call(sources, alpha, settings, interpret):
   """sources n arrays [M, D], alpha [n, S, M] float32 -> S outputs [M, D] in the sources' dtype."""
   n, (m, d), s = len(sources), sources[0].shape, alpha.shape[1]
-  bt, dc = tiles['bt'], feature_chunk(d, tiles['dc'])
+  bt, dc = settings.bt, feature_chunk(d, settings.dc)
   tile_spec = pl.BlockSpec((bt, dc), lambda t, c: (t, c))
   return pl.pallas_call(
       functools.partial(_combine_kernel, n=n, s=s),
@@ -82,5 +82,5 @@ def combine_call(sources, alpha, tiles, interpret):
       in_specs=[tile_spec] * n + [pl.BlockSpec((n, s, bt), lambda t, c: (0, 0, t))],
       out_specs=[tile_spec] * s,
       out_shape=[jax.ShapeDtypeStruct((m, d), sources[0].dtype)] * s,
-      compiler_params=compiler_params(tiles), interpret=interpret, name='attnres_phase1_combine',
+      compiler_params=compiler_params(settings), interpret=interpret, name='attnres_phase1_combine',
   )(*sources, alpha)

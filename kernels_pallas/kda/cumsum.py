@@ -11,7 +11,7 @@ Either way one read and one write of the tensor. Forms measured before on an H20
 forward's time), the triangle of ones as a float32 dot (5x) and as three bf16 dots on the tensor
 cores (0.50 ms against the scan's 0.33 at the hybrid step's shape, with the gate).
 
-With the gate fused (SPEC §1's decay gate, `gate_log_decay`), the forward reads the gate's
+With the gate fused (SPEC §1's decay gate, kimijax.ops.kda.gate_log_decay), the forward reads the gate's
 pre-activation f in its own dtype (bf16 in a bf16 model) instead of a float32 g that XLA wrote,
 and the reverse sum goes on through the gate's derivative: it writes df in f's dtype and, per
 chunk, the row sums that become the gradients of dt_bias and A_log. Rows at or past `t_valid`
@@ -25,35 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.kda.blocks import F32
-
-
-def _sigmoid(z):
-  return 1.0 / (1.0 + jnp.exp(-z))
-
-
-def gate_log_decay(x, a, lower_bound: float):
-  """SPEC §1's log-decay g (float32) from x = f + dt_bias and a = exp(A_log): -a softplus(x), or
-  with a lower bound lb < 0, lb sigmoid(a x). Written with exp and log1p only, so that the kernels
-  and XLA evaluate the same expression."""
-  if lower_bound:
-    return lower_bound * _sigmoid(a * x)
-  return -a * (jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x))))
-
-
-def log_decay_from_pre_activation(f, a_log, dt_bias, lower_bound: float):
-  """gate_log_decay of f + dt_bias and exp(a_log) (f [..., H, K], a_log [H], dt_bias [H, K]),
-  float32: the gate as XLA forms it outside the kernels."""
-  f32 = jnp.float32
-  return gate_log_decay(f.astype(f32) + dt_bias.astype(f32), jnp.exp(a_log.astype(f32))[:, None], lower_bound)
-
-
-def gate_derivatives(x, a, lower_bound: float):
-  """(dg/dx, dg/dA_log) of gate_log_decay at x, elementwise (a = exp(A_log))."""
-  if lower_bound:
-    s = _sigmoid(a * x)
-    dg_dx = lower_bound * a * s * (1.0 - s)
-    return dg_dx, dg_dx * x
-  return -a * _sigmoid(x), gate_log_decay(x, a, 0.0)
+from kimijax.ops.kda import gate_derivatives, gate_log_decay
 
 
 def _valid_rows(c, t_valid):

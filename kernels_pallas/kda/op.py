@@ -1,6 +1,6 @@
 """KDA in the chunkwise form through the Pallas kernels of this folder, forward and backward.
 
-    o, s_final = kda_pallas(q, k, v, g, beta, s0, scale=..., interpret=...)
+    o, s_final = kda_pallas(q, k, v, g, beta, s0, scale=..., settings=KdaSettings(...), interpret=...)
 
 Forward: the within-chunk cumulative log-decay G (cumsum.py); the diagonal 16 x 16 score blocks
 (every token, or every sub-chunk, in parallel); the scores aqk and N (every 16-row sub-chunk of every chunk in
@@ -13,7 +13,8 @@ chunks in reverse), forms the per-chunk cotangents and the UT transform's transp
 token by token or sub-chunk by sub-chunk, then every sub-chunk, adding the UT transform's
 gradients) and the reverse cumulative sum that turns dG into dg. Given the decay gate's
 parameters (a_log, dt_bias), both cumulative sums take the gate's pre-activation instead of g and
-evaluate the gate and its derivative themselves. See README.md in this folder.
+evaluate the gate and its derivative themselves. Every kernel call takes the family's settings
+(settings.py: warps, stages, tiles, switches) as an argument. See README.md in this folder.
 """
 
 from __future__ import annotations
@@ -25,67 +26,23 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import FrozenTiles, power_of_two_divisor
+from kernels_pallas.common import power_of_two_divisor
 from kernels_pallas.kda.blocks import F32, SUB, any_steep
 from kernels_pallas.kda.cotangents import chunk_cotangents_kernel, wy_bwd_kernel
-from kernels_pallas.kda.cumsum import (chunk_cumsum_kernel, gated_cumsum_kernel, gated_reverse_cumsum_kernel,
-                                       log_decay_from_pre_activation)
+from kernels_pallas.kda.cumsum import chunk_cumsum_kernel, gated_cumsum_kernel, gated_reverse_cumsum_kernel
 from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
+from kernels_pallas.kda.settings import KdaSettings
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_apply_kernel, wy_inverse_kernel
+# SAVED: the checkpoint_name of the residuals worth keeping (aqk, T), defined with the op
+from kimijax.ops.kda import SAVED, log_decay_from_pre_activation
 
 CHUNK = 64
-# checkpoint_name of the residuals worth keeping (aqk, T): a caller that rematerialises around the
-# op with jax.checkpoint_policies.save_only_these_names(SAVED) keeps them and recomputes the rest.
-SAVED = 'kda_saved'
 
 
 def chunk_len(t: int) -> int:
   """Chunk length for T tokens: 64, or the power of two >= T (at least 16) for shorter inputs."""
   return min(CHUNK, max(SUB, pl.next_power_of_2(t)))
-
-
-# Triton settings, measured on an H200 (experiments/results/bench_kda.md). bench_kda and
-# bench_train take any of them as --kda_tiles=key=int/key=int.
-TILES = {
-    # warps per program of each kernel (the key after 'warps_' is what _params is given)
-    'warps_cumsum': 2, 'warps_reverse_cumsum': 4, 'warps_diag': 8, 'warps_scores': 2, 'warps_wy': 2,
-    'warps_apply': 8, 'warps_state': 4, 'warps_cotangents': 4, 'warps_wy_bwd': 8,
-    'warps_diag_bwd': 4, 'warps_scores_bwd': 2,
-    # Triton pipelining stages of every kernel but the state passes
-    'stages': 1,
-    # the state passes' chunk loop: 3 stages load the next chunks' w, u, kg (qg, aqk) as cp.async
-    # copies while the current chunk's dots run (about 64 KB of shared memory per stage at
-    # K = V = 128 in bf16; state_stages caps them). The backward is faster at one stage with 256
-    # programs or more (the 4096 step: two programs per SM), at 3 with few (below).
-    'stages_state_fwd': 3, 'stages_state_bwd': 1, 'stages_state_bwd_few': 3,
-    # heads per program of the token-parallel kernels diag_fwd and diag_bwd
-    'heads_diag': 16, 'heads_diag_bwd': 8,
-    # features per program of scores_bwd and of the forward and reverse cumulative sums
-    'features_bwd': 64, 'features_cumsum': 32, 'features_reverse_cumsum': 32,
-    # value columns per program of the state passes
-    'value_block': 64,
-    # below this many state-pass programs (B * H * V / value_block; 64 at (2, 16384, 16, 128), on
-    # 132 SMs): the value block halves until there are that many (16 columns at least) and the
-    # backward pass takes stages_state_bwd_few
-    'programs_few': 128,
-    # 1: when no sub-chunk of a call is steep (blocks.any_steep), skip the pairwise diagonal
-    # kernels and run the scores kernels without their inputs (an XLA conditional); 0: always the
-    # per-sub-chunk choice inside the kernels
-    'flat_branch': 1,
-    # 1: a gated call (a_log, dt_bias) forms the log-decay inside the cumulative-sum kernels;
-    # 0: in XLA before them
-    'fused_gate': 1,
-}
-# Shared memory per program on Hopper (227 KB), for state_stages.
-SHARED_MEMORY = 227 * 1024
-
-
-def _params(kernel, stages=None):
-  """Triton's compiler parameters of `kernel`: TILES['warps_' + kernel] warps and `stages`
-  pipelining stages (default TILES['stages'])."""
-  from jax.experimental.pallas import triton as plgpu
-  return plgpu.CompilerParams(num_warps=TILES['warps_' + kernel], num_stages=stages or TILES['stages'])
 
 
 # ----------------------------------------------------------------------------- block specs
@@ -118,24 +75,24 @@ def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _cumsum_layout(x, c, reverse=False):
+def _cumsum_layout(x, c, reverse, settings):
   """(grid, chunk spec, chunk-row spec, head-row spec, compiler params) of the cumulative-sum
-  kernels over x [B, T, H, K]: one program per chunk and slice of TILES['features_cumsum']
-  features (TILES['features_reverse_cumsum'] for the reverse sums); the sums run down each
-  feature's column, so slices are independent."""
+  kernels over x [B, T, H, K]: one program per chunk and slice of settings.features_cumsum
+  features (features_reverse_cumsum for the reverse sums); the sums run down each feature's
+  column, so slices are independent."""
   b, t, h, dk = x.shape
   kernel = 'reverse_cumsum' if reverse else 'cumsum'
-  kb = power_of_two_divisor(dk, TILES['features_' + kernel])
+  kb = power_of_two_divisor(dk, getattr(settings, 'features_' + kernel))
   return ((b, h, t // c, dk // kb), _chunk_spec(kb, c, sliced=True),
           pl.BlockSpec((None, None, None, kb), lambda bi, hi, n, f: (bi, n, hi, f)),
-          pl.BlockSpec((None, kb), lambda bi, hi, n, f: (hi, f)), _params(kernel))
+          pl.BlockSpec((None, kb), lambda bi, hi, n, f: (hi, f)), settings.params(kernel))
 
 
-def chunk_cumsum(x, c, *, reverse=False, add=None, interpret=False):
+def chunk_cumsum(x, c, *, settings, reverse=False, add=None, interpret=False):
   """Within-chunk inclusive cumulative sum of x [B, T, H, K] (T a multiple of c), float32;
   reverse: the sum from each row to the chunk's end; add [B, T/c, H, K]: a row added to every
   row of its chunk's result."""
-  grid, spec, row, _, params = _cumsum_layout(x, c, reverse)
+  grid, spec, row, _, params = _cumsum_layout(x, c, reverse, settings)
   in_specs, args = [spec], [x]
   if add is not None:
     in_specs.append(row)
@@ -147,11 +104,11 @@ def chunk_cumsum(x, c, *, reverse=False, add=None, interpret=False):
   )(*args)
 
 
-def gated_cumsum(f, a_hk, bias_hk, c, *, lower_bound, t_valid, interpret):
+def gated_cumsum(f, a_hk, bias_hk, c, *, lower_bound, t_valid, settings, interpret):
   """G [B, T, H, K] float32: the within-chunk cumulative sum of the gate's log-decay from its
-  pre-activation f [B, T, H, K] (cumsum.gate_log_decay; a_hk = exp(A_log) and bias_hk = dt_bias,
+  pre-activation f [B, T, H, K] (kimijax.ops.kda.gate_log_decay; a_hk = exp(A_log) and bias_hk = dt_bias,
   [H, K] float32); rows from t_valid on (None: none) decay by nothing."""
-  grid, spec, _, head, params = _cumsum_layout(f, c)
+  grid, spec, _, head, params = _cumsum_layout(f, c, False, settings)
   kernel = functools.partial(gated_cumsum_kernel, lower_bound=lower_bound, t_valid=t_valid)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[spec, head, head],
@@ -160,12 +117,12 @@ def gated_cumsum(f, a_hk, bias_hk, c, *, lower_bound, t_valid, interpret):
   )(f, a_hk, bias_hk)
 
 
-def gated_reverse_cumsum(dgc, add, f, a_hk, bias_hk, c, *, lower_bound, t_valid, interpret):
+def gated_reverse_cumsum(dgc, add, f, a_hk, bias_hk, c, *, lower_bound, t_valid, settings, interpret):
   """The gated cumulative sum's backward from dG [B, T, H, K] and the chunk-end rows add [B, N,
   H, K]: (df in f's dtype, and per chunk [B, N, H, K] float32 the column sums of df and of dg
   dg/dA_log, whose sums are the gradients of dt_bias and A_log)."""
   b, t, h, dk = f.shape
-  grid, spec, row, head, params = _cumsum_layout(f, c, reverse=True)
+  grid, spec, row, head, params = _cumsum_layout(f, c, True, settings)
   kernel = functools.partial(gated_reverse_cumsum_kernel, lower_bound=lower_bound, t_valid=t_valid)
   per_chunk = _sds((b, t // c, h, dk), F32)
   return pl.pallas_call(
@@ -179,9 +136,9 @@ def gated_reverse_cumsum(dgc, add, f, a_hk, bias_hk, c, *, lower_bound, t_valid,
 # ----------------------------------------------------------------------------- kernel calls
 
 
-def _heads_per_program(h, key):
-  """Heads per program of a token-parallel kernel: at most TILES[key], dividing h."""
-  return power_of_two_divisor(h, TILES[key])
+def _heads_per_program(h, key, settings):
+  """Heads per program of a token-parallel kernel: at most the setting `key`, dividing h."""
+  return power_of_two_divisor(h, getattr(settings, key))
 
 
 def _token_specs(hb):
@@ -208,46 +165,46 @@ def _score_diag_specs(hb, c):
           pl.BlockSpec((None, SUB, hb, SUB), lambda bi, ti, hi: (bi, ti // SUB, hi, cols(ti))))
 
 
-def diag_fwd(q, k, gc, beta, *, scale, interpret):
+def diag_fwd(q, k, gc, beta, *, scale, settings, interpret):
   """The diagonal 16 x 16 blocks of aqk (q's dtype) and n (float32), [B, T, H, 16]: row r of a
   block at row r; one program per token. Written only for steep sub-chunks (not
   blocks.diagonal_by_matmul), the only ones scores_fwd reads."""
   b, t, h, dk = q.shape
   out_shape = [_sds((b, t, h, SUB), q.dtype), _sds((b, t, h, SUB), F32)]
-  hb = _heads_per_program(h, 'heads_diag')
+  hb = _heads_per_program(h, 'heads_diag', settings)
   token, sub = _token_specs(hb)
   return pl.pallas_call(
       functools.partial(diag_fwd_kernel, scale=scale), grid=(b, t, h // hb),
       in_specs=[token(dk), token(dk), token(dk), token(None), sub(dk), sub(dk)],
       out_specs=[token(SUB), token(SUB)], out_shape=out_shape,
-      compiler_params=_params('diag'), interpret=interpret, name='kda_diag_fwd',
+      compiler_params=settings.params('diag'), interpret=interpret, name='kda_diag_fwd',
   )(q, k, gc, beta, k, gc)
 
 
-def diag_bwd(q, k, gc, beta, daqk, dn, *, scale, c, interpret):
+def diag_bwd(q, k, gc, beta, daqk, dn, *, scale, c, settings, interpret):
   """(qrow, rrow, ccol) [B, T, H, K] float32: the diagonal blocks' terms of the scores backward
   (scores.diag_bwd_kernel), one program per token; written, and read by scores_bwd, only for
   steep sub-chunks."""
   b, t, h, dk = q.shape
-  hb = _heads_per_program(h, 'heads_diag_bwd')
+  hb = _heads_per_program(h, 'heads_diag_bwd', settings)
   token, sub = _token_specs(hb)
   token_diag, sub_diag = _score_diag_specs(hb, c)
   return pl.pallas_call(
       functools.partial(diag_bwd_kernel, scale=scale), grid=(b, t, h // hb),
       in_specs=[token(dk), token_diag, token_diag, sub(dk), sub(dk), sub(dk), sub(None), sub_diag, sub_diag],
       out_specs=[token(dk)] * 3, out_shape=[_sds(q.shape, F32)] * 3,
-      compiler_params=_params('diag_bwd'), interpret=interpret, name='kda_diag_bwd',
+      compiler_params=settings.params('diag_bwd'), interpret=interpret, name='kda_diag_bwd',
   )(gc, daqk, dn, q, k, gc, beta, daqk, dn)
 
 
-def _flat_or_steep(gc, flat, steep):
-  """flat() when TILES['flat_branch'] is on and no sub-chunk of gc is steep, else steep()."""
-  if not TILES['flat_branch']:
+def _flat_or_steep(gc, flat, steep, settings):
+  """flat() when settings.flat_branch is on and no sub-chunk of gc is steep, else steep()."""
+  if not settings.flat_branch:
     return steep()
   return jax.lax.cond(any_steep(gc), steep, flat)
 
 
-def scores_fwd(q, k, gc, beta, *, scale, c, interpret):
+def scores_fwd(q, k, gc, beta, *, scale, c, settings, interpret):
   """(aqk [B, T, H, C] in q's dtype, n [B, T, H, C] float32)."""
   b, t, h, dk = q.shape
   nb = c // SUB
@@ -260,24 +217,25 @@ def scores_fwd(q, k, gc, beta, *, scale, c, interpret):
                   _chunk_spec(dk, c), _chunk_spec(dk, c)] + [_sub_spec(SUB, nb)] * len(diag),
         out_specs=[_sub_spec(c, nb), _sub_spec(c, nb)],
         out_shape=[_sds((b, t, h, c), q.dtype), _sds((b, t, h, c), F32)],
-        compiler_params=_params('scores'), interpret=interpret, name='kda_scores_fwd',
+        compiler_params=settings.params('scores'), interpret=interpret, name='kda_scores_fwd',
     )(q, k, gc, beta, k, gc, *diag)
 
-  return _flat_or_steep(gc, call, lambda: call(*diag_fwd(q, k, gc, beta, scale=scale, interpret=interpret)))
+  return _flat_or_steep(gc, call, lambda: call(*diag_fwd(q, k, gc, beta, scale=scale, settings=settings,
+                                                        interpret=interpret)), settings)
 
 
-def wy_inverse(n, *, c, dtype, interpret):
+def wy_inverse(n, *, c, dtype, settings, interpret):
   """T = (I + N)^-1 per chunk, [B, T, H, C] in dtype (the dot dtype), zero above the diagonal."""
   b, t, h, _ = n.shape
   spec = _chunk_spec(c, c)
   return pl.pallas_call(
       functools.partial(wy_inverse_kernel, nb=c // SUB), grid=(b, h, t // c),
       in_specs=[spec], out_specs=spec, out_shape=_sds(n.shape, dtype),
-      compiler_params=_params('wy'), interpret=interpret, name='kda_wy_inverse',
+      compiler_params=settings.params('wy'), interpret=interpret, name='kda_wy_inverse',
   )(n)
 
 
-def wy_apply(t_inv, q, k, v, gc, beta, *, scale, c, interpret):
+def wy_apply(t_inv, q, k, v, gc, beta, *, scale, c, settings, interpret):
   """(qg, kg, w [B, T, H, K], u [B, T, H, V]) in q's dtype, from T (wy_inverse); one program per
   chunk."""
   b, t, h, dk = q.shape
@@ -288,40 +246,8 @@ def wy_apply(t_inv, q, k, v, gc, beta, *, scale, c, interpret):
       in_specs=[spec(c), spec(dk), spec(dk), spec(v.shape[-1]), spec(dk), spec(None)],
       out_specs=[spec(dk), spec(dk), spec(dk), spec(v.shape[-1])],
       out_shape=[_sds(q.shape, q.dtype)] * 3 + [_sds(v.shape, q.dtype)],
-      compiler_params=_params('apply'), interpret=interpret, name='kda_wy_apply',
+      compiler_params=settings.params('apply'), interpret=interpret, name='kda_wy_apply',
   )(t_inv, q, k, v, gc, beta)
-
-
-def _few_programs(b, h, dv, bv=None) -> bool:
-  """Whether the state passes have fewer than TILES['programs_few'] programs at value block bv
-  (default TILES['value_block'])."""
-  return b * h * (dv // (bv or min(dv, TILES['value_block']))) < TILES['programs_few']
-
-
-def value_block(b, h, dv) -> int:
-  """Value columns per program of the state passes: TILES['value_block'], halved (16 at least)
-  while that leaves fewer than TILES['programs_few'] programs. The state's value columns evolve
-  independently, so any block gives the same result."""
-  bv = min(dv, TILES['value_block'])
-  while bv > 16 and _few_programs(b, h, dv, bv):
-    bv //= 2
-  return bv
-
-
-def state_stages(key, b, h, dk, dv, c, itemsize) -> int:
-  """Pipelining stages of a state pass (key 'state_fwd' or 'state_bwd'): TILES['stages_' + key]
-  (the backward with few programs: TILES['stages_state_bwd_few']), fewer where a stage's buffered
-  loads (qg, kg, w [C, K]; aqk [C, C]; u or do [C, value_block]) and the dots' operands staged
-  through shared memory (the state [K, value_block], v_new [C, value_block]) would pass it, as
-  at float32 with K = V = 128. (Compiled for sm_90 at K = V = 128 in bf16, 3 stages take 208 KB.)"""
-  if key == 'state_bwd' and _few_programs(b, h, dv):
-    key = 'state_bwd_few'
-  bv = value_block(b, h, dv)
-  per_stage, operands = c * (3 * dk + c + bv) * itemsize, (dk + c) * bv * itemsize
-  stages = TILES['stages_' + key]
-  while stages > 1 and stages * per_stage + operands > SHARED_MEMORY:
-    stages -= 1
-  return stages
 
 
 def _state_specs(t, dk, bv, c):
@@ -332,12 +258,12 @@ def _state_specs(t, dk, bv, c):
   return whole, cols, state, per_chunk
 
 
-def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, interpret):
+def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, settings, interpret):
   """(o [B, T, H, V] in out_dtype, s_final [B, H, K, V] float32); with_h (for the backward):
   (v_new [B, T, H, V], s_final, h [B, H, N*K, V]), v_new and h in the dot dtype, no o."""
   b, t, h, dk = qg.shape
   dv = u.shape[-1]
-  bv = value_block(b, h, dv)
+  bv = settings.state_value_block(b, h, dv)
   whole, cols, state, per_chunk = _state_specs(t, dk, bv, c)
   out_specs = [cols, state] + ([per_chunk] if with_h else [])
   out_shape = [_sds((b, t, h, dv), qg.dtype if with_h else out_dtype), _sds((b, h, dk, dv), F32)]
@@ -348,16 +274,17 @@ def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, interpret):
       kernel, grid=(b, h, dv // bv),
       in_specs=[whole(dk), whole(dk), whole(dk), cols, whole(c), whole(dk), state],
       out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_params('state', state_stages('state_fwd', b, h, dk, dv, c, qg.dtype.itemsize)),
+      compiler_params=settings.params('state', settings.state_stages('state_fwd', b, h, dk, dv, c,
+                                                                     qg.dtype.itemsize)),
       interpret=interpret, name='kda_state_fwd',
   )(qg, kg, w, u, aqk, gc, s0)
 
 
-def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):
+def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, settings, interpret):
   """(ds0 [B, H, K, V] float32, dh [B, H, N*K, V] in the dot dtype, dv_new [B, T, H, V] float32)."""
   b, t, h, dk = qg.shape
   dv = do.shape[-1]
-  bv = value_block(b, h, dv)
+  bv = settings.state_value_block(b, h, dv)
   whole, cols, state, per_chunk = _state_specs(t, dk, bv, c)
   kernel = functools.partial(state_bwd_kernel, nt=t // c, c=c, dot_dtype=qg.dtype)
   return pl.pallas_call(
@@ -366,12 +293,13 @@ def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, interpret):
       out_specs=[state, per_chunk, cols],
       out_shape=[_sds((b, h, dk, dv), F32), _sds((b, h, (t // c) * dk, dv), qg.dtype),
                  _sds((b, t, h, dv), F32)],
-      compiler_params=_params('state', state_stages('state_bwd', b, h, dk, dv, c, qg.dtype.itemsize)),
+      compiler_params=settings.params('state', settings.state_stages('state_bwd', b, h, dk, dv, c,
+                                                                     qg.dtype.itemsize)),
       interpret=interpret, name='kda_state_bwd',
   )(qg, kg, w, aqk, gc, do, ds_final)
 
 
-def chunk_cotangents(hs, dh, do, dv_new, v_new, *, c, interpret):
+def chunk_cotangents(hs, dh, do, dv_new, v_new, *, c, settings, interpret):
   """(dqg, dkg, dw) [B, T, H, K] in the dot dtype, daqk [B, T, H, C] float32, ddecay [B, N, H, K]
   float32, from h and dh [B, H, N*K, V] (the state passes' layout)."""
   b, t, h, dv = do.shape
@@ -385,11 +313,11 @@ def chunk_cotangents(hs, dh, do, dv_new, v_new, *, c, interpret):
       in_specs=[state, state, spec(dv), spec(dv), spec(dv)],
       out_specs=[spec(dk)] * 3 + [spec(c), decay],
       out_shape=[_sds((b, t, h, dk), dt)] * 3 + [_sds((b, t, h, c), F32), _sds((b, t // c, h, dk), F32)],
-      compiler_params=_params('cotangents'), interpret=interpret, name='kda_chunk_cotangents',
+      compiler_params=settings.params('cotangents'), interpret=interpret, name='kda_chunk_cotangents',
   )(hs, dh, do, dv_new, v_new)
 
 
-def wy_backward(t_inv, dw, dv_new, k, v, gc, beta, *, c, interpret):
+def wy_backward(t_inv, dw, dv_new, k, v, gc, beta, *, c, settings, interpret):
   """(dn [B, T, H, C], dk [B, T, H, K], dv [B, T, H, V] in v's dtype (final), dg [B, T, H, K], dbeta
   [B, T, H]), float32 but dv: the gradients through w and u (cotangents.wy_bwd_kernel)."""
   b, t, h, dk = k.shape
@@ -401,18 +329,18 @@ def wy_backward(t_inv, dw, dv_new, k, v, gc, beta, *, c, interpret):
       out_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(None)],
       out_shape=[_sds((b, t, h, c), F32), _sds(k.shape, F32), _sds(v.shape, v.dtype), _sds(k.shape, F32),
                  _sds((b, t, h), F32)],
-      compiler_params=_params('wy_bwd'), interpret=interpret, name='kda_wy_bwd',
+      compiler_params=settings.params('wy_bwd'), interpret=interpret, name='kda_wy_bwd',
   )(t_inv, dw, dv_new, k, v, gc, beta)
 
 
-def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, dk_wy, dg_wy, dbeta_wy, *, scale, c, interpret):
+def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, dk_wy, dg_wy, dbeta_wy, *, scale, c, settings, interpret):
   """(dq in q's dtype, dk in k's dtype, dg float32, dbeta float32, dlast): the gradients through
   the scores and the direct terms plus the UT transform's (dk_wy, dg_wy, dbeta_wy: added in the
   kernel, so dq and dk are final); dg of G; dlast [B, N * C/16, H, K] per sub-chunk. One program
-  per sub-chunk and slice of TILES['features_bwd'] features."""
+  per sub-chunk and slice of settings.features_bwd features."""
   b, t, h, dk = q.shape
   nb = c // SUB
-  bk = min(TILES['features_bwd'], dk)
+  bk = min(settings.features_bwd, dk)
   nk = dk // bk
   sub, whole = (lambda d: _sub_spec(d, nb)), (lambda d: _chunk_spec(d, c))
   sub_f, whole_f = _sub_spec(bk, nb, sliced=True), _chunk_spec(bk, c, sliced=True)
@@ -430,11 +358,12 @@ def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, dk_wy, dg_wy, dbeta_wy, *, sc
                    pl.BlockSpec((None, 1, None, bk), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f))],
         out_shape=[_sds(q.shape, q.dtype), _sds(k.shape, k.dtype), _sds(q.shape, F32),
                    _sds((b, t, h, nk), F32), _sds((b, (t // c) * nb, h, dk), F32)],
-        compiler_params=_params('scores_bwd'), interpret=interpret, name='kda_scores_bwd',
+        compiler_params=settings.params('scores_bwd'), interpret=interpret, name='kda_scores_bwd',
     )(q, k, gc, beta, dqg, dkg, daqk, dn, q, k, gc, beta, daqk, dn, *diag_terms, dk_wy, dg_wy, dbeta_wy)
 
   dq, dk_, dg, dbeta, dlast = _flat_or_steep(
-      gc, call, lambda: call(*diag_bwd(q, k, gc, beta, daqk, dn, scale=scale, c=c, interpret=interpret)))
+      gc, call, lambda: call(*diag_bwd(q, k, gc, beta, daqk, dn, scale=scale, c=c, settings=settings,
+                                       interpret=interpret)), settings)
   return dq, dk_, dg, jnp.sum(dbeta, axis=-1), dlast
 
 
@@ -447,39 +376,39 @@ def _gate_rows(gate_params):
   return jnp.broadcast_to(jnp.exp(a_log)[:, None], dt_bias.shape), dt_bias
 
 
-def _cumulative_log_decay(g, gate_params, gate, c, interpret):
+def _cumulative_log_decay(g, gate_params, gate, c, settings, interpret):
   """G from g (gate None) or from the gate's pre-activation g and gate_params (a_log, dt_bias)."""
   if gate is None:
-    return chunk_cumsum(g, c, interpret=interpret)
+    return chunk_cumsum(g, c, settings=settings, interpret=interpret)
   lower_bound, t_valid = gate
   return gated_cumsum(g, *_gate_rows(gate_params), c, lower_bound=lower_bound, t_valid=t_valid,
-                      interpret=interpret)
+                      settings=settings, interpret=interpret)
 
 
-def _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate):
+def _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings):
   """(o, s_final) and the tensors the backward keeps besides the inputs: aqk and T."""
   c = chunk_len(q.shape[1])
-  gc = _cumulative_log_decay(g, gate_params, gate, c, interpret)
-  aqk, n = scores_fwd(q, k, gc, beta, scale=scale, c=c, interpret=interpret)
-  t_inv = wy_inverse(n, c=c, dtype=q.dtype, interpret=interpret)
-  qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, interpret=interpret)
-  o, s_final = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=False,
-                         interpret=interpret)
+  kw = dict(settings=settings, interpret=interpret)
+  gc = _cumulative_log_decay(g, gate_params, gate, c, **kw)
+  aqk, n = scores_fwd(q, k, gc, beta, scale=scale, c=c, **kw)
+  t_inv = wy_inverse(n, c=c, dtype=q.dtype, **kw)
+  qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, **kw)
+  o, s_final = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=False, **kw)
   return (o, s_final), (aqk, t_inv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def kda_core(q, k, v, g, beta, s0, gate_params, scale, interpret, gate):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def kda_core(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings):
   """q, k [B, T, H, K] (the dot dtype), v [B, T, H, V], g [B, T, H, K] float32 log-decay, beta
   [B, T, H], s0 [B, H, K, V] float32; T a multiple of chunk_len(T). Returns (o, s_final).
   With gate = (lower_bound, t_valid) (static) and gate_params = (a_log [H], dt_bias [H, K])
   float32, g is instead the gate's pre-activation f (any float dtype), formed into the log-decay
-  inside the cumulative-sum kernels; gate None: gate_params None."""
-  return _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate)[0]
+  inside the cumulative-sum kernels; gate None: gate_params None. settings: KdaSettings (static)."""
+  return _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings)[0]
 
 
-def _core_fwd(q, k, v, g, beta, s0, gate_params, scale, interpret, gate):
-  outs, saved = _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate)
+def _core_fwd(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings):
+  outs, saved = _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings)
   return outs, (q, k, v, g, beta, s0, gate_params) + tuple(checkpoint_name(x, SAVED) for x in saved)
 
 
@@ -489,32 +418,31 @@ def _chunk_view(x, c):
   return x.reshape(b, t // c, c, *x.shape[2:])
 
 
-def _core_bwd(scale, interpret, gate, res, cotangents):
+def _core_bwd(scale, interpret, gate, settings, res, cotangents):
   q, k, v, g, beta, s0, gate_params, aqk, t_inv = res
   do, ds_final = cotangents
   b, t, h, dk = q.shape
   c = chunk_len(t)
   nt = t // c
-  gc = _cumulative_log_decay(g, gate_params, gate, c, interpret)
-  qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, interpret=interpret)
-  v_new, _, hs = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=True,
-                           interpret=interpret)
+  kw = dict(settings=settings, interpret=interpret)
+  gc = _cumulative_log_decay(g, gate_params, gate, c, **kw)
+  qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, **kw)
+  v_new, _, hs = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=True, **kw)
   do = do.astype(v.dtype)
-  ds0, dh, dv_new = state_bwd(qg, kg, w, aqk, gc, do, ds_final.astype(F32), c=c, interpret=interpret)
-  dqg, dkg, dw, daqk, ddecay = chunk_cotangents(hs, dh, do, dv_new, v_new, c=c, interpret=interpret)
-  dn, dk_wy, dv, dg_wy, dbeta_wy = wy_backward(t_inv, dw, dv_new, k, v, gc, beta, c=c, interpret=interpret)
+  ds0, dh, dv_new = state_bwd(qg, kg, w, aqk, gc, do, ds_final.astype(F32), c=c, **kw)
+  dqg, dkg, dw, daqk, ddecay = chunk_cotangents(hs, dh, do, dv_new, v_new, c=c, **kw)
+  dn, dk_wy, dv, dg_wy, dbeta_wy = wy_backward(t_inv, dw, dv_new, k, v, gc, beta, c=c, **kw)
   dq, dk_, dg_s, dbeta, dlast = scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, dk_wy, dg_wy, dbeta_wy,
-                                           scale=scale, c=c, interpret=interpret)
+                                           scale=scale, c=c, **kw)
   g_end = _chunk_view(gc, c)[:, :, -1]                 # G_C, [B, N, H, K]
   d_end = jnp.sum(dlast.reshape(b, nt, c // SUB, h, dk), axis=2) + ddecay * jnp.exp(g_end)
   # dg_i = sum over rows r >= i of the chunk of dG_r, plus G_C's gradient (every g of the chunk)
   if gate is None:
-    dg = chunk_cumsum(dg_s, c, reverse=True, add=d_end, interpret=interpret).astype(g.dtype)
+    dg = chunk_cumsum(dg_s, c, reverse=True, add=d_end, **kw).astype(g.dtype)
     d_gate = None
   else:                   # then through the gate: df, and the sums that are d A_log and d dt_bias
     dg, dbias_rows, dalog_rows = gated_reverse_cumsum(
-        dg_s, d_end, g, *_gate_rows(gate_params), c, lower_bound=gate[0], t_valid=gate[1],
-        interpret=interpret)
+        dg_s, d_end, g, *_gate_rows(gate_params), c, lower_bound=gate[0], t_valid=gate[1], **kw)
     d_gate = (jnp.sum(dalog_rows, axis=(0, 1, 3)), jnp.sum(dbias_rows, axis=(0, 1)))
   return dq, dk_, dv, dg, dbeta.astype(beta.dtype), ds0, d_gate
 
@@ -523,7 +451,7 @@ kda_core.defvjp(_core_fwd, _core_bwd)
 
 
 def kda_pallas(q, k, v, g, beta, initial_state=None, *, scale, a_log=None, dt_bias=None,
-               gate_lower_bound=0.0, interpret=False):
+               gate_lower_bound=0.0, settings=None, interpret=False):
   """KDA (SPEC §1) through the Pallas kernels: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H].
 
   Any T (padded to a multiple of the chunk with tokens that neither decay nor write); K and V
@@ -531,25 +459,34 @@ def kda_pallas(q, k, v, g, beta, initial_state=None, *, scale, a_log=None, dt_bi
   float32; g, the decays, states and accumulation are float32. Returns (o [B, T, H, V] in v's
   dtype, final state [B, H, K, V] float32). Differentiable in every input, initial_state included.
   With a_log [H] and dt_bias [H, K], g is the decay gate's pre-activation f (in its own dtype) and
-  the log-decay is cumsum.gate_log_decay(f + dt_bias, exp(a_log), gate_lower_bound), formed in
-  the cumulative-sum kernels (TILES['fused_gate']) or by XLA; a_log and dt_bias get gradients.
+  the log-decay is gate_log_decay(f + dt_bias, exp(a_log), gate_lower_bound) (kimijax.ops.kda),
+  formed in the cumulative-sum kernels (settings.fused_gate) or by XLA; a_log and dt_bias get
+  gradients. settings: the kernels' KdaSettings (None: the defaults).
   """
   dk, dv = q.shape[-1], v.shape[-1]
   for name, d in (('K', dk), ('V', dv)):
     if d < 16 or d & (d - 1):
       raise ValueError(f"kda impl='pallas': {name} = {d} must be a power of two >= 16 "
-                       f"(q {list(q.shape)}, v {list(v.shape)}); use impl='chunk' for other sizes")
+                       f"(q {list(q.shape)}, v {list(v.shape)}); use impl='xla' for other sizes")
+  settings = _checked(settings)
   return _kda_pallas(q, k, v, g, beta, initial_state, a_log, dt_bias, scale=float(scale),
-                     gate_lower_bound=float(gate_lower_bound), interpret=bool(interpret), tiles=FrozenTiles(TILES))
+                     gate_lower_bound=float(gate_lower_bound), interpret=bool(interpret), settings=settings)
 
 
-@functools.partial(jax.jit, static_argnames=('scale', 'gate_lower_bound', 'interpret', 'tiles'))
-def _kda_pallas(q, k, v, g, beta, initial_state, a_log, dt_bias, *, scale, gate_lower_bound, interpret, tiles):
+def _checked(settings) -> KdaSettings:
+  """settings, or the defaults for None; anything else than a KdaSettings is an error."""
+  if settings is None:
+    return KdaSettings()
+  if not isinstance(settings, KdaSettings):
+    raise TypeError(f"kda impl='pallas': settings must be a KdaSettings (kernels_pallas/kda/settings.py) "
+                    f'or None, got {type(settings).__name__}')
+  return settings
+
+
+@functools.partial(jax.jit, static_argnames=('scale', 'gate_lower_bound', 'interpret', 'settings'))
+def _kda_pallas(q, k, v, g, beta, initial_state, a_log, dt_bias, *, scale, gate_lower_bound, interpret, settings):
   """kda_pallas under one jax.jit: every layer's call with the same shapes and settings shares
-  one trace, so a model's lowered module holds each kernel once (kernels_pallas/__init__.py).
-  `tiles` is TILES as a static argument: the kernels read TILES while this traces, so a changed
-  setting must trace anew."""
-  del tiles
+  one trace, so a model's lowered module holds each kernel once (kernels_pallas/__init__.py)."""
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   dot_dtype = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else F32
@@ -559,12 +496,12 @@ def _kda_pallas(q, k, v, g, beta, initial_state, a_log, dt_bias, *, scale, gate_
   gate_params = gate = None
   if a_log is not None:
     a_log, dt_bias = a_log.astype(F32), dt_bias.astype(F32)
-    if TILES['fused_gate']:
+    if settings.fused_gate:
       gate_params, gate = (a_log, dt_bias), (gate_lower_bound, t if pad else None)
     else:
       g = log_decay_from_pre_activation(g, a_log, dt_bias, gate_lower_bound)
   q, k, v = (time_pad(x.astype(dot_dtype)) for x in (q, k, v))
   g, beta = time_pad(g if gate else g.astype(F32)), time_pad(beta.astype(F32))
   s0 = jnp.zeros((b, h, dk, dv), F32) if initial_state is None else initial_state.astype(F32)
-  o, s_final = kda_core(q, k, v, g, beta, s0, gate_params, scale, interpret, gate)
+  o, s_final = kda_core(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings)
   return o[:, :t], s_final

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import compiler_params
+from kernels_pallas.kda.settings import KdaSettings
 
 F32 = jnp.float32
 
@@ -26,13 +26,21 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, 
   s_out_ref[...] = s
 
 
-@functools.partial(jax.jit, static_argnames=('scale', 'interpret'))
-def kda_step_pallas(q, k, v, g, beta, state, *, scale, interpret=False):
+def kda_step_pallas(q, k, v, g, beta, state, *, scale, settings=None, interpret=False):
   """q, k, g [B, H, K], v [B, H, V], beta [B, H], state [B, H, K, V] float32 -> (o [B, H, V] in v's
-  dtype, new state float32). K and V powers of two >= 16."""
+  dtype, new state float32). K and V powers of two >= 16. settings: the KdaSettings whose
+  warps_step, stages_step and value_block_step this kernel takes (None: the defaults)."""
+  settings = KdaSettings() if settings is None else settings
+  if not isinstance(settings, KdaSettings):
+    raise TypeError(f"kda_step impl='pallas': settings must be a KdaSettings or None, got {type(settings).__name__}")
+  return _kda_step_pallas(q, k, v, g, beta, state, scale=scale, settings=settings, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=('scale', 'settings', 'interpret'))
+def _kda_step_pallas(q, k, v, g, beta, state, *, scale, settings, interpret):
   b, h, dk = q.shape
   dv = v.shape[-1]
-  bv = min(dv, 64)
+  bv = min(dv, settings.value_block_step)
   vec = lambda d: pl.BlockSpec((None, None, d), lambda bi, hi, j: (bi, hi, 0))
   cols = pl.BlockSpec((None, None, bv), lambda bi, hi, j: (bi, hi, j))
   state_spec = pl.BlockSpec((None, None, dk, bv), lambda bi, hi, j: (bi, hi, 0, j))
@@ -43,6 +51,6 @@ def kda_step_pallas(q, k, v, g, beta, state, *, scale, interpret=False):
       out_specs=[cols, state_spec],
       out_shape=[jax.ShapeDtypeStruct((b, h, dv), v.dtype), jax.ShapeDtypeStruct(state.shape, F32)],
       input_output_aliases={5: 1},
-      compiler_params=compiler_params({'warps': 4, 'stages': 1}), interpret=interpret,
+      compiler_params=settings.params('step', settings.stages_step), interpret=interpret,
       name='kda_step',
   )(q, k, v, g, beta[..., None], state.astype(F32))

@@ -1,13 +1,14 @@
 """KDA's short convolution and its activation (SPEC §1) as Pallas (Triton) kernels, with a VJP.
 
-    y = short_conv_pallas(x, w, activation, interpret=...)
+    y = short_conv_pallas(x, w, activation, settings=ShortConvSettings(...), interpret=...)
 
 x [B, T, H, K], w [W, H, K] float32 (W taps), activation 'none' | 'silu' | 'silu_l2' (SiLU, then
-each head's K features divided by their L2 norm, eps L2_EPS):
+each head's K features divided by their L2 norm, eps L2_EPS; both defined with the op,
+kimijax.ops.short_conv):
 
     z[t] = sum_j w[j] x[t - W + 1 + j]   (x = 0 before the first token),   y = act(z)
 
-Three kernels, one program per TILES['rows'] tokens and TILES['heads'] heads (every K feature of
+Three kernels, one program per `rows` tokens and `heads` heads (settings.py; every K feature of
 a head, for the L2 norm), each reading its W shifted row windows from the whole-sequence block
 of its input with masked loads (rows outside [0, T) read as zero):
 
@@ -15,7 +16,7 @@ of its input with masked loads (rows outside [0, T) read as zero):
 - `short_conv_dz`: the backward's first pass: recomputes z, takes the activation's transpose
   (dz = dact(z)^T dy) and writes dz in x's dtype, and each program's part of dw (sum over its
   rows of x[t - W + 1 + j] dz[t], float32, from the float32 dz), summed over programs in XLA.
-  Each program runs over TILES['dz_tiles'] tiles of TILES['dz_rows'] rows in turn (16 rows keep
+  Each program runs over `dz_tiles` tiles of `dz_rows` rows in turn (16 rows keep
   the accumulators in registers: 122 per thread at 8 warps), adding the products into W
   elementwise accumulators, and sums them over rows once at the end: that sum is the only part
   of the kernel that crosses warps (shared memory and barriers), and it then runs once per
@@ -35,14 +36,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.common import FrozenTiles, compiler_params, power_of_two_divisor, round_up
+from kernels_pallas.common import compiler_params, power_of_two_divisor, round_up
+from kernels_pallas.short_conv.settings import ShortConvSettings
+from kimijax.ops.short_conv import L2_EPS
 
 F32 = jnp.float32
-L2_EPS = 1e-6
-ACTIVATIONS = ('none', 'silu', 'silu_l2')
-# rows (tokens) and heads per program, Triton warps and pipelining stages; short_conv_dz takes
-# dz_tiles tiles of dz_rows rows per program (at most: powers of two dividing the padded T)
-TILES = {'rows': 32, 'heads': 1, 'warps': 8, 'stages': 1, 'dz_rows': 16, 'dz_tiles': 32}
 
 
 def _window(ref, start, shape, t):
@@ -122,36 +120,36 @@ def _specs(tp, hb, dk, width, rows):
   return whole, tile, taps
 
 
-def _tiles(x):
+def _tiles(x, settings):
   b, tp, h, dk = x.shape
-  return b, tp, h, dk, TILES['rows'], power_of_two_divisor(h, TILES['heads'])
+  return b, tp, h, dk, settings.rows, power_of_two_divisor(h, settings.heads)
 
 
-def _conv_call(x, w, *, sign, activation, interpret, name):
-  b, tp, h, dk, rows, hb = _tiles(x)
+def _conv_call(x, w, *, sign, activation, settings, interpret, name):
+  b, tp, h, dk, rows, hb = _tiles(x, settings)
   whole, tile, taps = _specs(tp, hb, dk, w.shape[0], rows)
   return pl.pallas_call(
       functools.partial(_fwd_kernel, t=tp, sign=sign, activation=activation), grid=(b, tp // rows, h // hb),
       in_specs=[whole, taps], out_specs=tile, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-      compiler_params=compiler_params(TILES), interpret=interpret, name=name,
+      compiler_params=compiler_params(settings), interpret=interpret, name=name,
   )(x, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _short_conv(x, w, activation, interpret):
-  return _conv_call(x, w, sign=1, activation=activation, interpret=interpret, name='short_conv_fwd')
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _short_conv(x, w, activation, settings, interpret):
+  return _conv_call(x, w, sign=1, activation=activation, settings=settings, interpret=interpret,
+                    name='short_conv_fwd')
 
 
-def _short_conv_fwd(x, w, activation, interpret):
-  return _short_conv(x, w, activation, interpret), (x, w)
+def _short_conv_fwd(x, w, activation, settings, interpret):
+  return _short_conv(x, w, activation, settings, interpret), (x, w)
 
 
-def _short_conv_bwd(activation, interpret, res, dy):
+def _short_conv_bwd(activation, settings, interpret, res, dy):
   x, w = res
-  b, tp, h, dk, _, hb = _tiles(x)
+  b, tp, h, dk, _, hb = _tiles(x, settings)
   width = w.shape[0]
-  rows = power_of_two_divisor(tp, TILES['dz_rows'])          # rows per tile of short_conv_dz
-  n = power_of_two_divisor(tp // rows, TILES['dz_tiles'])    # row tiles per program
+  rows, n = settings.dz_layout(tp)    # rows per tile of short_conv_dz, row tiles per program
   whole, tiles, taps = _specs(tp, hb, dk, width, n * rows)
   part = pl.BlockSpec((None, None, width, hb, dk), lambda bi, ti, hi: (bi, ti, 0, hi, 0))
   dz, dw_parts = pl.pallas_call(
@@ -159,33 +157,35 @@ def _short_conv_bwd(activation, interpret, res, dy):
       in_specs=[whole, taps, tiles], out_specs=[tiles, part],
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((b, tp // (n * rows), width, h, dk), F32)],
-      compiler_params=compiler_params(TILES), interpret=interpret, name='short_conv_dz',
+      compiler_params=compiler_params(settings), interpret=interpret, name='short_conv_dz',
   )(x, w, dy.astype(x.dtype))
-  dx = _conv_call(dz, w, sign=-1, activation='none', interpret=interpret, name='short_conv_dx')
+  dx = _conv_call(dz, w, sign=-1, activation='none', settings=settings, interpret=interpret, name='short_conv_dx')
   return dx, jnp.sum(dw_parts, axis=(0, 1)).astype(w.dtype)
 
 
 _short_conv.defvjp(_short_conv_fwd, _short_conv_bwd)
 
 
-def short_conv_pallas(x, w, activation='none', *, interpret=False):
+def short_conv_pallas(x, w, activation='none', *, settings=None, interpret=False):
   """act(causal depthwise conv of x [B, T, H, K] with taps w [W, H, K]) in x's dtype (see the
   module docstring; kimijax.ops.short_conv checks the arguments); any T, K a power of two >= 16.
-  Differentiable in x and w."""
+  settings: the kernels' ShortConvSettings (None: the defaults). Differentiable in x and w."""
   dk = x.shape[-1]
   if dk < 16 or dk & (dk - 1):
     raise ValueError(f"short_conv impl='pallas': K = {dk} must be a power of two >= 16 (x {list(x.shape)}); "
                      "use impl='xla' for other sizes")
-  return _short_conv_padded(x, w, activation=activation, interpret=bool(interpret), tiles=FrozenTiles(TILES))
+  settings = ShortConvSettings() if settings is None else settings
+  if not isinstance(settings, ShortConvSettings):
+    raise TypeError(f"short_conv impl='pallas': settings must be a ShortConvSettings "
+                    f'(kernels_pallas/short_conv/settings.py) or None, got {type(settings).__name__}')
+  return _short_conv_padded(x, w, activation=activation, settings=settings, interpret=bool(interpret))
 
 
-@functools.partial(jax.jit, static_argnames=('activation', 'interpret', 'tiles'))
-def _short_conv_padded(x, w, *, activation, interpret, tiles):
-  """short_conv_pallas under one jax.jit, shared by every layer's call (kernels_pallas/__init__.py);
-  `tiles` is TILES as a static argument, since the kernels read TILES while this traces."""
-  del tiles
+@functools.partial(jax.jit, static_argnames=('activation', 'settings', 'interpret'))
+def _short_conv_padded(x, w, *, activation, settings, interpret):
+  """short_conv_pallas under one jax.jit, shared by every layer's call (kernels_pallas/__init__.py)."""
   t = x.shape[1]
-  pad = round_up(t, TILES['rows']) - t
+  pad = round_up(t, settings.rows) - t
   xp = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else x
-  y = _short_conv(xp, w.astype(F32), activation, interpret)
+  y = _short_conv(xp, w.astype(F32), activation, settings, interpret)
   return y[:, :t] if pad else y

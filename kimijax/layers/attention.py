@@ -52,28 +52,28 @@ class SelfAttention(nn.Module):
     w_o = weight(self, 'out', (self.num_heads, head_dim, d), ('heads', 'head_dim', 'embed'))
     if self.num_kv_heads == self.num_heads:   # one GEMM with 3x the output width
       qkv = jnp.einsum('btd,dshk->btshk', x_btd, jnp.stack([w_q, w_k, w_v], axis=1))
-      q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+      q_bthd, k_bthd, v_bthd = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     else:
-      q, k, v = (jnp.einsum('btd,dhk->bthk', x_btd, w) for w in (w_q, w_k, w_v))
+      q_bthd, k_bthd, v_bthd = (jnp.einsum('btd,dhk->bthk', x_btd, w) for w in (w_q, w_k, w_v))
     if self.rope:
-      q = apply_rope(q, positions_bt, self.rope_theta)
-      k = apply_rope(k, positions_bt, self.rope_theta)
+      q_bthd = apply_rope(q_bthd, positions_bt, self.rope_theta)
+      k_bthd = apply_rope(k_bthd, positions_bt, self.rope_theta)
     names = ('act_batch', 'act_length', 'act_heads', None)
-    q, k, v = (nn.with_logical_constraint(t, names) for t in (q, k, v))
+    q_bthd, k_bthd, v_bthd = (nn.with_logical_constraint(t, names) for t in (q_bthd, k_bthd, v_bthd))
     if cache is None:
-      result = attention(q, k, v, causal=True, impl=self.impl, return_max_logits=self.max_logits,
-                         spec=nn.logical_to_mesh_axes(names))
+      result = attention(q_bthd, k_bthd, v_bthd, causal=True, impl=self.impl,
+                         return_max_logits=self.max_logits, spec=nn.logical_to_mesh_axes(names))
       o_bthd, max_logits_h = result if self.max_logits else (result, None)
       new_cache = None
     else:   # write this call's keys/values at their positions; prefill starts at position 0
       start = positions_bt[0, 0]
       new_cache = {name: jax.lax.dynamic_update_slice_in_dim(cache[name], t.astype(cache[name].dtype),
                                                              start, axis=1)
-                   for name, t in (('k', k), ('v', v))}
+                   for name, t in (('k', k_bthd), ('v', v_bthd))}
       if x_btd.shape[1] == 1:
-        o_bthd = decode_attention(q, new_cache['k'], new_cache['v'], start + 1)
+        o_bthd = decode_attention(q_bthd, new_cache['k'], new_cache['v'], start + 1)
       else:
-        o_bthd = attention(q, k, v, causal=True, impl=self.impl)
+        o_bthd = attention(q_bthd, k_bthd, v_bthd, causal=True, impl=self.impl)
       max_logits_h = None
     o_bthd = nn.with_logical_constraint(o_bthd, names)
     return jnp.einsum('bthk,hkd->btd', o_bthd, w_o), max_logits_h, new_cache

@@ -27,15 +27,16 @@ hybrid: 2.2 GiB over 18 layers) for one more [D, H*K] matmul in the backward.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from kimijax.layers.conv import ShortConv
 from kimijax.layers.norms import rms_normalise
 from kimijax.layers.params import weight
+from kimijax.layers.short_conv import ShortConv
 from kimijax.ops.kda import SAVED, kda, kda_log_decay, kda_step
 from kimijax.ops.short_conv import activate
 
@@ -60,7 +61,7 @@ class KimiDeltaAttention(nn.Module):
   """x [B, T, D] -> (y [B, T, D], None, cache or None). Heads H of key dim K and value dim V."""
   num_heads: int
   head_dim: int
-  impl: str = 'chunk'
+  impl: str = 'xla'                   # the op's implementation (kimijax.ops.kda.IMPLS)
   short_conv: bool = True
   output_gate: str = 'sigmoid'
   gate_lower_bound: float = 0.0       # 0: the unbounded gate; in [-5, 0): the bounded gate
@@ -68,68 +69,72 @@ class KimiDeltaAttention(nn.Module):
   dtype: jnp.dtype = jnp.float32
   output_norm_eps: float = 1e-5       # eps of the per-head output RMSNorm (the model's rms_norm_eps
                                       # in Kimi Linear's release)
-  conv_impl: str = 'xla'              # the short convs' implementation (kimijax.ops.short_conv.IMPLS)
+  short_conv_impl: str = 'xla'        # the short convs' implementation (kimijax.ops.short_conv.IMPLS)
   recompute_projections: str = ''      # the projections among 'q', 'k', 'v' that the backward
                                        # recomputes from the layer input instead of keeping (one bf16
                                        # [B, T, H, K] less each); '' keeps all three
+  settings: Any = None                 # the op's kernel settings under impl (None: the defaults)
+  short_conv_settings: Any = None      # the short convs' kernel settings under short_conv_impl
 
   def _low_rank_weights(self, name, d, rank):
     """The two factors of a rank-`rank` projection [D] -> [H, K]."""
     return (weight(self, f'{name}_a', (d, rank), ('embed', 'latent')),
             weight(self, f'{name}_b', (rank, self.num_heads, self.head_dim), ('latent', 'heads', 'head_dim')))
 
-  def _gated_output(self, o, gain, g_lat, g_b, w_o):
-    """W_o (RMSNorm_per_head(o) * gain * act(W_g2 g_lat)), the norm and gate in float32 (g_lat None:
-    no output gate), the matmuls in self.dtype."""
-    o = rms_normalise(o, self.output_norm_eps) * gain
-    if g_lat is not None:
-      gate = jnp.einsum('btr,rhk->bthk', g_lat, g_b).astype(jnp.float32)
-      o = o * (jax.nn.sigmoid(gate) if self.output_gate == 'sigmoid' else jax.nn.silu(gate))
-    o = nn.with_logical_constraint(o.astype(self.dtype), ('act_batch', 'act_length', 'act_heads', None))
-    return jnp.einsum('bthk,hkd->btd', o, w_o)
+  def _gated_output(self, o_bthv, gain, g_btr, g_b, w_o):
+    """W_o (RMSNorm_per_head(o) * gain * act(W_g2 g_lat)), the norm and gate in float32 (g_btr, the
+    gate's rank-sized bottleneck, None: no output gate), the matmuls in self.dtype."""
+    o_bthv = rms_normalise(o_bthv, self.output_norm_eps) * gain
+    if g_btr is not None:
+      gate_bthv = jnp.einsum('btr,rhk->bthk', g_btr, g_b).astype(jnp.float32)
+      o_bthv = o_bthv * (jax.nn.sigmoid(gate_bthv) if self.output_gate == 'sigmoid' else jax.nn.silu(gate_bthv))
+    o_bthv = nn.with_logical_constraint(o_bthv.astype(self.dtype), ('act_batch', 'act_length', 'act_heads', None))
+    return jnp.einsum('bthk,hkd->btd', o_bthv, w_o)
 
   def _mix(self, x_btd, w_qkv, cache):
     """From the layer input and the q/k/v projection weights: the projections (tagged PROJECTIONS),
     the short convolutions and activations, beta, the decay gate and the op, (o, new cache). The
     parameters are created in the order of the layer's definition (SPEC §1), which fixes their
     initial values for a given seed."""
-    q, k, v = (checkpoint_name(jnp.einsum('btd,dhk->bthk', x_btd, w), f'{PROJECTIONS}_{n}')
-               for n, w in zip('qkv', w_qkv))
+    projections = tuple(checkpoint_name(jnp.einsum('btd,dhk->bthk', x_btd, w), f'{PROJECTIONS}_{n}')
+                        for n, w in zip('qkv', w_qkv))
     new_cache, outs = {}, []
-    for name, t in (('q', q), ('k', k), ('v', v)):
+    for name, x_bthk in zip('qkv', projections):
       if self.short_conv:
         prefix = None if cache is None else cache[f'conv_{name}']
-        conv = ShortConv(CONV_WIDTH, self.dtype, ACTIVATIONS[name], self.conv_impl, name=f'{name}_conv')
-        t, new_cache[f'conv_{name}'] = conv(t, prefix)
+        conv = ShortConv(width=CONV_WIDTH, dtype=self.dtype, activation=ACTIVATIONS[name],
+                         impl=self.short_conv_impl, settings=self.short_conv_settings, name=f'{name}_conv')
+        x_bthk, new_cache[f'conv_{name}'] = conv(x_bthk, prefix)
       else:
-        t = activate(t, ACTIVATIONS[name])
-      outs.append(t.astype(self.dtype))
+        x_bthk = activate(x_bthk, ACTIVATIONS[name])
+      outs.append(x_bthk.astype(self.dtype))
     act = ('act_batch', 'act_length', 'act_heads', None)
-    q, k, v = (nn.with_logical_constraint(t, act) for t in outs)
+    q_bthk, k_bthk, v_bthv = (nn.with_logical_constraint(x, act) for x in outs)
     h, hd = self.num_heads, self.head_dim
     d = x_btd.shape[-1]
-    beta = jax.nn.sigmoid(jnp.einsum('btd,dh->bth', x_btd, weight(self, 'b_proj', (d, h), ('embed', 'heads'))
-                                     ).astype(jnp.float32))
+    beta_bth = jax.nn.sigmoid(jnp.einsum('btd,dh->bth', x_btd, weight(self, 'b_proj', (d, h), ('embed', 'heads'))
+                                         ).astype(jnp.float32))
     a_log = self.param('A_log', nn.with_logical_partitioning(a_log_init, ('heads',)), (h,), jnp.float32)
     dt_bias = self.param('dt_bias', nn.with_logical_partitioning(dt_bias_init, ('heads', 'head_dim')),
                          (h, hd), jnp.float32)
     f_a, f_b = self._low_rank_weights('f', d, hd)
     # The decay gate's pre-activation in self.dtype; the op forms the float32 log-decay from it
     # (inside the Pallas kernels under impl='pallas').
-    f = jnp.einsum('btr,rhk->bthk', jnp.einsum('btd,dr->btr', x_btd, f_a), f_b)
+    f_bthk = jnp.einsum('btr,rhk->bthk', jnp.einsum('btd,dr->btr', x_btd, f_a), f_b)
     gate = dict(a_log=a_log, dt_bias=dt_bias, gate_lower_bound=self.gate_lower_bound)
+    op = dict(impl=self.impl, settings=self.settings)
 
     if cache is None:
-      o, _ = kda(q, k, v, f, beta, impl=self.impl, **gate)
-    elif q.shape[1] == 1:       # decode: one token, O(1) in the context length
-      g = kda_log_decay(f[:, 0], a_log, dt_bias, self.gate_lower_bound)
-      o, new_cache['state'] = kda_step(q[:, 0], k[:, 0], v[:, 0], g, beta[:, 0], cache['state'],
-                                       impl=self.impl)
-      o = o[:, None]
-    else:                       # prefill (or a chunk of it) from the cached state
-      o, new_cache['state'] = kda(q, k, v, f, beta, impl=self.impl, initial_state=cache['state'],
-                                  output_final_state=True, **gate)
-    return o, new_cache
+      o_bthv, _ = kda(q_bthk, k_bthk, v_bthv, f_bthk, beta_bth, **op, **gate)
+    elif q_bthk.shape[1] == 1:       # decode: one token, O(1) in the context length
+      g_bhk = kda_log_decay(f_bthk[:, 0], a_log, dt_bias, self.gate_lower_bound)
+      o_bhv, new_cache['state'] = kda_step(q_bthk[:, 0], k_bthk[:, 0], v_bthv[:, 0], g_bhk, beta_bth[:, 0],
+                                           cache['state'], **op)
+      o_bthv = o_bhv[:, None]
+    else:                            # prefill (or a chunk of it) from the cached state
+      o_bthv, new_cache['state'] = kda(q_bthk, k_bthk, v_bthv, f_bthk, beta_bth, initial_state=cache['state'],
+                                       output_final_state=True, **op, **gate)
+    return o_bthv, new_cache
 
   @nn.compact
   def __call__(self, x_btd, positions_bt=None, cache=None):
@@ -142,17 +147,17 @@ class KimiDeltaAttention(nn.Module):
     kept = (SAVED,) + tuple(f'{PROJECTIONS}_{n}' for n in 'qkv' if n not in self.recompute_projections)
     mix = nn.remat(type(self)._mix, policy=jax.checkpoint_policies.save_only_these_names(*kept),
                    prevent_cse=True)
-    o, new_cache = mix(self, x_btd, w_qkv, cache)
+    o_bthv, new_cache = mix(self, x_btd, w_qkv, cache)
 
     gain = self.param('o_norm', nn.with_logical_partitioning(nn.initializers.ones, ('head_dim',)),
                       (hd,), jnp.float32)
-    g_lat = g_b = None
+    g_btr = g_b = None
     if self.output_gate != 'none':
       g_a, g_b = self._low_rank_weights('g', d, hd)
-      g_lat = jnp.einsum('btd,dr->btr', x_btd, g_a)
+      g_btr = jnp.einsum('btd,dr->btr', x_btd, g_a)
     w_o = weight(self, 'o_proj', (h, hd, d), ('heads', 'head_dim', 'embed'))
-    y = jax.checkpoint(self._gated_output)(o, gain, g_lat, g_b, w_o)
-    return y, None, (new_cache if cache is not None else None)
+    y_btd = jax.checkpoint(self._gated_output)(o_bthv, gain, g_btr, g_b, w_o)
+    return y_btd, None, (new_cache if cache is not None else None)
 
   @staticmethod
   def init_cache(batch: int, num_heads: int, head_dim: int, short_conv: bool, dtype) -> dict:

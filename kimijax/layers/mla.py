@@ -64,62 +64,63 @@ class MultiHeadLatentAttention(nn.Module):
     scale = (dn + dr) ** -0.5
 
     if self.q_lora_rank:
-      cq = jnp.einsum('btd,dr->btr', x_btd, weight(self, 'q_down', (d, self.q_lora_rank), ('embed', 'latent')))
-      cq = RMSNorm(self.norm_eps, self.dtype, name='q_norm')(cq)
-      q_in, q_axes = cq, ('latent', 'heads', 'head_dim')
+      cq_btr = jnp.einsum('btd,dr->btr', x_btd, weight(self, 'q_down', (d, self.q_lora_rank), ('embed', 'latent')))
+      cq_btr = RMSNorm(eps=self.norm_eps, dtype=self.dtype, name='q_norm')(cq_btr)
+      q_in, q_axes = cq_btr, ('latent', 'heads', 'head_dim')
     else:
       q_in, q_axes = x_btd, ('embed', 'heads', 'head_dim')
-    q_nope = jnp.einsum('btr,rhk->bthk', q_in, weight(self, 'q_nope', (q_in.shape[-1], h, dn), q_axes))
-    c = jnp.einsum('btd,dr->btr', x_btd, weight(self, 'kv_down', (d, r), ('embed', 'latent')))
-    c = RMSNorm(self.norm_eps, self.dtype, name='kv_norm')(c)                      # [B, T, r]
+    q_nope_bthk = jnp.einsum('btr,rhk->bthk', q_in, weight(self, 'q_nope', (q_in.shape[-1], h, dn), q_axes))
+    c_btr = jnp.einsum('btd,dr->btr', x_btd, weight(self, 'kv_down', (d, r), ('embed', 'latent')))
+    c_btr = RMSNorm(eps=self.norm_eps, dtype=self.dtype, name='kv_norm')(c_btr)
     w_k_nope = weight(self, 'k_nope', (r, h, dn), ('latent', 'heads', 'head_dim'))
     w_v = weight(self, 'v', (r, h, dv), ('latent', 'heads', 'head_dim'))
     w_o = weight(self, 'out', (h, dv, d), ('heads', 'head_dim', 'embed'))
     if dr:
-      q_rope = jnp.einsum('btr,rhk->bthk', q_in, weight(self, 'q_rope', (q_in.shape[-1], h, dr), q_axes))
-      k_rope = jnp.einsum('btd,dk->btk', x_btd, weight(self, 'k_rope', (d, dr), ('embed', 'head_dim')))
+      q_rope_bthk = jnp.einsum('btr,rhk->bthk', q_in, weight(self, 'q_rope', (q_in.shape[-1], h, dr), q_axes))
+      k_rope_btk = jnp.einsum('btd,dk->btk', x_btd, weight(self, 'k_rope', (d, dr), ('embed', 'head_dim')))
       if self.rope:
-        q_rope = apply_rope(q_rope, positions_bt, self.rope_theta)
-        k_rope = apply_rope(k_rope[:, :, None], positions_bt, self.rope_theta)[:, :, 0]  # [B, T, dr]
+        q_rope_bthk = apply_rope(q_rope_bthk, positions_bt, self.rope_theta)
+        k_rope_btk = apply_rope(k_rope_btk[:, :, None], positions_bt, self.rope_theta)[:, :, 0]  # [B, T, dr]
 
     new_cache = None
     if cache is not None and x_btd.shape[1] == 1:
-      o, new_cache = self._decode(q_nope, q_rope if dr else None, c, k_rope if dr else None,
-                                  w_k_nope, w_v, cache, positions_bt[0, 0], scale)
-      return jnp.einsum('bthk,hkd->btd', o, w_o), None, new_cache
+      o_bthv, new_cache = self._decode(q_nope_bthk, q_rope_bthk if dr else None, c_btr,
+                                       k_rope_btk if dr else None, w_k_nope, w_v, cache, positions_bt[0, 0], scale)
+      return jnp.einsum('bthk,hkd->btd', o_bthv, w_o), None, new_cache
     if cache is not None:   # prefill from an empty cache: write the latents, attend in full form
-      new_cache = {'latent': _write(cache['latent'], c, 0)}
+      new_cache = {'latent': _write(cache['latent'], c_btr, 0)}
       if dr:
-        new_cache['k_rope'] = _write(cache['k_rope'], k_rope, 0)
+        new_cache['k_rope'] = _write(cache['k_rope'], k_rope_btk, 0)
 
-    k_nope = jnp.einsum('btr,rhk->bthk', c, w_k_nope)
-    v = jnp.einsum('btr,rhk->bthk', c, w_v)
+    k_nope_bthk = jnp.einsum('btr,rhk->bthk', c_btr, w_k_nope)
+    v_bthv = jnp.einsum('btr,rhk->bthk', c_btr, w_v)
     if dr:
-      q = jnp.concatenate([q_nope, q_rope], axis=-1)
-      k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], k_nope.shape[:3] + (dr,))], axis=-1)
+      q_bthk = jnp.concatenate([q_nope_bthk, q_rope_bthk], axis=-1)
+      k_shared = jnp.broadcast_to(k_rope_btk[:, :, None], k_nope_bthk.shape[:3] + (dr,))   # one per head
+      k_bthk = jnp.concatenate([k_nope_bthk, k_shared], axis=-1)
     else:
-      q, k = q_nope, k_nope
+      q_bthk, k_bthk = q_nope_bthk, k_nope_bthk
     act = ('act_batch', 'act_length', 'act_heads', None)
-    q, k, v = (nn.with_logical_constraint(t, act) for t in (q, k, v))
-    result = attention(q, k, v, causal=True, impl=self.impl, scale=scale, return_max_logits=self.max_logits,
-                       spec=nn.logical_to_mesh_axes(act))
-    o, max_logits_h = result if self.max_logits else (result, None)
-    return jnp.einsum('bthk,hkd->btd', o, w_o), max_logits_h, new_cache
+    q_bthk, k_bthk, v_bthv = (nn.with_logical_constraint(t, act) for t in (q_bthk, k_bthk, v_bthv))
+    result = attention(q_bthk, k_bthk, v_bthv, causal=True, impl=self.impl, scale=scale,
+                       return_max_logits=self.max_logits, spec=nn.logical_to_mesh_axes(act))
+    o_bthv, max_logits_h = result if self.max_logits else (result, None)
+    return jnp.einsum('bthk,hkd->btd', o_bthv, w_o), max_logits_h, new_cache
 
-  def _decode(self, q_nope, q_rope, c, k_rope, w_k_nope, w_v, cache, pos, scale):
+  def _decode(self, q_nope_bthk, q_rope_bthk, c_btr, k_rope_btk, w_k_nope, w_v, cache, pos, scale):
     """One token at position `pos` against the cached latents (absorbed, MQA-like form)."""
-    latent = _write(cache['latent'], c, pos)
+    latent = _write(cache['latent'], c_btr, pos)
     new_cache = {'latent': latent}
-    q_latent = jnp.einsum('bthk,rhk->bthr', q_nope, w_k_nope)                     # [B, 1, H, r]
-    logits = jnp.einsum('bthr,bsr->bhts', q_latent, latent, preferred_element_type=jnp.float32)
-    if q_rope is not None:
-      rope = _write(cache['k_rope'], k_rope, pos)
+    q_latent_bthr = jnp.einsum('bthk,rhk->bthr', q_nope_bthk, w_k_nope)                # T = 1
+    logits = jnp.einsum('bthr,bsr->bhts', q_latent_bthr, latent, preferred_element_type=jnp.float32)
+    if q_rope_bthk is not None:
+      rope = _write(cache['k_rope'], k_rope_btk, pos)
       new_cache['k_rope'] = rope
-      logits += jnp.einsum('bthk,bsk->bhts', q_rope, rope, preferred_element_type=jnp.float32)
+      logits += jnp.einsum('bthk,bsk->bhts', q_rope_bthk, rope, preferred_element_type=jnp.float32)
     allowed = jnp.arange(latent.shape[1]) <= pos
     probs = jax.nn.softmax(jnp.where(allowed, logits * scale, MASKED_LOGIT), axis=-1)
-    o_latent = jnp.einsum('bhts,bsr->bthr', probs.astype(latent.dtype), latent)    # [B, 1, H, r]
-    return jnp.einsum('bthr,rhk->bthk', o_latent, w_v), new_cache
+    o_latent_bthr = jnp.einsum('bhts,bsr->bthr', probs.astype(latent.dtype), latent)   # T = 1
+    return jnp.einsum('bthr,rhk->bthk', o_latent_bthr, w_v), new_cache
 
   @staticmethod
   def init_cache(batch: int, max_len: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype) -> dict:

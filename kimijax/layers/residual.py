@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from kimijax import config as config_lib
 from kimijax.ops import attnres as attnres_ops
 from kimijax.ops.attnres import depth_attention_list, merge_norm, merge_partial, phase1
 
@@ -103,7 +104,7 @@ class AttnResQueries(nn.Module):
   @nn.compact
   def __call__(self):
     rows = [jnp.zeros((self.dim,), jnp.float32)]
-    rows += [AttnResQuery(self.dim, self.key_gain, name=consumer_name(l, self.num_sublayers))()
+    rows += [AttnResQuery(dim=self.dim, key_gain=self.key_gain, name=consumer_name(l, self.num_sublayers))()
              for l in range(1, self.num_sublayers + 1)]
     return jnp.stack(rows)
 
@@ -139,8 +140,9 @@ class AttnResState:
 @dataclasses.dataclass(frozen=True)
 class AttnResidual:
   """Block Attention Residuals with `block_size` sublayers per block (1: Full AttnRes) over
-  `num_sublayers` sublayers; both phases by `impl` (a key of kimijax.ops.attnres.IMPLS), with the
-  variant `key_norm`, `depth_weights` (handed to every op call).
+  `num_sublayers` sublayers; both phases by `impl` (a key of kimijax.ops.attnres.IMPLS, its kernels
+  under phase1_settings and merge_norm_settings), with the variant `key_norm`, `depth_weights`
+  (handed to every op call).
   defer_add: a write within a block leaves its output pending, and the next read's merge_norm
   adds it to the partial sum (for an implementation whose merge adds in the same pass, one pass
   fewer than a separate add; not under remat, where the pending output would be one more tensor
@@ -154,6 +156,8 @@ class AttnResidual:
   defer_add: bool = False
   key_norm: bool = True
   depth_weights: str = 'softmax'
+  phase1_settings: Any = None
+  merge_norm_settings: Any = None
 
   @property
   def variant(self) -> dict:
@@ -161,7 +165,8 @@ class AttnResidual:
     return {'key_norm': self.key_norm, 'depth_weights': self.depth_weights}
 
   def start(self, x_btd):
-    queries = AttnResQueries(self.num_sublayers, x_btd.shape[-1], self.key_norm, name='attnres')()
+    queries = AttnResQueries(num_sublayers=self.num_sublayers, dim=x_btd.shape[-1], key_gain=self.key_norm,
+                             name='attnres')()
     return AttnResState(queries=queries, blocks=(_constrain(x_btd),), partial=None, pending=None,
                         inter=None)
 
@@ -192,7 +197,7 @@ class AttnResidual:
     if state.inter is None:      # the block's first read: phase 1 for all its consumers
       stop = min(start + self.block_size, self.num_sublayers + 1)
       outs, lse, blocks = phase1(state.blocks, state.queries[start:stop], eps=self.eps,
-                                 impl=self.impl, spec=spec, **self.variant)
+                                 impl=self.impl, spec=spec, settings=self.phase1_settings, **self.variant)
       # Later blocks take the block sums from phase 1's output: with 'pallas' their gradient
       # is then summed inside its backward kernel.
       state = state.replace(blocks=blocks, inter=(outs, lse))
@@ -204,7 +209,7 @@ class AttnResidual:
     # Phase 2 and the pre-norm in one op ('pallas': fused, the merged input never written).
     x_btd, partial = merge_norm(o_btd, lse_bt, state.partial, query_d, norm.gain(o_btd.shape[-1]),
                                 eps=self.eps, norm_eps=norm.eps, dtype=norm.dtype, addend=pending,
-                                impl=self.impl, spec=spec, **self.variant)
+                                impl=self.impl, spec=spec, settings=self.merge_norm_settings, **self.variant)
     h_btd = None
     if self.log:                 # for the statistics only: training does not change with logging
       h_btd = jax.lax.stop_gradient(_constrain(
@@ -250,15 +255,18 @@ def num_sources(cfg: ml_collections.ConfigDict) -> int:
   return 1 + -(-num_sublayers(cfg) // block_size(cfg))
 
 
-def make_residual(cfg: ml_collections.ConfigDict, *, log: bool = False):
-  """The strategy named by model.residual."""
+def make_residual(cfg: ml_collections.ConfigDict, *, log: bool = False, kernels: dict | None = None):
+  """The strategy named by model.residual; kernels: model.kernels parsed (config_lib.kernel_settings;
+  None: parsed here)."""
   if cfg.residual == 'standard':
     return StandardResidual(log=log)
   if cfg.residual in ('attnres_full', 'attnres_block'):
-    return AttnResidual(block_size(cfg), num_sublayers(cfg), eps=cfg.norm_eps, impl=cfg.attnres_impl,
-                        log=log, defer_add=attnres_ops.IMPLS[cfg.attnres_impl].adds_in_merge
-                        and not cfg.remat, key_norm=cfg.attnres_key_norm,
-                        depth_weights=cfg.attnres_depth_weights)
+    kernels = config_lib.kernel_settings(cfg) if kernels is None else kernels
+    return AttnResidual(block_size=block_size(cfg), num_sublayers=num_sublayers(cfg), eps=cfg.norm_eps,
+                        impl=cfg.attnres_impl, log=log,
+                        defer_add=attnres_ops.IMPLS[cfg.attnres_impl].adds_in_merge and not cfg.remat,
+                        key_norm=cfg.attnres_key_norm, depth_weights=cfg.attnres_depth_weights,
+                        phase1_settings=kernels['attnres_phase1'], merge_norm_settings=kernels['attnres_merge_norm'])
   raise ValueError(f'model.residual={cfg.residual!r} is unknown')
 
 

@@ -23,8 +23,11 @@ or without a GPU (`unsupported`), before any compute.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import types
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -143,13 +146,11 @@ def max_logits_kernel(q, k, *, causal=True, scale=None, spec: P | None = None):
                        across_shards=max_over_batch)
 
 
-GPU_IMPLS = ('cudnn', 'tokamax', 'gpu')
-
-
 def unsupported(impl: str, dtype, platform: str | None = None) -> str | None:
   """Why attention `impl` cannot run on inputs of `dtype` on `platform` (default: JAX's default
-  backend), or None when it can. The GPU implementations need bf16 or fp16 and an NVIDIA GPU."""
-  if impl not in GPU_IMPLS:
+  backend), or None when it can. The GPU implementations (gpu_only in IMPLS) need bf16 or fp16
+  and an NVIDIA GPU."""
+  if impl not in IMPLS or not IMPLS[impl].gpu_only:
     return None
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
     return (f"attention impl={impl!r} needs bfloat16 or float16 inputs, got {jnp.dtype(dtype)}; "
@@ -256,11 +257,24 @@ def gpu_choice(q, v, return_max_logits) -> str:
 
 def _gpu_attention(q, k, v, causal, scale, return_max_logits, spec):
   _check_supported('gpu', q)
-  return IMPLS[gpu_choice(q, v, return_max_logits)](q, k, v, causal, scale, return_max_logits, spec)
+  return IMPLS[gpu_choice(q, v, return_max_logits)].attention(q, k, v, causal, scale, return_max_logits, spec)
 
 
-IMPLS = {'xla': _xla_attention, 'cudnn': _cudnn_attention, 'tokamax': _tokamax_attention,
-         'gpu': _gpu_attention}
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """One implementation of attention. attention: (q, k, v, causal, scale, return_max_logits, spec)
+  -> (out, max_logits or None). gpu_only: it needs an NVIDIA GPU and bf16 or fp16 inputs
+  (`unsupported` says why it cannot run elsewhere)."""
+  attention: Callable
+  gpu_only: bool = False
+
+
+IMPLS = types.MappingProxyType({
+    'xla': Implementation(_xla_attention),
+    'cudnn': Implementation(_cudnn_attention, gpu_only=True),
+    'tokamax': Implementation(_tokamax_attention, gpu_only=True),
+    'gpu': Implementation(_gpu_attention, gpu_only=True),
+})
 
 
 def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits=False,
@@ -286,7 +300,7 @@ def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   if impl not in IMPLS:
     raise ValueError(f'attention impl={impl!r} is unknown; allowed: {tuple(IMPLS)}')
-  out, m = IMPLS[impl](q, k, v, causal, scale, return_max_logits, spec)
+  out, m = IMPLS[impl].attention(q, k, v, causal, scale, return_max_logits, spec)
   return (out, m) if return_max_logits else out
 
 

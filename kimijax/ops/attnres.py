@@ -29,7 +29,8 @@ since exp(lse_j) / (exp(lse_j) + exp(s_p)) is the total weight the full softmax 
 sums. Phase 1 reads each block sum once per block instead of once per consumer. The model runs
 phase 2 through merge_norm, merged with the consumer's pre-norm in one call. IMPLS holds the two
 phases' implementations: 'xla', and 'pallas', fused GPU kernels (kernels_pallas/attnres/) whose
-merge_norm never writes h. o_j is stored in the sources' dtype.
+merge_norm never writes h, their Triton settings passed as `settings=` (None: the defaults). o_j
+is stored in the sources' dtype.
 
 Variants: the two switches of SPEC §4's ablations (the paper's 436M model, on Full AttnRes: "no key
 RMSNorm" 1.743 and "sigmoid" 1.741 against Full's 1.737; config keys model.attnres_key_norm and
@@ -57,6 +58,7 @@ maths) is SPEC §4's default alone and the dispatchers raise ValueError for any 
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Callable, Sequence
 
 import jax
@@ -145,8 +147,8 @@ def depth_attention(sources, query, *, eps: float = 1e-6, key_norm: bool = True,
                               key_norm=key_norm, depth_weights=depth_weights)
 
 
-def _phase1_xla(sources, queries, eps, spec, key_norm, depth_weights):
-  del spec
+def _phase1_xla(sources, queries, eps, spec, key_norm, depth_weights, settings):
+  del spec, settings
   q_sd = queries.astype(jnp.float32)
   logits = jnp.stack([_logits(v, q_sd, eps, key_norm) for v in sources])       # [n, S, ...]
   lse = jax.nn.logsumexp(logits, axis=0)
@@ -157,11 +159,11 @@ def _phase1_xla(sources, queries, eps, spec, key_norm, depth_weights):
   return tuple(o_all[..., j, :] for j in range(q_sd.shape[0])), lse, sources
 
 
-def _phase1_pallas(sources, queries, eps, spec, key_norm, depth_weights):
+def _phase1_pallas(sources, queries, eps, spec, key_norm, depth_weights, settings):
   del key_norm, depth_weights     # the default only (phase1 checks): the kernels' maths
   from kernels_pallas.attnres.phase1 import phase1 as kernel   # imports the Triton lowering
   from kernels_pallas.common import kernels_interpreted
-  run = lambda vs, q: kernel(vs, q, eps=eps, interpret=kernels_interpreted())
+  run = lambda vs, q: kernel(vs, q, eps=eps, settings=settings, interpret=kernels_interpreted())
   lead = lead_spec(spec, sources[0].ndim)
   return run_per_shard(run, (sources, queries), in_specs=((P(*lead, None),) * len(sources), P()),
                        out_specs=((P(*lead, None),) * queries.shape[0], P(None, *lead),
@@ -169,20 +171,20 @@ def _phase1_pallas(sources, queries, eps, spec, key_norm, depth_weights):
 
 
 def _merge_norm_xla(o, lse, partial, query, scale, eps, norm_eps, dtype, addend, spec, key_norm,
-                    depth_weights):
-  del spec
+                    depth_weights, settings):
+  del spec, settings
   partial = partial if addend is None else partial + addend
   h = merge_partial(o, lse, partial, query, eps=eps, key_norm=key_norm, depth_weights=depth_weights)
   return (rms_normalise(h, norm_eps) * scale).astype(dtype), partial
 
 
 def _merge_norm_pallas(o, lse, partial, query, scale, eps, norm_eps, dtype, addend, spec, key_norm,
-                       depth_weights):
+                       depth_weights, settings):
   del key_norm, depth_weights     # the default only (merge_norm checks): the kernels' maths
   from kernels_pallas.attnres.merge_norm import merge_norm as kernel
   from kernels_pallas.common import kernels_interpreted
   run = lambda o, lse, p, y, q, g: kernel(o, lse, p, q, g, eps=eps, norm_eps=norm_eps, dtype=dtype,
-                                          addend=y, interpret=kernels_interpreted())
+                                          addend=y, settings=settings, interpret=kernels_interpreted())
   lead = lead_spec(spec, partial.ndim)
   rows = P(*lead, None)
   return run_per_shard(run, (o, lse, partial, addend, query, scale),
@@ -190,25 +192,41 @@ def _merge_norm_pallas(o, lse, partial, query, scale, eps, norm_eps, dtype, adde
                        out_specs=(rows, rows))
 
 
+def _phase1_settings(text: str):
+  from kernels_pallas.attnres.settings import Phase1Settings
+  return Phase1Settings.from_string(text)
+
+
+def _merge_norm_settings(text: str):
+  from kernels_pallas.attnres.settings import MergeNormSettings
+  return MergeNormSettings.from_string(text)
+
+
 @dataclasses.dataclass(frozen=True)
 class Implementation:
   """One implementation of Block AttnRes's two phases (the signatures of phase1 and merge_norm
-  below, arguments in order, eps, spec, key_norm and depth_weights included). adds_in_merge: its
-  merge_norm forms partial + addend in the same pass as the merge, one pass fewer than a separate
-  add, so that a caller gains by handing it the addend rather than adding first. all_variants:
-  it implements every (key_norm, depth_weights) of the module docstring; else only SPEC §4's
-  softmax over RMS-normalised keys (the dispatchers raise for the others)."""
+  below, arguments in order, eps, spec, key_norm, depth_weights and settings included).
+  adds_in_merge: its merge_norm forms partial + addend in the same pass as the merge, one pass
+  fewer than a separate add, so that a caller gains by handing it the addend rather than adding
+  first. all_variants: it implements every (key_norm, depth_weights) of the module docstring;
+  else only SPEC §4's softmax over RMS-normalised keys (the dispatchers raise for the others).
+  parse_phase1_settings, parse_merge_norm_settings: 'key=int/key=int' -> the settings its kernels
+  take (None: it has no kernels and ignores the settings argument)."""
   phase1: Callable
   merge_norm: Callable
   adds_in_merge: bool
   all_variants: bool
+  parse_phase1_settings: Callable[[str], object] | None = None
+  parse_merge_norm_settings: Callable[[str], object] | None = None
 
 
-IMPLS = {
+IMPLS = types.MappingProxyType({
     'xla': Implementation(_phase1_xla, _merge_norm_xla, adds_in_merge=False, all_variants=True),
     # Fused GPU kernels (kernels_pallas/attnres/), interpreted off the GPU; per shard under a mesh.
-    'pallas': Implementation(_phase1_pallas, _merge_norm_pallas, adds_in_merge=True, all_variants=False),
-}
+    'pallas': Implementation(_phase1_pallas, _merge_norm_pallas, adds_in_merge=True, all_variants=False,
+                             parse_phase1_settings=_phase1_settings,
+                             parse_merge_norm_settings=_merge_norm_settings),
+})
 
 
 def is_default_variant(key_norm: bool, depth_weights: str) -> bool:
@@ -228,7 +246,7 @@ def _implementation(impl: str, fn: str, key_norm: bool = True,
 
 
 def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: str = 'xla',
-           spec: P | None = None, key_norm: bool = True, depth_weights: str = 'softmax'):
+           spec: P | None = None, key_norm: bool = True, depth_weights: str = 'softmax', settings=None):
   """Depth attention of S queries over the same n sources, for a block's S consumers at once.
 
   sources: n >= 1 arrays [..., D] of one shape and dtype; queries: [S, D] (effective queries,
@@ -240,7 +258,9 @@ def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: st
   impl: a key of IMPLS ('pallas' only for the default variant). Under a mesh of several devices
   made current by jax.set_mesh (as the train step does) 'pallas' runs per shard (shard_map) with
   the sources laid out as `spec` (their feature axis unsharded). One source (block 0) under
-  softmax needs no implementation: o_j is that source and lse_j its logit.
+  softmax needs no implementation: o_j is that source and lse_j its logit. settings: the kernels'
+  settings of an implementation that has them ('pallas': a Phase1Settings of
+  kernels_pallas/attnres/settings.py); None: their defaults.
   """
   sources = tuple(sources)
   shape = sources[0].shape if sources else None
@@ -253,7 +273,7 @@ def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: st
   if len(sources) == 1 and depth_weights == 'softmax':
     return ((sources[0],) * queries.shape[0],
             _logits(sources[0], queries.astype(jnp.float32), eps, key_norm), sources)
-  return implementation.phase1(sources, queries, eps, spec, key_norm, depth_weights)
+  return implementation.phase1(sources, queries, eps, spec, key_norm, depth_weights, settings)
 
 
 def merge_partial(o, lse, partial, query, *, eps: float = 1e-6, key_norm: bool = True,
@@ -274,7 +294,7 @@ def merge_partial(o, lse, partial, query, *, eps: float = 1e-6, key_norm: bool =
 
 def merge_norm(o, lse, partial, query, scale, *, eps: float = 1e-6, norm_eps: float = 1e-6,
                dtype=jnp.float32, addend=None, impl: str = 'xla', spec: P | None = None,
-               key_norm: bool = True, depth_weights: str = 'softmax'):
+               key_norm: bool = True, depth_weights: str = 'softmax', settings=None):
   """Phase 2 and the consumer's pre-norm in one call. o, partial [..., D]; lse [...]; query,
   scale [D] (the pre-norm's gain); addend: None, or a sublayer output [..., D] not yet added to
   the partial sum. Returns (x, p): x = scale * rms_normalise(merge_partial(o, lse, p, query),
@@ -282,6 +302,7 @@ def merge_norm(o, lse, partial, query, scale, *, eps: float = 1e-6, norm_eps: fl
   'xla': merge_partial (any variant), then the RMSNorm formula; 'pallas' (the default variant
   only): fused kernels that never write the merged input, add the addend in the same pass, and
   add the gradient of p's later uses inside the backward kernel; under a mesh they run per
-  shard, as phase1 does (the gradients of query and scale summed over shards)."""
+  shard, as phase1 does (the gradients of query and scale summed over shards). settings: as
+  phase1's ('pallas': a MergeNormSettings)."""
   return _implementation(impl, 'merge_norm', key_norm, depth_weights).merge_norm(
-      o, lse, partial, query, scale, eps, norm_eps, dtype, addend, spec, key_norm, depth_weights)
+      o, lse, partial, query, scale, eps, norm_eps, dtype, addend, spec, key_norm, depth_weights, settings)

@@ -8,11 +8,14 @@ Per batch row and head, with state S [K, V] in float32, one token t does (decay,
 
 `kda_recurrent` scans that over time (the reference); `kda_chunk` computes the same thing a chunk
 of C tokens at a time with the WY/UT form of SPEC §1 (matmuls inside a chunk, a scan over chunks
-for the state); `kda_step` is one token for decoding; `kda(..., impl=...)` dispatches to one of
-IMPLS, the implementations by name. Layout: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]
-(after the sigmoid); g is the per-channel log-decay (<= 0); q and k arrive L2-normalised; states
-[B, H, K, V] float32. `kda(..., a_log=, dt_bias=)` takes the decay gate's pre-activation in place
-of g and forms the log-decay itself (`kda_log_decay`; fused into the kernels under 'pallas').
+for the state); `kda_step` is one token for decoding; `kda(..., impl=...)` and `kda_step(...,
+impl=...)` dispatch to one of IMPLS, the implementations by name: 'xla' (kda_chunk; the default),
+'xla_recurrent' (kda_recurrent) and 'pallas' (the fused kernels of kernels_pallas/kda, interpreted
+off the GPU, which take their Triton settings as `settings=`). Layout: q, k, g [B, T, H, K]; v
+[B, T, H, V]; beta [B, T, H] (after the sigmoid); g is the per-channel log-decay (<= 0); q and k
+arrive L2-normalised; states [B, H, K, V] float32. `kda(..., a_log=, dt_bias=)` takes the decay
+gate's pre-activation in place of g and forms the log-decay itself (`kda_log_decay`; fused into
+the kernels under 'pallas', which import the gate's maths from here).
 All arithmetic is float32 whatever the input dtype; outputs take v's dtype. fp32 matmuls follow
 jax's default matmul precision (TF32 on NVIDIA GPUs unless `jax.default_matmul_precision('highest')`),
 except the chunk form's small triangular inverse, always in full float32.
@@ -20,16 +23,21 @@ except the chunk form's small triangular inverse, always in full float32.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import numbers
+import types
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from kernels_pallas.kda.cumsum import log_decay_from_pre_activation
-from kernels_pallas.kda.op import SAVED   # noqa: F401 - the implementations' residual name, public here
-
+# checkpoint_name of the residuals worth keeping, in every implementation (the chunk form's
+# per-chunk states; the fused kernels' aqk and T): a caller that rematerialises around the op with
+# jax.checkpoint_policies.save_only_these_names(SAVED) keeps them and recomputes the rest.
+SAVED = 'kda_saved'
 _EXACT = lax.Precision.HIGHEST
 _SUB = 16   # sub-chunk length inside a chunk (the anchoring unit of the chunk form)
 # Chunks whose intra-chunk part is computed together are grouped so that its largest transient, the
@@ -108,6 +116,57 @@ def _check_gate(a_log, dt_bias, lower_bound, h, dk):
     raise ValueError(f'kda: gate_lower_bound must be a number <= 0 (0: the unbounded gate), got {lower_bound!r}')
 
 
+# ----------------------------------------------------------------------------- the decay gate
+
+
+def _sigmoid(z):
+  return 1.0 / (1.0 + jnp.exp(-z))
+
+
+def gate_log_decay(x, a, lower_bound: float):
+  """SPEC §1's log-decay g (float32) from x = f + dt_bias and a = exp(A_log): -a softplus(x), or
+  with a lower bound lb < 0, lb sigmoid(a x). Written with exp and log1p only, so that the kernels
+  (which import it) and XLA evaluate the same expression."""
+  if lower_bound:
+    return lower_bound * _sigmoid(a * x)
+  return -a * (jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x))))
+
+
+def log_decay_from_pre_activation(f, a_log, dt_bias, lower_bound: float):
+  """gate_log_decay of f + dt_bias and exp(a_log) (f [..., H, K], a_log [H], dt_bias [H, K]),
+  float32: the gate as XLA forms it outside the kernels. The bounded gate (lower_bound < 0) is
+  differentiated by gate_derivatives, as the kernels do: autodiff of its 1 / (1 + exp(-a x)) would
+  form inf / inf = NaN where a x is very negative."""
+  f32 = jnp.float32
+  f, a_log, dt_bias = f.astype(f32), a_log.astype(f32), dt_bias.astype(f32)
+  if lower_bound:
+    return _bounded_log_decay(f, a_log, dt_bias, lower_bound)
+  return gate_log_decay(f + dt_bias, jnp.exp(a_log)[:, None], lower_bound)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _bounded_log_decay(f, a_log, dt_bias, lower_bound):
+  return gate_log_decay(f + dt_bias, jnp.exp(a_log)[:, None], lower_bound)
+
+
+@_bounded_log_decay.defjvp
+def _bounded_log_decay_jvp(lower_bound, primals, tangents):
+  f, a_log, dt_bias = primals
+  df, da_log, ddt_bias = tangents
+  x, a = f + dt_bias, jnp.exp(a_log)[:, None]
+  dg_dx, dg_dalog = gate_derivatives(x, a, lower_bound)
+  return gate_log_decay(x, a, lower_bound), dg_dx * (df + ddt_bias) + dg_dalog * da_log[:, None]
+
+
+def gate_derivatives(x, a, lower_bound: float):
+  """(dg/dx, dg/dA_log) of gate_log_decay at x, elementwise (a = exp(A_log))."""
+  if lower_bound:
+    s = _sigmoid(a * x)
+    dg_dx = lower_bound * a * s * (1.0 - s)
+    return dg_dx, dg_dx * x
+  return -a * _sigmoid(x), gate_log_decay(x, a, 0.0)
+
+
 def kda_log_decay(f, a_log, dt_bias, lower_bound=0.0):
   """SPEC §1's decay gate: the log-decay g [B, T, H, K] (or [B, H, K]) float32 from its
   pre-activation f (the gate projection's output), a_log [H] and dt_bias [H, K]:
@@ -133,23 +192,25 @@ def _token_update(s_bhkv, q_bhk, k_bhk, v_bhv, g_bhk, beta_bh, scale):
   return o_bhv, s_bhkv
 
 
-def kda_step(q, k, v, g, beta, state, *, scale=None, impl='chunk'):
+def kda_step(q, k, v, g, beta, state, *, scale=None, impl='xla', settings=None):
   """One decoding token: q, k, g [B, H, K], v [B, H, V], beta [B, H], state [B, H, K, V].
 
   Returns (o [B, H, V] in v's dtype, new_state [B, H, K, V] float32). impl is the model's
-  kda_impl: 'pallas' runs one fused kernel (kernels_pallas/kda/step.py: the state read and
-  written once; K and V powers of two), the others this XLA form.
+  kda_impl (a key of IMPLS): 'pallas' runs one fused kernel (kernels_pallas/kda/step.py: the
+  state read and written once; K and V powers of two) under `settings` (its KdaSettings; None:
+  the defaults), the others this XLA form.
   """
+  implementation = _implementation(impl, 'kda_step')
   q, k, v, g, beta, state = (jnp.asarray(x) for x in (q, k, v, g, beta, state))
   _check_step_inputs(q, k, v, g, beta, state)
-  if impl == 'pallas':
-    from kernels_pallas.common import kernels_interpreted
-    from kernels_pallas.kda import kda_step_pallas
-    return kda_step_pallas(q, k, v, g, beta, state, scale=float(_default_scale(scale, q.shape[-1])),
-                           interpret=kernels_interpreted())
+  return implementation.step(q, k, v, g, beta, state, scale=_default_scale(scale, q.shape[-1]),
+                             settings=settings)
+
+
+def _xla_step(q, k, v, g, beta, state, *, scale, settings):
+  del settings   # no kernels
   f32 = lambda x: x.astype(jnp.float32)
-  o, s = _token_update(f32(state), f32(q), f32(k), f32(v), f32(g), f32(beta),
-                       _default_scale(scale, q.shape[-1]))
+  o, s = _token_update(f32(state), f32(q), f32(k), f32(v), f32(g), f32(beta), scale)
   return o.astype(v.dtype), s
 
 
@@ -382,42 +443,81 @@ def _gated(fn):
   return impl
 
 
-def _recurrent_impl(q, k, v, g, beta, *, scale, initial_state, output_final_state, chunk_size):
-  del chunk_size   # the recurrence has no chunks
+def _recurrent_impl(q, k, v, g, beta, *, scale, initial_state, output_final_state, chunk_size, settings):
+  del chunk_size, settings   # the recurrence has no chunks and no kernels
   return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state)
 
 
-def _fused_impl(q, k, v, g, beta, *, gate, scale, initial_state, output_final_state, chunk_size):
-  """The fused Pallas kernels of kernels_pallas/kda (interpreted off the GPU), the gate fused in;
-  their chunk length is fixed (64), so chunk_size is not used."""
+def _chunk_impl(q, k, v, g, beta, *, settings, **kw):
+  del settings   # no kernels
+  return kda_chunk(q, k, v, g, beta, **kw)
+
+
+def _fused_impl(q, k, v, g, beta, *, gate, scale, initial_state, output_final_state, chunk_size, settings):
+  """The fused Pallas kernels of kernels_pallas/kda (interpreted off the GPU), the gate fused in,
+  under `settings` (a KdaSettings; None: the defaults); their chunk length is fixed (64), so
+  chunk_size is not used."""
   del chunk_size
   from kernels_pallas.common import kernels_interpreted
   from kernels_pallas.kda import kda_pallas
   _, _, _, dk, _ = _check_sequence_inputs("kda impl='pallas'", q, k, v, g, beta, initial_state)
   a_log, dt_bias, lower_bound = gate or (None, None, 0.0)
   o, s_final = kda_pallas(q, k, v, g, beta, initial_state, scale=_default_scale(scale, dk), a_log=a_log,
-                          dt_bias=dt_bias, gate_lower_bound=lower_bound, interpret=kernels_interpreted())
+                          dt_bias=dt_bias, gate_lower_bound=lower_bound, settings=settings,
+                          interpret=kernels_interpreted())
   return o, (s_final if output_final_state else None)
 
 
-# Every implementation takes kda's arguments (keywords after beta; gate = (a_log, dt_bias,
-# lower_bound) or None) and returns (o, state or None).
-IMPLS = {'recurrent': _gated(_recurrent_impl), 'chunk': _gated(kda_chunk), 'pallas': _fused_impl}
+def _fused_step(q, k, v, g, beta, state, *, scale, settings):
+  from kernels_pallas.common import kernels_interpreted
+  from kernels_pallas.kda import kda_step_pallas
+  return kda_step_pallas(q, k, v, g, beta, state, scale=float(scale), settings=settings,
+                         interpret=kernels_interpreted())
 
 
-def kda(q, k, v, g, beta, *, impl='chunk', scale=None, initial_state=None, output_final_state=False,
-        chunk_size=64, a_log=None, dt_bias=None, gate_lower_bound=0.0):
-  """KDA through one dispatch point: impl, a key of IMPLS ('recurrent' | 'chunk' | 'pallas').
+def _pallas_settings(text: str):
+  from kernels_pallas.kda.settings import KdaSettings
+  return KdaSettings.from_string(text)
 
-  Same arguments and results as kda_chunk (chunk_size is ignored by 'recurrent'). With a_log [H]
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """One implementation of KDA. kda: kda's arguments (keywords after beta; gate = (a_log, dt_bias,
+  lower_bound) or None; settings) -> (o, state or None). step: kda_step's (keywords scale,
+  settings) -> (o, state). parse_settings: 'key=int/key=int' -> the settings its kernels take
+  (the `settings` argument; None: it has no kernels and ignores that argument)."""
+  kda: Callable
+  step: Callable
+  parse_settings: Callable[[str], object] | None = None
+
+
+IMPLS = types.MappingProxyType({
+    'xla': Implementation(_gated(_chunk_impl), _xla_step),
+    'xla_recurrent': Implementation(_gated(_recurrent_impl), _xla_step),
+    'pallas': Implementation(_fused_impl, _fused_step, parse_settings=_pallas_settings),
+})
+
+
+def _implementation(impl: str, fn: str) -> Implementation:
+  if impl not in IMPLS:
+    raise ValueError(f'{fn} impl={impl!r} is unknown; allowed: {tuple(IMPLS)}')
+  return IMPLS[impl]
+
+
+def kda(q, k, v, g, beta, *, impl='xla', scale=None, initial_state=None, output_final_state=False,
+        chunk_size=64, a_log=None, dt_bias=None, gate_lower_bound=0.0, settings=None):
+  """KDA through one dispatch point: impl, a key of IMPLS ('xla' | 'xla_recurrent' | 'pallas').
+
+  Same arguments and results as kda_chunk (chunk_size is used by 'xla' alone). With a_log [H]
   and dt_bias [H, K], g is the decay gate's pre-activation f [B, T, H, K] (any float dtype) and
   the log-decay is kda_log_decay(f, a_log, dt_bias, gate_lower_bound): in XLA before the op, or
   inside 'pallas''s cumulative-sum kernels, which then never write a float32 g. Gradients reach
-  a_log and dt_bias either way.
+  a_log and dt_bias either way. settings: the kernels' settings of an implementation that has
+  them ('pallas': a kernels_pallas.kda.settings.KdaSettings, or IMPLS['pallas'].parse_settings of
+  'key=int/key=int'); None: their defaults; the XLA forms ignore it.
   """
-  if impl not in IMPLS:
-    raise ValueError(f'kda impl={impl!r} is unknown; allowed: {tuple(IMPLS)}')
+  implementation = _implementation(impl, 'kda')
   q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
   initial_state = None if initial_state is None else jnp.asarray(initial_state)
   gate = None
@@ -426,5 +526,5 @@ def kda(q, k, v, g, beta, *, impl='chunk', scale=None, initial_state=None, outpu
     a_log, dt_bias = (None if x is None else jnp.asarray(x) for x in (a_log, dt_bias))
     _check_gate(a_log, dt_bias, gate_lower_bound, h, dk)
     gate = (a_log, dt_bias, float(gate_lower_bound))
-  return IMPLS[impl](q, k, v, g, beta, gate=gate, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, chunk_size=chunk_size)
+  return implementation.kda(q, k, v, g, beta, gate=gate, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, chunk_size=chunk_size, settings=settings)

@@ -1,6 +1,6 @@
 """KDA's short convolution with its activation (SPEC §1): the op and its implementations.
 
-    y, next_prefix = short_conv(x, w, activation, prefix=None, impl='xla')
+    y, next_prefix = short_conv(x, w, activation, prefix=None, impl='xla', settings=None)
 
 x [B, T, H, K], taps w [W, H, K] (float32 parameters); y[t] = act(sum_j w[j] x[t - W + 1 + j]),
 channel by channel, with `prefix` [B, W-1, H, K] (the inputs just before x: the decode state)
@@ -10,16 +10,24 @@ prefix). IMPLS holds the implementations by name:
 
 - 'xla': the conv and the activation in x's dtype (the L2 norm in float32), XLA autodiff;
 - 'pallas': kernels_pallas/short_conv (one fused pass forward, two backward, float32
-  arithmetic, the backward recomputes the conv; interpreted off the GPU) in training; with a
-  prefix (prefill and decoding from a cache, never differentiated) it runs the 'xla' form.
+  arithmetic, the backward recomputes the conv; interpreted off the GPU; its Triton settings
+  as `settings=`, a ShortConvSettings, None the defaults) in training; with a prefix (prefill
+  and decoding from a cache, never differentiated) it runs the 'xla' form.
+
+The activations and L2_EPS are defined here; the kernels import them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.short_conv.conv import ACTIVATIONS, L2_EPS
+L2_EPS = 1e-6                                 # eps of 'silu_l2''s L2 norm
+ACTIVATIONS = ('none', 'silu', 'silu_l2')     # the activations after the conv, by name
 
 
 def l2_normalise(x, eps: float = L2_EPS):
@@ -46,7 +54,8 @@ def causal_depthwise_conv(x, w, prefix=None):
   return y, padded[:, t:]
 
 
-def _xla(x, w, activation, prefix):
+def _xla(x, w, activation, prefix, settings):
+  del settings   # no kernels
   y, next_prefix = causal_depthwise_conv(x, w, prefix)
   return activate(y, activation), next_prefix
 
@@ -58,20 +67,38 @@ def _last_inputs(x, width):
   return x[:, x.shape[1] - (width - 1):]
 
 
-def _pallas(x, w, activation, prefix):
+def _pallas(x, w, activation, prefix, settings):
   if prefix is not None:
-    return _xla(x, w, activation, prefix)
+    return _xla(x, w, activation, prefix, settings)
   from kernels_pallas.common import kernels_interpreted
   from kernels_pallas.short_conv import short_conv_pallas
-  y = short_conv_pallas(x, w, activation, interpret=kernels_interpreted())
+  y = short_conv_pallas(x, w, activation, settings=settings, interpret=kernels_interpreted())
   return y, _last_inputs(x, w.shape[0])
 
 
-IMPLS = {'xla': _xla, 'pallas': _pallas}
+def _pallas_settings(text: str):
+  from kernels_pallas.short_conv.settings import ShortConvSettings
+  return ShortConvSettings.from_string(text)
 
 
-def short_conv(x, w, activation: str = 'none', prefix=None, *, impl: str = 'xla'):
-  """The short conv through one dispatch point: impl, a key of IMPLS ('xla' | 'pallas')."""
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """One implementation of the short conv. short_conv: (x, w, activation, prefix, settings) -> (y,
+  next prefix). parse_settings: 'key=int/key=int' -> the settings its kernels take (None: it has
+  no kernels and ignores the settings argument)."""
+  short_conv: Callable
+  parse_settings: Callable[[str], object] | None = None
+
+
+IMPLS = types.MappingProxyType({
+    'xla': Implementation(_xla),
+    'pallas': Implementation(_pallas, parse_settings=_pallas_settings),
+})
+
+
+def short_conv(x, w, activation: str = 'none', prefix=None, *, impl: str = 'xla', settings=None):
+  """The short conv through one dispatch point: impl, a key of IMPLS ('xla' | 'pallas'); settings:
+  the kernels' settings of an implementation that has them (None: their defaults)."""
   if impl not in IMPLS:
     raise ValueError(f'short_conv impl={impl!r} is unknown; allowed: {tuple(IMPLS)}')
   if activation not in ACTIVATIONS:
@@ -79,4 +106,4 @@ def short_conv(x, w, activation: str = 'none', prefix=None, *, impl: str = 'xla'
   if x.ndim != 4 or w.ndim != 3 or w.shape[1:] != x.shape[2:]:
     raise ValueError(f'short_conv: x must be [B, T, H, K] and w [W, H, K]; got x {list(x.shape)}, '
                      f'w {list(w.shape)}')
-  return IMPLS[impl](x, w, activation, prefix)
+  return IMPLS[impl].short_conv(x, w, activation, prefix, settings)

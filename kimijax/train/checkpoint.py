@@ -26,22 +26,25 @@ from kimijax.config import base_config
 MUST_MATCH = ('model',)
 # Keys inside MUST_MATCH that choose how to compute, not what: a checkpoint restores under any of
 # their values (e.g. trained with cuDNN attention on a GPU, evaluated with 'xla' on a CPU).
+# (model.kernels: the group, every key in it.)
 MAY_DIFFER = ('model.attn_impl', 'model.kda_impl', 'model.short_conv_impl', 'model.kda_recompute_projections',
-              'model.attnres_impl', 'model.remat', 'model.kernels.kda', 'model.kernels.short_conv',
-              'model.kernels.attnres_phase1', 'model.kernels.attnres_merge_norm')
+              'model.attnres_impl', 'model.remat', 'model.kernels')
 
 
-# Saved values from before a key changed its type, as the key's value now: a config.json written
-# then reads as the same config (restore, run folders, --mode=eval).
-LEGACY_VALUES = {'model.kda_recompute_projections': {False: '', True: 'qkv'}}
-# Keys saved under a former name, by their name now.
-LEGACY_NAMES = {'model.kda_conv_impl': 'model.short_conv_impl'}
+# Saved values from before a key changed its type or its values were renamed, as the key's value
+# now, and saved keys that were renamed, as the key now: a config.json written then reads as the
+# same config (restore, run folders, --mode=eval).
+LEGACY_VALUES = {'model.kda_recompute_projections': {False: '', True: 'qkv'},
+                 'model.kda_impl': {'chunk': 'xla', 'recurrent': 'xla_recurrent'}}
+LEGACY_KEYS = {'model.kda_conv_impl': 'model.short_conv_impl'}
 
 
 def _current(key: str, value):
   """A saved value of `key` ('group.name') as the schema now spells it."""
   legacy = LEGACY_VALUES.get(key)
-  return legacy[value] if legacy is not None and isinstance(value, bool) else value
+  if legacy is not None and isinstance(value, (bool, str)) and value in legacy:
+    return legacy[value]
+  return value
 
 
 class CheckpointError(RuntimeError):
@@ -62,8 +65,9 @@ def config_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[st
   """Keys under MUST_MATCH (less MAY_DIFFER) whose saved value differs from `config`, as
   'key: saved -> now'. A key the saved config lacks (added to the schema after it was written)
   matches its default."""
-  keys = set(_flatten(json.loads(config.to_json()))) | {LEGACY_NAMES.get(k, k) for k in _flatten(saved)}
-  keys = sorted(k for k in keys if k.split('.')[0] in MUST_MATCH and k not in MAY_DIFFER)
+  keys = set(_flatten(json.loads(config.to_json()))) | {LEGACY_KEYS.get(k, k) for k in _flatten(saved)}
+  keys = sorted(k for k in keys if k.split('.')[0] in MUST_MATCH
+                and not any(k == m or k.startswith(m + '.') for m in MAY_DIFFER))
   return config_differences(saved, config, keys + list(MUST_MATCH_KEYS))
 
 
@@ -80,7 +84,7 @@ def config_differences(saved: dict, config: ml_collections.ConfigDict, keys=None
   """'key: saved -> now' for each of `keys` (None: every key of either) whose value differs; a key
   the saved config lacks (added to the schema after it was written) has its default."""
   now = _flatten(json.loads(config.to_json()))
-  before = {LEGACY_NAMES.get(k, k): _current(k, v) for k, v in _flatten(saved).items()}
+  before = {LEGACY_KEYS.get(k, k): _current(LEGACY_KEYS.get(k, k), v) for k, v in _flatten(saved).items()}
   keys = sorted(set(now) | set(before)) if keys is None else keys
   defaults = _flatten(json.loads(base_config().to_json()))
   return [f'{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}' for k in keys
@@ -189,11 +193,12 @@ def load_run_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
     raise CheckpointError(f'{path} not found: --workdir must be a folder that run.py trained into')
   config = base_config()
   for key, value in _flatten(json.loads(path.read_text())).items():
-    *groups, name = LEGACY_NAMES.get(key, key).split('.')
+    key_now = LEGACY_KEYS.get(key, key)
+    *groups, name = key_now.split('.')
     node = config
     for group in groups:
       node = node[group]
-    node[name] = tuple(tuple(r) for r in value) if key == 'mesh.rules' else _current(key, value)
+    node[name] = tuple(tuple(r) for r in value) if key == 'mesh.rules' else _current(key_now, value)
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
   return validate(config)
 

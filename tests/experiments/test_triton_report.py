@@ -7,7 +7,7 @@ import collections
 import jax.numpy as jnp
 
 from experiments.tools import triton_report
-from kernels_pallas.attnres import merge_norm as attnres_merge, phase1 as attnres
+from kernels_pallas.attnres.settings import MergeNormSettings, Phase1Settings
 from kernels_pallas.common import feature_chunk
 
 NAMES = ['attnres_phase1_logits', 'attnres_phase1_combine', 'attnres_merge_norm',
@@ -23,12 +23,12 @@ def test_every_kernel_ir_comes_with_its_launch_and_parses_as_triton_ir():
   kernels = triton_report.kernel_irs(fn, *args)
   assert sorted(k.name for k in kernels) == sorted(NAMES)
   by_name = {k.name: k for k in kernels}
-  t = attnres.DEFAULT_TILES
+  t = Phase1Settings()
   grads = by_name['attnres_phase1_grads']
-  assert (grads.warps, grads.stages) == (t['warps_grads'], t['stages_grads'])
-  assert grads.grid == (d // feature_chunk(d, t['dc_grads']), m // t['rows_grads'], 1)
-  assert by_name['attnres_phase1_logits'].grid == (m // t['bt_logits'], 1, 1)
-  assert by_name['attnres_merge_norm'].warps == attnres_merge.DEFAULT_TILES['warps']
+  assert (grads.warps, grads.stages) == (t.warps_grads, t.stages_grads)
+  assert grads.grid == (d // feature_chunk(d, t.dc_grads), m // t.rows_grads, 1)
+  assert by_name['attnres_phase1_logits'].grid == (m // t.bt_logits, 1, 1)
+  assert by_name['attnres_merge_norm'].warps == MergeNormSettings().warps
   context = mlir.make_ir_context()
   tt_dialect.register_dialect(context)
   with context:

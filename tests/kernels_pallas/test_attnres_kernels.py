@@ -8,26 +8,32 @@ import pytest
 from helpers import random_block, random_merge
 
 
-def test_kernel_tiles_are_checked():
-  """A mistyped tile key is an error naming it, not silently the default; so is a dot's row tile
-  under 16; a feature chunk is a power of two whatever the target."""
+def test_kernel_settings_are_checked():
+  """A mistyped settings key is an error naming it, not silently the default; so is a dot's row
+  tile under 16; a feature chunk is a power of two whatever the target."""
+  from kernels_pallas.attnres.settings import MergeNormSettings, Phase1Settings
+  from kernels_pallas.common import feature_chunk, parse_settings
+  with pytest.raises(ValueError, match="unknown keys \\['bt_grad'\\]"):
+    Phase1Settings().replace(bt_grad=32)
+  with pytest.raises(ValueError, match='rows_grads and bt_logits .* >= 16; got 8 and 64'):
+    Phase1Settings(rows_grads=8)
+  with pytest.raises(ValueError, match='bt_grads \\(48\\) must divide rows_grads \\(128\\)'):
+    Phase1Settings.from_string('bt_grads=48')
+  assert feature_chunk(96, 48) == 32 and feature_chunk(1024, 1024) == 1024
+  with pytest.raises(ValueError, match="unknown keys \\['wraps'\\]"):
+    MergeNormSettings.from_string('wraps=4')
+  assert parse_settings('bt=32/warps=8') == {'bt': 32, 'warps': 8}
+  with pytest.raises(ValueError, match='key=int'):
+    parse_settings('bt')
+  # The kernels take their family's settings object, nothing else (a dict is not read as one).
   from kernels_pallas.attnres.merge_norm import merge_norm as merge_kernel
   from kernels_pallas.attnres.phase1 import phase1 as kernel
-  from kernels_pallas.common import feature_chunk, parse_tiles
   sources, _, queries = random_block(n=2, s=2, b=1, t=8, d=32)
-  with pytest.raises(ValueError, match="unknown tile keys \\['bt_grad'\\]"):
-    kernel([jnp.asarray(v) for v in sources], jnp.asarray(queries), tiles={'bt_grad': 32}, interpret=True)
-  with pytest.raises(ValueError, match='rows_grads and bt_logits .* >= 16; got 8 and 64'):
-    kernel([jnp.asarray(v) for v in sources], jnp.asarray(queries), tiles={'rows_grads': 8}, interpret=True)
-  with pytest.raises(ValueError, match='bt_grads \\(48\\) must divide rows_grads \\(128\\)'):
-    kernel([jnp.asarray(v) for v in sources], jnp.asarray(queries), tiles={'bt_grads': 48}, interpret=True)
-  assert feature_chunk(96, 48) == 32 and feature_chunk(1024, 1024) == 1024
-  args = random_merge((1, 8, 32))
-  with pytest.raises(ValueError, match="unknown tile keys \\['wraps'\\]"):
-    merge_kernel(*args, eps=1e-6, norm_eps=1e-6, dtype=jnp.float32, tiles={'wraps': 4}, interpret=True)
-  assert parse_tiles('bt=32/warps=8') == {'bt': 32, 'warps': 8}
-  with pytest.raises(ValueError, match='key=int'):
-    parse_tiles('bt')
+  with pytest.raises(TypeError, match='settings must be a Phase1Settings'):
+    kernel([jnp.asarray(v) for v in sources], jnp.asarray(queries), settings={'bt': 32}, interpret=True)
+  with pytest.raises(TypeError, match='settings must be a MergeNormSettings'):
+    merge_kernel(*random_merge((1, 8, 32)), eps=1e-6, norm_eps=1e-6, dtype=jnp.float32, settings=Phase1Settings(),
+                 interpret=True)
 
 
 @pytest.mark.parametrize('dtype,n,s', [(jnp.bfloat16, 9, 6), (jnp.float32, 1, 16), (jnp.bfloat16, 3, 1)])

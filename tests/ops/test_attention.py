@@ -2,7 +2,9 @@
 
 The reference never calls the code under test: forward, per-head max logit (SPEC §3) and the
 analytic softmax-attention backward are written out in NumPy, and the backward itself is
-checked against central finite differences of the NumPy forward.
+checked against central finite differences of the NumPy forward. One suite runs every
+implementation in IMPLS against it (the GPU ones, gpu_only, in bf16 and marked gpu); the portable
+'xla' form is then tested at odd shapes (MHA, GQA, MQA, T < S, one decode step) and edge cases.
 """
 
 import itertools
@@ -16,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kimijax.ops import attention as attention_lib
 
+from helpers import impl_params
 from oracles import (ref_attention, ref_attention_grads, ref_expand_kv, ref_max_logits,
                      ref_max_logits_fast)
 
@@ -76,7 +79,41 @@ def test_reference_backward_matches_finite_differences():
       np.testing.assert_allclose(grads[idx], fd, rtol=1e-6, atol=1e-8)
 
 
-# ----------------------------------------------------------------------------- forward and max logits
+# ----------------------------------------------------------------------------- every implementation
+
+
+# (B, T, S, H, Hkv, D): shapes every implementation takes (head dim 64, GQA 4:1; T < S, and odd)
+SUITE_CASES = [(2, 128, 128, 8, 2, 64), (2, 78, 256, 8, 2, 64), (2, 77, 256, 8, 2, 64)]
+
+
+@pytest.mark.parametrize('case', SUITE_CASES, ids=lambda c: 'B{}T{}S{}H{}kv{}D{}'.format(*c))
+@pytest.mark.parametrize('impl', impl_params(attention_lib.IMPLS))
+def test_every_impl_matches_float64_reference(impl, case):
+  """Output, exact max logits and gradients against float64 on the same inputs: float32 for the
+  portable form, bf16 (bf16 tolerances) for the GPU implementations. Gradients at even lengths
+  only (JAX's cuDNN backward raises NotImplementedError for odd sequence lengths)."""
+  b, t, s, h, hkv, d = case
+  gpu = attention_lib.IMPLS[impl].gpu_only
+  dtype = jnp.bfloat16 if gpu else jnp.float32
+  q, k, v = (jnp.asarray(x, dtype) for x in make_qkv(12, b, t, s, h, hkv, d))
+  q64, k64, v64 = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
+  out, max_logits = attention(q, k, v, causal=True, impl=impl, return_max_logits=True)
+  assert out.shape == (b, t, h, d) and out.dtype == dtype and max_logits.dtype == jnp.float32
+  tol = 2e-2 if gpu else 1e-5
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref_attention(q64, k64, v64, True)[0], rtol=tol, atol=tol)
+  np.testing.assert_allclose(max_logits, ref_max_logits_fast(q64, k64, True), rtol=1e-5, atol=1e-6)
+  if t % 2 or s % 2:
+    return
+  d_out = jnp.asarray(rand(np.random.default_rng(13), b, t, h, d), dtype)
+  loss = lambda q, k, v: jnp.sum((attention(q, k, v, causal=True, impl=impl) * d_out).astype(jnp.float32))
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  ref = ref_attention_grads(q64, k64, v64, np.asarray(d_out.astype(jnp.float32), np.float64), True)
+  for name, g, r in zip('qkv', grads, ref):
+    g = np.asarray(g.astype(jnp.float32))
+    assert np.max(np.abs(g - r)) <= (3e-2 if gpu else 1e-4) * np.max(np.abs(r)), name
+
+
+# ----------------------------------------------------------------------------- 'xla': forward and max logits
 
 
 @pytest.mark.parametrize('b,t,s,h,hkv,d,causal', CASES, ids=CASE_IDS)
@@ -143,7 +180,7 @@ def test_max_logits_carry_no_gradient():
     np.testing.assert_array_equal(g, 0.0)
 
 
-# ----------------------------------------------------------------------------- gradients
+# ----------------------------------------------------------------------------- 'xla': gradients
 
 
 @pytest.mark.parametrize('b,t,s,h,hkv,d,causal', CASES, ids=CASE_IDS)

@@ -1,7 +1,7 @@
 """Attention Residuals' ops (SPEC §4; kimijax.ops.attnres): depth attention, and Block AttnRes in
 two phases (phase 1 over a block's fixed sources, phase 2 merged with the consumer's pre-norm),
-each implementation against float64 NumPy (tests/oracles.py) and the Pallas kernels' hand-written
-backward (interpreted on the CPU) against jax.grad of the XLA form, also per shard on a mesh;
+every implementation in IMPLS against float64 NumPy (tests/oracles.py) and the Pallas kernels'
+hand-written backward (interpreted on the CPU) against jax.grad of the XLA form, also per shard on a mesh;
 then the ablated variants (no key norm, sigmoid weights; 'xla' only) against the same oracle.
 
 The oracle applies the key gain to the normalised keys; the model folds it into the query.
@@ -14,10 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kimijax.ops import attnres as attnres_ops
 from kimijax.ops.attnres import (depth_attention, depth_attention_list, merge_norm, merge_partial,
                                  phase1)
 
-from helpers import B, T, random_block, random_merge, rel_err
+from helpers import B, T, impl_params, random_block, random_merge, rel_err
+
+IMPLS = impl_params(attnres_ops.IMPLS)
 from oracles import np_depth_attention, np_merge_norm, np_rmsnorm
 
 
@@ -62,7 +65,7 @@ def test_depth_attention_matches_numpy():
   assert got16.dtype == jnp.bfloat16 and rel_err(got16, ref16) <= 2 ** -8
 
 
-@pytest.mark.parametrize('impl', ['xla', 'pallas'])
+@pytest.mark.parametrize('impl', IMPLS)
 def test_two_phases_equal_one_softmax_over_all_sources(impl):
   """Phase 1 over the block sums, merged with each consumer's partial sum, is the float64 depth
   attention over [block sums, partial] for every query (impl 'pallas' runs interpreted here);
@@ -170,19 +173,37 @@ def merge_norm_loss(fused, shape, spec=None, seed=6, later_use=True, addend=Fals
   return loss
 
 
-def test_merge_norm_matches_numpy_and_autodiff():
-  """Phase 2 fused with the pre-norm (the kernels, interpreted): the output against the float64
-  formula, and the hand-written backward (with the partial sum's later gradient added in)
-  against jax.grad of the unfused XLA form, at 5 * 60 =
-  300 tokens (padded to 320: ten backward programs of 8 tiles of 4 rows) and D = 48 (feature
-  chunks of 16). bf16 inputs give a bf16 output within one bf16 rounding, and gradients within
-  a few bf16 roundings of the float32 ones."""
+@pytest.mark.parametrize('impl', IMPLS)
+def test_merge_norm_matches_numpy(impl):
+  """Phase 2 and the pre-norm in one call ('pallas': fused kernels, interpreted) against the
+  float64 formula at 5 * 60 = 300 tokens (the kernels pad them to 320) and D = 48 (their feature
+  chunks of 16): the partial sum comes back as it went in; with an addend y, the input is formed
+  from p + y and p + y comes back (rounded like an XLA add); bf16 inputs or a bf16 output give one
+  bf16 rounding of the float32 result."""
   shape = (5, 60, 48)
   args = random_merge(shape)
   want = np_merge_norm(*args, 1e-6, 1e-5)
-  got, partial = merge_norm(*args, eps=1e-6, norm_eps=1e-5, impl='pallas')
+  got, partial = merge_norm(*args, eps=1e-6, norm_eps=1e-5, impl=impl)
   assert got.dtype == jnp.float32 and rel_err(got, want) <= 1e-5
   np.testing.assert_array_equal(partial, args[2])
+  y = jnp.asarray(np.random.default_rng(8).standard_normal(shape) * 0.3, jnp.float32)
+  got, partial = merge_norm(*args, eps=1e-6, norm_eps=1e-5, dtype=jnp.bfloat16, addend=y, impl=impl)
+  want = np_merge_norm(*args[:2], np.asarray(args[2]) + np.asarray(y), *args[3:], 1e-6, 1e-5)
+  assert got.dtype == jnp.bfloat16 and rel_err(got, want) <= 2 ** -8
+  np.testing.assert_array_equal(partial, args[2] + y)
+  args16 = random_merge(shape, dtype=jnp.bfloat16)
+  got16 = merge_norm(*args16, eps=1e-6, norm_eps=1e-5, dtype=jnp.bfloat16, impl=impl)[0]
+  assert got16.dtype == jnp.bfloat16
+  assert rel_err(got16, np_merge_norm(*args16, 1e-6, 1e-5)) <= 2 ** -8
+
+
+def test_pallas_merge_norm_gradients_match_autodiff_of_xla():
+  """The fused kernels' hand-written backward (interpreted; with the partial sum's later gradient
+  added in) against jax.grad of the unfused XLA form, at 300 tokens (padded to 320: ten backward
+  programs of 8 tiles of 4 rows) and D = 48; bf16 gradients within a few bf16 roundings of the
+  float32 ones."""
+  shape = (5, 60, 48)
+  args = random_merge(shape)
   for later_use in (True, False):     # without a later use the kernel adds no gradient of it
     grads = jax.grad(merge_norm_loss(True, shape, later_use=later_use), argnums=tuple(range(5)))(*args)
     wants = jax.grad(merge_norm_loss(False, shape, later_use=later_use), argnums=tuple(range(5)))(*args)
@@ -190,9 +211,6 @@ def test_merge_norm_matches_numpy_and_autodiff():
       assert rel_err(g, np.asarray(w, np.float64)) <= 1e-5, (name, later_use)
 
   args16 = random_merge(shape, dtype=jnp.bfloat16)
-  got16 = merge_norm(*args16, eps=1e-6, norm_eps=1e-5, dtype=jnp.bfloat16, impl='pallas')[0]
-  assert got16.dtype == jnp.bfloat16
-  assert rel_err(got16, np_merge_norm(*args16, 1e-6, 1e-5)) <= 2 ** -8
   grads16 = jax.grad(merge_norm_loss(True, shape), argnums=tuple(range(5)))(*args16)
   wants16 = jax.grad(merge_norm_loss(False, shape), argnums=tuple(range(5)))(
       *(a.astype(jnp.float32) for a in args16))
@@ -200,20 +218,8 @@ def test_merge_norm_matches_numpy_and_autodiff():
     assert g.dtype == a.dtype and rel_err(g, np.asarray(w, np.float64)) <= 2 ** -7, name
 
 
-def test_xla_merge_norm_matches_numpy():
-  """impl='xla' (merge_partial, then the RMSNorm formula) against the float64 formula, with and
-  without an addend (then p + y comes back, as an XLA add gives it); an unknown impl is one error
-  naming the allowed ones."""
-  shape = (2, 5, 16)
-  args = random_merge(shape)
-  got, partial = merge_norm(*args, eps=1e-6, norm_eps=1e-5, impl='xla')
-  assert got.dtype == jnp.float32 and rel_err(got, np_merge_norm(*args, 1e-6, 1e-5)) <= 1e-5
-  np.testing.assert_array_equal(partial, args[2])
-  y = jnp.asarray(np.random.default_rng(8).standard_normal(shape) * 0.3, jnp.float32)
-  got, partial = merge_norm(*args, eps=1e-6, norm_eps=1e-5, dtype=jnp.bfloat16, addend=y, impl='xla')
-  want = np_merge_norm(*args[:2], np.asarray(args[2]) + np.asarray(y), *args[3:], 1e-6, 1e-5)
-  assert got.dtype == jnp.bfloat16 and rel_err(got, want) <= 2 ** -8
-  np.testing.assert_array_equal(partial, args[2] + y)
+def test_an_unknown_impl_is_one_error_naming_the_allowed_ones():
+  args = random_merge((2, 5, 16))
   with pytest.raises(ValueError, match=r"attnres merge_norm: impl must be one of \('xla', 'pallas'\); got 'triton'"):
     merge_norm(*args, impl='triton')
 

@@ -1,6 +1,6 @@
 """The Kimi Delta Attention layer (SPEC §1) against a float64 NumPy transcription, and its decode
 path (conv states + float32 state) against its parallel path, token by token (the oracle:
-tests/oracles.py)."""
+tests/oracles.py); its output norm's eps set from the config."""
 
 import functools
 
@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kimijax.config import ConfigError, base_config, validate
 from kimijax.layers.kda import KimiDeltaAttention
+from kimijax.model import make_mixer
 
-from oracles import np_kda_layer
+from oracles import np_kda_layer, np_rmsnorm, np_silu
 
 B, T, D, H, K = 2, 13, 24, 3, 8
 
@@ -24,8 +26,8 @@ CASES = {
 }
 
 
-def _setup(case, impl='chunk', head_dim=K, conv_impl='xla'):
-  layer = KimiDeltaAttention(H, head_dim, impl=impl, init_std=0.3, conv_impl=conv_impl, **case)
+def _setup(case, impl='xla', head_dim=K, short_conv_impl='xla'):
+  layer = KimiDeltaAttention(H, head_dim, impl=impl, init_std=0.3, short_conv_impl=short_conv_impl, **case)
   x = jax.random.normal(jax.random.key(1), (B, T, D))
   params = nn.unbox(layer.init(jax.random.key(0), x)['params'])
   return layer, params, x
@@ -42,8 +44,8 @@ def test_layer_matches_numpy(case):
 
 
 def test_layer_with_the_fused_conv_kernels_matches_numpy():
-  """conv_impl='pallas' (K = 16, the kernels' smallest head dim) against the NumPy layer."""
-  layer, params, x = _setup(CASES['default'], head_dim=16, conv_impl='pallas')
+  """short_conv_impl='pallas' (K = 16, the kernels' smallest head dim) against the NumPy layer."""
+  layer, params, x = _setup(CASES['default'], head_dim=16, short_conv_impl='pallas')
   ref = np_kda_layer(params, np.asarray(x, np.float64), short_conv=True, output_gate='sigmoid',
                      lower_bound=0.0)
   np.testing.assert_allclose(layer.apply({'params': params}, x)[0], ref, rtol=1e-4,
@@ -52,9 +54,9 @@ def test_layer_with_the_fused_conv_kernels_matches_numpy():
 
 @pytest.mark.long
 def test_layer_with_the_fused_conv_kernels_has_the_plain_convs_gradients():
-  """Every parameter's gradient with conv_impl='pallas' against the layer with the XLA convs."""
+  """Every parameter's gradient with short_conv_impl='pallas' against the layer with the XLA convs."""
   case = CASES['default']
-  layer, params, x = _setup(case, head_dim=16, conv_impl='pallas')
+  layer, params, x = _setup(case, head_dim=16, short_conv_impl='pallas')
   plain = KimiDeltaAttention(H, 16, init_std=0.3, **case)
   grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply({'params': p}, x)[0] ** 2))(params) for m in (layer, plain)]
   for path, got in jax.tree_util.tree_leaves_with_path(grads[0]):
@@ -118,3 +120,44 @@ def test_recomputed_projections_give_the_same_gradients(recompute):
   grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply({'params': p}, x)[0] ** 2))(params) for m in (layer, again)]
   for got, want in zip(jax.tree_util.tree_leaves(grads[1]), jax.tree_util.tree_leaves(grads[0])):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
+
+
+def np_kda_layer_no_conv_no_gate(p, x, *, eps):
+  """SPEC §1 without short conv and output gate; the per-head output RMSNorm with `eps`."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+  q, k, v = (np.einsum('btd,dhk->bthk', x, p[f'{n}_proj']) for n in 'qkv')
+  l2 = lambda a: a / np.sqrt(np.sum(a * a, -1, keepdims=True) + 1e-6)
+  q, k, v = l2(np_silu(q)), l2(np_silu(k)), np_silu(v)
+  beta = 1 / (1 + np.exp(-np.einsum('btd,dh->bth', x, p['b_proj'])))
+  f = np.einsum('btr,rhk->bthk', x @ p['f_a'], p['f_b']) + p['dt_bias']
+  g = -np.exp(p['A_log'])[:, None] * np.log1p(np.exp(f))
+  dk = q.shape[-1]
+  s = np.zeros((x.shape[0], q.shape[2], dk, dk))
+  o = np.zeros(q.shape)
+  for t in range(x.shape[1]):
+    s = s * np.exp(g[:, t])[..., None]
+    pred = np.einsum('bhkv,bhk->bhv', s, k[:, t])
+    s = s + np.einsum('bhk,bhv->bhkv', k[:, t], beta[:, t, :, None] * (v[:, t] - pred))
+    o[:, t] = np.einsum('bhkv,bhk->bhv', s, q[:, t] * dk ** -0.5)
+  o = np_rmsnorm(o, p['o_norm'], eps)
+  return np.einsum('bthk,hkd->btd', o, p['o_proj'])
+
+
+def test_kda_output_norm_eps_comes_from_the_config():
+  eps = 0.05     # large enough to change the output visibly against the old fixed 1e-5
+  c = base_config()
+  c.model.update(d_model=32, num_heads=4, init_std=0.3, compute_dtype='float32', kda_output_norm_eps=eps,
+                 kda_short_conv=False, kda_output_gate='none', kda_impl='xla_recurrent')
+  mixer = make_mixer(validate(c).model, 'K', jnp.float32)
+  x = jax.random.normal(jax.random.key(3), (B, 9, 32))
+  params = nn.unbox(mixer.init(jax.random.key(0), x, None)['params'])
+  y, _, _ = mixer.apply({'params': params}, x)
+  ref = np_kda_layer_no_conv_no_gate(params, np.asarray(x, np.float64), eps=eps)
+  np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+def test_output_norm_eps_is_validated():
+  c = base_config()
+  c.model.kda_output_norm_eps = -1.0
+  with pytest.raises(ConfigError, match=r'model.kda_output_norm_eps=-1.0 must be positive'):
+    validate(c)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -16,6 +18,7 @@ class ShortConv(nn.Module):
   dtype: jnp.dtype = jnp.float32
   activation: str = 'none'
   impl: str = 'xla'              # kimijax.ops.short_conv.IMPLS
+  settings: Any = None           # the kernels' settings of an impl that has them (None: the defaults)
 
   @nn.compact
   def __call__(self, x_bthd, prefix=None):
@@ -26,4 +29,5 @@ class ShortConv(nn.Module):
 
     w = self.param('kernel', nn.with_logical_partitioning(init, ('conv_width', 'heads', 'head_dim')),
                    (self.width,) + x_bthd.shape[2:], jnp.float32)
-    return short_conv(x_bthd.astype(self.dtype), w, self.activation, prefix, impl=self.impl)
+    return short_conv(x_bthd.astype(self.dtype), w, self.activation, prefix, impl=self.impl,
+                      settings=self.settings)
