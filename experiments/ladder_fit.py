@@ -1,4 +1,4 @@
-"""Scaling-law fits of a ladder and the compute multiplier between two of them (SPEC §6).
+"""Scaling-law fits of a ladder and the compute multiplier between two of them (docs/scaling_ladders.md).
 
 - `fit_power_law`: L = A * C^-alpha by least squares on log L = log A - alpha log C (Moonlight's
   and Kimi Linear's form); standard errors from the fit's residuals, 95% intervals from Student's t

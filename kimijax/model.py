@@ -4,14 +4,14 @@ Each layer is two pre-norm sublayers, a sequence mixer (the pattern letter: 'A' 
 a SwiGLU MLP; sublayer l computes y_l = F_l(Norm_l(h_l)). How h_l is formed from the embedding
 and the earlier outputs is the residual strategy `model.residual` (kimijax/layers/residual.py):
 'standard' (h_{l+1} = h_l + y_l), 'attnres_full' or 'attnres_block' (Attention Residuals,
-SPEC §4; then a final depth-attention aggregator feeds the final norm).
+docs/attention_residuals.md; then a final depth-attention aggregator feeds the final norm).
 
     model = Transformer(config.model)
     params = model.init(rng, tokens_bt)['params']
     logits_btv, aux = model.apply({'params': params}, tokens_bt)
 
 `aux['max_logits']` is {'layer_<i>': [H] fp32} for each attention layer: its per-head max
-scaled logit over the batch (SPEC §3), for logging and QK-Clip. With
+scaled logit over the batch (docs/optimizers.md#qk-clip), for logging and QK-Clip. With
 `Transformer(cfg, max_logits=False)` nothing computes them and aux has no 'max_logits'
 (kimijax.train.step.computes_max_logits decides it from the config).
 

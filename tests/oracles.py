@@ -1,9 +1,9 @@
-"""float64 NumPy transcriptions that the tests use as oracles, written from SPEC.md and the papers,
+"""float64 NumPy transcriptions that the tests use as oracles, written from the papers (docs/ states the equations),
 never calling the code under test. Test files import them from here (and never from each other).
 
 Sections: the dense model's sublayers and forward (RoPE, RMSNorm, attention, SwiGLU); attention
-and its per-head max logits (SPEC §3); KDA (SPEC §1), its layer; MLA; Muon and AdamW (SPEC §2);
-Attention Residuals (SPEC §4).
+and its per-head max logits (docs/optimizers.md#qk-clip); KDA (docs/kda.md), its layer; MLA; Muon and AdamW (docs/optimizers.md#muon);
+Attention Residuals (docs/attention_residuals.md).
 """
 
 import jax
@@ -171,11 +171,11 @@ def np_projected_max_logits(x_btd, w_q, w_k):
   return np.where(causal, logits, -np.inf).max(axis=(0, 2, 3))
 
 
-# ----------------------------------------------------------------------------- KDA (SPEC §1)
+# ----------------------------------------------------------------------------- KDA (docs/kda.md)
 
 
 def ref_kda(q, k, v, g, beta, scale, s0=None):
-  """float64 KDA, SPEC §1, one token at a time; returns (o [B, T, H, V], S_T [B, H, K, V])."""
+  """float64 KDA, docs/kda.md, one token at a time; returns (o [B, T, H, V], S_T [B, H, K, V])."""
   q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
   b, t, h, dk = q.shape
   dv = v.shape[-1]
@@ -198,7 +198,7 @@ def np_conv(x, w):
 
 
 def np_short_conv(x, w, activation):
-  """SPEC §1's short conv and its activation in float64: 'none', 'silu', or 'silu_l2' (SiLU, then
+  """docs/kda.md's short conv and its activation in float64: 'none', 'silu', or 'silu_l2' (SiLU, then
   each head's features divided by their L2 norm, eps 1e-6)."""
   y = np_conv(np.asarray(x, np.float64), np.asarray(w, np.float64))
   if activation == 'none':
@@ -208,7 +208,7 @@ def np_short_conv(x, w, activation):
 
 
 def np_kda_layer(p, x, *, short_conv, output_gate, lower_bound):
-  """float64 SPEC §1 layer with parameters p (the layer's tree) on x [B, T, D] -> y [B, T, D]."""
+  """float64 docs/kda.md layer with parameters p (the layer's tree) on x [B, T, D] -> y [B, T, D]."""
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
   h, dk = p['q_proj'].shape[1:]
   q, k, v = (np.einsum('btd,dhk->bthk', x, p[f'{n}_proj']) for n in 'qkv')
@@ -222,7 +222,7 @@ def np_kda_layer(p, x, *, short_conv, output_gate, lower_bound):
   g = lower_bound * np_sigmoid(a * f) if lower_bound else -a * np.log1p(np.exp(f))
   s = np.zeros((x.shape[0], h, dk, dk))
   o = np.zeros((x.shape[0], x.shape[1], h, dk))
-  for t in range(x.shape[1]):       # SPEC §1: decay, delta write, read
+  for t in range(x.shape[1]):       # docs/kda.md: decay, delta write, read
     s = s * np.exp(g[:, t])[..., None]
     pred = np.einsum('bhkv,bhk->bhv', s, k[:, t])
     s = s + np.einsum('bhk,bhv->bhkv', k[:, t], beta[:, t, :, None] * (v[:, t] - pred))
@@ -307,11 +307,11 @@ class NpAdamW:
     self.w = self.w - lr * (m_hat / (np.sqrt(v_hat) + self.eps) + self.wd * self.w)
 
 
-# ----------------------------------------------------------------------------- AttnRes (SPEC §4)
+# ----------------------------------------------------------------------------- AttnRes (docs/attention_residuals.md)
 
 
 def np_depth_attention(sources, w, gain, eps, *, key_norm=True, depth_weights='softmax'):
-  """float64 SPEC §4 depth attention and its two ablated switches. Keys k_i = gain * v_i / rms(v_i)
+  """float64 docs/attention_residuals.md depth attention and its two ablated switches. Keys k_i = gain * v_i / rms(v_i)
   with rms(v) = sqrt(mean_d v^2 + eps) (key_norm), or k_i = v_i (key_norm=False: no norm and no
   gain; pass gain=None); logits s_i = w . k_i; alpha = softmax_i(s) ('softmax') or
   alpha_i = 1 / (1 + exp(-s_i)) ('sigmoid'); h = sum_i alpha_i v_i.
@@ -333,7 +333,7 @@ def np_depth_attention(sources, w, gain, eps, *, key_norm=True, depth_weights='s
 
 
 def np_merge_norm(o, lse, partial, q, scale, eps, norm_eps):
-  """float64 SPEC §4 phase 2 then RMSNorm: the softmax over [block sums (their logsumexp lse),
+  """float64 docs/attention_residuals.md phase 2 then RMSNorm: the softmax over [block sums (their logsumexp lse),
   partial] as a two-way gate, the merged input normalised with gain `scale`."""
   o, lse, p = (np.asarray(a, np.float64) for a in (o, lse, partial))
   s_p = (p / np.sqrt(np.mean(p * p, -1, keepdims=True) + eps)) @ q

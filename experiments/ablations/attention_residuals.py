@@ -1,4 +1,4 @@
-"""Attention Residuals ablations (SPEC §4): standard, Full, Block with S = 2 / 4 / 8 / 16 sublayers,
+"""Attention Residuals ablations (docs/attention_residuals.md): standard, Full, Block with S = 2 / 4 / 8 / 16 sublayers,
 and Full without the key RMSNorm and with sigmoid instead of softmax over depth.
 
     python -m experiments.ablations.attention_residuals --scale=cpu --workdir=runs/abl_attnres --seeds=2
@@ -13,7 +13,7 @@ no key RMSNorm 1.743 (model.attnres_key_norm=False: logits w . v_i on the raw so
 gain) and sigmoid instead of softmax 1.741 (model.attnres_depth_weights='sigmoid': each source
 weighed by sigmoid(w . RMSNorm(v_i)), no normalisation over depth); kimijax/ops/attnres.py has the
 maths. The Full arms (full, no_key_norm, sigmoid) run on the XLA path: the fused Pallas kernels
-implement SPEC §4's softmax over RMS-normalised keys only, and compile a kernel set per source count.
+implement docs/attention_residuals.md's softmax over RMS-normalised keys only, and compile a kernel set per source count.
 Expected runtime: cpu, 8 arms x 2 seeds of a 0.4M model, 300 steps. With --seeds=1 the 8 runs
 took 40 min on the shared 2-core CPU (2026-12-01): 2-4 min for standard and each Block arm, 4-6 min
 for no_key_norm and sigmoid, 15 min for Full (the CPU busy with tests meanwhile); so about 1.3 h

@@ -1,4 +1,4 @@
-"""Kimi Linear report, Table 1 (SPEC §1): KDA:MLA ratio, output gate, short convolution, NoPE vs RoPE.
+"""Kimi Linear report, Table 1 (docs/kda.md): KDA:MLA ratio, output gate, short convolution, NoPE vs RoPE.
 
     python -m experiments.ablations.kimi_linear_table1 --scale=cpu --workdir=runs/abl_kimi_linear --seeds=1
     python -m experiments.ablations.kimi_linear_table1 --scale=gpu --workdir=runs/abl_kimi_linear_gpu \\

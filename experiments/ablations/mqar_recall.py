@@ -7,7 +7,7 @@ number of key-value pairs (the seeds' long-context axis; kimijax/data/mqar.py).
 
 Arms: pattern x (seq_len, pairs) over a small grid; the metric is the recall accuracy (exact
 match of each queried value, logged as eval_recall_accuracy). Expected ordering (Zoology, Arora et
-al. 2023, and the Kimi Linear report's synthetic tasks; not a table in SPEC): attention recalls
+al. 2023, and the Kimi Linear report's synthetic tasks; not a published table): attention recalls
 every pair at these sizes, a fixed-size recurrent state loses recall as pairs grow, and the hybrid's
 attention layer restores it; so attention >= hybrid >= all-KDA, the gap growing with the pairs.
 Expected runtime: cpu, 9 arms x 1 seed, 0.1M models, 300 steps at T <= 256: about 45 min on the

@@ -1,4 +1,4 @@
-"""Moonlight's update-RMS sweep (SPEC §2): Muon with rms_scale 0.05 ... 0.8 against AdamW.
+"""Moonlight's update-RMS sweep (docs/optimizers.md#muon): Muon with rms_scale 0.05 ... 0.8 against AdamW.
 
     python -m experiments.ablations.muon_update_rms --scale=cpu --workdir=runs/abl_muon_rms --seeds=2
     python -m experiments.ablations.muon_update_rms --scale=gpu --workdir=runs/abl_muon_rms_gpu \\

@@ -1,4 +1,4 @@
-"""QK-Clip (Kimi K2, SPEC §3): max-logit trajectories and loss curves of Muon with and without the
+"""QK-Clip (Kimi K2, docs/optimizers.md#qk-clip): max-logit trajectories and loss curves of Muon with and without the
 clip, at a tau that binds at this size.
 
     python -m experiments.ablations.qk_clip --scale=cpu --workdir=runs/abl_qk_clip --seeds=2

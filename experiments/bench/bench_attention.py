@@ -17,7 +17,7 @@ TFLOP/s (2 B H (D + Dv) x unmasked (query, key) pairs); 'xla' is skipped above
 --skip_xla_above keys (it writes the [T, S] logits), and out of memory or a kernel's refusal
 is a cell, not a crash. Prints a Markdown table.
 
-Expected on one H200 (SPEC §5, single-op runs of 2026-12-01; measure again here): mha_4k
+Expected on one H200 (experiments/results/bench_attention.md; measure again here): mha_4k
 tokamax ~0.93 / 4.1 ms, cudnn 0.96 / 3.9-4.0 ms without max logits; mla_4k tokamax ~1.07 /
 5.6 ms. Results go to experiments/results/bench_attention.md, with the step comparisons it
 lists (experiments/bench/bench_compare.py: bench_350m and its 3:1 KDA:MLA hybrid, 'tokamax'

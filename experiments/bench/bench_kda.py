@@ -1,6 +1,6 @@
 """KDA op timings: forward and forward+backward of every kimijax.ops.kda implementation.
 
-    python -m experiments.bench.bench_kda                             # GPU, SPEC §5 shape B=8 T=4096 H=16 D=128
+    python -m experiments.bench.bench_kda                             # GPU, the benchmark shape B=8 T=4096 H=16 D=128
     python -m experiments.bench.bench_kda --batch=1 --seq_len=2048 --heads=2 --head_dim=64 --dtype=float32   # CPU
 
 Times kimijax's implementations ('xla_recurrent', 'xla', 'pallas': --impls) on random
@@ -10,7 +10,7 @@ range of the KDA gate at init, where no 16-token sub-chunk is steep; beta = sigm
 feature), which the Pallas kernels form with their pairwise diagonal kernels instead of matmuls
 (kernels_pallas/kda/README.md, Stability): the slow path's cost. forward: o from (q, k, v, g,
 beta); forward+backward: the gradients of sum(o * do) with respect to all five inputs. On a GPU where `import fla` works, fla's
-Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (SPEC §5: 1.77 ms /
+Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (experiments/results/bench_kda.md: 1.77 ms /
 10.0 ms at the default shape on an H200). --gated calls the op as the KDA layer does, with the
 decay gate's pre-activation and parameters in place of g (kimijax.ops.kda.kda's a_log, dt_bias).
 --kernels lists the device time of every kernel inside one call of 'pallas' and of fla, from

@@ -1,4 +1,4 @@
-"""Exact per-head max attention logit (SPEC §3) as one fused Pallas (Triton) kernel.
+"""Exact per-head max attention logit (docs/optimizers.md#qk-clip) as one fused Pallas (Triton) kernel.
 
 The fused cuDNN attention does not expose its logits, so QK-Clip's S_max^h needs its own pass.
 This kernel streams key blocks past a resident query block, keeps a running row max of

@@ -1,4 +1,4 @@
-"""Phase 2 of Block Attention Residuals (SPEC §4) fused with the consumer's pre-norm, as Pallas
+"""Phase 2 of Block Attention Residuals (docs/attention_residuals.md) fused with the consumer's pre-norm, as Pallas
 (Triton) kernels, forward and backward.
 
 Per token, a consumer merges its phase-1 output o (and logsumexp lse) with its block's partial

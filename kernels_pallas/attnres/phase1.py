@@ -1,4 +1,4 @@
-"""Phase 1 of Block Attention Residuals (SPEC §4) as Pallas (Triton) kernels, forward and backward.
+"""Phase 1 of Block Attention Residuals (docs/attention_residuals.md) as Pallas (Triton) kernels, forward and backward.
 
 At the start of a block, the block's S consumers all attend over the same completed sources
 v_1 .. v_n (the embedding and the block sums) with their own static queries q_j. Phase 1 does it

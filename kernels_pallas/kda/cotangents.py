@@ -1,4 +1,4 @@
-"""KDA's per-chunk cotangents in the backward (SPEC §1), one program per (batch, head, chunk).
+"""KDA's per-chunk cotangents in the backward (docs/kda.md), one program per (batch, head, chunk).
 
 With h the state entering the chunk and dh the state gradient after it (both [K, V], from the
 state passes), do the output gradient, v_new = u - w h and dv_new its gradient ([C, V]):

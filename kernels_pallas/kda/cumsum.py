@@ -1,4 +1,4 @@
-"""Within-chunk cumulative sums of [B, T, H, K] tensors (SPEC §1: G = cumsum of g per chunk), with
+"""Within-chunk cumulative sums of [B, T, H, K] tensors (docs/kda.md: G = cumsum of g per chunk), with
 the KDA gate optionally fused in.
 
 One program per (batch, head, chunk) and slice of features holds its [C, K'] block. The inclusive
@@ -11,7 +11,7 @@ Either way one read and one write of the tensor. Forms measured before on an H20
 forward's time), the triangle of ones as a float32 dot (5x) and as three bf16 dots on the tensor
 cores (0.50 ms against the scan's 0.33 at the hybrid step's shape, with the gate).
 
-With the gate fused (SPEC §1's decay gate, kimijax.ops.kda.gate_log_decay), the forward reads the gate's
+With the gate fused (docs/kda.md's decay gate, kimijax.ops.kda.gate_log_decay), the forward reads the gate's
 pre-activation f in its own dtype (bf16 in a bf16 model) instead of a float32 g that XLA wrote,
 and the reverse sum goes on through the gate's derivative: it writes df in f's dtype and, per
 chunk, the row sums that become the gradients of dt_bias and A_log. Rows at or past `t_valid`

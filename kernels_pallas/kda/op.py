@@ -452,7 +452,7 @@ kda_core.defvjp(_core_fwd, _core_bwd)
 
 def kda_pallas(q, k, v, g, beta, initial_state=None, *, scale, a_log=None, dt_bias=None,
                gate_lower_bound=0.0, settings=None, interpret=False):
-  """KDA (SPEC §1) through the Pallas kernels: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H].
+  """KDA (docs/kda.md) through the Pallas kernels: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H].
 
   Any T (padded to a multiple of the chunk with tokens that neither decay nor write); K and V
   powers of two >= 16. q and k enter the dots in v's dtype when v is bf16 or float16, else in

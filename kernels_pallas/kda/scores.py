@@ -1,4 +1,4 @@
-"""KDA decay-weighted scores inside a chunk (SPEC §1): forward and backward kernels.
+"""KDA decay-weighted scores inside a chunk (docs/kda.md): forward and backward kernels.
 
 With G the within-chunk inclusive cumulative sum of the log-decay (float32, non-increasing):
 

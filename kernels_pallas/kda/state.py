@@ -1,4 +1,4 @@
-"""KDA chunk-to-chunk state kernels (SPEC §1): the forward pass over chunks and its reverse.
+"""KDA chunk-to-chunk state kernels (docs/kda.md): the forward pass over chunks and its reverse.
 
 One program = one (batch, head) and one block of BV value columns; it walks the chunks in order
 (forward) or in reverse (backward) with its [K, BV] slice of the float32 state in registers. Per

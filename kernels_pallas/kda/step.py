@@ -1,4 +1,4 @@
-"""One decoding token of KDA (SPEC §1) as one Pallas kernel: the state is read once and written
+"""One decoding token of KDA (docs/kda.md) as one Pallas kernel: the state is read once and written
 once (in place when the caller donates it).
 
 One program = one (batch, head) and a block of value columns, the [K, BV] state slice in

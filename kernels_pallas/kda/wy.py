@@ -1,4 +1,4 @@
-"""KDA's UT transform inside a chunk (SPEC §1): W = T Diag(beta) (exp(G) k), U = T Diag(beta) v with
+"""KDA's UT transform inside a chunk (docs/kda.md): W = T Diag(beta) (exp(G) k), U = T Diag(beta) v with
 T = (I + N)^-1, N = Diag(beta) A_kk strictly lower-triangular (from scores.py).
 
 wy_inverse_kernel: one program per chunk forms T's 16 x 16 blocks from products of 16 x 16

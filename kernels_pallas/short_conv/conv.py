@@ -1,4 +1,4 @@
-"""KDA's short convolution and its activation (SPEC §1) as Pallas (Triton) kernels, with a VJP.
+"""KDA's short convolution and its activation (docs/kda.md) as Pallas (Triton) kernels, with a VJP.
 
     y = short_conv_pallas(x, w, activation, settings=ShortConvSettings(...), interpret=...)
 

@@ -30,7 +30,7 @@ class SelfAttention(nn.Module):
   values are written at positions_bt[0] onwards and max_logits is None.
 
   Query kernel [D, H, Dh], key/value kernels [D, Hkv, Dh], output kernel [H, Dh, D], so that
-  per-head weight rewrites (QK-Clip, SPEC §3) index the head axis directly.
+  per-head weight rewrites (QK-Clip, docs/optimizers.md#qk-clip) index the head axis directly.
   """
   num_heads: int
   num_kv_heads: int
@@ -39,7 +39,7 @@ class SelfAttention(nn.Module):
   impl: str
   init_std: float
   dtype: jnp.dtype = jnp.float32
-  max_logits: bool = True       # return the per-head max logits in training (SPEC §3)
+  max_logits: bool = True       # return the per-head max logits in training (docs/optimizers.md#qk-clip)
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, cache=None):

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (SPEC §1): projections, short convolutions, gates and output.
+"""Kimi Delta Attention layer (docs/kda.md): projections, short convolutions, gates and output.
 
     q, k = L2Norm(SiLU(ShortConv(W_q x))), L2Norm(SiLU(ShortConv(W_k x)));  v = SiLU(ShortConv(W_v x))
     beta = sigmoid(W_b x)                                  one scalar per head
@@ -94,7 +94,7 @@ class KimiDeltaAttention(nn.Module):
   def _mix(self, x_btd, w_qkv, cache):
     """From the layer input and the q/k/v projection weights: the projections (tagged PROJECTIONS),
     the short convolutions and activations, beta, the decay gate and the op, (o, new cache). The
-    parameters are created in the order of the layer's definition (SPEC §1), which fixes their
+    parameters are created in the order of the layer's definition (docs/kda.md), which fixes their
     initial values for a given seed."""
     projections = tuple(checkpoint_name(jnp.einsum('btd,dhk->bthk', x_btd, w), f'{PROJECTIONS}_{n}')
                         for n, w in zip('qkv', w_qkv))

@@ -11,7 +11,7 @@ shared by all heads) are rotated with RoPE when `rope` is True. With rope=False 
 not rotated: Kimi Linear's released MLA ("NoPE", mla_use_nope) is this form, with 64 such dims.
 qk_rope_head_dim = 0 is NoPE without decoupled dims. The no-position and decoupled parts are
 separate parameters (q_nope / q_rope, k_nope, shared k_rope) so QK-Clip can scale them
-differently (SPEC §3); Muon orthogonalises them as DeepSeek-V3's fused matrices by default
+differently (docs/optimizers.md#qk-clip); Muon orthogonalises them as DeepSeek-V3's fused matrices by default
 (kimijax.optim.routing). The latent norms (q_norm, kv_norm) use norm_eps (1e-6 in the release). Decoding uses the absorbed form: queries are mapped into the latent
 space (W_uk_h^T q_h) and attend over the cached latents like multi-query attention; the cache
 holds r + d_rope numbers per token instead of 2 H D.
@@ -53,7 +53,7 @@ class MultiHeadLatentAttention(nn.Module):
   init_std: float = 0.02
   dtype: jnp.dtype = jnp.float32
   rope: bool = True                   # rotate the decoupled dims; False: keep them unrotated
-  max_logits: bool = True             # return the per-head max logits in training (SPEC §3)
+  max_logits: bool = True             # return the per-head max logits in training (docs/optimizers.md#qk-clip)
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, cache=None):

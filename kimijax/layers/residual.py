@@ -22,7 +22,7 @@ itself, in every variant), so it has none: 2d parameters (d without the key norm
 other L - 1 sublayers and the final aggregator. `w` is the consumer's depth-attention weights
 averaged over batch and tokens ([sources] float32) when the strategy logs (`log=True`), else None.
 
-Variants (SPEC §4's ablations; kimijax.ops.attnres's docstring has the maths): the AttnRes
+Variants (docs/attention_residuals.md's ablations; kimijax.ops.attnres's docstring has the maths): the AttnRes
 strategies hand model.attnres_key_norm and model.attnres_depth_weights to every op call as
 key_norm / depth_weights; the ops, not this module, decide what they change. Only the parameters
 depend on them here: without the key norm there is no key gain.
@@ -43,7 +43,7 @@ depend on them here: without the key norm there is no key gain.
                   ('pallas') and without remat, the write leaves the sublayer output pending and
                   the next read's merge_norm adds it to p. Block 0's phase 1, over b_0 alone, is
                   b_0 and its logits.
-  attnres_full    S = 1: every sublayer output is a source (SPEC §4, Full AttnRes). With 'pallas'
+  attnres_full    S = 1: every sublayer output is a source (docs/attention_residuals.md, Full AttnRes). With 'pallas'
                   each read is phase 1 for one consumer, a kernel set compiled per source count
                   (up to L + 1 sources, unrolled): slow to compile for deep models.
 """

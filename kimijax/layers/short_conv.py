@@ -1,4 +1,4 @@
-"""Depthwise causal short convolution (KDA's ShortConv, SPEC §1): its taps and a decode state."""
+"""Depthwise causal short convolution (KDA's ShortConv, docs/kda.md): its taps and a decode state."""
 
 from __future__ import annotations
 

@@ -8,13 +8,13 @@
                over q and k (max_logits_kernel)
     'tokamax'  tokamax's Mosaic GPU flash attention (NVIDIA GPU, bf16/fp16; forward and backward
                on Hopper), GQA and an unequal value dim natively; its forward keeps the per-row
-               max of the scaled, masked logits, so the max logits cost nothing extra (SPEC §5)
+               max of the scaled, masked logits, so the max logits cost nothing extra (experiments/results/bench_attention.md)
     'gpu'      per call, the faster of the two GPU implementations on an H200 (the GPU configs'
                choice): 'tokamax' when max logits are wanted or the value dim differs from the
                query/key dim, 'cudnn' otherwise (experiments/results/bench_attention.md)
 
 With `return_max_logits=True` it also returns, per query head, the largest scaled and causally
-masked logit over the batch and all positions (SPEC §3, the S_max^h that QK-Clip needs). That
+masked logit over the batch and all positions (docs/optimizers.md#qk-clip, the S_max^h that QK-Clip needs). That
 value is exact for every implementation and carries no gradient; `max_logits_blocked` is its
 portable reference. Without it no max-logit work runs. Decoding over a cache goes through
 `decode_attention`. The GPU implementations raise a ValueError naming the fix on float32 inputs
@@ -289,7 +289,7 @@ def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits
       this call: gpu_choice).
     scale: softmax scale, default D ** -0.5.
     return_max_logits: also return max_logits [H] fp32 = max over batch, queries and unmasked keys
-      of scale * q . k (SPEC §3).
+      of scale * q . k (docs/optimizers.md#qk-clip).
     spec: the PartitionSpec of q, k and v under a mesh (for implementations that run a kernel
       per shard; None: not sharded).
 

@@ -1,4 +1,4 @@
-"""Depth attention, the aggregation of Attention Residuals (SPEC §4).
+"""Depth attention, the aggregation of Attention Residuals (docs/attention_residuals.md).
 
 A consumer (a sublayer, or the final aggregator) forms its input as a softmax-weighted mix of
 earlier sources (the embedding and sublayer outputs, or block sums of them), per token:
@@ -8,7 +8,7 @@ earlier sources (the embedding and sublayer outputs, or block sums of them), per
 Keys are the RMS-normalised sources with no gain; values are the raw sources; there is no
 1/sqrt(d). Logits, softmax and the weighted sum run in float32 whatever the sources' dtype.
 
-Key-norm gain: SPEC §4 gives each consumer a learned gain g on the key RMSNorm. Since
+Key-norm gain: docs/attention_residuals.md gives each consumer a learned gain g on the key RMSNorm. Since
 q . (g * v / rms(v)) = (q * g) . (v / rms(v)), the model passes q = w * g here (w the
 pseudo-query, g the gain, both its parameters) and this op stays gain-free.
 
@@ -18,7 +18,7 @@ Two forms with the same maths:
       so that a model can mix completed block sums and a running partial sum without stacking
       (stacking would copy every source at every consumer).
 
-Block AttnRes in two phases (what the model runs; SPEC §4's block sources). Within a block the
+Block AttnRes in two phases (what the model runs; docs/attention_residuals.md's block sources). Within a block the
 completed sources (embedding and block sums) are fixed and every consumer's query is a static
 parameter, so softmax over [b_0 .. b_{n-1}, p] splits exactly into
   phase1(block_sums, queries [S, D])  -> o_j = softmax-weighted sum of the block sums for each of
@@ -32,16 +32,16 @@ phases' implementations: 'xla', and 'pallas', fused GPU kernels (kernels_pallas/
 merge_norm never writes h, their Triton settings passed as `settings=` (None: the defaults). o_j
 is stored in the sources' dtype.
 
-Variants: the two switches of SPEC §4's ablations (the paper's 436M model, on Full AttnRes: "no key
+Variants: the two switches of docs/attention_residuals.md's ablations (the paper's 436M model, on Full AttnRes: "no key
 RMSNorm" 1.743 and "sigmoid" 1.741 against Full's 1.737; config keys model.attnres_key_norm and
 model.attnres_depth_weights). Every public function here takes them as `key_norm` (default True)
 and `depth_weights` (default 'softmax'), so that the model passes them through and never branches
 on them. Query q (q = w * g with the key norm, q = w without it), sources v_0 .. v_{N-1}, values
 always the raw sources, everything in float32:
 
-  logits   key_norm=True  (SPEC §4):  s_i = q . v_i / rms(v_i),   rms(v) = sqrt(mean_d v^2 + eps)
+  logits   key_norm=True  (docs/attention_residuals.md):  s_i = q . v_i / rms(v_i),   rms(v) = sqrt(mean_d v^2 + eps)
            key_norm=False:            s_i = q . v_i                (no norm, no gain, no eps)
-  weights  'softmax' (SPEC §4):       alpha_i = exp(s_i) / sum_k exp(s_k)
+  weights  'softmax' (docs/attention_residuals.md):       alpha_i = exp(s_i) / sum_k exp(s_k)
            'sigmoid':                 alpha_i = sigmoid(s_i) = 1 / (1 + exp(-s_i)), each source on
                                       its own (no competition; the weights need not sum to 1)
   output                              h = sum_i alpha_i v_i
@@ -52,7 +52,7 @@ independent, so phase 1 gives o_j = sum_i sigmoid(s_ji) b_i and phase 2 is h = o
 (phase 1's lse, still logsumexp_i s_ji, goes unused). At q = 0 softmax gives the mean of the sources
 and sigmoid half their sum; every consumer RMS-normalises its input, so each variant starts as the
 standard pre-norm model, up to eps. Only 'xla' implements the variants: 'pallas' (its kernels'
-maths) is SPEC §4's default alone and the dispatchers raise ValueError for any other.
+maths) is docs/attention_residuals.md's default alone and the dispatchers raise ValueError for any other.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def depth_attention(sources, query, *, eps: float = 1e-6, key_norm: bool = True,
                     depth_weights: str = 'softmax'):
   """sources [N, B, T, D] (any [N, ..., D]), query [D] -> h [B, T, D] in the sources' dtype.
 
-  Defaults (SPEC §4): alpha_i = softmax over N of query . rms_normalise(sources[i]) (float32,
+  Defaults (docs/attention_residuals.md): alpha_i = softmax over N of query . rms_normalise(sources[i]) (float32,
   keys without gain, no 1/sqrt(d)); h = sum_i alpha_i sources[i], summed in float32.
   key_norm=False: the logits are query . sources[i]; depth_weights='sigmoid': alpha_i is the
   sigmoid of each logit (module docstring).
@@ -209,7 +209,7 @@ class Implementation:
   adds_in_merge: its merge_norm forms partial + addend in the same pass as the merge, one pass
   fewer than a separate add, so that a caller gains by handing it the addend rather than adding
   first. all_variants: it implements every (key_norm, depth_weights) of the module docstring;
-  else only SPEC §4's softmax over RMS-normalised keys (the dispatchers raise for the others).
+  else only docs/attention_residuals.md's softmax over RMS-normalised keys (the dispatchers raise for the others).
   parse_phase1_settings, parse_merge_norm_settings: 'key=int/key=int' -> the settings its kernels
   take (None: it has no kernels and ignores the settings argument)."""
   phase1: Callable
@@ -230,7 +230,7 @@ IMPLS = types.MappingProxyType({
 
 
 def is_default_variant(key_norm: bool, depth_weights: str) -> bool:
-  """SPEC §4's AttnRes: softmax over RMS-normalised keys (what every implementation runs)."""
+  """docs/attention_residuals.md's AttnRes: softmax over RMS-normalised keys (what every implementation runs)."""
   return key_norm is True and depth_weights == 'softmax'
 
 
@@ -241,7 +241,7 @@ def _implementation(impl: str, fn: str, key_norm: bool = True,
   _check_variant(key_norm, depth_weights, f'attnres {fn}')
   if not IMPLS[impl].all_variants and not is_default_variant(key_norm, depth_weights):
     raise ValueError(f"attnres {fn}: impl={impl!r} implements only key_norm=True, depth_weights='softmax' "
-                     f"(SPEC §4); got key_norm={key_norm!r}, depth_weights={depth_weights!r}: use impl='xla'")
+                     f"(docs/attention_residuals.md); got key_norm={key_norm!r}, depth_weights={depth_weights!r}: use impl='xla'")
   return IMPLS[impl]
 
 

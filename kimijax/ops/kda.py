@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA) ops: the recurrence, its exact chunkwise form, a decode step (SPEC §1).
+"""Kimi Delta Attention (KDA) ops: the recurrence, its exact chunkwise form, a decode step (docs/kda.md).
 
 Per batch row and head, with state S [K, V] in float32, one token t does (decay, delta write, read):
 
@@ -7,7 +7,7 @@ Per batch row and head, with state S [K, V] in float32, one token t does (decay,
     o_t = S^T (scale * q_t)
 
 `kda_recurrent` scans that over time (the reference); `kda_chunk` computes the same thing a chunk
-of C tokens at a time with the WY/UT form of SPEC §1 (matmuls inside a chunk, a scan over chunks
+of C tokens at a time with the WY/UT form of docs/kda.md (matmuls inside a chunk, a scan over chunks
 for the state); `kda_step` is one token for decoding; `kda(..., impl=...)` and `kda_step(...,
 impl=...)` dispatch to one of IMPLS, the implementations by name: 'xla' (kda_chunk; the default),
 'xla_recurrent' (kda_recurrent) and 'pallas' (the fused kernels of kernels_pallas/kda, interpreted
@@ -124,7 +124,7 @@ def _sigmoid(z):
 
 
 def gate_log_decay(x, a, lower_bound: float):
-  """SPEC §1's log-decay g (float32) from x = f + dt_bias and a = exp(A_log): -a softplus(x), or
+  """docs/kda.md's log-decay g (float32) from x = f + dt_bias and a = exp(A_log): -a softplus(x), or
   with a lower bound lb < 0, lb sigmoid(a x). Written with exp and log1p only, so that the kernels
   (which import it) and XLA evaluate the same expression."""
   if lower_bound:
@@ -168,7 +168,7 @@ def gate_derivatives(x, a, lower_bound: float):
 
 
 def kda_log_decay(f, a_log, dt_bias, lower_bound=0.0):
-  """SPEC §1's decay gate: the log-decay g [B, T, H, K] (or [B, H, K]) float32 from its
+  """docs/kda.md's decay gate: the log-decay g [B, T, H, K] (or [B, H, K]) float32 from its
   pre-activation f (the gate projection's output), a_log [H] and dt_bias [H, K]:
   g = -exp(a_log) softplus(f + dt_bias), or with lower_bound < 0, lower_bound sigmoid(exp(a_log)
   (f + dt_bias)). The same expression the Pallas kernels evaluate when the gate is fused."""
@@ -183,7 +183,7 @@ def _default_scale(scale, dk):
 
 
 def _token_update(s_bhkv, q_bhk, k_bhk, v_bhv, g_bhk, beta_bh, scale):
-  """One token of SPEC §1 in float32: decay, delta write, read. Returns (o [B, H, V], S')."""
+  """One token of docs/kda.md in float32: decay, delta write, read. Returns (o [B, H, V], S')."""
   s_bhkv = s_bhkv * jnp.exp(g_bhk)[..., None]
   predicted_bhv = jnp.einsum('bhkv,bhk->bhv', s_bhkv, k_bhk)
   delta_bhv = beta_bh[..., None] * (v_bhv - predicted_bhv)
@@ -215,7 +215,7 @@ def _xla_step(q, k, v, g, beta, state, *, scale, settings):
 
 
 def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False):
-  """Reference KDA: a lax.scan over the T tokens (SPEC §1, the order decay -> delta write -> read).
+  """Reference KDA: a lax.scan over the T tokens (docs/kda.md, the order decay -> delta write -> read).
 
   Args:
     q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; g <= 0 (log-decay per channel).
@@ -354,7 +354,7 @@ def _unit_lower_inverse_jvp(primals, tangents):
 
 
 def _chunk_intra(chunk, *, scale, sub):
-  """Everything inside a chunk that does not need the incoming state (SPEC §1, WY/UT form).
+  """Everything inside a chunk that does not need the incoming state (docs/kda.md, WY/UT form).
 
   chunk: q, k, g [..., C, K], v [..., C, V], beta [..., C] float32 (any leading dims). Returns
     qg = scale q exp(G)  [..., C, K]     reads the incoming state
@@ -388,7 +388,7 @@ def _chunk_state_step(s, x):
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               chunk_size=64):
-  """KDA in the exact chunkwise WY/UT form (SPEC §1); same arguments and results as kda_recurrent.
+  """KDA in the exact chunkwise WY/UT form (docs/kda.md); same arguments and results as kda_recurrent.
 
   T is padded to a multiple of the chunk length with k = v = q = 0, g = 0, beta = 0 (tokens that
   neither decay nor write) and the output sliced back; sequences shorter than chunk_size use one

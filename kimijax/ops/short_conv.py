@@ -1,4 +1,4 @@
-"""KDA's short convolution with its activation (SPEC §1): the op and its implementations.
+"""KDA's short convolution with its activation (docs/kda.md): the op and its implementations.
 
     y, next_prefix = short_conv(x, w, activation, prefix=None, impl='xla', settings=None)
 

@@ -1,4 +1,4 @@
-"""Muon as scaled by Moonlight (SPEC §2), as an optax GradientTransformation.
+"""Muon as scaled by Moonlight (docs/optimizers.md#muon), as an optax GradientTransformation.
 
 For each hidden weight matrix W (A x B, see kimijax.optim.routing for how a 3-D kernel becomes
 one or several matrices) with gradient G:
@@ -10,7 +10,7 @@ one or several matrices) with gradient G:
 
 Every other parameter (embeddings, head, norm gains, biases, 1-D) gets AdamW with (adam_b1,
 adam_b2, adam_eps) and the same lr and wd, decayed as well (Moonlight decays norm gains too;
-SPEC §2 says it matters for stability). Built from optax pieces: optax.partition splits the
+docs/optimizers.md#muon says it matters for stability). Built from optax pieces: optax.partition splits the
 parameters by `Routing.labels`; each side is chain(direction, add_decayed_weights(wd),
 scale_by_learning_rate(lr)), so wd is decoupled and multiplied by the (scheduled) lr exactly as
 in Moonlight's `p *= 1 - lr wd; p -= lr u`.
@@ -42,7 +42,7 @@ Where this differs from optax.contrib.muon (0.2.8), and why:
   - MLA: the parts of each DeepSeek-V3 Linear weight are orthogonalised as one matrix by default
     (mla_views; kimijax.optim.routing), as Moonlight's Muon sees them.
 
-Distributed (SPEC §2): under jit with sharded parameters (fsdp/tensor) the momentum is created
+Distributed (docs/optimizers.md#muon): under jit with sharded parameters (fsdp/tensor) the momentum is created
 from the boxed parameters, so it carries their logical axes and is sharded like them. Newton-
 Schulz always sees whole matrices: orthogonalise_all stacks same-shaped matrices and splits the
 stack over the devices, so each device orthogonalises its share of whole matrices, instead of
@@ -158,7 +158,7 @@ def orthogonalise_all(ns: list[jax.Array], views: list[MatrixView], *, steps: in
   their [S, A, B_i] matrices are concatenated along the columns, orthogonalised and scaled as one
   [S, A, sum B_i] matrix, and split back.
 
-  Distributed Muon (SPEC §2) runs Newton-Schulz on whole matrices. With split_matrices and a mesh
+  Distributed Muon (docs/optimizers.md#muon) runs Newton-Schulz on whole matrices. With split_matrices and a mesh
   of several devices (jax.set_mesh with Auto axes, as the train step runs), the matrices of all
   parameters are grouped by shape (tall ones transposed), each group is stacked, padded with zero
   matrices to a multiple of the device count and sharded over every mesh axis along the stack:
@@ -246,7 +246,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.95, neste
 
   Args:
     learning_rate: a float or a schedule (callable of the step count), shared by both groups.
-    momentum, nesterov, ns_steps, ns_dtype, rms_scale: the Muon side (SPEC §2).
+    momentum, nesterov, ns_steps, ns_dtype, rms_scale: the Muon side (docs/optimizers.md#muon).
     weight_decay: decoupled, multiplied by the lr, on both groups.
     adam_b1, adam_b2, adam_eps: the AdamW side.
     muon_mask: pytree of bools (params' structure) or callable params -> such a pytree: True ->

@@ -1,4 +1,4 @@
-"""QK-Clip (Kimi K2, SPEC §3) as an optax transform (MuonClip, Muon then QK-Clip, is the chain
+"""QK-Clip (Kimi K2, docs/optimizers.md#qk-clip) as an optax transform (MuonClip, Muon then QK-Clip, is the chain
 kimijax.optim.factory builds for optimizer.name='muonclip').
 
 The forward pass reports S_max^h, the largest scaled logit of each query head over the batch
@@ -51,7 +51,7 @@ def mha_gqa_factors(module: Mapping[str, Any], gamma_h: jax.Array):
 
 def mla_factors(module: Mapping[str, Any], gamma_h: jax.Array):
   """Factors for kimijax.layers.mla: q_nope [Dq, H, dn] and k_nope [r, H, dn] by sqrt(gamma),
-  q_rope [Dq, H, dr] by gamma; the shared k_rope [D, dr] keeps its weights (SPEC §3)."""
+  q_rope [Dq, H, dr] by gamma; the shared k_rope [D, dr] keeps its weights (docs/optimizers.md#qk-clip)."""
   if 'q_nope' not in module or 'k_nope' not in module:
     return None
   root_h = jnp.sqrt(gamma_h)[None, :, None]

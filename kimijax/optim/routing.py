@@ -5,7 +5,7 @@ Muon orthogonalises matrices; our kernels are 2-D or 3-D, and Flax keeps the hea
 a stack (each slice is its own matrix), which are folded into the matrix rows (A) and which into
 the columns (B). A parameter of shape [*stack, *rows, *cols] (after a transpose) becomes
 prod(stack) matrices of shape [prod(rows), prod(cols)], each orthogonalised on its own and
-scaled by rms_scale * sqrt(max(A, B)) of that matrix (SPEC §2).
+scaled by rms_scale * sqrt(max(A, B)) of that matrix (docs/optimizers.md#muon).
 
 Default routing (`default_route`), decided from the parameter's path names and shape only, so it
 gives the same answer for boxed (nn.Partitioned) parameters at init and plain arrays in update:
@@ -28,7 +28,7 @@ With per_head=True the head-structured kernels become stacks of per-head matrice
 [in, H, Dh] -> H matrices [in, Dh], [H, Dh, out] -> H matrices [Dh, out].
 
 The fused view is the default because it is what Moonlight (and Kimi's released code) do: q/k/v/o
-are single nn.Linear weights there, orthogonalised whole. SPEC's "per-head stacks" applies to
+are single nn.Linear weights there, orthogonalised whole. Moonlight's per-matrix rule for stacks applies to
 weights that are genuinely separate matrices (experts, scanned layers); per_head=True is there to
 ablate it.
 

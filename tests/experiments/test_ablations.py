@@ -66,7 +66,7 @@ def test_every_arm_is_a_valid_config_and_every_claim_names_arms(scale):
 
 @pytest.mark.parametrize('scale', ['cpu', 'gpu'], ids=['cpu_scale', 'h200_scale'])
 def test_attention_residuals_runs_every_arm_of_the_paper_table(scale):
-  """The AttnRes file's arms are the paper's (SPEC §4), all runnable: standard, Full, Block
+  """The AttnRes file's arms are the paper's (docs/attention_residuals.md), all runnable: standard, Full, Block
   S = 2 / 4 / 8 / 16, and Full without the key norm and with sigmoid weights, those two on the
   XLA path at both scales (the gpu base picks the Pallas kernels, which implement neither)."""
   arms = {a.name: a for a in attention_residuals.ARMS}

@@ -31,5 +31,5 @@ def test_shapes_and_flops():
   # T == S: T (T + 1) / 2 pairs; T < S: each query also sees the S - T earlier keys.
   assert bench_attention.forward_tflop((1, 4, 4, 1, 1, 3, 2)) == 2 * 10 * 5 / 1e12
   assert bench_attention.forward_tflop((1, 2, 5, 1, 1, 3, 2)) == 2 * (2 * 3 + 3) * 5 / 1e12
-  # SPEC §5's cuDNN figure: 0.96 ms at (8, 4096, 16, 128) is ~575 TFLOP/s.
+  # experiments/results/bench_attention.md's cuDNN figure: 0.96 ms at (8, 4096, 16, 128) is ~575 TFLOP/s.
   assert abs(bench_attention.forward_tflop(bench_attention.SHAPES['mha_4k']) / 0.96e-3 - 573) < 2

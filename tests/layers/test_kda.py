@@ -1,4 +1,4 @@
-"""The Kimi Delta Attention layer (SPEC §1) against a float64 NumPy transcription, and its decode
+"""The Kimi Delta Attention layer (docs/kda.md) against a float64 NumPy transcription, and its decode
 path (conv states + float32 state) against its parallel path, token by token (the oracle:
 tests/oracles.py); its output norm's eps set from the config."""
 
@@ -123,7 +123,7 @@ def test_recomputed_projections_give_the_same_gradients(recompute):
 
 
 def np_kda_layer_no_conv_no_gate(p, x, *, eps):
-  """SPEC §1 without short conv and output gate; the per-head output RMSNorm with `eps`."""
+  """docs/kda.md without short conv and output gate; the per-head output RMSNorm with `eps`."""
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
   q, k, v = (np.einsum('btd,dhk->bthk', x, p[f'{n}_proj']) for n in 'qkv')
   l2 = lambda a: a / np.sqrt(np.sum(a * a, -1, keepdims=True) + 1e-6)

@@ -1,4 +1,4 @@
-"""Attention Residuals in the model (SPEC §4; kimijax/layers/residual.py): full and block
+"""Attention Residuals in the model (docs/attention_residuals.md; kimijax/layers/residual.py): full and block
 strategies against a float64 whole-model forward (tests/oracles.py, which keeps every sublayer
 output and forms block sums and partial sums from that list, where the model carries a running
 state), the zero-query start, the carried state, sharding and remat, the optimizer routing of
@@ -113,7 +113,7 @@ def copy_shared(std_params, attnres_cfg, seed=7):
 
 @pytest.mark.parametrize('residual', ['attnres_full', 'attnres_block'])
 def test_zero_queries_equal_standard_model(residual):
-  """SPEC §4: at zero init every consumer takes the mean of its sources; every consumer
+  """docs/attention_residuals.md: at zero init every consumer takes the mean of its sources; every consumer
   normalises its input, so the logits equal the standard pre-norm model's (norm eps made
   negligible: the mean of many small sources is small)."""
   std_cfg = cfg_for('standard', norm_eps=1e-12)
@@ -246,7 +246,7 @@ def test_sharded_and_remat_training_match_one_device():
 def test_attnres_parameters_are_vectors_routed_to_adamw():
   """Pseudo-queries and key gains are 1-D [D] with logical axis 'norm' (replicated), and Muon's
   default routing (kimijax.optim.routing) sends them to AdamW while the sublayer matrices of the
-  same model still go to Muon (SPEC §2)."""
+  same model still go to Muon (docs/optimizers.md#muon)."""
   from kimijax.optim.routing import ADAMW, MUON, Routing
   cfg = cfg_for('attnres_block', attnres_block_size=3)
   boxed = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), jnp.zeros((1, T), jnp.int32))['params']
@@ -260,7 +260,7 @@ def test_attnres_parameters_are_vectors_routed_to_adamw():
     assert all(tuple(s) == ('norm',) for s in attnres_leaves(specs, suffix).values())
   extra = sum(v.size for k, v in jax.tree.leaves_with_path(params)
               if 'attnres' in jax.tree_util.keystr(k))
-  assert extra == 2 * cfg.d_model * 2 * cfg.num_layers     # SPEC: 2d per consumer
+  assert extra == 2 * cfg.d_model * 2 * cfg.num_layers     # docs/attention_residuals.md: 2d per consumer
 
   routes = Routing().routes(boxed)
   for suffix in ('attnres_query', 'attnres_key_scale'):
@@ -319,7 +319,7 @@ def test_training_logs_depth_statistics_and_plot_script_draws_them(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the ablated variants
-# SPEC §4's "no key RMSNorm" and "sigmoid" arms (model.attnres_key_norm, model.attnres_depth_weights;
+# docs/attention_residuals.md's "no key RMSNorm" and "sigmoid" arms (model.attnres_key_norm, model.attnres_depth_weights;
 # kimijax.ops.attnres has the maths), XLA only.
 
 
@@ -428,7 +428,7 @@ def test_config_rejects_bad_variant_values(key, value, message):
 
 
 def test_config_says_the_variants_need_the_xla_path():
-  """The fused Pallas kernels implement SPEC §4's default alone: another variant with
+  """The fused Pallas kernels implement docs/attention_residuals.md's default alone: another variant with
   attnres_impl='pallas' is one ConfigError naming the switch and asking for 'xla'; with 'xla'
   both switches (alone or together) validate, for full and block AttnRes."""
   for residual in ('attnres_full', 'attnres_block'):

@@ -1,6 +1,6 @@
 """Tests for kimijax.ops.attention against a float64 NumPy transcription (tests/oracles.py).
 
-The reference never calls the code under test: forward, per-head max logit (SPEC §3) and the
+The reference never calls the code under test: forward, per-head max logit (docs/optimizers.md#qk-clip) and the
 analytic softmax-attention backward are written out in NumPy, and the backward itself is
 checked against central finite differences of the NumPy forward. One suite runs every
 implementation in IMPLS against it (the GPU ones, gpu_only, in bf16 and marked gpu); the portable

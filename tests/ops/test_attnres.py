@@ -1,4 +1,4 @@
-"""Attention Residuals' ops (SPEC §4; kimijax.ops.attnres): depth attention, and Block AttnRes in
+"""Attention Residuals' ops (docs/attention_residuals.md; kimijax.ops.attnres): depth attention, and Block AttnRes in
 two phases (phase 1 over a block's fixed sources, phase 2 merged with the consumer's pre-norm),
 every implementation in IMPLS against float64 NumPy (tests/oracles.py) and the Pallas kernels'
 hand-written backward (interpreted on the CPU) against jax.grad of the XLA form, also per shard on a mesh;
@@ -300,7 +300,7 @@ def variant_sources(n=5, d=16, seed=0):
 
 @pytest.mark.parametrize('key_norm,depth_weights', VARIANTS, ids=VARIANT_IDS)
 def test_depth_attention_variants_match_numpy(key_norm, depth_weights):
-  """SPEC §4's ablated switches against the float64 transcription: both forms, the weights, the
+  """docs/attention_residuals.md's ablated switches against the float64 transcription: both forms, the weights, the
   zero query (softmax: the mean; sigmoid: half the sum), bf16 sources, and the query gradient
   against central differences of the float64 oracle (finite, and the op's own autodiff)."""
   sources, query = variant_sources()
@@ -374,7 +374,7 @@ def test_two_phases_equal_one_attention_in_every_variant(key_norm, depth_weights
 
 
 def test_variant_errors_name_the_argument_and_the_pallas_kernels_refuse_them():
-  """The fused kernels implement SPEC §4's default alone: another variant with impl='pallas' is
+  """The fused kernels implement docs/attention_residuals.md's default alone: another variant with impl='pallas' is
   one ValueError saying to use 'xla', before any kernel runs; bad values name the allowed ones."""
   sources, _, queries = random_block(n=2, s=2)
   vs, qs = [jnp.asarray(v) for v in sources], jnp.asarray(queries)

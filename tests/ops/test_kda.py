@@ -1,4 +1,4 @@
-"""Tests for kimijax.ops.kda against a float64 NumPy transcription of SPEC §1 (tests/oracles.py).
+"""Tests for kimijax.ops.kda against a float64 NumPy transcription of docs/kda.md (tests/oracles.py).
 
 The reference `ref_kda` is a plain loop over time in float64 that never calls the code under test.
 One suite runs every implementation in IMPLS ('xla', 'xla_recurrent', 'pallas'; the Pallas kernels
@@ -371,7 +371,7 @@ def test_pallas_rejects_head_dims_the_kernels_cannot_tile():
 
 @pytest.mark.parametrize('lower_bound', [0.0, -5.0])
 def test_log_decay_gate_matches_float64_formula(lower_bound):
-  """kda_log_decay against SPEC §1's gate in float64 NumPy, pre-activations from -60 to 60 (the
+  """kda_log_decay against docs/kda.md's gate in float64 NumPy, pre-activations from -60 to 60 (the
   softplus is evaluated without overflow at both ends); g <= 0 everywhere."""
   rng = np.random.default_rng(0)
   f = np.concatenate([rng.normal(size=(1, 6, 2, 8)) * 3, np.linspace(-60, 60, 96).reshape(1, 6, 2, 8)], axis=1)

@@ -1,6 +1,6 @@
 """KDA's short convolution + activation (kimijax/ops/short_conv.py): every implementation in IMPLS
 ('xla', 'pallas'; the fused kernels interpreted on the CPU) against a float64 NumPy transcription of
-SPEC §1's conv and activations, forward and gradients (central finite differences of it), and
+docs/kda.md's conv and activations, forward and gradients (central finite differences of it), and
 against the XLA form's autodiff at a longer, tiled shape. The kernels' own settings and lowering:
 tests/kernels_pallas/test_short_conv_kernels.py."""
 

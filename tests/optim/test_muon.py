@@ -2,7 +2,7 @@
 AdamW side against a NumPy AdamW, the default routing of the model's parameters, per-head
 stacks, and the sharded update on 8 fake CPU devices against the one-device update.
 
-The references (tests/oracles.py) are written from SPEC §2 alone (momentum M = mu M + G without bias
+The references (tests/oracles.py) are written from docs/optimizers.md#muon alone (momentum M = mu M + G without bias
 correction, Nesterov G + mu M, NS5 on N / (||N||_F + 1e-7) with (3.4445, -4.7750, 2.0315),
 transposed when rows > cols, update lr (0.2 sqrt(max(A, B)) O + wd W)) and the AdamW paper.
 """

@@ -93,7 +93,7 @@ def test_clipped_heads_reach_tau_and_others_are_untouched(variant):
 
 
 def test_mla_clip_reaches_tau_and_leaves_shared_rope_key_untouched():
-  """MLA (SPEC §3): q_nope, k_nope by sqrt(gamma), q_rope by gamma, k_rope untouched; the
+  """MLA (docs/optimizers.md#qk-clip): q_nope, k_nope by sqrt(gamma), q_rope by gamma, k_rope untouched; the
   recomputed (float64, tests/layers/test_mla.py's transcription) max logit of a clipped head is tau."""
   from kimijax.layers.mla import MultiHeadLatentAttention
   cfg = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=10)
