@@ -2,7 +2,7 @@
 
 Each key is declared once in SCHEMA (kimijax.schema.Key: default, one line of doc, allowed values
 or bounds); `base_config()` is the declared defaults, the config files in configs/ start from it,
-and `load('configs/x.py:variant', overrides)` runs one of them and validates it. `validate(config)`
+and `load('configs/default.py:gqa', overrides)` runs one of them and validates it. `validate(config)`
 checks every key against its declaration (unknown keys, types, allowed values, bounds), then the
 rules between keys, section by section, and stops with one message naming the offending key.
 """
@@ -347,7 +347,7 @@ def apply_variants(config: ml_collections.ConfigDict, variants: Mapping[str, Cal
 
 def _find_file(path: str) -> pathlib.Path:
   """A config file by path: as given (absolute, or from the working directory), else from the
-  repository root, so that 'configs/x.py' loads from any working directory."""
+  repository root, so that 'configs/default.py' loads from any working directory."""
   candidates = [pathlib.Path(path)]
   if not candidates[0].is_absolute():
     candidates.append(pathlib.Path(__file__).resolve().parents[1] / path)

@@ -12,7 +12,7 @@ is compiled in a subprocess (--triton_python: a Python with `triton`, this one b
 sm_90 with the kernel's own warps and stages, then read with `ptxas -v` (registers, spills) and
 `cuobjdump -sass` (instruction counts). XLA builds the running kernels with its own fork of
 Triton, so these figures are close to theirs, not equal. --out_dir keeps each kernel's IR,
-PTX and SASS. What it found once: experiments/results/bench_attnres.md (seventh session).
+PTX and SASS. Its figures for the AttnRes kernels: experiments/results/bench_attnres.md.
 """
 
 import collections
