@@ -1,5 +1,5 @@
 """float64 NumPy transcription of the released Mixture-of-Experts layer, the oracle of
-tests/ops/test_moe.py and tests/layers/test_moe.py (beside tests/oracles.py, which holds the
+tests/ops/test_moe_ops.py and tests/layers/test_moe_layer.py (beside tests/oracles.py, which holds the
 other sublayers' oracles). Written from DeepSeek-V3 §2.1 (arXiv 2412.19437) and the released
 modeling code's facts (transformers' DeepseekV3MoE, which KimiLinearMoE reuses), never calling
 kimijax: a token at a time for the routing, explicit loops over the chosen experts, and the

@@ -56,7 +56,6 @@ from jax.sharding import PartitionSpec as P
 RENORM_EPS = 1e-20          # added to the chosen scores' sum before dividing (as released)
 SCORE_FUNCS = ('sigmoid', 'softmax')
 EXPERT_AXIS = 'expert'      # the mesh axis the experts are split over
-GPU_IMPLS = ('tokamax',)
 
 
 def _fmt(shape) -> str:
@@ -103,7 +102,9 @@ def route(logits_te, bias_e=None, *, top_k: int, score_func: str = 'sigmoid', n_
           topk_group: int = 1, renormalize: bool = True, scaling_factor: float = 1.0) -> Routing:
   """The released routing (module docstring) of router logits [T, E] (cast to float32) with the
   per-expert bias [E] (float32; None: zeros). Differentiable in the logits through the weights; the
-  choice carries no gradient and the bias none at all. Ties go to the lower expert index."""
+  choice carries no gradient and the bias none at all. Ties go to the lower expert index. Experts
+  outside the best groups are excluded (-inf), as DeepSeek-V3's inference code does; transformers'
+  masked_fill(0.0) chooses the same experts whenever the eligible biased scores are positive."""
   if logits_te.ndim != 2:
     raise ValueError(f'route: logits must be [T, E], got {_fmt(logits_te.shape)}')
   t, e = logits_te.shape
@@ -211,7 +212,9 @@ def combine(y_md, dispatch: Dispatch, weights_tk, *, all_local: bool = True):
   if not all_local:
     y_md = jnp.where(_local_rows(dispatch)[:, None], y_md, 0)
   y_tkd = _ungather_rows(y_md, dispatch.order_m, dispatch.inverse_m).reshape(t, k, -1)
-  return jnp.einsum('tk,tkd->td', weights_tk.astype(jnp.float32), y_tkd.astype(jnp.float32))
+  # A product and a sum over k (one fused reduction), not a dot: a [T] batch of [1, K] x [K, D]
+  # products would run as T tiny matrix multiplications.
+  return jnp.sum(weights_tk.astype(jnp.float32)[:, :, None] * y_tkd.astype(jnp.float32), axis=1)
 
 
 # ----------------------------------------------------------------------------- the grouped matmul

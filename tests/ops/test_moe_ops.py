@@ -74,8 +74,10 @@ def test_route_bias_chooses_only():
 
 @pytest.mark.parametrize('kwargs,match', [
     (dict(num_experts=8, top_k=9), r'model\.moe\.top_k=9 exceeds model\.moe\.num_experts=8'),
-    (dict(num_experts=8, top_k=2, n_group=3), r'model\.moe\.n_group=3 must be >= 1 and divide model\.moe\.num_experts=8'),
-    (dict(num_experts=8, top_k=2, n_group=4, topk_group=5), r'model\.moe\.topk_group=5 must be in \[1, model\.moe\.n_group=4\]'),
+    (dict(num_experts=8, top_k=2, n_group=3),
+     r'model\.moe\.n_group=3 must be >= 1 and divide model\.moe\.num_experts=8'),
+    (dict(num_experts=8, top_k=2, n_group=4, topk_group=5),
+     r'model\.moe\.topk_group=5 must be in \[1, model\.moe\.n_group=4\]'),
     (dict(num_experts=8, top_k=2, n_group=8, topk_group=2), r'leaves 1 expert per group'),
     (dict(num_experts=16, top_k=6, n_group=4, topk_group=1), r'model\.moe\.top_k=6 exceeds the 4 experts eligible'),
     (dict(num_experts=8, top_k=2, score_func='relu'), r"model\.moe\.score_func='relu' is unknown"),
@@ -200,8 +202,8 @@ def test_sequence_balance_loss():
   scores = jax.nn.sigmoid(_normal(rng, b, t, e))
   experts = jnp.asarray(np.stack([[rng.choice(e, k, replace=False) for _ in range(t)] for _ in range(b)]), jnp.int32)
   got = moe.sequence_balance_loss(scores, experts, alpha=alpha)
-  assert float(got) == pytest.approx(np_sequence_balance_loss(np.asarray(scores, np.float64), np.asarray(experts), alpha),
-                                     rel=1e-6)
+  want = np_sequence_balance_loss(np.asarray(scores, np.float64), np.asarray(experts), alpha)
+  assert float(got) == pytest.approx(want, rel=1e-6)
   # Closed form: uniform scores and every expert chosen equally often give exactly alpha.
   balanced = jnp.asarray(np.arange(t * k).reshape(1, t, k) % e, jnp.int32)
   assert float(moe.sequence_balance_loss(jnp.full((1, t, e), 0.3), balanced, alpha=alpha)) == pytest.approx(alpha)
@@ -264,7 +266,7 @@ MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
     ((4, 1, 2, 1), None, 32, (('data',), None)),
 ], ids=['data2xexpert4_tokens_over_data', 'fsdp2xexpert4_uneven', 'data4xtensor2'])
 def test_sharded_op_matches_one_device(shape, token_axes, t, layout):
-  """The layer test (tests/layers/test_moe.py) covers tokens split over 'expert' (all-gather /
+  """The layer test (tests/layers/test_moe_layer.py) covers tokens split over 'expert' (all-gather /
   reduce-scatter); these are the other layouts. Outputs and gradients of every input, float32."""
   rng = np.random.default_rng(5)
   d, f, e, k = 8, 6, 8, 3
@@ -292,7 +294,8 @@ def test_experts_must_divide_the_expert_axis():
   mesh = jax.make_mesh((2, 1, 1, 4), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4)
   x, w, ex = jnp.zeros((8, 8)), jnp.zeros((8, 1)), jnp.zeros((8, 1), jnp.int32)
   wg, wd = jnp.zeros((6, 8, 4)), jnp.zeros((6, 4, 8))
-  with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"the 6 experts do not divide over the mesh axis 'expert' of size 4"):
+  match = r"the 6 experts do not divide over the mesh axis 'expert' of size 4"
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
     jax.jit(moe.routed_experts)(x, w, ex, wg, wg, wd)
 
 
