@@ -1,0 +1,245 @@
+"""MoE layer timings (issue 37): kimijax.layers.moe.MoE forward+backward against a dense SwiGLU
+with the same active FLOPs, side by side in one process, and the dispatch's parts on their own.
+
+    python -m experiments.bench.bench_moe                                        # one H200: the shapes below
+    python -m experiments.bench.bench_moe --configs=64x8x512 --impls=tokamax,xla
+    python -m experiments.bench.bench_moe --configs=4x2x16 --tokens=256 --d_model=32 --impls=xla   # CPU smoke
+
+Configs 'ExKxF' (routed experts, top-k, expert hidden): by default 64 and 256 experts, top-8, expert
+hidden 512 and 1024, over --tokens=65536 tokens (16 sequences of 4096) of --d_model=1024, in bf16
+on a GPU (float32 elsewhere), sigmoid routing renormalised, --shared shared experts (0 by default:
+the routed part alone). The dense baseline is kimijax.layers.mlp.SwiGLU of hidden F * (K + shared):
+the same expert matmul FLOPs per token.
+
+Table 1, per config and grouped-matmul impl: the MoE layer (router, routing, dispatch, experts,
+combine, the router statistics the train step reads) and the dense SwiGLU, forward and
+forward+backward (gradients of sum(y * dy) with respect to the parameters and x), each the median
+(min) of --repeats calls in ms after --warmup, with TFLOP/s over the active FLOPs: forward
+2 T D (3 F (K + shared) + E) (the expert matmuls and the router), forward+backward 3x that; and
+the ratio MoE / dense of the forward+backward times (the issue's bar: <= 1.5, goal <= 1.2).
+Table 2, the parts of the routed path (kimijax.ops.moe) at the same shapes: 'route' (router
+logits and top-k), 'sort' (sort_by_expert), 'permute' (the gather of the T K rows),
+'grouped swiglu' (expert_swiglu: the two grouped matmuls), 'combine' (inverse permutation and
+weighted sum, float32), forward and forward+backward where there is a gradient. An impl that
+cannot run here, or a cell out of memory, is a cell saying so, not a crash. Prints Markdown.
+Results go to experiments/results/bench_moe.md.
+"""
+
+import datetime
+import platform
+import sys
+
+CONFIGS = ('64x8x512', '64x8x1024', '256x8x512', '256x8x1024')
+IMPLS = ('tokamax',)
+
+
+def define_flags():
+  """The command line (defined only when run as a script, so that tests can import the module)."""
+  from absl import flags
+  flags.DEFINE_list('configs', list(CONFIGS), "'ExKxF': routed experts, top-k, expert hidden")
+  flags.DEFINE_integer('tokens', 65536, 'tokens per call (16 sequences of tokens / 16)')
+  flags.DEFINE_integer('d_model', 1024, 'D')
+  flags.DEFINE_integer('shared', 0, 'shared experts (each of width F)')
+  flags.DEFINE_list('impls', list(IMPLS), "grouped matmul impls (kimijax.ops.moe.IMPLS); 'xla' is "
+                    'jax.lax.ragged_dot, which may lower to a dense dot over all experts on a GPU')
+  flags.DEFINE_string('dtype', None, 'compute dtype; default bfloat16 on a GPU, float32 elsewhere')
+  flags.DEFINE_bool('parts', True, 'also time the dispatch parts (table 2)')
+  flags.DEFINE_integer('repeats', 10, 'timed calls per cell')
+  flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
+
+
+def parse_config(name: str) -> tuple[int, int, int]:
+  parts = name.split('x')
+  if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    raise ValueError(f"--configs entry {name!r} is not 'ExKxF' (routed experts x top-k x expert hidden)")
+  e, k, f = (int(p) for p in parts)
+  if k > e:
+    raise ValueError(f'--configs entry {name!r}: top-k {k} exceeds the {e} experts')
+  return e, k, f
+
+
+def forward_tflop(tokens: int, d_model: int, hidden: int, experts: int = 0) -> float:
+  """Forward TFLOP of a SwiGLU of (active) hidden width `hidden` over `tokens` tokens of d_model,
+  plus a router to `experts` experts: 2 flops per multiply-add of the three matmuls and the
+  router."""
+  return 2.0 * tokens * d_model * (3 * hidden + experts) / 1e12
+
+
+def _error_cell(e: Exception) -> str:
+  text = str(e)
+  if 'RESOURCE_EXHAUSTED' in text or 'out of memory' in text.lower():
+    return 'out of memory'
+  return f'failed: {type(e).__name__}: {text.splitlines()[0][:80] if text else ""}'
+
+
+def _na_cell(problem: str) -> str:
+  """'n/a: needs an NVIDIA GPU, ...' from kimijax.ops.moe.unsupported's message."""
+  return 'n/a: needs ' + problem.split(';')[0].split(' needs ', 1)[-1]
+
+
+def _timed(fn, args, tflop, repeats, warmup) -> tuple[str, float | None]:
+  """(cell, median ms or None)."""
+  from experiments.bench import timing
+  try:
+    median, best = timing.call_ms(lambda: fn(*args), repeats=repeats, warmup=warmup)
+  except Exception as e:  # noqa: BLE001 - out of memory, a shape a kernel refuses
+    return _error_cell(e), None
+  cell = f'{median:.2f} ({best:.2f})'
+  return (cell + f', {tflop / median * 1e3:.3g} TFLOP/s' if tflop else cell), median
+
+
+def _fwd_and_grad(apply, params, x):
+  """Jitted forward and forward+backward (gradients of sum(y * dy) in float32 with respect to the
+  params and x) of apply(params, x) -> y."""
+  import jax
+  import jax.numpy as jnp
+  dy = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
+  loss = lambda p, x: jnp.sum(apply(p, x).astype(jnp.float32) * dy)
+  return jax.jit(apply), jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def _inputs(tokens, d_model, dtype):
+  import jax
+  seqs = 16 if tokens % 16 == 0 else 1
+  return jax.random.normal(jax.random.key(0), (seqs, tokens // seqs, d_model), dtype)
+
+
+def layer_rows(config_names, impls, tokens=65536, d_model=1024, shared=0, dtype_name=None, repeats=10, warmup=2):
+  """Yields table 1's rows: [config, impl, MoE forward, MoE forward+backward, dense forward,
+  dense forward+backward, ratio]."""
+  import jax
+  import jax.numpy as jnp
+
+  from kimijax.layers.mlp import SwiGLU
+  from kimijax.layers.moe import MOE_STATE, MOE_STATS, MoE, moe_aux_loss
+  from kimijax.ops import moe as moe_ops
+
+  dtype = jnp.dtype(dtype_name or ('bfloat16' if jax.default_backend() == 'gpu' else 'float32'))
+  x = _inputs(tokens, d_model, dtype)
+  for name in config_names:
+    e, k, f = parse_config(name)
+    hidden = f * (k + shared)
+    dense = SwiGLU(hidden=hidden, init_std=0.02, dtype=dtype)
+    dense_params = jax.jit(dense.init)(jax.random.key(2), x)['params']
+    fwd, grad = _fwd_and_grad(lambda p, x: dense.apply({'params': p}, x), dense_params, x)
+    dense_tflop = forward_tflop(tokens, d_model, hidden)
+    dense_fwd, _ = _timed(fwd, (dense_params, x), dense_tflop, repeats, warmup)
+    dense_grad, dense_ms = _timed(grad, (dense_params, x), 3 * dense_tflop, repeats, warmup)
+    del dense_params
+    moe_tflop = forward_tflop(tokens, d_model, hidden, e)
+    for impl in impls:
+      label = f'{name} (E={e}, K={k}, F={f}, shared={shared})'
+      problem = moe_ops.unsupported(impl, dtype, d_model, f)
+      if problem:
+        cell = _na_cell(problem)
+        yield [label, impl, cell, cell, dense_fwd, dense_grad, '-']
+        continue
+      layer = MoE(num_experts=e, top_k=k, expert_hidden=f, num_shared=shared, scaling_factor=2.446,
+                  dtype=dtype, impl=impl)
+      variables = jax.jit(layer.init)(jax.random.key(3), x)
+      state = variables[MOE_STATE]
+
+      def apply(p, x, layer=layer, state=state):
+        y, stats = layer.apply({'params': p, MOE_STATE: state}, x, mutable=[MOE_STATS])
+        return y + moe_aux_loss(stats[MOE_STATS]).astype(y.dtype)   # what the train step computes
+
+      fwd, grad = _fwd_and_grad(apply, variables['params'], x)
+      moe_fwd, _ = _timed(fwd, (variables['params'], x), moe_tflop, repeats, warmup)
+      moe_grad, moe_ms = _timed(grad, (variables['params'], x), 3 * moe_tflop, repeats, warmup)
+      ratio = f'{moe_ms / dense_ms:.2f}' if moe_ms and dense_ms else '-'
+      del variables
+      yield [label, impl, moe_fwd, moe_grad, dense_fwd, dense_grad, ratio]
+
+
+def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, repeats=10, warmup=2):
+  """Yields table 2's rows: [config, part, impl, forward, forward+backward]."""
+  import jax
+  import jax.numpy as jnp
+
+  from kimijax.ops import moe as moe_ops
+
+  dtype = jnp.dtype(dtype_name or ('bfloat16' if jax.default_backend() == 'gpu' else 'float32'))
+  keys = jax.random.split(jax.random.key(4), 8)
+  x_td = jax.random.normal(keys[0], (tokens, d_model), dtype)
+  for name in config_names:
+    e, k, f = parse_config(name)
+    w_router = 0.02 * jax.random.normal(keys[1], (d_model, e), jnp.float32)
+    route = jax.jit(lambda x, w: moe_ops.route(
+        jnp.einsum('td,de->te', x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST), None,
+        top_k=k, scaling_factor=2.446))
+    routing = route(x_td, w_router)
+    sort = jax.jit(lambda ex: moe_ops.sort_by_expert(ex, e))
+    dispatch = sort(routing.experts_tk)
+    label = f'{name}'
+    router_tflop = 2 * tokens * d_model * e / 1e12
+    yield [label, 'route', '-', _timed(route, (x_td, w_router), router_tflop, repeats, warmup)[0], '-']
+    yield [label, 'sort', '-', _timed(sort, (routing.experts_tk,), None, repeats, warmup)[0], '-']
+
+    permute = lambda x: moe_ops.permute(x, dispatch, k)
+    g_md = jax.random.normal(keys[2], (tokens * k, d_model), jnp.float32)
+    permute_grad = jax.jit(jax.grad(lambda x: jnp.sum(permute(x).astype(jnp.float32) * g_md)))
+    yield [label, 'permute', '-', _timed(jax.jit(permute), (x_td,), None, repeats, warmup)[0],
+           _timed(permute_grad, (x_td,), None, repeats, warmup)[0]]
+    x_md = jax.jit(permute)(x_td)
+    del g_md
+
+    w = [jax.random.normal(kk, shape, dtype) * 0.02
+         for kk, shape in zip(keys[3:6], ((e, d_model, f), (e, d_model, f), (e, f, d_model)))]
+    for impl in impls:
+      problem = moe_ops.unsupported(impl, dtype, d_model, f)
+      if problem:
+        cell = _na_cell(problem)
+        yield [label, 'grouped swiglu', impl, cell, cell]
+        continue
+      swiglu = lambda x, wg, wu, wd, impl=impl: moe_ops.expert_swiglu(x, dispatch.group_sizes_e, wg, wu, wd, impl=impl)
+      g_out = jax.random.normal(keys[6], (tokens * k, d_model), jnp.float32)
+      swiglu_grad = jax.jit(jax.grad(lambda *a: jnp.sum(swiglu(*a).astype(jnp.float32) * g_out), argnums=(0, 1, 2, 3)))
+      tflop = forward_tflop(tokens, d_model, f * k)
+      yield [label, 'grouped swiglu', impl, _timed(jax.jit(swiglu), (x_md, *w), tflop, repeats, warmup)[0],
+             _timed(swiglu_grad, (x_md, *w), 3 * tflop, repeats, warmup)[0]]
+      del g_out
+
+    weights = routing.weights_tk
+    g_td = jax.random.normal(keys[7], (tokens, d_model), jnp.float32)
+    combine = lambda y, w: moe_ops.combine(y, dispatch, w)
+    combine_grad = jax.jit(jax.grad(lambda y, w: jnp.sum(combine(y, w) * g_td), argnums=(0, 1)))
+    yield [label, 'combine', '-', _timed(jax.jit(combine), (x_md, weights), None, repeats, warmup)[0],
+           _timed(combine_grad, (x_md, weights), None, repeats, warmup)[0]]
+    del x_md, g_td, w
+
+
+def main(argv):
+  del argv
+  import jax
+  from absl import flags
+  FLAGS = flags.FLAGS
+  try:
+    import tokamax
+    tokamax_version = tokamax.__version__
+  except ImportError:
+    tokamax_version = 'not installed'
+  device = jax.devices()[0]
+  print(f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; tokamax {tokamax_version}; '
+        f'backend {jax.default_backend()}; device {device.device_kind} x{jax.device_count()}; '
+        f'host {platform.node()}')
+  print(f'command: python -m experiments.bench.bench_moe {" ".join(sys.argv[1:])}')
+  print(f'{FLAGS.tokens} tokens, d_model {FLAGS.d_model}; median (min) of {FLAGS.repeats} calls in ms after '
+        f'{FLAGS.warmup}; TFLOP/s over the active FLOPs\n')
+  print('| config | impl | MoE forward | MoE forward+backward | dense forward | dense forward+backward | '
+        'MoE / dense (fwd+bwd) |')
+  print('|---|---|---|---|---|---|---|', flush=True)
+  for row in layer_rows(FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.shared, FLAGS.dtype,
+                        FLAGS.repeats, FLAGS.warmup):
+    print('| ' + ' | '.join(row) + ' |', flush=True)
+  if FLAGS.parts:
+    print('\n| config | part | impl | forward | forward+backward |')
+    print('|---|---|---|---|---|', flush=True)
+    for row in part_rows(FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.dtype, FLAGS.repeats,
+                         FLAGS.warmup):
+      print('| ' + ' | '.join(row) + ' |', flush=True)
+
+
+if __name__ == '__main__':
+  from absl import app
+  define_flags()
+  app.run(main)

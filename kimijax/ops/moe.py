@@ -1,0 +1,477 @@
+"""Mixture-of-Experts ops: the released routing and a dropless grouped-matmul dispatch (docs/moe.md).
+
+Routing (DeepSeek-V3 §2.1, arXiv 2412.19437; the routing Moonlight, arXiv 2502.16982, Kimi K2 and
+Kimi Linear, arXiv 2510.26692, release), per token t with router logits u_t = x_t W_r [E] in float32:
+
+    s_t = sigmoid(u_t)                       (score_func='sigmoid'; 'softmax': s_t = softmax(u_t))
+    c_t = s_t + b                            b [E] float32, the per-expert bias: for choosing only
+    with groups (n_group > 1): the E experts form n_group groups of E / n_group; a group's score
+      is the sum of its two largest c_t; only the topk_group best groups are eligible
+    K_t = the top_k eligible experts by c_t
+    w_ti = s_ti / (sum_{j in K_t} s_tj + 1e-20) * scaling_factor   for i in K_t (renormalize=True;
+      else s_ti * scaling_factor): the chosen experts' unbiased scores
+
+Routed experts, dropless (every (token, k) pair reaches its expert: no capacity, no dropping):
+
+    y_t = sum_{i in K_t} w_ti W_down_i^T (silu(W_gate_i^T x_t) * (W_up_i^T x_t))
+
+with W_gate, W_up [E, D, F] and W_down [E, F, D] stacked. The T*K (token, k) rows are sorted by
+expert (`sort_by_expert`: the order, its inverse and the rows per expert), the rows' inputs
+gathered (`permute`), the experts' SwiGLU run as two grouped matmuls (`expert_swiglu`: gate and up
+in one of width 2F, then down) through IMPLS[impl].ragged_dot, and the rows put back in token
+order and summed over k with their weights in float32 (`combine`). `routed_experts` composes them
+and, under a current mesh (jax.set_mesh, as the train step sets it), runs them per shard with the
+experts split over the mesh axis 'expert' (expert parallelism; see there).
+
+Balancing and statistics: `update_bias` (auxiliary-loss-free balancing, DeepSeek-V3 §2.1.2, and
+Moonlight's centred variant), `sequence_balance_loss` (DeepSeek-V3's complementary sequence-wise
+auxiliary loss), `expert_load`, `router_entropy`, `router_stats`.
+
+Numerics: router logits, scores, the bias, the weights and the combine in float32; the expert
+matmuls in the inputs' dtype (the compute dtype), accumulated in float32 by the implementations.
+
+IMPLS, the grouped matmul (ragged dot) by name:
+
+    'xla'      jax.lax.ragged_dot; runs everywhere
+    'tokamax'  tokamax.ragged_dot(implementation='mosaic'): Mosaic GPU kernels for the forward and
+               both gradients (the weight gradient by its ragged-contraction kernel); NVIDIA GPU
+               only; D and F must be multiples of 64 (the kernels' 128-byte contraction tile). The
+               kernels take bf16 (or f16) operands: float32 operands run as three bf16 products
+               of their hi / lo parts (bf16x3, ~1e-5 relative forward, 3x the work), and their
+               gradients at bf16 precision (the backward kernels round the incoming gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+RENORM_EPS = 1e-20          # added to the chosen scores' sum before dividing (as released)
+SCORE_FUNCS = ('sigmoid', 'softmax')
+EXPERT_AXIS = 'expert'      # the mesh axis the experts are split over
+
+
+def _fmt(shape) -> str:
+  return '[' + ', '.join(str(int(d)) for d in shape) + ']'
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def check_routing(*, num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
+                  score_func: str = 'sigmoid', prefix: str = '') -> None:
+  """Raises a ValueError naming the keys (with `prefix`, e.g. 'model.moe.') of an impossible
+  routing: top_k > num_experts, groups that do not divide the experts, topk_group > n_group,
+  groups of one expert (a group's score needs two), fewer eligible experts than top_k."""
+  k = lambda name, value: f'{prefix}{name}={value!r}'
+  if score_func not in SCORE_FUNCS:
+    raise ValueError(f'{k("score_func", score_func)} is unknown; allowed: {SCORE_FUNCS}')
+  if num_experts < 1 or top_k < 1:
+    raise ValueError(f'{k("num_experts", num_experts)} and {k("top_k", top_k)} must be >= 1')
+  if top_k > num_experts:
+    raise ValueError(f'{k("top_k", top_k)} exceeds {k("num_experts", num_experts)}')
+  if n_group < 1 or num_experts % n_group:
+    raise ValueError(f'{k("n_group", n_group)} must be >= 1 and divide {k("num_experts", num_experts)}')
+  if not 1 <= topk_group <= n_group:
+    raise ValueError(f'{k("topk_group", topk_group)} must be in [1, {k("n_group", n_group)}]')
+  size = num_experts // n_group
+  if n_group > 1 and size < 2:
+    raise ValueError(f'{k("n_group", n_group)} leaves {size} expert per group of '
+                     f'{k("num_experts", num_experts)}; a group is scored by its two best experts')
+  if top_k > topk_group * size:
+    raise ValueError(f'{k("top_k", top_k)} exceeds the {topk_group * size} experts eligible with '
+                     f'{k("topk_group", topk_group)} of {k("n_group", n_group)} groups of {size}')
+
+
+class Routing(NamedTuple):
+  """weights_tk float32 (the mixing weights w), experts_tk int32 (the chosen experts K_t, best
+  first by biased score), scores_te float32 (s, unbiased)."""
+  weights_tk: jax.Array
+  experts_tk: jax.Array
+  scores_te: jax.Array
+
+
+def route(logits_te, bias_e=None, *, top_k: int, score_func: str = 'sigmoid', n_group: int = 1,
+          topk_group: int = 1, renormalize: bool = True, scaling_factor: float = 1.0) -> Routing:
+  """The released routing (module docstring) of router logits [T, E] (cast to float32) with the
+  per-expert bias [E] (float32; None: zeros). Differentiable in the logits through the weights; the
+  choice carries no gradient and the bias none at all. Ties go to the lower expert index. Experts
+  outside the best groups are excluded (-inf), as DeepSeek-V3's inference code does; transformers'
+  masked_fill(0.0) chooses the same experts whenever the eligible biased scores are positive."""
+  if logits_te.ndim != 2:
+    raise ValueError(f'route: logits must be [T, E], got {_fmt(logits_te.shape)}')
+  t, e = logits_te.shape
+  check_routing(num_experts=e, top_k=top_k, n_group=n_group, topk_group=topk_group, score_func=score_func)
+  if bias_e is not None and bias_e.shape != (e,):
+    raise ValueError(f'route: bias must be [E] = [{e}] for logits {_fmt(logits_te.shape)}, got '
+                     f'{_fmt(bias_e.shape)}')
+  logits_te = logits_te.astype(jnp.float32)
+  scores_te = jax.nn.sigmoid(logits_te) if score_func == 'sigmoid' else jax.nn.softmax(logits_te, axis=-1)
+  choice_te = jax.lax.stop_gradient(scores_te)
+  if bias_e is not None:
+    choice_te = choice_te + jax.lax.stop_gradient(bias_e.astype(jnp.float32))
+  if n_group > 1:
+    choice_tgs = choice_te.reshape(t, n_group, e // n_group)
+    group_tg = jnp.sum(jax.lax.top_k(choice_tgs, 2)[0], axis=-1)
+    _, best_tg = jax.lax.top_k(group_tg, topk_group)
+    eligible_tg = jnp.any(best_tg[:, :, None] == jnp.arange(n_group), axis=1)
+    choice_te = jnp.where(eligible_tg[:, :, None], choice_tgs, -jnp.inf).reshape(t, e)
+  _, experts_tk = jax.lax.top_k(choice_te, top_k)
+  weights_tk = jnp.take_along_axis(scores_te, experts_tk, axis=-1)
+  if renormalize:
+    weights_tk = weights_tk / (jnp.sum(weights_tk, axis=-1, keepdims=True) + RENORM_EPS)
+  return Routing(weights_tk * scaling_factor, experts_tk.astype(jnp.int32), scores_te)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+class Dispatch(NamedTuple):
+  """The (token, k) rows sorted by expert. order_m [M = T*K] int32: sorted row r is flattened row
+  order_m[r] (= token * K + k); inverse_m [M]: the sorted position of each flattened row;
+  group_sizes_e [E_local] int32: rows per (local) expert, in order; their sum <= M, and the sorted
+  rows past it go to experts on other shards (expert parallelism)."""
+  order_m: jax.Array
+  inverse_m: jax.Array
+  group_sizes_e: jax.Array
+
+
+def sort_by_expert(experts_tk, num_experts: int, *, first_expert=0) -> Dispatch:
+  """Sorts the rows of experts_tk [T, K] by expert, for the experts first_expert ..
+  first_expert + num_experts - 1 (first_expert may be traced); rows of other experts go last.
+  Stable: within an expert rows keep token order."""
+  local_m = experts_tk.reshape(-1).astype(jnp.int32) - first_expert
+  key_m = jnp.where((local_m >= 0) & (local_m < num_experts), local_m, num_experts)
+  order_m = jnp.argsort(key_m, stable=True).astype(jnp.int32)
+  m = key_m.shape[0]
+  inverse_m = jnp.zeros((m,), jnp.int32).at[order_m].set(jnp.arange(m, dtype=jnp.int32),
+                                                          unique_indices=True)
+  group_sizes_e = jnp.bincount(key_m, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  return Dispatch(order_m, inverse_m, group_sizes_e)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gather_rows(x_td, order_m, inverse_m, top_k):
+  return x_td[order_m // top_k]
+
+
+def _gather_rows_fwd(x_td, order_m, inverse_m, top_k):
+  return x_td[order_m // top_k], (order_m, inverse_m, x_td.shape[0])
+
+
+def _gather_rows_bwd(top_k, res, g_md):
+  # The transpose is a gather too (no scatter-add), and the sum over a token's k rows is float32.
+  order_m, inverse_m, t = res
+  g_tkd = g_md[inverse_m].reshape(t, top_k, -1)
+  return jnp.sum(g_tkd, axis=1, dtype=jnp.float32).astype(g_md.dtype), None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+@jax.custom_vjp
+def _ungather_rows(y_md, order_m, inverse_m):
+  return y_md[inverse_m]
+
+
+def _ungather_rows_fwd(y_md, order_m, inverse_m):
+  return y_md[inverse_m], order_m
+
+
+def _ungather_rows_bwd(order_m, g_md):
+  return g_md[order_m], None, None
+
+
+_ungather_rows.defvjp(_ungather_rows_fwd, _ungather_rows_bwd)
+
+
+def _local_rows(dispatch: Dispatch):
+  """[M] bool: sorted row r goes to a local expert (r < the local experts' total)."""
+  return jnp.arange(dispatch.order_m.shape[0]) < jnp.sum(dispatch.group_sizes_e)
+
+
+def permute(x_td, dispatch: Dispatch, top_k: int, *, all_local: bool = True):
+  """The sorted rows' inputs [M, D] = x_td[order_m // K], in x's dtype. Rows for other shards'
+  experts are zero unless all_local (so that a kernel never reads or returns garbage for them)."""
+  x_md = _gather_rows(x_td, dispatch.order_m, dispatch.inverse_m, top_k)
+  return x_md if all_local else jnp.where(_local_rows(dispatch)[:, None], x_md, 0)
+
+
+def combine(y_md, dispatch: Dispatch, weights_tk, *, all_local: bool = True):
+  """y_td [T, D] float32 = sum_k weights_tk[t, k] * y of row (t, k): the inverse permutation of
+  the sorted rows y_md [M, D] and the weighted sum, in float32. Rows for other shards' experts
+  count zero unless all_local."""
+  t, k = weights_tk.shape
+  if not all_local:
+    y_md = jnp.where(_local_rows(dispatch)[:, None], y_md, 0)
+  y_tkd = _ungather_rows(y_md, dispatch.order_m, dispatch.inverse_m).reshape(t, k, -1)
+  # A product and a sum over k (one fused reduction), not a dot: a [T] batch of [1, K] x [K, D]
+  # products would run as T tiny matrix multiplications.
+  return jnp.sum(weights_tk.astype(jnp.float32)[:, :, None] * y_tkd.astype(jnp.float32), axis=1)
+
+
+# ----------------------------------------------------------------------------- the grouped matmul
+
+
+def _xla_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g):
+  return jax.lax.ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, preferred_element_type=lhs_mk.dtype)
+
+
+def _tokamax_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g):
+  import tokamax   # lazily: only the GPU path needs it
+
+  def call(lhs, rhs, out_dtype):
+    return tokamax.ragged_dot(lhs, rhs, group_sizes_g, preferred_element_type=out_dtype, implementation='mosaic')
+
+  if lhs_mk.dtype != jnp.float32:
+    return call(lhs_mk, rhs_gkn, lhs_mk.dtype)
+  # float32: the kernels take bf16 operands, so split each into bf16 hi + lo parts and add three
+  # products (hi hi + hi lo + lo hi, float32 accumulation and result): ~float32 accuracy forward.
+  split = lambda a: (a.astype(jnp.bfloat16), (a - a.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16))
+  (l_hi, l_lo), (r_hi, r_lo) = split(lhs_mk), split(rhs_gkn)
+  return call(l_hi, r_hi, jnp.float32) + call(l_hi, r_lo, jnp.float32) + call(l_lo, r_hi, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """One grouped matmul. ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G] int32) -> [M, N] in
+  lhs's dtype: rows of group g (consecutive, in order) times rhs[g]; rows past the groups' total
+  are unspecified (callers mask them). Differentiable in lhs and rhs. gpu_only: needs an NVIDIA GPU.
+  dims_multiple: D and F must be multiples of it (1: any)."""
+  ragged_dot: Callable
+  gpu_only: bool
+  dims_multiple: int = 1
+
+
+IMPLS = types.MappingProxyType({
+    'xla': Implementation(_xla_ragged_dot, gpu_only=False),
+    'tokamax': Implementation(_tokamax_ragged_dot, gpu_only=True, dims_multiple=64),
+})
+
+
+def unsupported(impl: str, dtype=jnp.bfloat16, d_model: int | None = None, hidden: int | None = None,
+                platform: str | None = None) -> str | None:
+  """Why the grouped matmul `impl` cannot run for inputs of `dtype` with model width d_model and
+  expert hidden width `hidden` on `platform` (default: JAX's default backend), or None."""
+  if impl not in IMPLS:
+    return f'moe impl={impl!r} is unknown; allowed: {tuple(IMPLS)}'
+  spec = IMPLS[impl]
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
+    return f'moe impl={impl!r} needs bfloat16, float16 or float32 inputs, got {jnp.dtype(dtype)}'
+  platform = platform or jax.default_backend()
+  if spec.gpu_only and platform != 'gpu':
+    return (f"moe impl={impl!r} needs an NVIDIA GPU, but JAX runs on {platform!r} here; use impl='xla' "
+            "(model.moe.impl='xla') off the GPU")
+  for name, size in (('d_model', d_model), ('expert hidden', hidden)):
+    if size is not None and size % spec.dims_multiple:
+      return f'moe impl={impl!r} needs {name} ({size}) to be a multiple of {spec.dims_multiple}'
+  return None
+
+
+def expert_swiglu(x_md, group_sizes_e, w_gate_edf, w_up_edf, w_down_efd, *, impl: str = 'xla'):
+  """The experts' SwiGLU on sorted rows: row r of expert e -> W_down_e^T (silu(W_gate_e^T x_r) *
+  (W_up_e^T x_r)), [M, D] in x's dtype; gate and up as one grouped matmul of width 2F."""
+  ragged_dot = IMPLS[impl].ragged_dot
+  f = w_gate_edf.shape[-1]
+  w_in_ed2f = jnp.concatenate([w_gate_edf, w_up_edf], axis=-1).astype(x_md.dtype)
+  gate_up_m2f = ragged_dot(x_md, w_in_ed2f, group_sizes_e)
+  h_mf = jax.nn.silu(gate_up_m2f[:, :f]) * gate_up_m2f[:, f:]
+  return ragged_dot(h_mf, w_down_efd.astype(x_md.dtype), group_sizes_e)
+
+
+def _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl,
+                  first_expert=0, all_local=True):
+  """Dispatch, experts and combine on one device for its experts first_expert .. + E_local - 1."""
+  top_k = experts_tk.shape[1]
+  dispatch = sort_by_expert(experts_tk, w_gate_edf.shape[0], first_expert=first_expert)
+  x_md = permute(x_td, dispatch, top_k, all_local=all_local)
+  y_md = expert_swiglu(x_md, dispatch.group_sizes_e, w_gate_edf, w_up_edf, w_down_efd, impl=impl)
+  return combine(y_md, dispatch, weights_tk, all_local=all_local)
+
+
+# ----------------------------------------------------------------------------- the op
+
+
+def _check_experts(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl):
+  if impl not in IMPLS:
+    raise ValueError(f'routed_experts impl={impl!r} is unknown; allowed: {tuple(IMPLS)}')
+  if x_td.ndim != 2 or weights_tk.ndim != 2 or experts_tk.shape != weights_tk.shape \
+      or weights_tk.shape[0] != x_td.shape[0]:
+    raise ValueError(f'routed_experts expects x [T, D], weights and experts [T, K]; got x '
+                     f'{_fmt(x_td.shape)}, weights {_fmt(weights_tk.shape)}, experts {_fmt(experts_tk.shape)}')
+  t, d = x_td.shape
+  e, _, f = w_gate_edf.shape if w_gate_edf.ndim == 3 else (0, 0, 0)
+  if w_gate_edf.shape != (e, d, f) or w_up_edf.shape != (e, d, f) or w_down_efd.shape != (e, f, d):
+    raise ValueError(f'routed_experts expects w_gate and w_up [E, D={d}, F] and w_down [E, F, D={d}] for x '
+                     f'{_fmt(x_td.shape)}; got w_gate {_fmt(w_gate_edf.shape)}, w_up {_fmt(w_up_edf.shape)}, '
+                     f'w_down {_fmt(w_down_efd.shape)}')
+  if weights_tk.shape[1] > e:
+    raise ValueError(f'routed_experts: top-k {weights_tk.shape[1]} (experts [T, K] {_fmt(experts_tk.shape)}) '
+                     f'exceeds the {e} experts of w_gate {_fmt(w_gate_edf.shape)}')
+  if not jnp.issubdtype(experts_tk.dtype, jnp.integer):
+    raise ValueError(f'routed_experts: experts must be integer expert ids, got dtype {experts_tk.dtype}')
+  problem = unsupported(impl, x_td.dtype, d, f)
+  if problem:
+    raise ValueError(problem)
+
+
+def _spec_entry(axes: tuple[str, ...]):
+  return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
+
+
+def shard_layout(num_tokens: int, num_experts: int, token_axes=None):
+  """(token_axes, expert_axis) that routed_experts uses under the current mesh: the mesh axes the
+  T tokens are split over and the axis the experts are split over (None: not split). token_axes
+  None: every mesh axis but 'tensor'; axes of the mesh only, trailing ones dropped until their
+  product divides T (a batch too small for the mesh, e.g. decoding, is replicated instead)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if not mesh.empty else {}
+  expert_axis = EXPERT_AXIS if sizes.get(EXPERT_AXIS, 1) > 1 else None
+  if expert_axis and num_experts % sizes[expert_axis]:
+    raise ValueError(f'routed_experts: the {num_experts} experts do not divide over the mesh axis '
+                     f'{expert_axis!r} of size {sizes[expert_axis]}')
+  if token_axes is None:
+    token_axes = tuple(a for a in sizes if a != 'tensor')
+  axes = [a for a in token_axes if sizes.get(a, 1) > 1]
+  while axes and num_tokens % math.prod(sizes[a] for a in axes):
+    axes.pop()
+  return tuple(axes), expert_axis
+
+
+def routed_experts(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, *, impl: str = 'xla',
+                   token_axes: tuple[str, ...] | None = None):
+  """The routed experts' output y_td [T, D] float32 (module docstring), dropless.
+
+  Args:
+    x_td: [T, D] token inputs in the compute dtype. weights_tk [T, K] float32 and experts_tk [T, K]
+      int32: the routing (`route`).
+    w_gate_edf, w_up_edf: [E, D, F]; w_down_efd: [E, F, D], the stacked expert weights (cast to
+      x's dtype).
+    impl: a key of IMPLS ('xla' | 'tokamax').
+    token_axes: under a mesh, the mesh axes the token axis of x is split over, major first (the
+      layer passes those of its batch; None: see shard_layout).
+
+  Under a current mesh of several devices (jax.set_mesh) the op runs per shard (shard_map): each
+  device sorts its own rows and runs its grouped matmuls (a sort or a kernel split by XLA would
+  gather every token). With a mesh axis 'expert' of size P > 1 the experts are split over it
+  (E / P per device; other mesh axes replicate them, a sharded D or F is gathered) and, when the
+  tokens are split over 'expert' too:
+
+      all-gather x, weights and experts over 'expert' -> each device runs its E / P experts on
+      the rows of the P devices' tokens that chose them, combines them with their weights into a
+      float32 partial y [P * T_local, D] -> reduce-scatter (sum) over 'expert' -> y [T_local, D].
+
+  Why all-gather / reduce-scatter rather than a (ragged) all-to-all: on one NVLink host the two
+  regular collectives run at full bandwidth where ragged_all_to_all has been reported slow (~2%
+  of the bandwidth on 8 GPUs; docs/moe.md); they move (P - 1) T_local D values each way
+  per device, no more than an all-to-all of the T_local K rows once K >= P (top-8 over up to 8
+  expert shards), because the weighted sum over k happens before the reduce-scatter; shapes stay
+  static and nothing is dropped, where a dropless all-to-all needs worst-case buffers anyway; and
+  the gradients are the collectives' transposes (reduce-scatter <-> all-gather), exact. The cost
+  is the gathered buffer: each device sorts P T_local K rows and holds them (the worst case of a
+  dropless all-to-all too). When the tokens are not split over 'expert', each device runs its
+  experts on its tokens and the partial outputs are summed over 'expert' outside the shard_map.
+  """
+  _check_experts(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl)
+  token_axes, expert_axis = shard_layout(x_td.shape[0], w_gate_edf.shape[0], token_axes)
+  gather = expert_axis is not None and expert_axis in token_axes
+
+  def per_shard(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd):
+    if expert_axis is None:
+      return _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl)
+    if gather:
+      x_td, weights_tk, experts_tk = (jax.lax.all_gather(a, expert_axis, axis=0, tiled=True)
+                                      for a in (x_td, weights_tk, experts_tk))
+    first = jax.lax.axis_index(expert_axis) * w_gate_edf.shape[0]
+    y_td = _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl,
+                         first_expert=first, all_local=False)
+    if gather:
+      return jax.lax.psum_scatter(y_td, expert_axis, scatter_dimension=0, tiled=True)
+    return y_td[None]
+
+  tokens = P(_spec_entry(token_axes), None)
+  experts = P(expert_axis, None, None)
+  out = tokens if expert_axis is None or gather else P(expert_axis, _spec_entry(token_axes), None)
+  # check_vma=False: the kernels' outputs carry no varying-axes type; every collective here is
+  # transposed exactly without it (no psum of a replicated value).
+  y = jax.shard_map(per_shard, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts, experts),
+                    out_specs=out, check_vma=False)(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf,
+                                                     w_down_efd)
+  return y if expert_axis is None or gather else jnp.sum(y, axis=0)
+
+
+# ----------------------------------------------------------------------------- balancing, statistics
+
+
+def expert_load(experts_tk, num_experts: int):
+  """[E] float32: how many (token, k) rows chose each expert (exact integer counts)."""
+  return jnp.bincount(experts_tk.reshape(-1), length=num_experts).astype(jnp.float32)
+
+
+def update_bias(bias_e, load_e, *, rate: float = 1e-3, centred: bool = False):
+  """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2), after each step over the global batch's
+  loads [E]: b_i += rate * sign(mean_j load_j - load_i) (an overloaded expert's bias falls).
+  centred=True is Moonlight's form: b_i += rate * (e_i - mean_j e_j), e_i = sign(mean load -
+  load_i), which keeps the mean bias fixed. float32 in and out; no gradient."""
+  if bias_e.shape != load_e.shape or bias_e.ndim != 1:
+    raise ValueError(f'update_bias: bias and load must both be [E]; got {_fmt(bias_e.shape)} and '
+                     f'{_fmt(load_e.shape)}')
+  load_e = jax.lax.stop_gradient(load_e.astype(jnp.float32))
+  step_e = jnp.sign(jnp.mean(load_e) - load_e)
+  if centred:
+    step_e = step_e - jnp.mean(step_e)
+  return (bias_e.astype(jnp.float32) + rate * step_e).astype(jnp.float32)
+
+
+def _normalised(scores_te):
+  return scores_te / jnp.sum(scores_te, axis=-1, keepdims=True)
+
+
+def sequence_balance_loss(scores_bte, experts_btk, *, alpha: float):
+  """DeepSeek-V3's complementary sequence-wise balance loss (§2.1.2, eq. 17-20), averaged over the
+  B sequences of T tokens: alpha * sum_i f_i P_i with f_i = E / (K T) * #{t : i in K_t} (no
+  gradient) and P_i = (1 / T) sum_t s'_ti, s'_t = s_t / sum_j s_tj (the normalised scores).
+  scores_bte float32 [B, T, E], experts_btk [B, T, K]. A balanced sequence gives alpha. 0.0
+  when alpha is 0."""
+  if scores_bte.ndim != 3 or experts_btk.shape[:2] != scores_bte.shape[:2]:
+    raise ValueError(f'sequence_balance_loss expects scores [B, T, E] and experts [B, T, K]; got '
+                     f'{_fmt(scores_bte.shape)} and {_fmt(experts_btk.shape)}')
+  if not alpha:
+    return jnp.zeros((), jnp.float32)
+  _, t, e = scores_bte.shape
+  k = experts_btk.shape[-1]
+  counts_be = jax.vmap(lambda x: jnp.bincount(x.reshape(-1), length=e))(experts_btk)
+  f_be = jax.lax.stop_gradient(counts_be.astype(jnp.float32) * (e / (k * t)))
+  p_be = jnp.mean(_normalised(scores_bte.astype(jnp.float32)), axis=1)
+  return alpha * jnp.mean(jnp.sum(f_be * p_be, axis=-1))
+
+
+def router_entropy(scores_te):
+  """Mean over tokens of the entropy (nats) of the normalised scores s_t / sum_j s_tj; log E when
+  uniform. float32 scalar, no gradient."""
+  p = _normalised(jax.lax.stop_gradient(scores_te).astype(jnp.float32))
+  return -jnp.mean(jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1))
+
+
+def router_stats(load_e, bias_e=None, entropy=None) -> dict:
+  """Scalars for the metrics of one MoE layer, float32: load_max_over_mean (1 when balanced),
+  load_cv (std / mean of the loads, population std), and with the bias bias_min, bias_max and
+  bias_range (max - min); with entropy (router_entropy) router_entropy."""
+  load_e = jnp.asarray(load_e, jnp.float32)
+  mean = jnp.mean(load_e)
+  stats = {'load_max_over_mean': jnp.max(load_e) / mean, 'load_cv': jnp.std(load_e) / mean}
+  if bias_e is not None:
+    stats.update(bias_min=jnp.min(bias_e), bias_max=jnp.max(bias_e), bias_range=jnp.max(bias_e) - jnp.min(bias_e))
+  if entropy is not None:
+    stats['router_entropy'] = jnp.asarray(entropy, jnp.float32)
+  return stats

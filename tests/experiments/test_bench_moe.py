@@ -1,0 +1,47 @@
+"""experiments/bench/bench_moe.py on the CPU: tiny shapes through 'xla' (timed) and 'tokamax' (a
+cell saying why it cannot run here), the config parser and the FLOP count."""
+
+import re
+
+import pytest
+
+from experiments.bench import bench_moe
+
+TIMED = r'\d+\.\d\d \(\d+\.\d\d\)'
+
+
+def test_tiny_shapes_time_the_layer_against_the_dense_swiglu():
+  rows = list(bench_moe.layer_rows(['4x2x16'], ['xla', 'tokamax'], tokens=64, d_model=16, shared=1,
+                                   repeats=1, warmup=1))
+  assert [r[1] for r in rows] == ['xla', 'tokamax']
+  xla, tokamax = rows
+  assert xla[0] == '4x2x16 (E=4, K=2, F=16, shared=1)'
+  for cell in xla[2:6]:
+    assert re.fullmatch(TIMED + r', .* TFLOP/s', cell), cell
+  assert re.fullmatch(r'\d+\.\d\d', xla[6])
+  assert tokamax[2] == tokamax[3] == "n/a: needs an NVIDIA GPU, but JAX runs on 'cpu' here"
+  assert tokamax[4:6] == xla[4:6] and tokamax[6] == '-'
+
+
+def test_tiny_shapes_time_the_parts():
+  rows = list(bench_moe.part_rows(['4x2x16'], ['xla', 'tokamax'], tokens=64, d_model=16, repeats=1, warmup=1))
+  assert [(r[1], r[2]) for r in rows] == [('route', '-'), ('sort', '-'), ('permute', '-'), ('grouped swiglu', 'xla'),
+                                          ('grouped swiglu', 'tokamax'), ('combine', '-')]
+  by_part = {(r[1], r[2]): r for r in rows}
+  assert re.fullmatch(TIMED, by_part[('sort', '-')][3]) and by_part[('sort', '-')][4] == '-'
+  for part in (('permute', '-'), ('combine', '-')):
+    assert all(re.fullmatch(TIMED, c) for c in by_part[part][3:]), by_part[part]
+  assert all(re.fullmatch(TIMED + r', .* TFLOP/s', c) for c in by_part[('grouped swiglu', 'xla')][3:])
+  assert by_part[('grouped swiglu', 'tokamax')][3].startswith('n/a: needs an NVIDIA GPU')
+
+
+def test_configs_and_flops():
+  assert bench_moe.parse_config('64x8x512') == (64, 8, 512)
+  with pytest.raises(ValueError, match="'64x8' is not 'ExKxF'"):
+    bench_moe.parse_config('64x8')
+  with pytest.raises(ValueError, match='top-k 9 exceeds the 8 experts'):
+    bench_moe.parse_config('8x9x16')
+  # Three matmuls of D x F per token and a router of D x E, 2 flops per multiply-add.
+  assert bench_moe.forward_tflop(4, 3, 5, 7) == 2 * 4 * 3 * (3 * 5 + 7) / 1e12
+  # 64 experts top-8 of hidden 512 over 65536 tokens of 1024: the dense baseline's hidden is 4096.
+  assert bench_moe.forward_tflop(65536, 1024, 8 * 512) == pytest.approx(1.649, rel=1e-3)

@@ -1,0 +1,357 @@
+"""MoE ops (kimijax/ops/moe.py) against float64 NumPy transcriptions (tests/oracles_moe.py) and
+closed forms: the released routing, the dispatch parts, experts that receive no token, the bias
+update balancing a deliberately imbalanced router, the sequence-wise balance loss, the router
+statistics, the input checks, expert parallelism on the 8 fake CPU devices (tests/conftest.py)
+against one device, and on a GPU (marked gpu) tokamax's grouped matmul against lax.ragged_dot."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from kimijax.ops import moe
+
+from oracles_moe import np_route, np_routed_experts, np_sequence_balance_loss
+
+
+def rel_max(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)
+
+
+def rel_rmse(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.sqrt(np.mean((got - want) ** 2) / max(np.mean(want ** 2), 1e-30))
+
+
+def _normal(rng, *shape, scale=1.0):
+  return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+
+
+# ----------------------------------------------------------------------------- routing
+
+ROUTINGS = {
+    'sigmoid_groups': dict(top_k=4, score_func='sigmoid', n_group=4, topk_group=2, renormalize=True, scaling=2.5),
+    'sigmoid_plain': dict(top_k=8, score_func='sigmoid', n_group=1, topk_group=1, renormalize=True, scaling=2.827),
+    'softmax_unnormalised': dict(top_k=3, score_func='softmax', n_group=2, topk_group=1, renormalize=False,
+                                 scaling=1.0),
+}
+
+
+@pytest.mark.parametrize('cfg', ROUTINGS.values(), ids=ROUTINGS.keys())
+def test_route_matches_the_released_routing(cfg):
+  rng = np.random.default_rng(0)
+  t, e = 96, 16
+  logits, bias = _normal(rng, t, e, scale=2.0), _normal(rng, e, scale=0.3)
+  got = jax.jit(lambda l, b: moe.route(l, b, top_k=cfg['top_k'], score_func=cfg['score_func'],
+                                       n_group=cfg['n_group'], topk_group=cfg['topk_group'],
+                                       renormalize=cfg['renormalize'], scaling_factor=cfg['scaling']))(logits, bias)
+  experts, weights, scores, margin = np_route(np.asarray(logits), np.asarray(bias), **cfg)
+  assert margin > 1e-4, f'near-tie in the routing ({margin:.2g}): pick another seed'
+  np.testing.assert_array_equal(got.experts_tk, experts)
+  assert got.weights_tk.dtype == got.scores_te.dtype == jnp.float32
+  np.testing.assert_allclose(got.weights_tk, weights, rtol=2e-6, atol=0)
+  np.testing.assert_allclose(got.scores_te, scores, rtol=2e-6, atol=1e-7)
+  if cfg['renormalize']:
+    np.testing.assert_allclose(np.sum(got.weights_tk, -1), cfg['scaling'], rtol=1e-6)
+  if cfg['n_group'] > 1:   # every token's experts lie in topk_group groups
+    size = e // cfg['n_group']
+    assert max(len(set(row // size)) for row in np.asarray(got.experts_tk)) <= cfg['topk_group']
+
+
+def test_route_bias_chooses_only():
+  """The bias changes the choice, never the weights: the weights are the unbiased scores."""
+  rng = np.random.default_rng(1)
+  logits = _normal(rng, 32, 8)
+  bias = jnp.zeros(8).at[2].set(10.0)
+  r = moe.route(logits, bias, top_k=2, renormalize=False)
+  assert np.all(np.asarray(r.experts_tk)[:, 0] == 2)
+  np.testing.assert_allclose(r.weights_tk[:, 0], jax.nn.sigmoid(logits[:, 2]), rtol=1e-6)
+  g = jax.grad(lambda b: jnp.sum(moe.route(logits, b, top_k=2).weights_tk))(bias)
+  assert not np.any(g)
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    (dict(num_experts=8, top_k=9), r'model\.moe\.top_k=9 exceeds model\.moe\.num_experts=8'),
+    (dict(num_experts=8, top_k=2, n_group=3),
+     r'model\.moe\.n_group=3 must be >= 1 and divide model\.moe\.num_experts=8'),
+    (dict(num_experts=8, top_k=2, n_group=4, topk_group=5),
+     r'model\.moe\.topk_group=5 must be in \[1, model\.moe\.n_group=4\]'),
+    (dict(num_experts=8, top_k=2, n_group=8, topk_group=2), r'leaves 1 expert per group'),
+    (dict(num_experts=16, top_k=6, n_group=4, topk_group=1), r'model\.moe\.top_k=6 exceeds the 4 experts eligible'),
+    (dict(num_experts=8, top_k=2, score_func='relu'), r"model\.moe\.score_func='relu' is unknown"),
+    (dict(num_experts=8, top_k=0), r'must be >= 1'),
+])
+def test_check_routing_names_the_keys(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    moe.check_routing(prefix='model.moe.', **kwargs)
+
+
+def test_route_checks_shapes():
+  with pytest.raises(ValueError, match=r'logits must be \[T, E\], got \[2, 3, 4\]'):
+    moe.route(jnp.zeros((2, 3, 4)), None, top_k=1)
+  with pytest.raises(ValueError, match=r'bias must be \[E\] = \[4\] for logits \[3, 4\], got \[5\]'):
+    moe.route(jnp.zeros((3, 4)), jnp.zeros(5), top_k=1)
+  with pytest.raises(ValueError, match=r'top_k=5 exceeds num_experts=4'):
+    moe.route(jnp.zeros((3, 4)), None, top_k=5)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def test_dispatch_parts_against_numpy():
+  rng = np.random.default_rng(2)
+  t, k, e, d = 10, 3, 5, 4
+  experts = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+  x = _normal(rng, t, d)
+  dispatch = moe.sort_by_expert(experts, e)
+  flat = np.asarray(experts).reshape(-1)
+  order = np.argsort(flat, kind='stable')
+  np.testing.assert_array_equal(dispatch.order_m, order)
+  np.testing.assert_array_equal(dispatch.inverse_m, np.argsort(order))
+  np.testing.assert_array_equal(dispatch.group_sizes_e, np.bincount(flat, minlength=e))
+  x_md = moe.permute(x, dispatch, k)
+  np.testing.assert_array_equal(x_md, np.asarray(x)[order // k])
+  # The gather's transpose: each token's gradient is the sum of its k rows' gradients.
+  g_md = _normal(rng, t * k, d)
+  dx = jax.grad(lambda x: jnp.sum(moe.permute(x, dispatch, k) * g_md))(x)
+  want = np.zeros((t, d))
+  np.add.at(want, order // k, np.asarray(g_md))
+  np.testing.assert_allclose(dx, want, rtol=1e-6, atol=1e-6)
+  # combine puts rows back in token order and weighs them, in float32.
+  w = _normal(rng, t, k)
+  y_md = x_md.astype(jnp.bfloat16)
+  y = moe.combine(y_md, dispatch, w)
+  assert y.dtype == jnp.float32
+  y_rows = np.asarray(y_md.astype(jnp.float32))[np.argsort(order)].reshape(t, k, d)
+  np.testing.assert_allclose(y, np.einsum('tk,tkd->td', np.asarray(w), y_rows), rtol=1e-6, atol=1e-6)
+  # Experts first_expert .. first_expert + 1 only: their rows first, the rest after.
+  local = moe.sort_by_expert(experts, 2, first_expert=2)
+  np.testing.assert_array_equal(local.group_sizes_e, np.bincount(flat, minlength=e)[2:4])
+  key = np.where((flat >= 2) & (flat < 4), flat - 2, 2)
+  np.testing.assert_array_equal(local.order_m, np.argsort(key, kind='stable'))
+
+
+def _expert_weights(rng, e, d, f):
+  return _normal(rng, e, d, f, scale=0.5), _normal(rng, e, d, f, scale=0.5), _normal(rng, e, f, d, scale=0.5)
+
+
+@pytest.mark.parametrize('used', [(1, 4), (3,)], ids=['two_of_six', 'all_to_one'])
+def test_experts_that_receive_no_token(used):
+  rng = np.random.default_rng(3)
+  t, d, f, e = 12, 8, 6, 6
+  k = len(used)
+  experts = jnp.asarray(np.stack([rng.permutation(used) for _ in range(t)]), jnp.int32)
+  weights = _normal(rng, t, k)
+  x, dy = _normal(rng, t, d), _normal(rng, t, d)
+  wg, wu, wd = _expert_weights(rng, e, d, f)
+  loss = lambda x, w, wg, wu, wd: jnp.sum(moe.routed_experts(x, w, experts, wg, wu, wd) * dy)
+  y = jax.jit(moe.routed_experts)(x, weights, experts, wg, wu, wd)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, weights, wg, wu, wd)
+  ref = np_routed_experts(x, weights, np.asarray(experts), wg, wu, wd, np.asarray(dy))
+  assert rel_max(y, ref[0]) < 2e-6
+  for got, want, name in zip(grads, ref[1:], ('x', 'weights', 'w_gate', 'w_up', 'w_down')):
+    assert rel_max(got, want) < 2e-6, name
+  unused = [i for i in range(e) if i not in used]
+  for g in grads[2:]:
+    assert not np.any(np.asarray(g)[unused])
+
+
+# ----------------------------------------------------------------------------- balancing and statistics
+
+
+@pytest.mark.parametrize('centred', [False, True], ids=['deepseek', 'moonlight_centred'])
+def test_bias_update_balances_an_imbalanced_router(centred):
+  """Router logits with a fixed per-expert offset from +2 to -2 overload the first experts (max /
+  mean load 3.3); 1500 updates at DeepSeek-V3's rate 1e-3 bring every step's max / mean to <= 1.05."""
+  t, e, k, rate = 2048, 8, 2, 1e-3
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.standard_normal((t, e)) + np.linspace(2, -2, e), jnp.float32)
+
+  def load(bias):
+    return moe.expert_load(moe.route(logits, bias, top_k=k).experts_tk, e)
+
+  def step(bias, _):
+    new = moe.update_bias(bias, load(bias), rate=rate, centred=centred)
+    return new, jnp.max(load(new)) / jnp.mean(load(new))
+
+  before = load(jnp.zeros(e))
+  assert float(jnp.max(before) / jnp.mean(before)) > 3
+  bias, ratios = jax.jit(lambda b: jax.lax.scan(step, b, length=1500))(jnp.zeros(e, jnp.float32))
+  assert float(jnp.max(ratios[-50:])) <= 1.05, ratios[-50:]
+  assert bias.dtype == jnp.float32
+  assert np.all(np.diff(np.asarray(bias)) > 0)   # the overloaded experts' bias fell the most
+  if centred:
+    assert abs(float(jnp.mean(bias))) < 1e-5
+
+
+def test_update_bias_closed_form():
+  bias = jnp.asarray([0.0, 0.5, -0.5, 0.0])
+  load = jnp.asarray([4.0, 1.0, 2.0, 1.0])                 # mean 2: signs -1, +1, 0, +1
+  np.testing.assert_allclose(moe.update_bias(bias, load, rate=0.1), [-0.1, 0.6, -0.5, 0.1], atol=1e-7)
+  np.testing.assert_allclose(moe.update_bias(bias, load, rate=0.1, centred=True),
+                             [-0.125, 0.575, -0.525, 0.075], atol=1e-7)
+  with pytest.raises(ValueError, match=r'bias and load must both be \[E\]; got \[4\] and \[3\]'):
+    moe.update_bias(bias, load[:3])
+
+
+def test_sequence_balance_loss():
+  rng = np.random.default_rng(4)
+  b, t, e, k, alpha = 3, 16, 8, 2, 1e-2
+  scores = jax.nn.sigmoid(_normal(rng, b, t, e))
+  experts = jnp.asarray(np.stack([[rng.choice(e, k, replace=False) for _ in range(t)] for _ in range(b)]), jnp.int32)
+  got = moe.sequence_balance_loss(scores, experts, alpha=alpha)
+  want = np_sequence_balance_loss(np.asarray(scores, np.float64), np.asarray(experts), alpha)
+  assert float(got) == pytest.approx(want, rel=1e-6)
+  # Closed form: uniform scores and every expert chosen equally often give exactly alpha.
+  balanced = jnp.asarray(np.arange(t * k).reshape(1, t, k) % e, jnp.int32)
+  assert float(moe.sequence_balance_loss(jnp.full((1, t, e), 0.3), balanced, alpha=alpha)) == pytest.approx(alpha)
+  assert float(moe.sequence_balance_loss(scores, experts, alpha=0.0)) == 0.0
+
+
+def test_router_stats_and_entropy_closed_forms():
+  stats = moe.router_stats(jnp.asarray([1.0, 1.0, 1.0, 5.0]), jnp.asarray([-0.2, 0.0, 0.1, 0.3]),
+                           entropy=jnp.float32(1.5))
+  assert float(stats['load_max_over_mean']) == pytest.approx(2.5)
+  assert float(stats['load_cv']) == pytest.approx(np.std([1, 1, 1, 5]) / 2)
+  assert float(stats['bias_range']) == pytest.approx(0.5)
+  assert (float(stats['bias_min']), float(stats['bias_max'])) == pytest.approx((-0.2, 0.3))
+  assert float(stats['router_entropy']) == 1.5
+  assert float(moe.router_entropy(jnp.full((5, 8), 0.7))) == pytest.approx(np.log(8), rel=1e-6)
+  one_hot = jnp.asarray(np.eye(4)[[0, 1, 2]], jnp.float32)
+  assert float(moe.router_entropy(one_hot)) == 0.0
+  np.testing.assert_array_equal(moe.expert_load(jnp.asarray([[0, 2], [2, 3]]), 5), [1, 0, 2, 1, 0])
+
+
+# ----------------------------------------------------------------------------- input checks
+
+
+def test_routed_experts_checks_its_inputs():
+  x, w, ex = jnp.zeros((4, 8)), jnp.zeros((4, 2)), jnp.zeros((4, 2), jnp.int32)
+  wg, wd = jnp.zeros((3, 8, 6)), jnp.zeros((3, 6, 8))
+  with pytest.raises(ValueError, match=r"impl='triton' is unknown; allowed: \('xla', 'tokamax'\)"):
+    moe.routed_experts(x, w, ex, wg, wg, wd, impl='triton')
+  with pytest.raises(ValueError, match=r'x \[T, D\], weights and experts \[T, K\]; got x \[4, 8\], weights \[4, 2\], '
+                                       r'experts \[4, 3\]'):
+    moe.routed_experts(x, w, jnp.zeros((4, 3), jnp.int32), wg, wg, wd)
+  with pytest.raises(ValueError, match=r'w_gate and w_up \[E, D=8, F\] and w_down \[E, F, D=8\].*w_down \[3, 8, 6\]'):
+    moe.routed_experts(x, w, ex, wg, wg, jnp.zeros((3, 8, 6)))
+  with pytest.raises(ValueError, match=r'top-k 4 .* exceeds the 3 experts'):
+    moe.routed_experts(x, jnp.zeros((4, 4)), jnp.zeros((4, 4), jnp.int32), wg, wg, wd)
+  with pytest.raises(ValueError, match='experts must be integer expert ids'):
+    moe.routed_experts(x, w, w, wg, wg, wd)
+  if jax.default_backend() != 'gpu':
+    with pytest.raises(ValueError, match=r"impl='tokamax' needs an NVIDIA GPU.*use impl='xla'"):
+      moe.routed_experts(x, w, ex, wg, wg, wd, impl='tokamax')
+  assert 'multiple of 64' in moe.unsupported('tokamax', jnp.bfloat16, 96, 128, platform='gpu')
+  assert moe.unsupported('tokamax', jnp.bfloat16, 1024, 512, platform='gpu') is None
+  assert moe.unsupported('xla', jnp.float32, 7, 3) is None
+  assert set(moe.IMPLS) == {'xla', 'tokamax'} and moe.IMPLS['tokamax'].gpu_only and not moe.IMPLS['xla'].gpu_only
+  with pytest.raises(TypeError):
+    moe.IMPLS['other'] = moe.IMPLS['xla']
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
+
+
+@pytest.mark.parametrize('shape,token_axes,t,layout', [
+    # tokens not split over 'expert': each device runs its experts, partial sums added
+    ((2, 1, 1, 4), ('data',), 32, (('data',), 'expert')),
+    # 12 tokens do not split 8 ways: split 2 ways (fsdp) only
+    ((1, 2, 1, 4), ('fsdp', 'expert'), 12, (('fsdp',), 'expert')),
+    # no expert axis: each device its tokens and all experts (default token axes: all but tensor)
+    ((4, 1, 2, 1), None, 32, (('data',), None)),
+], ids=['data2xexpert4_tokens_over_data', 'fsdp2xexpert4_uneven', 'data4xtensor2'])
+def test_sharded_op_matches_one_device(shape, token_axes, t, layout):
+  """The layer test (tests/layers/test_moe_layer.py) covers tokens split over 'expert' (all-gather /
+  reduce-scatter); these are the other layouts. Outputs and gradients of every input, float32."""
+  rng = np.random.default_rng(5)
+  d, f, e, k = 8, 6, 8, 3
+  x, logits, dy = _normal(rng, t, d), _normal(rng, t, e), _normal(rng, t, d)
+  ws = _expert_weights(rng, e, d, f)
+
+  def loss(x, logits, wg, wu, wd):
+    r = moe.route(logits, None, top_k=k, scaling_factor=2.0)
+    return jnp.sum(moe.routed_experts(x, r.weights_tk, r.experts_tk, wg, wu, wd, token_axes=token_axes) * dy)
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+  ref = step(x, logits, *ws)
+  mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4)
+  with jax.set_mesh(mesh):
+    assert moe.shard_layout(t, e, token_axes) == layout
+    experts = NamedSharding(mesh, P('expert'))
+    got = step(jax.device_put(x, NamedSharding(mesh, P(layout[0]))), logits,
+               *(jax.device_put(w, experts) for w in ws))
+  assert rel_max(got[0], ref[0]) <= 1e-5
+  for g, r, name in zip(got[1], ref[1], ('x', 'logits', 'w_gate', 'w_up', 'w_down')):
+    assert rel_max(g, r) <= 1e-5, name
+
+
+def test_experts_must_divide_the_expert_axis():
+  mesh = jax.make_mesh((2, 1, 1, 4), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4)
+  x, w, ex = jnp.zeros((8, 8)), jnp.zeros((8, 1)), jnp.zeros((8, 1), jnp.int32)
+  wg, wd = jnp.zeros((6, 8, 4)), jnp.zeros((6, 4, 8))
+  match = r"the 6 experts do not divide over the mesh axis 'expert' of size 4"
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
+    jax.jit(moe.routed_experts)(x, w, ex, wg, wg, wd)
+
+
+# ----------------------------------------------------------------------------- GPU: tokamax
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16], ids=['float32', 'bfloat16'])
+def test_tokamax_matches_lax_ragged_dot(dtype):
+  """tokamax's Mosaic GPU grouped matmul against lax.ragged_dot, forward and the gradients of x,
+  the weights and the three expert weights; experts 3 and 7 receive no token. Relative RMSE <= 5e-3
+  for the output, <= 1e-2 for the gradients; float32 operands run as bf16x3 (~1e-5 forward, as a
+  CPU emulation of the kernels' rounding measured) with bf16-precision gradients (~4e-3)."""
+  rng = np.random.default_rng(6)
+  t, d, f, e, k = 512, 256, 128, 16, 4
+  x, logits, dy = _normal(rng, t, d), _normal(rng, t, e), _normal(rng, t, d)
+  bias = jnp.zeros(e).at[jnp.asarray([3, 7])].set(-1e3)
+  r = moe.route(logits, bias, top_k=k, scaling_factor=2.446)
+  counts = np.bincount(np.asarray(r.experts_tk).reshape(-1), minlength=e)
+  assert counts[3] == counts[7] == 0 and np.all(np.delete(counts, [3, 7]) > 0)
+  ws = tuple(w * d ** -0.5 * 2 for w in _expert_weights(rng, e, d, f))
+
+  def run(impl):
+    def loss(x, w, wg, wu, wd):
+      y = moe.routed_experts(x.astype(dtype), w, r.experts_tk, *(a.astype(dtype) for a in (wg, wu, wd)), impl=impl)
+      return jnp.sum(y * dy), y
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, r.weights_tk, *ws)
+    return y, grads
+
+  with jax.default_matmul_precision('highest'):
+    ref_y, ref_g = run('xla')
+  y, g = run('tokamax')
+  assert np.all(np.isfinite(np.asarray(y)))
+  assert rel_rmse(y, ref_y) <= (1e-4 if dtype == jnp.float32 else 5e-3)
+  for got, want, name in zip(g, ref_g, ('x', 'weights', 'w_gate', 'w_up', 'w_down')):
+    assert rel_rmse(got, want) <= 1e-2, name
+  for got in g[2:]:   # the experts that received no token get exactly no gradient
+    assert not np.any(np.asarray(got)[[3, 7]])
+
+
+@pytest.mark.gpu
+def test_tokamax_layer_forward_backward_bf16():
+  """The MoE layer in bf16 with impl='tokamax' against impl='xla' (same params)."""
+  import flax.linen as nn
+  from kimijax.layers.moe import MOE_STATE, MoE
+  kw = dict(num_experts=16, top_k=4, expert_hidden=128, num_shared=1, scaling_factor=2.446, dtype=jnp.bfloat16)
+  x = jnp.asarray(np.random.default_rng(7).standard_normal((4, 128, 256)), jnp.float32)
+  variables = nn.unbox(MoE(**kw).init(jax.random.key(0), x))
+
+  def run(impl):
+    layer = MoE(impl=impl, **kw)
+    loss = lambda p: jnp.sum(layer.apply({'params': p, MOE_STATE: variables[MOE_STATE]}, x).astype(jnp.float32) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(variables['params'])
+
+  ref_loss, ref_g = run('xla')
+  loss, g = run('tokamax')
+  assert abs(float(loss) - float(ref_loss)) <= 1e-2 * abs(float(ref_loss))
+  for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(ref_g)):
+    assert rel_rmse(got, want) <= 1e-2, jax.tree_util.keystr(path)
