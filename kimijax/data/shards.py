@@ -1,0 +1,226 @@
+"""Token shards on disk: the format `kimijax.data.prepare` writes and `data.source='shards'` reads.
+
+DIR/manifest.json           written last: the corpus is complete iff it exists (format below)
+DIR/shards/SPLIT-UNIT.bin   the split's documents of one unit of input, each followed by EOS, as
+                            little-endian uint16 (vocab <= 65,536) or uint32 tokens
+DIR/shards/SPLIT-UNIT.idx   int64 [docs + 1]: token offsets of the documents in the .bin (0 first,
+                            the token count last); document d is bin[idx[d]:idx[d + 1]], its EOS last
+DIR/tokenizer.json          the tokenizer, when prepare trained it (with tokenizer_config.json)
+
+manifest.json: {'format', 'version', 'dtype', 'tokenizer': Tokenizer.describe(), 'val_fraction',
+'text_field', 'split_rule', 'sources': [{path, size, sha256}], 'text_bytes', 'documents_skipped',
+'splits': {SPLIT: {'docs', 'tokens', 'shards': [{file, index, docs, tokens, bytes, sha256,
+edge_sha256, index_sha256}]}}}.
+
+A split reads as one stream: its shards concatenated in manifest order. Opening a split checks, per
+shard, the size against the manifest (a truncated file) and the SHA-256 of its first and last
+EDGE_BYTES (a cheap check for a corrupt or replaced file; `verify_split` reads every byte), and the
+manifest's tokenizer fingerprint against the config's. Reads are positional (os.pread) of exactly
+the tokens asked for: the reader holds no map of the files and no more than one read in memory, so a
+corpus larger than RAM trains.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import threading
+
+import numpy as np
+
+from kimijax.data.sources import DataError
+from kimijax.data.tokenizer import file_sha256
+
+FORMAT = 'kimijax-token-shards'
+VERSION = 1
+EDGE_BYTES = 1 << 16
+MAX_OPEN_FILES = 64
+SHARDS_DIR = 'shards'
+
+
+def edge_sha256(path: pathlib.Path, size: int) -> str:
+  """Hex SHA-256 of a file's first and last EDGE_BYTES bytes (the whole file when smaller)."""
+  h = hashlib.sha256()
+  with open(path, 'rb') as f:
+    h.update(f.read(EDGE_BYTES))
+    if size > EDGE_BYTES:
+      f.seek(max(EDGE_BYTES, size - EDGE_BYTES))
+      h.update(f.read(EDGE_BYTES))
+  return h.hexdigest()
+
+
+def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+  tmp = path.with_name(path.name + '.tmp')
+  with open(tmp, 'wb') as f:
+    f.write(data)
+  os.replace(tmp, path)
+
+
+def write_shard(directory: pathlib.Path, name: str, tokens: np.ndarray, offsets: np.ndarray) -> dict:
+  """Writes DIR/shards/NAME.bin (tokens, already in the corpus dtype) and NAME.idx (int64 offsets
+  [docs + 1]), each atomically; returns the shard's manifest record."""
+  folder = pathlib.Path(directory) / SHARDS_DIR
+  folder.mkdir(parents=True, exist_ok=True)
+  data = np.ascontiguousarray(tokens).astype(tokens.dtype.newbyteorder('<'), copy=False).tobytes()
+  index = np.ascontiguousarray(offsets, dtype='<i8').tobytes()
+  _write_atomic(folder / f'{name}.bin', data)
+  _write_atomic(folder / f'{name}.idx', index)
+  return {'file': f'{SHARDS_DIR}/{name}.bin', 'index': f'{SHARDS_DIR}/{name}.idx', 'docs': len(offsets) - 1,
+          'tokens': int(len(tokens)), 'bytes': len(data), 'sha256': hashlib.sha256(data).hexdigest(),
+          'edge_sha256': edge_sha256(folder / f'{name}.bin', len(data)),
+          'index_sha256': hashlib.sha256(index).hexdigest()}
+
+
+def read_manifest(path: str | pathlib.Path) -> dict:
+  """The manifest of the shards in `path` (data.path); DataError when there is none or it is not one."""
+  root = pathlib.Path(str(path)).expanduser()
+  if not str(path):
+    raise DataError("data.path is empty; data.source='shards' needs data.path set to a folder written by "
+                    'python -m kimijax.data.prepare')
+  if not root.is_dir():
+    raise DataError(f'data.path={str(path)!r} does not exist (data.source=\'shards\' reads a folder written '
+                    'by python -m kimijax.data.prepare)')
+  manifest = root / 'manifest.json'
+  if not manifest.is_file():
+    hint = (' its preparation is unfinished: re-run the same python -m kimijax.data.prepare command to '
+            'resume it' if (root / 'plan.json').is_file() else ' it was not written by python -m kimijax.data.prepare')
+    raise DataError(f'data.path={str(path)!r} has no manifest.json:{hint}')
+  try:
+    data = json.loads(manifest.read_text())
+  except ValueError as e:
+    raise DataError(f'{manifest} is not valid JSON ({e})') from None
+  if data.get('format') != FORMAT or data.get('version') != VERSION:
+    raise DataError(f'{manifest} is not a {FORMAT} v{VERSION} manifest')
+  return data
+
+
+def check_tokenizer(path, manifest: dict, tokenizer) -> None:
+  """DataError unless the shards were written with `tokenizer` (same fingerprint)."""
+  written = manifest['tokenizer']
+  if written['fingerprint'] == tokenizer.fingerprint:
+    return
+  spec = written['spec']
+  if written.get('file_in_dir'):
+    spec = 'hf:' + str(pathlib.Path(str(path)) / written['file_in_dir'])
+  raise DataError(f'data.path={str(path)!r} holds shards written with tokenizer {spec!r} (fingerprint '
+                  f"{written['fingerprint'][:12]}), but data.tokenizer={tokenizer.spec!r} has fingerprint "
+                  f'{tokenizer.fingerprint[:12]}; set data.tokenizer={spec!r}')
+
+
+def check_shard(root: pathlib.Path, record: dict) -> None:
+  """DataError naming the shard when its size or edge hash differs from its manifest record."""
+  path = root / record['file']
+  if not path.is_file():
+    raise DataError(f'shard {path} of the manifest is missing')
+  size = path.stat().st_size
+  if size != record['bytes']:
+    raise DataError(f'shard {path} is {size:,} bytes, the manifest says {record["bytes"]:,} (truncated or '
+                    're-written); re-run python -m kimijax.data.prepare into a new folder')
+  if edge_sha256(path, size) != record['edge_sha256']:
+    raise DataError(f'shard {path} is corrupt: its first/last {EDGE_BYTES} bytes do not match the manifest\'s '
+                    'checksum; re-run python -m kimijax.data.prepare into a new folder')
+  index = root / record['index']
+  if not index.is_file() or index.stat().st_size != 8 * (record['docs'] + 1):
+    raise DataError(f'shard index {index} is missing or not {8 * (record["docs"] + 1):,} bytes as the '
+                    'manifest says')
+
+
+class ShardSplit:
+  """The tokens of one split as one stream of `len(self)` tokens (the shards in manifest order).
+
+  `read(start, n)` -> int32 [n]: tokens [start, start + n), across shard boundaries. Thread-safe;
+  keeps at most MAX_OPEN_FILES shards open; picklable (files reopen on use)."""
+
+  def __init__(self, root: pathlib.Path, records: list[dict], dtype: str):
+    self.root = pathlib.Path(root)
+    self.records = [r for r in records if r['tokens']]
+    self.dtype = np.dtype(dtype).newbyteorder('<')
+    self.starts = np.cumsum([0] + [r['tokens'] for r in self.records], dtype=np.int64)
+    self._open = collections.OrderedDict()
+    self._lock = threading.Lock()
+    self.max_read_bytes = 0            # the largest single read so far (tests bound it)
+
+  def __len__(self) -> int:
+    return int(self.starts[-1])
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    state['_open'], state['_lock'] = None, None
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._open, self._lock = collections.OrderedDict(), threading.Lock()
+
+  def _pread(self, shard: int, offset: int, count: int) -> bytes:
+    nbytes = count * self.dtype.itemsize
+    with self._lock:       # under the lock: an evicted descriptor is never read after its close
+      fd = self._open.pop(shard, None)
+      if fd is None:
+        fd = os.open(self.root / self.records[shard]['file'], os.O_RDONLY)
+        if len(self._open) >= MAX_OPEN_FILES:
+          os.close(self._open.popitem(last=False)[1])
+      self._open[shard] = fd
+      data = os.pread(fd, nbytes, offset * self.dtype.itemsize)
+      self.max_read_bytes = max(self.max_read_bytes, nbytes)
+    if len(data) != nbytes:
+      raise DataError(f'shard {self.root / self.records[shard]["file"]} ended early (truncated while reading)')
+    return data
+
+  def read(self, start: int, n: int) -> np.ndarray:
+    if start < 0 or start + n > len(self):
+      raise IndexError(f'tokens [{start}, {start + n}) outside the split of {len(self)} tokens')
+    out = np.empty(n, dtype=np.int32)
+    done = 0
+    shard = int(np.searchsorted(self.starts, start, side='right')) - 1
+    while done < n:
+      offset = start + done - int(self.starts[shard])
+      count = min(n - done, int(self.starts[shard + 1]) - (start + done))
+      out[done:done + count] = np.frombuffer(self._pread(shard, offset, count), dtype=self.dtype)
+      done += count
+      shard += 1
+    return out
+
+  def document_offsets(self) -> np.ndarray:
+    """int64 [docs + 1]: the split's document boundaries in stream positions (reads every index)."""
+    parts = [np.zeros(1, np.int64)]
+    for start, r in zip(self.starts[:-1], self.records):
+      parts.append(np.fromfile(self.root / r['index'], dtype='<i8')[1:] + start)
+    return np.concatenate(parts)
+
+  def close(self) -> None:
+    with self._lock:
+      while self._open:
+        os.close(self._open.popitem()[1])
+
+
+@functools.lru_cache(maxsize=8)
+def _checked_split(path: str, split: str) -> ShardSplit:
+  manifest, root = read_manifest(path), pathlib.Path(path).expanduser()
+  if split not in manifest['splits']:
+    raise DataError(f'data.path={path!r}: the manifest has no {split!r} split')
+  records = manifest['splits'][split]['shards']
+  for record in records:
+    check_shard(root, record)
+  return ShardSplit(root, records, manifest['dtype'])
+
+
+def open_split(path: str, split: str, tokenizer) -> ShardSplit:
+  """The stream of `split` of the shards at data.path `path`, checked against the manifest and
+  against `tokenizer` (the shards' checks are cached per process)."""
+  check_tokenizer(path, read_manifest(path), tokenizer)
+  return _checked_split(str(path), split)
+
+
+def verify_split(path: str, split: str) -> None:
+  """Reads every byte of the split's shards and indices against the manifest's SHA-256s."""
+  manifest, root = read_manifest(path), pathlib.Path(path).expanduser()
+  for record in manifest['splits'][split]['shards']:
+    check_shard(root, record)
+    for key, digest in (('file', 'sha256'), ('index', 'index_sha256')):
+      if file_sha256(root / record[key]) != record[digest]:
+        raise DataError(f'shard file {root / record[key]} is corrupt: its SHA-256 differs from the manifest\'s')
