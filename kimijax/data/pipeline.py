@@ -52,7 +52,7 @@ def default_data_config() -> ml_collections.ConfigDict:
       'path': '',                # file or folder for source='text'; the prepared folder for 'shards'
       'val_fraction': 0.05,      # fraction of files (or bytes) for validation; 'shards': from the manifest
       'mqar_num_pairs': 16,      # key-value pairs per MQAR sequence
-      'tokenizer': 'byte',       # 'byte' | 'hf:PATH' (tokenizer.json) | 'tiktoken:PATH[#PRESET]' (kimijax/data/tokenizer.py)
+      'tokenizer': 'byte',       # 'byte' | 'hf:PATH' | 'tiktoken:PATH[#PRESET]' (kimijax/data/tokenizer.py)
       'document_mask': False,    # batches also carry segment_ids and positions [B, T] (module docstring)
   })
 
@@ -135,7 +135,7 @@ def _gather_windows(idx: np.ndarray, tokens, seq_len: int, eos_id: int | None = 
   if isinstance(tokens, np.ndarray):
     win = tokens[idx[:, None] * seq_len + np.arange(seq_len + 1)]
   else:
-    win = np.stack([tokens.read(int(i) * seq_len, seq_len + 1) for i in idx])
+    win = tokens.read_rows(np.asarray(idx, dtype=np.int64) * seq_len, seq_len + 1)
   batch = {
       'inputs': win[:, :-1],
       'targets': win[:, 1:],

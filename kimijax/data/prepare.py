@@ -239,7 +239,7 @@ def prepare(inputs, output, *, tokenizer: str = 'byte', train_tokenizer: int = 0
   comparable = lambda p: {**p, 'options': {k: v for k, v in p['options'].items() if k not in ('inputs', 'tokenizer')}}
 
   output.mkdir(parents=True, exist_ok=True)
-  lock = open(output / '.lock', 'w')
+  lock = open(output / '.lock', 'a')
   try:
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:

@@ -132,8 +132,9 @@ def check_shard(root: pathlib.Path, record: dict) -> None:
 class ShardSplit:
   """The tokens of one split as one stream of `len(self)` tokens (the shards in manifest order).
 
-  `read(start, n)` -> int32 [n]: tokens [start, start + n), across shard boundaries. Thread-safe;
-  keeps at most MAX_OPEN_FILES shards open; picklable (files reopen on use)."""
+  `read(start, n)` -> int32 [n]: tokens [start, start + n), across shard boundaries; `read_rows(starts,
+  n)` -> int32 [R, n], one positional read per row (two where a row crosses into the next shard).
+  Thread-safe; keeps at most MAX_OPEN_FILES shards open; picklable (files reopen on use)."""
 
   def __init__(self, root: pathlib.Path, records: list[dict], dtype: str):
     self.root = pathlib.Path(root)
@@ -156,34 +157,47 @@ class ShardSplit:
     self.__dict__.update(state)
     self._open, self._lock = collections.OrderedDict(), threading.Lock()
 
-  def _pread(self, shard: int, offset: int, count: int) -> bytes:
-    nbytes = count * self.dtype.itemsize
-    with self._lock:       # under the lock: an evicted descriptor is never read after its close
-      fd = self._open.pop(shard, None)
-      if fd is None:
-        fd = os.open(self.root / self.records[shard]['file'], os.O_RDONLY)
-        if len(self._open) >= MAX_OPEN_FILES:
-          os.close(self._open.popitem(last=False)[1])
-      self._open[shard] = fd
-      data = os.pread(fd, nbytes, offset * self.dtype.itemsize)
-      self.max_read_bytes = max(self.max_read_bytes, nbytes)
-    if len(data) != nbytes:
-      raise DataError(f'shard {self.root / self.records[shard]["file"]} ended early (truncated while reading)')
-    return data
+  def _fd(self, shard: int) -> int:
+    """An open descriptor of `shard` (call with the lock held: an evicted one is closed here)."""
+    fd = self._open.pop(shard, None)
+    if fd is None:
+      fd = os.open(self.root / self.records[shard]['file'], os.O_RDONLY)
+      if len(self._open) >= MAX_OPEN_FILES:
+        os.close(self._open.popitem(last=False)[1])
+    self._open[shard] = fd
+    return fd
 
-  def read(self, start: int, n: int) -> np.ndarray:
-    if start < 0 or start + n > len(self):
-      raise IndexError(f'tokens [{start}, {start + n}) outside the split of {len(self)} tokens')
-    out = np.empty(n, dtype=np.int32)
-    done = 0
+  def _read_into(self, buf: np.ndarray, start: int) -> None:
+    """Fills the 1-D array `buf` (this split's dtype) with tokens [start, start + len(buf)); with the
+    lock held."""
     shard = int(np.searchsorted(self.starts, start, side='right')) - 1
+    done, n = 0, len(buf)
     while done < n:
       offset = start + done - int(self.starts[shard])
       count = min(n - done, int(self.starts[shard + 1]) - (start + done))
-      out[done:done + count] = np.frombuffer(self._pread(shard, offset, count), dtype=self.dtype)
+      part = buf[done:done + count]
+      got = os.preadv(self._fd(shard), [part], offset * self.dtype.itemsize)
+      if got != part.nbytes:
+        raise DataError(f'shard {self.root / self.records[shard]["file"]} ended early (truncated while reading)')
+      self.max_read_bytes = max(self.max_read_bytes, part.nbytes)
       done += count
       shard += 1
-    return out
+
+  def read_rows(self, starts, n: int) -> np.ndarray:
+    """int32 [len(starts), n]: row r holds tokens [starts[r], starts[r] + n)."""
+    starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+    if len(starts) and (starts.min() < 0 or starts.max() + n > len(self)):
+      raise IndexError(f'rows of {n} tokens from {starts.min()} to {starts.max()} exceed the split of '
+                       f'{len(self)} tokens')
+    buf = np.empty((len(starts), n), dtype=self.dtype)
+    with self._lock:       # one batch at a time: an evicted descriptor is never read after its close
+      for r, start in enumerate(starts.tolist()):
+        self._read_into(buf[r], start)
+    return buf.astype(np.int32)
+
+  def read(self, start: int, n: int) -> np.ndarray:
+    """int32 [n]: tokens [start, start + n)."""
+    return self.read_rows([start], n)[0]
 
   def document_offsets(self) -> np.ndarray:
     """int64 [docs + 1]: the split's document boundaries in stream positions (reads every index)."""

@@ -50,7 +50,7 @@ def small_documents(n_files=3) -> list[str]:
 
 def byte_to_unicode() -> dict[int, str]:
   """GPT-2's byte -> printable character table of byte-level BPE vocabularies."""
-  keep = list(range(ord('!'), ord('~') + 1)) + list(range(ord('¡'), ord('¬') + 1)) + list(range(ord('®'), ord('ÿ') + 1))
+  keep = [*range(ord('!'), ord('~') + 1), *range(ord('¡'), ord('¬') + 1), *range(ord('®'), ord('ÿ') + 1)]
   table, extra = {}, 0
   for b in range(256):
     if b in keep:
