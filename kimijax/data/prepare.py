@@ -67,10 +67,10 @@ def _write_json(path: pathlib.Path, data) -> None:
 
 def tokenize_unit(unit: int, pieces, *, tokenizer, output: pathlib.Path, text_field: str,
                   val_fraction: float) -> dict:
-  """Tokenizes the documents of `pieces`, writes the unit's shards, then commits the unit by
-  writing DIR/units/unit-N.json; returns that record."""
-  parts = {s: [] for s in SPLITS}
-  lengths = {s: [] for s in SPLITS}
+  """Tokenizes the documents of `pieces` into the unit's shards (one per split that gets
+  documents), then commits the unit by writing DIR/units/unit-N.json; returns that record. Memory
+  is bounded by one batch of documents, whatever the unit's size."""
+  writers = {s: shards_lib.ShardWriter(output, f'{s}-{unit:06d}', tokenizer.token_dtype) for s in SPLITS}
   stats = {'text_bytes': 0, 'skipped_documents': 0}
   eos = np.array([tokenizer.eos_id], dtype=np.int32)
 
@@ -78,32 +78,37 @@ def tokenize_unit(unit: int, pieces, *, tokenizer, output: pathlib.Path, text_fi
     data = [d if isinstance(d, bytes) else d.encode('utf-8') for d in batch]
     keep = [i for i, d in enumerate(data) if d]
     stats['skipped_documents'] += len(batch) - len(keep)
+    out = {s: [] for s in SPLITS}
     for i, ids in zip(keep, tokenizer.encode_batch([batch[i] for i in keep])):
-      split = document_split(data[i], val_fraction)
-      parts[split] += [ids, eos]
-      lengths[split].append(len(ids) + 1)
+      out[document_split(data[i], val_fraction)].append(np.concatenate([ids, eos]))
       stats['text_bytes'] += len(data[i])
+    for split, docs in out.items():
+      writers[split].append(docs)
 
   hashes = {}
-  for piece in pieces:
-    if piece.start == 0:
-      hashes[piece.path] = file_sha256(piece.path)
-    batch, size = [], 0
-    for doc in inputs_lib.read_documents(piece, text_field):
-      batch.append(doc)
-      size += len(doc)
-      if len(batch) >= BATCH_DOCS or size >= BATCH_BYTES:
-        flush(batch)
-        batch, size = [], 0
-    flush(batch)
-
+  try:
+    for piece in pieces:
+      if piece.start == 0:
+        hashes[piece.path] = file_sha256(piece.path)
+      batch, size = [], 0
+      for doc in inputs_lib.read_documents(piece, text_field):
+        batch.append(doc)
+        size += len(doc)
+        if len(batch) >= BATCH_DOCS or size >= BATCH_BYTES:
+          flush(batch)
+          batch, size = [], 0
+      flush(batch)
+  except BaseException:
+    for w in writers.values():
+      w.discard()
+    raise
   record = {'unit': unit, 'input_bytes': sum(p.nbytes for p in pieces), 'file_sha256': hashes,
             'shards': {}, **stats}
-  for split in SPLITS:
-    if lengths[split]:
-      tokens = np.concatenate(parts[split]).astype(tokenizer.token_dtype)
-      offsets = np.concatenate([[0], np.cumsum(lengths[split], dtype=np.int64)])
-      record['shards'][split] = shards_lib.write_shard(output, f'{split}-{unit:06d}', tokens, offsets)
+  for split, writer in writers.items():
+    if writer.docs:
+      record['shards'][split] = writer.close()
+    else:
+      writer.discard()
   _write_json(output / 'units' / f'unit-{unit:06d}.json', record)
   return record
 

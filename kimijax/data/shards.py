@@ -53,26 +53,59 @@ def edge_sha256(path: pathlib.Path, size: int) -> str:
   return h.hexdigest()
 
 
-def _write_atomic(path: pathlib.Path, data: bytes) -> None:
-  tmp = path.with_name(path.name + '.tmp')
-  with open(tmp, 'wb') as f:
-    f.write(data)
-  os.replace(tmp, path)
+class ShardWriter:
+  """Writes DIR/shards/NAME.bin and NAME.idx document by document, with memory bounded by what one
+  `append` holds: tokens go to a temporary file as they come and the index keeps one int64 per
+  document. `close()` renames both into place (the .idx first) and returns the
+  shard's manifest record; a writer that is never closed leaves only '*.tmp' files."""
+
+  def __init__(self, directory: pathlib.Path, name: str, dtype):
+    self.folder = pathlib.Path(directory) / SHARDS_DIR
+    self.folder.mkdir(parents=True, exist_ok=True)
+    self.name, self.dtype = name, np.dtype(dtype).newbyteorder('<')
+    self._tmp = self.folder / f'{name}.bin.{os.getpid()}.tmp'
+    self._file = open(self._tmp, 'wb')
+    self._hash = hashlib.sha256()
+    self._ends = [0]
+
+  def append(self, docs) -> None:
+    """Appends documents, each a 1-D int array of token ids that already ends with its EOS."""
+    if not docs:
+      return
+    data = np.concatenate(docs).astype(self.dtype).tobytes()
+    self._file.write(data)
+    self._hash.update(data)
+    self._ends.extend((self._ends[-1] + np.cumsum([len(d) for d in docs])).tolist())
+
+  @property
+  def docs(self) -> int:
+    return len(self._ends) - 1
+
+  def close(self) -> dict:
+    self._file.close()
+    size = self._ends[-1] * self.dtype.itemsize
+    index = np.asarray(self._ends, dtype='<i8').tobytes()
+    tmp_index = self.folder / f'{self.name}.idx.{os.getpid()}.tmp'
+    tmp_index.write_bytes(index)
+    os.replace(tmp_index, self.folder / f'{self.name}.idx')
+    os.replace(self._tmp, self.folder / f'{self.name}.bin')
+    return {'file': f'{SHARDS_DIR}/{self.name}.bin', 'index': f'{SHARDS_DIR}/{self.name}.idx', 'docs': self.docs,
+            'tokens': self._ends[-1], 'bytes': size, 'sha256': self._hash.hexdigest(),
+            'edge_sha256': edge_sha256(self.folder / f'{self.name}.bin', size),
+            'index_sha256': hashlib.sha256(index).hexdigest()}
+
+  def discard(self) -> None:
+    self._file.close()
+    self._tmp.unlink(missing_ok=True)
 
 
 def write_shard(directory: pathlib.Path, name: str, tokens: np.ndarray, offsets: np.ndarray) -> dict:
-  """Writes DIR/shards/NAME.bin (tokens, already in the corpus dtype) and NAME.idx (int64 offsets
-  [docs + 1]), each atomically; returns the shard's manifest record."""
-  folder = pathlib.Path(directory) / SHARDS_DIR
-  folder.mkdir(parents=True, exist_ok=True)
-  data = np.ascontiguousarray(tokens).astype(tokens.dtype.newbyteorder('<'), copy=False).tobytes()
-  index = np.ascontiguousarray(offsets, dtype='<i8').tobytes()
-  _write_atomic(folder / f'{name}.bin', data)
-  _write_atomic(folder / f'{name}.idx', index)
-  return {'file': f'{SHARDS_DIR}/{name}.bin', 'index': f'{SHARDS_DIR}/{name}.idx', 'docs': len(offsets) - 1,
-          'tokens': int(len(tokens)), 'bytes': len(data), 'sha256': hashlib.sha256(data).hexdigest(),
-          'edge_sha256': edge_sha256(folder / f'{name}.bin', len(data)),
-          'index_sha256': hashlib.sha256(index).hexdigest()}
+  """Writes the shard NAME of `tokens` (in the corpus dtype) whose documents end at `offsets[1:]`
+  (int64 [docs + 1], offsets[0] = 0); returns its manifest record."""
+  writer = ShardWriter(directory, name, tokens.dtype)
+  offsets = np.asarray(offsets, dtype=np.int64)
+  writer.append([tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])])
+  return writer.close()
 
 
 def read_manifest(path: str | pathlib.Path) -> dict:
