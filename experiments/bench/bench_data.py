@@ -1,11 +1,13 @@
 """Data throughput: `kimijax.data.prepare` in MB of text per second, and the shard loader in tokens
 per second per process at the training shapes.
 
-    python -m experiments.bench.bench_data [--corpus_mb=24] [--vocab=32768] [--workers=1,2]
+    python -m experiments.bench.bench_data [--corpus=site_packages] [--corpus_mb=48] [--vocab=32768] [--workers=1,2]
 
-The corpus: the first --corpus_mb MB of the Python stdlib's .py files (the files of data.source=
-'stdlib', both splits, sorted by path), one document per file. Prepare is timed end to end
-(listing, checks, worker start-up, tokenizing, writing, manifest) with each tokenizer: 'byte'; 'hf',
+The corpus: the first --corpus_mb MB of .py files, one document per file: --corpus=stdlib, the files of
+data.source='stdlib' (both splits, sorted by path); --corpus=site_packages, the files under the
+interpreter's site-packages (kimijax/data/site_packages.py's roots, copies included, sorted by path).
+Prepare is timed end to end (listing, checks, worker start-up, tokenizing, writing, manifest), in
+wall time and in CPU time of all its processes, with each tokenizer: 'byte'; 'hf',
 a byte-level BPE of --vocab ids trained (and timed) first on --sample_mb MB of the corpus; 'tiktoken',
 the same BPE's vocabulary written as a tiktoken file (the 'default' preset's regex, so its ids differ
 a little from the BPE's own). MB/s = text bytes / wall seconds. The loader reads the 'hf' shards
@@ -17,6 +19,7 @@ bench_350m's 16 x 4096, with data.document_mask off and on. Prints Markdown tabl
 
 import base64
 import json
+import os
 import pathlib
 import shutil
 import tempfile
@@ -24,7 +27,8 @@ import time
 
 from absl import app, flags
 
-flags.DEFINE_float('corpus_mb', 24.0, 'MB of stdlib source to prepare')
+flags.DEFINE_enum('corpus', 'site_packages', ['stdlib', 'site_packages'], 'whose .py files to prepare')
+flags.DEFINE_float('corpus_mb', 48.0, 'MB of source to prepare')
 flags.DEFINE_integer('vocab', 32768, 'ids of the trained BPE')
 flags.DEFINE_float('sample_mb', 8.0, 'MB of text the BPE is trained on')
 flags.DEFINE_string('workers', '1,2', 'worker process counts for prepare')
@@ -38,10 +42,16 @@ LOADER_SHAPES = (('ladder smoke d32/d48', 8, 128), ('ladder smoke d64', 16, 128)
                  ('bench_350m', 16, 4096))
 
 
-def corpus_files(mb: float) -> list[pathlib.Path]:
-  from kimijax.data.sources import stdlib_files
+def corpus_files(corpus: str, mb: float) -> list[pathlib.Path]:
+  if corpus == 'stdlib':
+    from kimijax.data.sources import stdlib_files
+    candidates = stdlib_files()
+  else:
+    from kimijax.data import site_packages
+    candidates = sorted({p.resolve() for root in site_packages.site_packages_roots()
+                         for p in site_packages._python_files(root)}, key=str)
   files, total = [], 0
-  for f in stdlib_files():
+  for f in candidates:
     if total >= mb * 2**20:
       break
     size = f.stat().st_size
@@ -69,6 +79,13 @@ def bpe_as_tiktoken(tokenizer_json: pathlib.Path, path: pathlib.Path) -> None:
   path.write_text('\n'.join(lines) + '\n')
 
 
+def cpu_seconds() -> float:
+  """User + system CPU seconds of this process and of its finished children (prepare's workers)."""
+  import resource
+  own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def bench_prepare(files, work: pathlib.Path) -> dict[str, str]:
   """Prints one row per (tokenizer, workers); returns the specs of the tokenizers."""
   from kimijax.data import bpe_train
@@ -90,20 +107,22 @@ def bench_prepare(files, work: pathlib.Path) -> dict[str, str]:
     specs['hf'] = f'hf:{bpe_train.save_bpe(tok, work / "bpe")}'
     bpe_as_tiktoken(work / 'bpe' / 'tokenizer.json', work / 'tiktoken' / 'bpe.tiktoken')
     specs['tiktoken'] = f'tiktoken:{work / "tiktoken" / "bpe.tiktoken"}'
-  print(f'\nprepare: {len(files)} files, {text_mb:.1f} MB of text\n')
-  print('| tokenizer | workers | wall s | MB of text / s | tokens | tokens / s |')
-  print('|---|---|---|---|---|---|')
+  print(f'\nprepare: {len(files)} files ({FLAGS.corpus}), {text_mb:.1f} MB of text, load average before '
+        f'{os.getloadavg()[0]:.2f}\n')
+  print('| tokenizer | workers | wall s | CPU s | MB of text / s | MB / CPU s | tokens | tokens / s |')
+  print('|---|---|---|---|---|---|---|---|')
   for name in FLAGS.tokenizers.split(','):
     for workers in (int(w) for w in FLAGS.workers.split(',')):
       out = work / f'shards_{name}_{workers}'
       shutil.rmtree(out, ignore_errors=True)
-      began = time.perf_counter()
+      began, cpu0 = time.perf_counter(), cpu_seconds()
       result = prepare([str(f) for f in files], out, tokenizer=specs[name], workers=workers, unit_mb=1.0,
                        val_fraction=0.01, progress=False, log=lambda *_: None)
-      seconds = time.perf_counter() - began
+      seconds, cpu = time.perf_counter() - began, cpu_seconds() - cpu0
       m = result['manifest']
       tokens = m['splits']['train']['tokens'] + m['splits']['validation']['tokens']
-      print(f"| {name} | {workers} | {seconds:.1f} | {m['text_bytes'] / 2**20 / seconds:.2f} | {tokens:,} | "
+      mb = m['text_bytes'] / 2**20
+      print(f'| {name} | {workers} | {seconds:.1f} | {cpu:.1f} | {mb / seconds:.2f} | {mb / cpu:.2f} | {tokens:,} | '
             f'{tokens / seconds:,.0f} |', flush=True)
   return specs
 
@@ -137,9 +156,10 @@ def main(argv):
   del argv
   work = pathlib.Path(FLAGS.keep) if FLAGS.keep else pathlib.Path(tempfile.mkdtemp(prefix='bench_data_'))
   try:
-    files = corpus_files(FLAGS.corpus_mb)
+    files = corpus_files(FLAGS.corpus, FLAGS.corpus_mb)
     specs = bench_prepare(files, work)
-    name = 'hf' if 'hf' in specs else 'byte'
+    prepared = FLAGS.tokenizers.split(',')
+    name = 'hf' if 'hf' in prepared else prepared[0]
     workers = FLAGS.workers.split(',')[0]
     bench_loader(work / f'shards_{name}_{workers}', specs[name])
   finally:

@@ -25,9 +25,11 @@ def document_ids(inputs_bt: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.nda
   opens = inputs_bt == eos_id
   opens[:, 0] = True
   segment_ids = np.cumsum(opens, axis=1, dtype=np.int32)
-  cols = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-  starts = np.maximum.accumulate(np.where(opens, cols, 0), axis=1)
-  return segment_ids, (cols - starts).astype(np.int32)
+  flat = np.arange(b * t, dtype=np.int32)
+  # Each row opens a segment at its first token, so one running maximum over the flattened rows
+  # gives every token's segment start.
+  starts = np.maximum.accumulate(np.where(opens.reshape(-1), flat, 0))
+  return segment_ids, (flat - starts).reshape(b, t)
 
 
 def single_document(batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
