@@ -252,3 +252,23 @@ def test_errors_name_the_file_or_key(corpus, tmp_path, bpe_json):
       data[0] ^= 0xFF
     shard.write_bytes(bytes(data))
     fails([str(shard), message], config(copy))
+
+
+def test_text_sources_take_data_tokenizer(tmp_path, bpe_json):
+  """data.tokenizer applies to the in-memory corpora too: the stream is each file's ids, then EOS."""
+  docs = data_helpers.small_documents()[:60]
+  for i, d in enumerate(docs):
+    (tmp_path / f'{i:03d}.txt').write_text(d, encoding='utf-8')
+  spec = f'hf:{bpe_json}'
+  cfg = data_helpers.make_config(batch_size=2, seq_len=32, source='text', path=str(tmp_path), tokenizer=spec)
+  from kimijax.data.sources import split_files
+  tok = load_tokenizer(spec)
+  files = split_files(sorted(tmp_path.glob('*.txt')), tmp_path, 'validation', 0.05)
+  expected = np.concatenate([x for f in files for x in (tok.encode(f.read_text()), [tok.eos_id])])
+  n = (len(expected) - 1) // 32
+  got = rows(eval_batches(cfg, n // 2))
+  np.testing.assert_array_equal(got, np.stack([expected[i * 32:i * 32 + 33] for i in range(len(got))]))
+  loader = make_loader(cfg, 'train')
+  assert loader.vocab_size == 1000 and loader.eos_id == tok.eos_id
+  assert split_num_tokens(cfg, 'validation') == len(expected)
+  assert any('tokenizer' in line and spec in line for line in data_report(cfg))
