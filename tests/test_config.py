@@ -62,7 +62,8 @@ def test_the_data_section_is_declared_with_the_pipeline():
   from kimijax.data.pipeline import DATA_KEYS, SOURCES, default_data_config
   assert config_lib.SCHEMA['data'] is DATA_KEYS
   assert default_data_config().to_dict() == base_config().data.to_dict() == {
-      'source': 'stdlib', 'path': '', 'val_fraction': 0.05, 'mqar_num_pairs': 16}
+      'source': 'stdlib', 'path': '', 'val_fraction': 0.05, 'mqar_num_pairs': 16,
+      'tokenizer': 'byte', 'document_mask': False}
   assert list(DATA_KEYS['source'].allowed) == list(SOURCES)
 
 
