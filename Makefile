@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTHON_CANDIDATES := python3.13 python3.12 python3 python $(wildcard $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3)
 
-.PHONY: run test test-all clean-venv
+.PHONY: run test test-all lint format clean-venv
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	@py=""; for c in $(PYTHON_CANDIDATES); do \
@@ -25,10 +25,19 @@ run: $(VENV)/.installed
 # module's fixtures (tiny trainings) run once
 XDIST := -n auto --maxprocesses=4 --dist loadfile
 
-test: $(VENV)/.installed
+# ruff (configured in pyproject.toml): the lint and the format check run first, in seconds
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(VENV)/.installed
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+test: lint
 	$(PY) -m pytest -q $(XDIST) -m 'not long' tests
 
-test-all: $(VENV)/.installed
+test-all: lint
 	$(PY) -m pytest -q $(XDIST) tests
 
 clean-venv:

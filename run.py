@@ -33,25 +33,31 @@ from absl import app, flags, logging
 
 from kimijax.config import define_config_flag
 
-define_config_flag('config', None, 'config file, FILE[:VARIANT[,VARIANT]]; the files and their variants are '
-                   'listed above.')
+define_config_flag(
+  'config', None, 'config file, FILE[:VARIANT[,VARIANT]]; the files and their variants are listed above.'
+)
 flags.DEFINE_string('workdir', None, 'Output folder: metrics.jsonl, checkpoints/, tensorboard/, loss.png.')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for multi-process runs.')
 flags.DEFINE_integer('num_processes', None, 'Number of processes in a multi-process run.')
 flags.DEFINE_integer('process_id', None, 'This process index in a multi-process run.')
 flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() with cluster auto-detection.')
-flags.DEFINE_integer('peer_timeout_s', 300, 'Multi-process: seconds to wait for every process to join '
-                     'before stopping with an error.')
-flags.DEFINE_enum('mode', 'train', ['train', 'eval', 'generate', 'config'],
-                  'train the config; eval or generate from the latest checkpoint in --workdir; config: '
-                  'print the resolved config and parameter counts without training.')
+flags.DEFINE_integer(
+  'peer_timeout_s', 300, 'Multi-process: seconds to wait for every process to join before stopping with an error.'
+)
+flags.DEFINE_enum(
+  'mode',
+  'train',
+  ['train', 'eval', 'generate', 'config'],
+  'train the config; eval or generate from the latest checkpoint in --workdir; config: '
+  'print the resolved config and parameter counts without training.',
+)
 flags.DEFINE_string('prompt', '', 'generate: the text to continue.')
 flags.DEFINE_integer('max_new_tokens', 200, 'generate: tokens (bytes) to add (> 0).')
 flags.DEFINE_float('temperature', 0.8, 'generate: sampling temperature (>= 0); 0 is greedy.')
 flags.DEFINE_integer('top_k', 0, 'generate: keep the k most likely tokens (0: all).')
 flags.DEFINE_float('top_p', 0.95, 'generate: keep the smallest set of tokens with this probability, in (0, 1].')
 flags.DEFINE_integer('num_samples', 1, 'generate: continuations of the prompt, as one batch (> 0).')
-flags.DEFINE_integer('eval_batches', 0, 'eval: validation batches (0: the run\'s train.eval_batches).')
+flags.DEFINE_integer('eval_batches', 0, "eval: validation batches (0: the run's train.eval_batches).")
 FLAGS = flags.FLAGS
 EXIT_INTERRUPTED = 130
 
@@ -62,10 +68,12 @@ class UsageError(ValueError):
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)   # orbax logs every save step at INFO
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
   import jax
+
   from kimijax.config import ConfigError, config_from_flags
-  try:   # a mistake in the command stops here, before any process waits for the others or computes
+
+  try:  # a mistake in the command stops here, before any process waits for the others or computes
     if FLAGS.mode != 'config' and not FLAGS.workdir:
       raise UsageError(f'--workdir=DIR is required for --mode={FLAGS.mode}')
     if FLAGS.mode in ('train', 'config') and FLAGS.config is None:
@@ -83,7 +91,8 @@ def main(argv):
   from kimijax.train.interrupt import Interrupted
   from kimijax.train.lock import WorkdirError
   from kimijax.train.loop import NonFiniteError, train
-  try:   # these errors carry one message naming the key or path; a traceback would bury it
+
+  try:  # these errors carry one message naming the key or path; a traceback would bury it
     if FLAGS.mode == 'generate':
       return generate_text()
     if FLAGS.mode == 'eval':
@@ -95,8 +104,7 @@ def main(argv):
     print(f'kimijax: {e}', file=sys.stderr, flush=True)
     sys.exit(EXIT_INTERRUPTED)
   except KeyboardInterrupt:
-    print('kimijax: interrupted (Ctrl-C); a run resumes from its last complete checkpoint', file=sys.stderr,
-          flush=True)
+    print('kimijax: interrupted (Ctrl-C); a run resumes from its last complete checkpoint', file=sys.stderr, flush=True)
     sys.exit(EXIT_INTERRUPTED)
   except (ConfigError, DataError, CheckpointError, WorkdirError, NonFiniteError, UsageError) as e:
     sys.exit(f'{type(e).__name__}: {e}')
@@ -109,23 +117,27 @@ def join_processes(jax) -> None:
   # Cross-process collectives of the CPU backend (harmless on GPU). Do not query the backend
   # here (jax.default_backend()): that initialises it, and initialize() must come first.
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  who = (f'process {FLAGS.process_id} of {FLAGS.num_processes}' if FLAGS.num_processes else 'this process')
+  who = f'process {FLAGS.process_id} of {FLAGS.num_processes}' if FLAGS.num_processes else 'this process'
   where = FLAGS.coordinator_address or 'the coordinator the cluster names'
-  print(f'kimijax: {who} waiting up to {FLAGS.peer_timeout_s} s for every process to join at {where} '
-        '(--peer_timeout_s)', flush=True)
-  message = (f'DistributedError: {who} could not join the others at {where} within --peer_timeout_s='
-             f'{FLAGS.peer_timeout_s} s: are all {FLAGS.num_processes or ""} processes started, with the same '
-             '--coordinator_address and --num_processes?')
+  print(
+    f'kimijax: {who} waiting up to {FLAGS.peer_timeout_s} s for every process to join at {where} (--peer_timeout_s)',
+    flush=True,
+  )
+  message = (
+    f'DistributedError: {who} could not join the others at {where} within --peer_timeout_s='
+    f'{FLAGS.peer_timeout_s} s: are all {FLAGS.num_processes or ""} processes started, with the same '
+    '--coordinator_address and --num_processes?'
+  )
   # On its own deadline the runtime aborts the process from C++ (a core dump, no Python
   # exception), so a watchdog stops first, with the message; the runtime's deadline is later.
-  watchdog = threading.Timer(FLAGS.peer_timeout_s, lambda: (print(message, file=sys.stderr, flush=True),
-                                                            os._exit(1)))
+  watchdog = threading.Timer(FLAGS.peer_timeout_s, lambda: (print(message, file=sys.stderr, flush=True), os._exit(1)))
   watchdog.daemon = True
   watchdog.start()
   try:
-    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                               initialization_timeout=FLAGS.peer_timeout_s + 60)
-  except Exception as e:   # the runtime raises several types (XlaRuntimeError, RuntimeError, ...)
+    jax.distributed.initialize(
+      FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, initialization_timeout=FLAGS.peer_timeout_s + 60
+    )
+  except Exception as e:  # the runtime raises several types (XlaRuntimeError, RuntimeError, ...)
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     sys.exit(f'{message} ({first})')
   finally:
@@ -134,25 +146,34 @@ def join_processes(jax) -> None:
 
 def print_summary(summary: dict) -> None:
   if summary.get('already_finished'):
-    print('\n'.join([
-        f'already finished at step {summary["steps"]}; nothing was trained or written.',
-        f'  final loss   train {_fmt(summary["final_loss"])}, eval {_fmt(summary["eval_loss"])} (nats/token, '
-        'from metrics.jsonl)',
-        f'  outputs      {summary["workdir"]}/   (raise --config.train.steps to continue; rm -r it to start over)',
-    ]))
+    print(
+      '\n'.join(
+        [
+          f'already finished at step {summary["steps"]}; nothing was trained or written.',
+          f'  final loss   train {_fmt(summary["final_loss"])}, eval {_fmt(summary["eval_loss"])} (nats/token, '
+          'from metrics.jsonl)',
+          f'  outputs      {summary["workdir"]}/   (raise --config.train.steps to continue; rm -r it to start over)',
+        ]
+      )
+    )
     return
-  print('\n'.join([
-      'done.',
-      f'  parameters   {summary["params"] / 1e6:.2f}M',
-      f'  tokens       {summary["tokens"]:,} in {summary["seconds"]:.0f} s',
-      f'  final loss   train {_fmt(summary["final_loss"])}, eval {_fmt(summary["eval_loss"])} (nats/token)',
-      f'  outputs      {summary["workdir"]}/ (metrics.jsonl, checkpoints/, tensorboard/, loss.png)',
-  ]))
+  print(
+    '\n'.join(
+      [
+        'done.',
+        f'  parameters   {summary["params"] / 1e6:.2f}M',
+        f'  tokens       {summary["tokens"]:,} in {summary["seconds"]:.0f} s',
+        f'  final loss   train {_fmt(summary["final_loss"])}, eval {_fmt(summary["eval_loss"])} (nats/token)',
+        f'  outputs      {summary["workdir"]}/ (metrics.jsonl, checkpoints/, tensorboard/, loss.png)',
+      ]
+    )
+  )
 
 
 def print_config(config) -> None:
   """--mode=config: the resolved config and the model's parameter counts (shapes only)."""
   from kimijax.model import parameter_counts
+
   print(config)
   counts = parameter_counts(config.model)
   width = max(len(k) for k in counts)
@@ -176,7 +197,8 @@ def generate_flag_errors(prompt: str) -> str | None:
   try:
     prompt.encode('utf-8')
   except UnicodeEncodeError as e:
-    return f'--prompt is not valid UTF-8 text (byte {e.start}: {prompt[e.start:e.end].encode("utf-8", "surrogateescape")!r})'
+    bad = prompt[e.start : e.end].encode('utf-8', 'surrogateescape')
+    return f'--prompt is not valid UTF-8 text (byte {e.start}: {bad!r})'
   return None
 
 
@@ -186,14 +208,23 @@ def generate_text():
     raise UsageError(message)
   from kimijax.data import ByteTokenizer
   from kimijax.infer.generate import generate, load_for_generation
+
   config, model, params = load_for_generation(FLAGS.workdir)
   tokenizer = ByteTokenizer()
   prompt = tokenizer.encode(FLAGS.prompt or '\n')
-  tokens = generate(model, params, [prompt] * FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
-                    temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                    seed=config.seed, stop_token=tokenizer.eos_id)
+  tokens = generate(
+    model,
+    params,
+    [prompt] * FLAGS.num_samples,
+    max_new_tokens=FLAGS.max_new_tokens,
+    temperature=FLAGS.temperature,
+    top_k=FLAGS.top_k,
+    top_p=FLAGS.top_p,
+    seed=config.seed,
+    stop_token=tokenizer.eos_id,
+  )
   for row in tokens:
-    print(FLAGS.prompt + tokenizer.decode(row[len(prompt):]))
+    print(FLAGS.prompt + tokenizer.decode(row[len(prompt) :]))
     print('-' * 40)
 
 
@@ -202,9 +233,12 @@ def evaluate_run():
   if FLAGS.eval_batches < 0:
     raise UsageError(f'--eval_batches={FLAGS.eval_batches} must be >= 0')
   from kimijax.train.evaluate import evaluate_run as run_eval
+
   r = run_eval(FLAGS.workdir, FLAGS.eval_batches or None)
-  print(f'step {r["step"]}: eval loss {r["eval_loss"]:.4f} nats/token over {r["eval_batches"]} validation '
-        f'batches ({r["tokens"]:,} tokens); appended to {pathlib.Path(FLAGS.workdir) / "eval.jsonl"}')
+  print(
+    f'step {r["step"]}: eval loss {r["eval_loss"]:.4f} nats/token over {r["eval_batches"]} validation '
+    f'batches ({r["tokens"]:,} tokens); appended to {pathlib.Path(FLAGS.workdir) / "eval.jsonl"}'
+  )
 
 
 def _fmt(x) -> str:

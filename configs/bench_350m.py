@@ -29,15 +29,15 @@ def get_config(variants: str | None = None):
   m.vocab_size = 32768
   m.d_model = 1024
   m.num_layers = 24
-  m.num_heads = 8                     # head_dim 128
+  m.num_heads = 8  # head_dim 128
   m.mlp_dim = 2816
-  configs_common.gpu_kernels(m)       # attention 'gpu': tokamax when max logits are logged or clipped
-                                      # (free from its residuals) or for MLA, else cuDNN; the KDA layers
-                                      # of :hybrid and their short convs: the fused Pallas kernels
+  configs_common.gpu_kernels(m)  # attention 'gpu': tokamax when max logits are logged or clipped
+  # (free from its residuals) or for MLA, else cuDNN; the KDA layers
+  # of :hybrid and their short convs: the fused Pallas kernels
   m.kda_recompute_projections = 'qk'  # their q and k projections recomputed in the backward, v's kept
-                                      # (4.5 GiB less than keeping all three)
+  # (4.5 GiB less than keeping all three)
   m.tie_embeddings = True
-  m.residual_dtype = 'bfloat16'       # faster than float32 here (experiments/results/bench_train.md)
+  m.residual_dtype = 'bfloat16'  # faster than float32 here (experiments/results/bench_train.md)
   c.train.batch_size = 16
   c.train.seq_len = 4096
   c.optimizer.learning_rate = 3e-4
@@ -47,18 +47,19 @@ def get_config(variants: str | None = None):
 
 # Applied in this order, whatever the order on the command line.
 VARIANTS = {
-    'remat': lambda c: c.model.update(remat=True),
-    'hybrid': lambda c: c.model.update(layer_pattern='KKKA'),
-    'kda_keep': lambda c: c.model.update(kda_recompute_projections=''),
-    'xla': lambda c: c.model.update(attn_impl='xla'),
-    'cudnn': lambda c: c.model.update(attn_impl='cudnn'),
-    'tokamax': lambda c: c.model.update(attn_impl='tokamax'),
-    # q/k 192 and v 128 dims per head: cuDNN pads v, tokamax does not
-    'mla': lambda c: c.model.update(attention_kind='mla', mla_kv_lora_rank=512, mla_qk_rope_head_dim=64,
-                                    mla_v_head_dim=128, mla_rope=False),
-    # XLA: Pallas would compile a kernel set per source count (2..49)
-    'attnres_full': lambda c: c.model.update(residual='attnres_full'),
-    # 2 * 24 sublayers / 6 = 8 blocks
-    'attnres_block': lambda c: c.model.update(residual='attnres_block', attnres_block_size=6, attnres_impl='pallas'),
-    'attnres_xla': lambda c: c.model.update(attnres_impl='xla'),
+  'remat': lambda c: c.model.update(remat=True),
+  'hybrid': lambda c: c.model.update(layer_pattern='KKKA'),
+  'kda_keep': lambda c: c.model.update(kda_recompute_projections=''),
+  'xla': lambda c: c.model.update(attn_impl='xla'),
+  'cudnn': lambda c: c.model.update(attn_impl='cudnn'),
+  'tokamax': lambda c: c.model.update(attn_impl='tokamax'),
+  # q/k 192 and v 128 dims per head: cuDNN pads v, tokamax does not
+  'mla': lambda c: c.model.update(
+    attention_kind='mla', mla_kv_lora_rank=512, mla_qk_rope_head_dim=64, mla_v_head_dim=128, mla_rope=False
+  ),
+  # XLA: Pallas would compile a kernel set per source count (2..49)
+  'attnres_full': lambda c: c.model.update(residual='attnres_full'),
+  # 2 * 24 sublayers / 6 = 8 blocks
+  'attnres_block': lambda c: c.model.update(residual='attnres_block', attnres_block_size=6, attnres_impl='pallas'),
+  'attnres_xla': lambda c: c.model.update(attnres_impl='xla'),
 }

@@ -18,6 +18,6 @@ def get_config(variants: str | None = None):
 
 
 VARIANTS = {
-    'gqa': lambda c: c.model.update(attention_kind='gqa', num_kv_heads=2),
-    'nope': lambda c: c.model.update(position='nope'),
+  'gqa': lambda c: c.model.update(attention_kind='gqa', num_kv_heads=2),
+  'nope': lambda c: c.model.update(position='nope'),
 }

@@ -23,18 +23,18 @@ RATIOS = {'all_mla': '0:1', 'all_kda': '1:0', '1to1': '1:1', '7to1': '7:1', '15t
 
 def get_config(variants: str | None = None):
   c = base_config()
-  configs_common.cpu_run(c)         # use bfloat16 (and kda_impl/attn_impl for the GPU) on a GPU
+  configs_common.cpu_run(c)  # use bfloat16 (and kda_impl/attn_impl for the GPU) on a GPU
   m = c.model
   m.d_model = 256
   m.num_layers = 8
-  m.num_heads = 4                   # head dim 64 for KDA and MLA
+  m.num_heads = 4  # head dim 64 for KDA and MLA
   m.mlp_dim = 768
-  m.layer_pattern = '3:1'           # KKKA KKKA
+  m.layer_pattern = '3:1'  # KKKA KKKA
   m.attention_kind = 'mla'
   m.position = 'nope'
   m.mla_kv_lora_rank = 128
-  m.mla_qk_rope_head_dim = 32       # decoupled dims, half the no-position head dim as in the release
-  m.mla_rope = False                # ... and not rotated (Kimi Linear's NoPE)
+  m.mla_qk_rope_head_dim = 32  # decoupled dims, half the no-position head dim as in the release
+  m.mla_rope = False  # ... and not rotated (Kimi Linear's NoPE)
   m.mla_latent_norm_eps = 1e-6
   m.kda_output_norm_eps = m.norm_eps
   m.kda_impl = 'xla'
@@ -42,10 +42,10 @@ def get_config(variants: str | None = None):
 
 
 VARIANTS = {
-    **{name: (lambda c, ratio=ratio: c.model.update(layer_pattern=ratio)) for name, ratio in RATIOS.items()},
-    'no_gate': lambda c: c.model.update(kda_output_gate='none'),
-    'swish_gate': lambda c: c.model.update(kda_output_gate='swish'),
-    'no_conv': lambda c: c.model.update(kda_short_conv=False),
-    'rope': lambda c: c.model.update(mla_rope=True),
-    'nope0': lambda c: c.model.update(mla_qk_rope_head_dim=0, mla_rope=True, kda_output_norm_eps=1e-5),
+  **{name: (lambda c, ratio=ratio: c.model.update(layer_pattern=ratio)) for name, ratio in RATIOS.items()},
+  'no_gate': lambda c: c.model.update(kda_output_gate='none'),
+  'swish_gate': lambda c: c.model.update(kda_output_gate='swish'),
+  'no_conv': lambda c: c.model.update(kda_short_conv=False),
+  'rope': lambda c: c.model.update(mla_rope=True),
+  'nope0': lambda c: c.model.update(mla_qk_rope_head_dim=0, mla_rope=True, kda_output_norm_eps=1e-5),
 }

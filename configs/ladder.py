@@ -39,50 +39,62 @@ OPTIMIZERS = {'adamw': (('optimizer.name', 'adamw'),), 'muon': (('optimizer.name
 
 def rung(d: int, *, head_dim: int, depth_per_width: int, batch_size: int) -> dict:
   """One rung by the rule in the module docstring."""
-  return {'name': f'd{d}', 'd_model': d, 'num_layers': d // depth_per_width, 'num_heads': d // head_dim,
-          'mlp_dim': 3 * d, 'learning_rate': round(LR_256 * math.sqrt(256 / d), 6), 'batch_size': batch_size}
+  return {
+    'name': f'd{d}',
+    'd_model': d,
+    'num_layers': d // depth_per_width,
+    'num_heads': d // head_dim,
+    'mlp_dim': 3 * d,
+    'learning_rate': round(LR_256 * math.sqrt(256 / d), 6),
+    'batch_size': batch_size,
+  }
 
 
 def _smoke(c: ml_collections.ConfigDict) -> None:
   b = c.base
-  b.model.compute_dtype = 'float32'     # XLA:CPU has no fast bf16 matmul
+  b.model.compute_dtype = 'float32'  # XLA:CPU has no fast bf16 matmul
   b.train.seq_len = 128
   b.train.eval_batches = 4
   c.tokens_per_param = 3.0
-  c.rungs = [rung(32, head_dim=16, depth_per_width=16, batch_size=8),
-             rung(48, head_dim=16, depth_per_width=16, batch_size=8),
-             rung(64, head_dim=16, depth_per_width=16, batch_size=16)]
+  c.rungs = [
+    rung(32, head_dim=16, depth_per_width=16, batch_size=8),
+    rung(48, head_dim=16, depth_per_width=16, batch_size=8),
+    rung(64, head_dim=16, depth_per_width=16, batch_size=16),
+  ]
   c.variants = OPTIMIZERS
   c.baseline = 'adamw'
 
 
 def _gpu(c: ml_collections.ConfigDict) -> None:
   b = c.base
-  configs_common.gpu_kernels(b.model, attn_impl='tokamax')   # as configs/bench_350m.py, tokamax attention
-  b.model.residual_dtype = 'float32'    # small models: keep the residual stream exact
+  configs_common.gpu_kernels(b.model, attn_impl='tokamax')  # as configs/bench_350m.py, tokamax attention
+  b.model.residual_dtype = 'float32'  # small models: keep the residual stream exact
   b.train.seq_len = 1024
   configs_common.gpu_data(b)
-  c.tokens_per_param = 20.0             # Chinchilla-like, close to Moonlight's ~22
-  c.rungs = [rung(128, head_dim=64, depth_per_width=64, batch_size=16),
-             rung(192, head_dim=64, depth_per_width=64, batch_size=32),
-             rung(256, head_dim=64, depth_per_width=64, batch_size=64),
-             rung(320, head_dim=64, depth_per_width=64, batch_size=64),
-             rung(384, head_dim=64, depth_per_width=64, batch_size=128)]
+  c.tokens_per_param = 20.0  # Chinchilla-like, close to Moonlight's ~22
+  c.rungs = [
+    rung(128, head_dim=64, depth_per_width=64, batch_size=16),
+    rung(192, head_dim=64, depth_per_width=64, batch_size=32),
+    rung(256, head_dim=64, depth_per_width=64, batch_size=64),
+    rung(320, head_dim=64, depth_per_width=64, batch_size=64),
+    rung(384, head_dim=64, depth_per_width=64, batch_size=128),
+  ]
   c.variants = OPTIMIZERS
   c.baseline = 'adamw'
 
 
 def _gpu_attnres(c: ml_collections.ConfigDict) -> None:
   _gpu(c)
-  c.variants = {'standard': (('model.residual', 'standard'),),
-                'block': (('model.residual', 'attnres_block'), ('model.attnres_block_size', 2),
-                          ('model.attnres_impl', 'pallas'))}
+  c.variants = {
+    'standard': (('model.residual', 'standard'),),
+    'block': (('model.residual', 'attnres_block'), ('model.attnres_block_size', 2), ('model.attnres_impl', 'pallas')),
+  }
   c.baseline = 'standard'
 
 
 def _gpu_hybrid(c: ml_collections.ConfigDict) -> None:
   _gpu(c)
-  for r in c.rungs:   # the pattern tiles over the layers: 4 layers per 'KKKA', so depth 4 * ceil((d / 64) / 4)
+  for r in c.rungs:  # the pattern tiles over the layers: 4 layers per 'KKKA', so depth 4 * ceil((d / 64) / 4)
     r['num_layers'] = 4 * math.ceil(r['num_layers'] / 4)
   c.variants = {'attention': (('model.layer_pattern', 'A'),), 'hybrid_3to1': (('model.layer_pattern', '3:1'),)}
   c.baseline = 'attention'
@@ -100,6 +112,8 @@ def get_config(name: str | None = None) -> ml_collections.ConfigDict:
   c.base = base_config()
   c.base.train.log_every = 10
   c.base.train.plot = True
-  c.rule = ('depth = d/64, heads = d/64 (smoke: d/16), SwiGLU 3d, byte vocab, tied; tokens = '
-            'tokens_per_param x N(baseline); lr = 3e-3 sqrt(256/d), warmup 5%, cosine to 10%')
+  c.rule = (
+    'depth = d/64, heads = d/64 (smoke: d/16), SwiGLU 3d, byte vocab, tied; tokens = '
+    'tokens_per_param x N(baseline); lr = 3e-3 sqrt(256/d), warmup 5%, cosine to 10%'
+  )
   return apply_variants(c, VARIANTS, name)

@@ -12,13 +12,14 @@ def user_errors():
   """Turns the errors that name a key or path into `sys.exit('<Type>: <message>')`; quiets absl's
   INFO logs (orbax logs every checkpoint step)."""
   from absl import logging
+
   logging.set_verbosity(logging.WARNING)
+  from experiments.runs import WorkflowError
   from kimijax.config import ConfigError
   from kimijax.data import DataError
   from kimijax.train.checkpoint import CheckpointError
-  from experiments.runs import WorkflowError
+
   try:
     yield
   except (ConfigError, DataError, CheckpointError, WorkflowError) as e:
     sys.exit(f'{type(e).__name__}: {e}')
-

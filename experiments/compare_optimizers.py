@@ -20,6 +20,7 @@ from absl import app, flags
 
 def define_flags():
   from kimijax.config import define_config_flag
+
   define_config_flag('config', None, 'config file, FILE[:VARIANT[,VARIANT]].')
   flags.DEFINE_list('optimizers', ['adamw', 'muon', 'muonclip'], 'optimizer.name values to compare')
   flags.DEFINE_integer('seeds', 1, 'runs per optimizer')
@@ -33,12 +34,14 @@ def main(argv):
   from experiments import sweep
   from experiments.cli import user_errors
   from kimijax.config import config_from_flags
+
   FLAGS = flags.FLAGS
   with user_errors():
     config = config_from_flags('config')
     axes = sweep.parse_axes([f'optimizer.name={",".join(FLAGS.optimizers)}'], config)
-    sweep.run_sweep(config, axes, seeds=FLAGS.seeds, workdir=FLAGS.workdir, publish=FLAGS.publish,
-                    title='AdamW vs Muon vs MuonClip')
+    sweep.run_sweep(
+      config, axes, seeds=FLAGS.seeds, workdir=FLAGS.workdir, publish=FLAGS.publish, title='AdamW vs Muon vs MuonClip'
+    )
 
 
 if __name__ == '__main__':

@@ -25,8 +25,22 @@ import numpy as np
 PFLOPS_DAY = 1e15 * 86400.0
 
 # Student's t, two-sided 95% (0.975 quantile), by degrees of freedom; the normal 1.96 beyond.
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-         10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+_T975 = {
+  1: 12.706,
+  2: 4.303,
+  3: 3.182,
+  4: 2.776,
+  5: 2.571,
+  6: 2.447,
+  7: 2.365,
+  8: 2.306,
+  9: 2.262,
+  10: 2.228,
+  12: 2.179,
+  15: 2.131,
+  20: 2.086,
+  30: 2.042,
+}
 
 
 def t975(dof: int) -> float:
@@ -54,7 +68,7 @@ def fit_power_law(c, loss) -> dict:
   (log A, alpha), the residual RMS in log L and the number of points."""
   c, loss = _check(c, loss, 2)
   x, y = np.log(c), np.log(loss)
-  design = np.stack([np.ones_like(x), -x], axis=1)           # y = log A - alpha x
+  design = np.stack([np.ones_like(x), -x], axis=1)  # y = log A - alpha x
   theta, *_ = np.linalg.lstsq(design, y, rcond=None)
   resid = y - design @ theta
   dof = len(x) - 2
@@ -63,11 +77,19 @@ def fit_power_law(c, loss) -> dict:
   se = np.sqrt(np.diag(cov))
   t = t975(dof)
   log_a, alpha = float(theta[0]), float(theta[1])
-  return {'form': 'A*C^-alpha', 'A': math.exp(log_a), 'alpha': alpha, 'log_A': log_a,
-          'alpha_se': float(se[1]), 'alpha_ci95': [alpha - t * se[1], alpha + t * se[1]],
-          'A_ci95': [math.exp(log_a - t * se[0]), math.exp(log_a + t * se[0])],
-          'cov_logA_alpha': cov.tolist(), 'rms_log_residual': float(np.sqrt(np.mean(resid ** 2))),
-          'n': len(x), 'dof': dof}
+  return {
+    'form': 'A*C^-alpha',
+    'A': math.exp(log_a),
+    'alpha': alpha,
+    'log_A': log_a,
+    'alpha_se': float(se[1]),
+    'alpha_ci95': [alpha - t * se[1], alpha + t * se[1]],
+    'A_ci95': [math.exp(log_a - t * se[0]), math.exp(log_a + t * se[0])],
+    'cov_logA_alpha': cov.tolist(),
+    'rms_log_residual': float(np.sqrt(np.mean(resid**2))),
+    'n': len(x),
+    'dof': dof,
+  }
 
 
 def _offset_model(theta, x):
@@ -86,13 +108,13 @@ def fit_power_law_offset(c, loss, grid: int = 400) -> dict:
   c, loss = _check(c, loss, 4)
   x = np.log(c)
   best = None
-  for e in np.linspace(0.0, loss.min(), grid, endpoint=False):   # profile over E < min L
+  for e in np.linspace(0.0, loss.min(), grid, endpoint=False):  # profile over E < min L
     p = fit_power_law(c, loss - e)
     sse = float(np.sum((loss - _offset_model((e, p['log_A'], p['alpha']), x)) ** 2))
     if best is None or sse < best[0]:
       best = (sse, np.array([e, p['log_A'], p['alpha']]))
   sse, theta = best
-  for _ in range(100):                                         # Gauss-Newton with step halving
+  for _ in range(100):  # Gauss-Newton with step halving
     resid = loss - _offset_model(theta, x)
     jac = _offset_jacobian(theta, x)
     step, *_ = np.linalg.lstsq(jac, resid, rcond=None)
@@ -100,7 +122,7 @@ def fit_power_law_offset(c, loss, grid: int = 400) -> dict:
     while scale > 1e-6:
       cand = theta + scale * step
       cand_sse = float(np.sum((loss - _offset_model(cand, x)) ** 2))
-      if 0.0 <= cand[0] < loss.min() and cand_sse < sse:     # an irreducible loss is >= 0
+      if 0.0 <= cand[0] < loss.min() and cand_sse < sse:  # an irreducible loss is >= 0
         theta, improved = cand, sse - cand_sse > 1e-15 * max(sse, 1e-300)
         sse = cand_sse
         break
@@ -117,11 +139,22 @@ def fit_power_law_offset(c, loss, grid: int = 400) -> dict:
   se = np.sqrt(np.abs(np.diag(cov)))
   t = t975(dof)
   e, log_a, alpha = (float(v) for v in theta)
-  return {'form': 'E+A*C^-alpha', 'E': e, 'E_at_zero': e == 0.0, 'A': math.exp(log_a), 'alpha': alpha, 'log_A': log_a,
-          'E_se': float(se[0]), 'alpha_se': float(se[2]),
-          'E_ci95': [e - t * se[0], e + t * se[0]], 'alpha_ci95': [alpha - t * se[2], alpha + t * se[2]],
-          'cov_E_logA_alpha': cov.tolist(), 'rms_residual': float(np.sqrt(sse / len(x))),
-          'n': len(x), 'dof': dof}
+  return {
+    'form': 'E+A*C^-alpha',
+    'E': e,
+    'E_at_zero': e == 0.0,
+    'A': math.exp(log_a),
+    'alpha': alpha,
+    'log_A': log_a,
+    'E_se': float(se[0]),
+    'alpha_se': float(se[2]),
+    'E_ci95': [e - t * se[0], e + t * se[0]],
+    'alpha_ci95': [alpha - t * se[2], alpha + t * se[2]],
+    'cov_E_logA_alpha': cov.tolist(),
+    'rms_residual': float(np.sqrt(sse / len(x))),
+    'n': len(x),
+    'dof': dof,
+  }
 
 
 def compute_at_loss(fit: dict, loss) -> np.ndarray:
@@ -145,15 +178,22 @@ def _samples(fit: dict, rng: np.random.Generator, n: int) -> list[dict]:
   return [{'A': math.exp(a), 'alpha': b} for a, b in draws if b > 0]
 
 
-def compute_multiplier(base_fit: dict, var_fit: dict, base_losses, var_losses, *, points: int = 3,
-                       samples: int = 4000, seed: int = 0) -> dict:
+def compute_multiplier(
+  base_fit: dict, var_fit: dict, base_losses, var_losses, *, points: int = 3, samples: int = 4000, seed: int = 0
+) -> dict:
   """C_base(L*) / C_var(L*) (> 1: the variant reaches L* with less compute) at `points` losses
   spread over the range both ladders cover, [max of the two minima, min of the two maxima]; with no
   overlap, at the two ladders' nearest ends, marked extrapolated. Intervals (95%) from the pure
   power-law fits' parameter uncertainty."""
   if base_fit['alpha'] <= 0 or var_fit['alpha'] <= 0:
-    return {'losses': [], 'multiplier': [], 'multiplier_ci95': [], 'loss_range': [float('nan')] * 2,
-            'extrapolated': False, 'note': 'undefined: a fit does not fall with compute (alpha <= 0)'}
+    return {
+      'losses': [],
+      'multiplier': [],
+      'multiplier_ci95': [],
+      'loss_range': [float('nan')] * 2,
+      'extrapolated': False,
+      'note': 'undefined: a fit does not fall with compute (alpha <= 0)',
+    }
   lo = max(min(base_losses), min(var_losses))
   hi = min(max(base_losses), max(var_losses))
   extrapolated = lo > hi
@@ -168,7 +208,15 @@ def compute_multiplier(base_fit: dict, var_fit: dict, base_losses, var_losses, *
     with np.errstate(invalid='ignore', divide='ignore', over='ignore'):
       draws = [compute_at_loss(b, target) / compute_at_loss(v, target) for b, v in pairs]
     draws = np.asarray([d for d in draws if np.isfinite(d)])
-    ci.append([float(np.quantile(draws, 0.025)), float(np.quantile(draws, 0.975))] if len(draws) > 10
-              else [float('nan'), float('nan')])
-  return {'losses': targets.tolist(), 'multiplier': ratio.tolist(), 'multiplier_ci95': ci,
-          'loss_range': [lo, hi], 'extrapolated': bool(extrapolated)}
+    ci.append(
+      [float(np.quantile(draws, 0.025)), float(np.quantile(draws, 0.975))]
+      if len(draws) > 10
+      else [float('nan'), float('nan')]
+    )
+  return {
+    'losses': targets.tolist(),
+    'multiplier': ratio.tolist(),
+    'multiplier_ci95': ci,
+    'loss_range': [lo, hi],
+    'extrapolated': bool(extrapolated),
+  }

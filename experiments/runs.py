@@ -32,6 +32,7 @@ class WorkflowError(ValueError):
 def flatten(d: dict) -> dict:
   """{'a': {'b': 1}} -> {'a.b': 1}; tuples become lists, as in JSON (the checkpoint's own helper)."""
   from kimijax.train.checkpoint import _flatten
+
   return _flatten(d)
 
 
@@ -65,27 +66,37 @@ def check_folder(run_dir: pathlib.Path, config: ml_collections.ConfigDict) -> No
   """WorkflowError if run_dir already holds a run of another config. A key the saved config
   lacks (added to the schema after the run) matches its default, as on checkpoint restore."""
   from kimijax.train.checkpoint import config_differences
+
   saved = run_dir / 'config.json'
   if not saved.exists():
     return
   diff = config_differences(json.loads(saved.read_text()), config)
   if diff:
-    raise WorkflowError(f'{run_dir} holds a run of another config ({"; ".join(diff[:6])}'
-                        f'{"; ..." if len(diff) > 6 else ""}); use another --workdir, or move that run '
-                        'away yourself (nothing is deleted for you)')
+    raise WorkflowError(
+      f'{run_dir} holds a run of another config ({"; ".join(diff[:6])}'
+      f'{"; ..." if len(diff) > 6 else ""}); use another --workdir, or move that run '
+      'away yourself (nothing is deleted for you)'
+    )
 
 
 def is_finished(run_dir: pathlib.Path) -> bool:
   return (run_dir / 'done.json').exists()
 
 
-def train_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path, *, devices=None,
-              quiet: bool = False, drop_checkpoints: bool = False) -> dict:
+def train_run(
+  config: ml_collections.ConfigDict,
+  run_dir: str | pathlib.Path,
+  *,
+  devices=None,
+  quiet: bool = False,
+  drop_checkpoints: bool = False,
+) -> dict:
   """Trains config in run_dir on `devices` (default all; resuming a half-finished run) unless it is
   finished; returns the run's figures (read_run). Raises WorkflowError before any compute if run_dir
   holds another config. drop_checkpoints=True (asked for on the command line, to carry a workdir
   between machines) removes the run's checkpoints once it is finished; its figures stay."""
   from kimijax.train.loop import train
+
   run_dir = pathlib.Path(run_dir)
   check_folder(run_dir, config)
   if not is_finished(run_dir):
@@ -95,8 +106,7 @@ def train_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path, *,
       # over) starts again from step 0: keep its lines aside so that the new curve is not appended.
       kept = stale.with_name(f'metrics.interrupted-{int(time.time())}.jsonl')
       os.replace(stale, kept)
-      print(f'{run_dir}: no checkpoint to resume from; starting again (earlier lines kept in {kept.name})',
-            flush=True)
+      print(f'{run_dir}: no checkpoint to resume from; starting again (earlier lines kept in {kept.name})', flush=True)
     began = time.time()
     summary = train(config, run_dir, devices=devices)
     # Where and on what data it ran, so that a report written on another machine (a ladder brought
@@ -107,6 +117,7 @@ def train_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path, *,
     os.replace(tmp, run_dir / 'done.json')
     if drop_checkpoints:
       import shutil
+
       shutil.rmtree(run_dir / 'checkpoints', ignore_errors=True)
   elif not quiet:
     print(f'{run_dir}: finished earlier, reused', flush=True)
@@ -116,6 +127,7 @@ def train_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path, *,
 def train_split_tokens(config: ml_collections.ConfigDict) -> int | None:
   """Tokens in the training split of config's data (None for the endless synthetic MQAR)."""
   from kimijax.data import pipeline
+
   if config.data.source == 'mqar':
     return None
   d = config.data
@@ -129,14 +141,17 @@ def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> 
   (final and peak), epochs of the training split seen, and the curves."""
   from kimijax.train import flops as flops_lib
   from kimijax.train.metrics import read_metrics
+
   run_dir = pathlib.Path(run_dir)
   records = read_metrics(run_dir)
   t = config.train
   logged = [r for r in records if 'loss' in r]
   evals = [r for r in records if 'eval_loss' in r]
   if not logged or not evals or evals[-1]['step'] != t.steps:
-    raise WorkflowError(f'{run_dir}/metrics.jsonl does not reach step {t.steps} with an eval; '
-                        'the run is not finished (re-run the same command to resume it)')
+    raise WorkflowError(
+      f'{run_dir}/metrics.jsonl does not reach step {t.steps} with an eval; '
+      'the run is not finished (re-run the same command to resume it)'
+    )
   step_flops = flops_lib.training_flops_per_step(config)
   tokens = t.steps * t.batch_size * t.seq_len
   rates = [r['tokens_per_sec'] for r in logged if r.get('tokens_per_sec')]
@@ -146,20 +161,31 @@ def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> 
   last_eval = evals[-1]
   accuracy_key = 'eval_recall_accuracy' if 'eval_recall_accuracy' in last_eval else 'eval_accuracy'
   return {
-      'run_dir': str(run_dir), 'params': step_flops['params'], 'steps': t.steps, 'tokens': tokens,
-      'flops': step_flops['total'] * t.steps, 'flops_per_step': step_flops,
-      'final_train_loss': logged[-1]['loss'], 'final_eval_loss': last_eval['eval_loss'],
-      'accuracy_key': accuracy_key, 'final_accuracy': last_eval.get(accuracy_key),
-      'tokens_per_sec': statistics.median(rates) if rates else None,
-      'max_logit_final': max_logits[-1] if max_logits else None,
-      'max_logit_peak': max(max_logits) if max_logits else None,
-      'epochs': tokens / split if split else None,
-      'wall_seconds': done.get('wall_seconds'), 'hardware': done.get('hardware'),
-      'loss_by_position': {'buckets': last_eval.get('eval_position_buckets'),
-                           'loss': last_eval.get('eval_loss_by_position')},
-      'curves': {'train': [(r['step'], r['loss']) for r in logged],
-                 'eval': [(r['step'], r['eval_loss']) for r in evals],
-                 'max_logit': [(r['step'], r['max_logit']) for r in logged if 'max_logit' in r]},
+    'run_dir': str(run_dir),
+    'params': step_flops['params'],
+    'steps': t.steps,
+    'tokens': tokens,
+    'flops': step_flops['total'] * t.steps,
+    'flops_per_step': step_flops,
+    'final_train_loss': logged[-1]['loss'],
+    'final_eval_loss': last_eval['eval_loss'],
+    'accuracy_key': accuracy_key,
+    'final_accuracy': last_eval.get(accuracy_key),
+    'tokens_per_sec': statistics.median(rates) if rates else None,
+    'max_logit_final': max_logits[-1] if max_logits else None,
+    'max_logit_peak': max(max_logits) if max_logits else None,
+    'epochs': tokens / split if split else None,
+    'wall_seconds': done.get('wall_seconds'),
+    'hardware': done.get('hardware'),
+    'loss_by_position': {
+      'buckets': last_eval.get('eval_position_buckets'),
+      'loss': last_eval.get('eval_loss_by_position'),
+    },
+    'curves': {
+      'train': [(r['step'], r['loss']) for r in logged],
+      'eval': [(r['step'], r['eval_loss']) for r in evals],
+      'max_logit': [(r['step'], r['max_logit']) for r in logged if 'max_logit' in r],
+    },
   }
 
 
@@ -169,7 +195,7 @@ def to_json(data) -> str:
   import math
 
   def clean(x):
-    if type(x).__module__ == 'numpy' and hasattr(x, 'item'):   # numpy scalars and arrays
+    if type(x).__module__ == 'numpy' and hasattr(x, 'item'):  # numpy scalars and arrays
       x = x.item() if getattr(x, 'ndim', 0) == 0 else x.tolist()
     if isinstance(x, float):
       return x if math.isfinite(x) else None
@@ -178,12 +204,14 @@ def to_json(data) -> str:
     if isinstance(x, (list, tuple)):
       return [clean(v) for v in x]
     return x
+
   return json.dumps(clean(data), indent=1, default=str, allow_nan=False)
 
 
 def hardware() -> str:
   """'<device kind> x <count> JAX device(s), <n>-core host, jax <version>'."""
   import jax
+
   dev = jax.devices()[0]
   kind = dev.device_kind if dev.platform != 'cpu' else f'CPU ({platform.machine() or "unknown"})'
   return f'{kind} x {jax.device_count()} JAX device(s), {os.cpu_count()}-core host, jax {jax.__version__}'
@@ -197,8 +225,11 @@ def provenance() -> dict:
     root = pathlib.Path(__file__).resolve().parents[1]
     if module.is_relative_to(root):
       argv[0] = '-m ' + '.'.join(module.relative_to(root).with_suffix('').parts)
-  return {'date': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
-          'hardware': hardware(), 'command': 'python ' + ' '.join([argv[0]] + [shlex.quote(a) for a in argv[1:]])}
+  return {
+    'date': datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC'),
+    'hardware': hardware(),
+    'command': 'python ' + ' '.join([argv[0]] + [shlex.quote(a) for a in argv[1:]]),
+  }
 
 
 def mean_spread(values: list[float]) -> tuple[float, float | None]:

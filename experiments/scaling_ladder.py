@@ -39,22 +39,33 @@ import time
 
 import ml_collections
 
-from experiments import ladder_fit
-from experiments import runs as runs_lib
+from experiments import ladder_fit, runs as runs_lib
 from experiments.runs import WorkflowError
 
 
 def rung_config(ladder: ml_collections.ConfigDict, rung: dict, overrides=(), steps: int = 1):
   """The kimijax config of one rung of one variant, trained for `steps` steps."""
   from kimijax.config import validate
+
   every = max(steps // 4, 1)
-  c = runs_lib.with_overrides(ladder.base, {
-      'model.d_model': rung['d_model'], 'model.num_layers': rung['num_layers'],
-      'model.num_heads': rung['num_heads'], 'model.mlp_dim': rung['mlp_dim'],
-      'optimizer.learning_rate': float(rung['learning_rate']), 'train.batch_size': rung['batch_size'],
-      'train.steps': steps, 'train.eval_every': every, 'train.checkpoint_every': every,
-      'optimizer.warmup_steps': max(steps // 20, 1), 'optimizer.schedule': 'cosine',
-      'optimizer.min_lr_ratio': 0.1, **dict(overrides)})
+  c = runs_lib.with_overrides(
+    ladder.base,
+    {
+      'model.d_model': rung['d_model'],
+      'model.num_layers': rung['num_layers'],
+      'model.num_heads': rung['num_heads'],
+      'model.mlp_dim': rung['mlp_dim'],
+      'optimizer.learning_rate': float(rung['learning_rate']),
+      'train.batch_size': rung['batch_size'],
+      'train.steps': steps,
+      'train.eval_every': every,
+      'train.checkpoint_every': every,
+      'optimizer.warmup_steps': max(steps // 20, 1),
+      'optimizer.schedule': 'cosine',
+      'optimizer.min_lr_ratio': 0.1,
+      **dict(overrides),
+    },
+  )
   return validate(c)
 
 
@@ -63,16 +74,19 @@ def plan(ladder: ml_collections.ConfigDict, workdir: pathlib.Path, variants: lis
   rungs first) for every variant; `chosen` marks those of `variants` (default all), the ones to
   train. All configs are validated and run folders checked before any training."""
   from kimijax.train import flops as flops_lib
+
   if ladder.baseline not in ladder.variants:
-    raise WorkflowError(f'ladder {ladder.name!r}: baseline {ladder.baseline!r} is not one of its '
-                        f'variants {list(ladder.variants)}')
+    raise WorkflowError(
+      f'ladder {ladder.name!r}: baseline {ladder.baseline!r} is not one of its variants {list(ladder.variants)}'
+    )
   chosen = list(ladder.variants) if not variants else variants
   for v in chosen:
     if v not in ladder.variants:
-      raise WorkflowError(f'--variants: {v!r} is not a variant of ladder {ladder.name!r}; '
-                          f'allowed: {list(ladder.variants)}')
+      raise WorkflowError(
+        f'--variants: {v!r} is not a variant of ladder {ladder.name!r}; allowed: {list(ladder.variants)}'
+      )
   steps_of = {}
-  for rung in ladder.rungs:     # tokens from the baseline's parameter count: the same for all variants
+  for rung in ladder.rungs:  # tokens from the baseline's parameter count: the same for all variants
     probe = rung_config(ladder, rung, ladder.variants[ladder.baseline])
     n = flops_lib.count(flops_lib.abstract_params(probe))
     tokens_per_step = rung['batch_size'] * probe.train.seq_len
@@ -83,8 +97,16 @@ def plan(ladder: ml_collections.ConfigDict, workdir: pathlib.Path, variants: lis
       c = rung_config(ladder, rung, ladder.variants[v], steps_of[rung['name']])
       run_dir = workdir / v / rung['name']
       runs_lib.check_folder(run_dir, c)
-      out.append({'variant': v, 'rung': dict(rung), 'config': c, 'run_dir': run_dir, 'chosen': v in chosen,
-                  'step_flops': flops_lib.training_flops_per_step(c)})
+      out.append(
+        {
+          'variant': v,
+          'rung': dict(rung),
+          'config': c,
+          'run_dir': run_dir,
+          'chosen': v in chosen,
+          'step_flops': flops_lib.training_flops_per_step(c),
+        }
+      )
   return out
 
 
@@ -130,12 +152,32 @@ def fits_for(points: list[dict]) -> dict:
 
 def _rung_row(r: dict) -> dict:
   figs = r['figures']
-  return {'variant': r['variant'], 'rung': r['rung']['name'], 'd_model': r['rung']['d_model'],
-          'num_layers': r['config'].model.num_layers, 'num_heads': r['rung']['num_heads'],
-          'batch_size': r['rung']['batch_size'], 'learning_rate': r['rung']['learning_rate'],
-          **{k: figs[k] for k in ('params', 'tokens', 'steps', 'flops', 'final_eval_loss', 'final_train_loss',
-                                  'epochs', 'tokens_per_sec', 'wall_seconds', 'loss_by_position', 'run_dir',
-                                  'hardware')}}
+  return {
+    'variant': r['variant'],
+    'rung': r['rung']['name'],
+    'd_model': r['rung']['d_model'],
+    'num_layers': r['config'].model.num_layers,
+    'num_heads': r['rung']['num_heads'],
+    'batch_size': r['rung']['batch_size'],
+    'learning_rate': r['rung']['learning_rate'],
+    **{
+      k: figs[k]
+      for k in (
+        'params',
+        'tokens',
+        'steps',
+        'flops',
+        'final_eval_loss',
+        'final_train_loss',
+        'epochs',
+        'tokens_per_sec',
+        'wall_seconds',
+        'loss_by_position',
+        'run_dir',
+        'hardware',
+      )
+    },
+  }
 
 
 def analyse(ladder, rows: list[dict]) -> dict:
@@ -150,8 +192,11 @@ def analyse(ladder, rows: list[dict]) -> dict:
     if v == base or 'power_law' not in fits.get(base, {}) or 'power_law' not in fits[v]:
       continue
     multipliers[v] = ladder_fit.compute_multiplier(
-        fits[base]['power_law'], fits[v]['power_law'],
-        [p['final_eval_loss'] for p in by_variant[base]], [p['final_eval_loss'] for p in by_variant[v]])
+      fits[base]['power_law'],
+      fits[v]['power_law'],
+      [p['final_eval_loss'] for p in by_variant[base]],
+      [p['final_eval_loss'] for p in by_variant[v]],
+    )
   return {'fits': fits, 'multipliers': multipliers}
 
 
@@ -161,66 +206,99 @@ def _ci(pair) -> str:
 
 def markdown(ladder, rows, analysis, prov, png_name: str, planned: int) -> str:
   trained_on = sorted({r['hardware'] or 'not recorded' for r in rows})
-  where = ('; '.join(trained_on) if trained_on else prov['hardware'])
+  where = '; '.join(trained_on) if trained_on else prov['hardware']
   if trained_on and trained_on != [prov['hardware']]:
     where += f' (report written on {prov["hardware"]})'
-  lines = [f'# Scaling ladder `{ladder.name}`', '',
-           f'Date: {prov["date"]}. Rungs trained on: {where}. {len(rows)} of {planned} rungs finished.',
-           '', 'Command:', '', f'    {prov["command"]}', '',
-           f'Rule: {ladder.rule}; {ladder.tokens_per_param:g} tokens per parameter; baseline '
-           f'`{ladder.baseline}`; variants: ' + '; '.join(
-               f'`{v}` = ' + (', '.join(f'{k}={val}' for k, val in o) or 'base') for v, o in ladder.variants.items()),
-           '', '| variant | rung | d | layers | heads | params | batch | lr | steps | tokens | epochs | '
-           'FLOPs | C (PF-days) | final eval loss | final train loss | tokens/s | wall s |',
-           '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+  lines = [
+    f'# Scaling ladder `{ladder.name}`',
+    '',
+    f'Date: {prov["date"]}. Rungs trained on: {where}. {len(rows)} of {planned} rungs finished.',
+    '',
+    'Command:',
+    '',
+    f'    {prov["command"]}',
+    '',
+    f'Rule: {ladder.rule}; {ladder.tokens_per_param:g} tokens per parameter; baseline '
+    f'`{ladder.baseline}`; variants: '
+    + '; '.join(f'`{v}` = ' + (', '.join(f'{k}={val}' for k, val in o) or 'base') for v, o in ladder.variants.items()),
+    '',
+    '| variant | rung | d | layers | heads | params | batch | lr | steps | tokens | epochs | '
+    'FLOPs | C (PF-days) | final eval loss | final train loss | tokens/s | wall s |',
+    '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|',
+  ]
   for r in rows:
     epochs = '-' if r['epochs'] is None else f'{r["epochs"]:.3g}'
     rate = '-' if not r['tokens_per_sec'] else f'{r["tokens_per_sec"]:,.0f}'
     wall = '-' if not r['wall_seconds'] else f'{r["wall_seconds"]:.0f}'
-    lines.append(f"| {r['variant']} | {r['rung']} | {r['d_model']} | {r['num_layers']} | {r['num_heads']} | "
-                 f"{r['params']:,} | {r['batch_size']} | {r['learning_rate']:.4g} | {r['steps']} | {r['tokens']:,} | "
-                 f"{epochs} | {r['flops']:.3g} | {r['flops'] / ladder_fit.PFLOPS_DAY:.3g} | "
-                 f"{r['final_eval_loss']:.4f} | {r['final_train_loss']:.4f} | {rate} | {wall} |")
-  lines += ['', '## Fits (C in PFLOP/s-days, loss = final eval loss in nats per token)', '',
-            '| variant | form | A | alpha | alpha 95% interval | E (95% interval) | rungs | residual RMS |',
-            '|---|---|---|---|---|---|---|---|']
+    lines.append(
+      f'| {r["variant"]} | {r["rung"]} | {r["d_model"]} | {r["num_layers"]} | {r["num_heads"]} | '
+      f'{r["params"]:,} | {r["batch_size"]} | {r["learning_rate"]:.4g} | {r["steps"]} | {r["tokens"]:,} | '
+      f'{epochs} | {r["flops"]:.3g} | {r["flops"] / ladder_fit.PFLOPS_DAY:.3g} | '
+      f'{r["final_eval_loss"]:.4f} | {r["final_train_loss"]:.4f} | {rate} | {wall} |'
+    )
+  lines += [
+    '',
+    '## Fits (C in PFLOP/s-days, loss = final eval loss in nats per token)',
+    '',
+    '| variant | form | A | alpha | alpha 95% interval | E (95% interval) | rungs | residual RMS |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
   for v, fits in analysis['fits'].items():
     if 'power_law' in fits:
       f = fits['power_law']
-      lines.append(f"| {v} | A C^-alpha | {f['A']:.4g} | {f['alpha']:.4f} | {_ci(f['alpha_ci95']) if f['dof'] > 0 else '- (2 rungs)'} "
-                   f"| - | {f['n']} | {f['rms_log_residual']:.2g} (log L) |")
+      lines.append(
+        f'| {v} | A C^-alpha | {f["A"]:.4g} | {f["alpha"]:.4f} | '
+        f'{_ci(f["alpha_ci95"]) if f["dof"] > 0 else "- (2 rungs)"} '
+        f'| - | {f["n"]} | {f["rms_log_residual"]:.2g} (log L) |'
+      )
     if 'with_offset' in fits:
       f = fits['with_offset']
-      lines.append(f"| {v} | E + A C^-alpha | {f['A']:.4g} | {f['alpha']:.4f} | {_ci(f['alpha_ci95'])} | "
-                   f"{f['E']:.4f} " + ('(at its bound 0: no floor in these rungs)' if f.get('E_at_zero')
-                                       else _ci(f['E_ci95'])) + f" | {f['n']} | {f['rms_residual']:.2g} |")
-  lines += ['', f'## Compute multiplier against `{ladder.baseline}` at matched loss', '',
-            'C_base(L*) / C_var(L*) from the two A C^-alpha fits: above 1 the variant reaches L* with '
-            'less compute (Moonlight\'s "Muon needs ~52% of the FLOPs" is 1.92x; Kimi Linear reports '
-            '1.16x, Attention Residuals 1.25x). 95% intervals from the fits\' parameter uncertainty.', '',
-            '| variant | L* range | multiplier at L* (95% interval) | extrapolated |', '|---|---|---|---|']
+      lines.append(
+        f'| {v} | E + A C^-alpha | {f["A"]:.4g} | {f["alpha"]:.4f} | {_ci(f["alpha_ci95"])} | '
+        f'{f["E"]:.4f} '
+        + ('(at its bound 0: no floor in these rungs)' if f.get('E_at_zero') else _ci(f['E_ci95']))
+        + f' | {f["n"]} | {f["rms_residual"]:.2g} |'
+      )
+  lines += [
+    '',
+    f'## Compute multiplier against `{ladder.baseline}` at matched loss',
+    '',
+    'C_base(L*) / C_var(L*) from the two A C^-alpha fits: above 1 the variant reaches L* with '
+    'less compute (Moonlight\'s "Muon needs ~52% of the FLOPs" is 1.92x; Kimi Linear reports '
+    "1.16x, Attention Residuals 1.25x). 95% intervals from the fits' parameter uncertainty.",
+    '',
+    '| variant | L* range | multiplier at L* (95% interval) | extrapolated |',
+    '|---|---|---|---|',
+  ]
   for v, m in analysis['multipliers'].items():
-    cells = '; '.join(f'{loss:.3f}: **{x:.3g}x** {_ci(ci)}'
-                      for loss, x, ci in zip(m['losses'], m['multiplier'], m['multiplier_ci95']))
-    note = ('yes: the variants\' loss ranges do not overlap' if m['extrapolated'] else 'no')
+    cells = '; '.join(
+      f'{loss:.3f}: **{x:.3g}x** {_ci(ci)}' for loss, x, ci in zip(m['losses'], m['multiplier'], m['multiplier_ci95'])
+    )
+    note = "yes: the variants' loss ranges do not overlap" if m['extrapolated'] else 'no'
     if 'note' in m:
       cells, note = m['note'], '-'
-    lines.append(f"| {v} | {m['loss_range'][0]:.3f}-{m['loss_range'][1]:.3f} | {cells} | {note} |")
+    lines.append(f'| {v} | {m["loss_range"][0]:.3f}-{m["loss_range"][1]:.3f} | {cells} | {note} |')
   if not analysis['multipliers']:
     lines.append('| - | - | needs >= 2 finished rungs of the baseline and of a variant | - |')
-  lines += ['', f'![loss against compute]({png_name})', '',
-            'FLOPs: kimijax.train.flops (6 N + causal attention + KDA state products per token, plus '
-            'Newton-Schulz for Muon). Epochs: tokens trained / tokens in the training split. Wall time '
-            'includes compilation and evals; tokens/s is the median logged rate.']
+  lines += [
+    '',
+    f'![loss against compute]({png_name})',
+    '',
+    'FLOPs: kimijax.train.flops (6 N + causal attention + KDA state products per token, plus '
+    'Newton-Schulz for Muon). Epochs: tokens trained / tokens in the training split. Wall time '
+    'includes compilation and evals; tokens/s is the median logged rate.',
+  ]
   return '\n'.join(lines) + '\n'
 
 
 def plot(ladder, rows, analysis, out: pathlib.Path) -> pathlib.Path:
   import matplotlib
   import matplotlib.ticker
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   import numpy as np
+
   fig, ax = plt.subplots(figsize=(7.5, 5))
   variants = list(dict.fromkeys(r['variant'] for r in rows))
   for i, v in enumerate(variants):
@@ -232,16 +310,28 @@ def plot(ladder, rows, analysis, out: pathlib.Path) -> pathlib.Path:
     fits = analysis['fits'].get(v, {})
     if 'power_law' in fits:
       f = fits['power_law']
-      ax.plot(grid, ladder_fit.predict(f, grid), '-', color=f'C{i}', lw=1.2,
-              label=f'{v}: {f["A"]:.3g} C^-{f["alpha"]:.4f}')
+      ax.plot(
+        grid, ladder_fit.predict(f, grid), '-', color=f'C{i}', lw=1.2, label=f'{v}: {f["A"]:.3g} C^-{f["alpha"]:.4f}'
+      )
     if 'with_offset' in fits:
       f = fits['with_offset']
-      ax.plot(grid, ladder_fit.predict(f, grid), '--', color=f'C{i}', lw=1,
-              label=f'{v}: {f["E"]:.3g} + {f["A"]:.3g} C^-{f["alpha"]:.3f}')
-  ax.set(xscale='log', yscale='log', xlabel='training compute C (PFLOP/s-days)',
-         ylabel='final eval loss (nats/token)', title=f'ladder {ladder.name}')
+      ax.plot(
+        grid,
+        ladder_fit.predict(f, grid),
+        '--',
+        color=f'C{i}',
+        lw=1,
+        label=f'{v}: {f["E"]:.3g} + {f["A"]:.3g} C^-{f["alpha"]:.3f}',
+      )
+  ax.set(
+    xscale='log',
+    yscale='log',
+    xlabel='training compute C (PFLOP/s-days)',
+    ylabel='final eval loss (nats/token)',
+    title=f'ladder {ladder.name}',
+  )
   ax.grid(alpha=0.3, which='both')
-  ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())    # losses as plain numbers
+  ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # losses as plain numbers
   ax.yaxis.set_minor_locator(matplotlib.ticker.LogLocator(subs=(1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)))
   ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
   ax.legend(fontsize=7)
@@ -251,34 +341,51 @@ def plot(ladder, rows, analysis, out: pathlib.Path) -> pathlib.Path:
   return out
 
 
-def run_ladder(ladder: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, variants=None,
-               time_budget_s: float | None = None, publish: str | None = None, devices=None,
-               drop_checkpoints: bool = False, report_only: bool = False) -> dict:
+def run_ladder(
+  ladder: ml_collections.ConfigDict,
+  workdir: str | pathlib.Path,
+  *,
+  variants=None,
+  time_budget_s: float | None = None,
+  publish: str | None = None,
+  devices=None,
+  drop_checkpoints: bool = False,
+  report_only: bool = False,
+) -> dict:
   """Runs (or resumes) the ladder's rungs, then writes ladder.json / .md / .png; returns the json data.
   report_only=True trains nothing: the report covers the rungs finished in workdir."""
   workdir = pathlib.Path(workdir)
   planned = plan(ladder, workdir, variants)
   runs = [] if report_only else [r for r in planned if r['chosen']]
   started = time.time()
-  trained, finished = [], []       # (FLOPs, wall s, training s) of each rung trained in this call
-  for run in planned:     # finished rungs of the variants not run now still go into the report
+  trained, finished = [], []  # (FLOPs, wall s, training s) of each rung trained in this call
+  for run in planned:  # finished rungs of the variants not run now still go into the report
     if all(run is not r for r in runs) and runs_lib.is_finished(run['run_dir']):
       finished.append({**run, 'figures': runs_lib.read_run(run['config'], run['run_dir'])})
   for n, run in enumerate(runs, 1):
     total = run['step_flops']['total'] * run['config'].train.steps
-    remaining = [r['step_flops']['total'] * r['config'].train.steps for r in runs[n - 1:]
-                 if not runs_lib.is_finished(r['run_dir'])]
+    remaining = [
+      r['step_flops']['total'] * r['config'].train.steps
+      for r in runs[n - 1 :]
+      if not runs_lib.is_finished(r['run_dir'])
+    ]
     model = rung_time_model(trained)
     was_finished = runs_lib.is_finished(run['run_dir'])
     if not was_finished and time_budget_s is not None:
       this_rung = predict_seconds(model, [total])
       if this_rung is not None and time.time() - started + this_rung > time_budget_s:
-        print(f'ladder: stopping before rung {n} of {len(runs)}: it would take ~{this_rung:.0f} s and end past '
-              f'the {time_budget_s:.0f} s budget; re-run the same command to continue', flush=True)
+        print(
+          f'ladder: stopping before rung {n} of {len(runs)}: it would take ~{this_rung:.0f} s and end past '
+          f'the {time_budget_s:.0f} s budget; re-run the same command to continue',
+          flush=True,
+        )
         break
-    print(f"ladder: rung {n} of {len(runs)}: {run['variant']} {run['rung']['name']} "
-          f"({run['step_flops']['params']:,} params, {run['config'].train.steps} steps, {total:.3g} FLOPs); "
-          f"{eta_text(predict_seconds(model, remaining))}", flush=True)
+    print(
+      f'ladder: rung {n} of {len(runs)}: {run["variant"]} {run["rung"]["name"]} '
+      f'({run["step_flops"]["params"]:,} params, {run["config"].train.steps} steps, {total:.3g} FLOPs); '
+      f'{eta_text(predict_seconds(model, remaining))}',
+      flush=True,
+    )
     began = time.time()
     figures = runs_lib.train_run(run['config'], run['run_dir'], devices=devices, drop_checkpoints=drop_checkpoints)
     if not was_finished:
@@ -294,9 +401,18 @@ def run_ladder(ladder: ml_collections.ConfigDict, workdir: str | pathlib.Path, *
   png = plot(ladder, rows, analysis, workdir / 'ladder.png') if rows else None
   md = workdir / 'ladder.md'
   md.write_text(markdown(ladder, rows, analysis, prov, png.name if png else '', len(planned)))
-  data = {'ladder': ladder.name, **prov, 'rule': ladder.rule, 'tokens_per_param': ladder.tokens_per_param,
-          'baseline': ladder.baseline, 'variants': {v: list(map(list, o)) for v, o in ladder.variants.items()},
-          'rungs': rows, **analysis, 'planned_rungs': len(planned), 'finished_rungs': len(rows)}
+  data = {
+    'ladder': ladder.name,
+    **prov,
+    'rule': ladder.rule,
+    'tokens_per_param': ladder.tokens_per_param,
+    'baseline': ladder.baseline,
+    'variants': {v: list(map(list, o)) for v, o in ladder.variants.items()},
+    'rungs': rows,
+    **analysis,
+    'planned_rungs': len(planned),
+    'finished_rungs': len(rows),
+  }
   js = workdir / 'ladder.json'
   js.write_text(runs_lib.to_json(data))
   print(md.read_text())
@@ -309,31 +425,48 @@ def run_ladder(ladder: ml_collections.ConfigDict, workdir: str | pathlib.Path, *
 
 def define_flags():
   from absl import flags
+
   from kimijax.config import define_config_flag
-  define_config_flag('config', None, 'the ladder, configs/ladder.py:NAME (--config.base.a.b=v overrides a key '
-                     'of every rung).')
+
+  define_config_flag(
+    'config', None, 'the ladder, configs/ladder.py:NAME (--config.base.a.b=v overrides a key of every rung).'
+  )
   flags.DEFINE_string('workdir', None, 'output folder: <variant>/<rung>/ runs, ladder.json, ladder.md, ladder.png')
-  flags.DEFINE_list('variants', [], "variants to run (default: all); the report covers every finished one")
+  flags.DEFINE_list('variants', [], 'variants to run (default: all); the report covers every finished one')
   flags.DEFINE_float('time_budget_s', None, 'start no rung that would end past this many seconds')
   flags.DEFINE_string('publish', None, 'also copy the report to PREFIX.md/.png/.json')
   flags.DEFINE_bool('report_only', False, 'train nothing: rewrite the report from the rungs finished in --workdir')
-  flags.DEFINE_bool('drop_finished_checkpoints', False, "remove a rung's checkpoints once it is finished "
-                    '(its figures stay), so that the workdir is small enough to carry between machines')
+  flags.DEFINE_bool(
+    'drop_finished_checkpoints',
+    False,
+    "remove a rung's checkpoints once it is finished "
+    '(its figures stay), so that the workdir is small enough to carry between machines',
+  )
   flags.mark_flags_as_required(['config', 'workdir'])
 
 
 def main(argv):
   del argv
   from absl import flags
+
   from experiments.cli import user_errors
   from kimijax.config import config_from_flags
+
   with user_errors():
     f = flags.FLAGS
-    run_ladder(config_from_flags('config', validate=False), f.workdir, variants=f.variants or None, time_budget_s=f.time_budget_s, publish=f.publish,
-               drop_checkpoints=f.drop_finished_checkpoints, report_only=f.report_only)
+    run_ladder(
+      config_from_flags('config', validate=False),
+      f.workdir,
+      variants=f.variants or None,
+      time_budget_s=f.time_budget_s,
+      publish=f.publish,
+      drop_checkpoints=f.drop_finished_checkpoints,
+      report_only=f.report_only,
+    )
 
 
 if __name__ == '__main__':
   from absl import app
+
   define_flags()
   app.run(main)

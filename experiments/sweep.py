@@ -45,11 +45,13 @@ def parse_value(key: str, text: str, current):
   is (an int key takes 1e3)."""
   from kimijax.config import ConfigError
   from kimijax.schema import parse_value
+
   try:
     return parse_value(key, text, current)
   except ConfigError:
-    raise WorkflowError(f'--sweep {key}={text!r}: {key} is of type {type(current).__name__} '
-                        f'({current!r}); {text!r} is not one') from None
+    raise WorkflowError(
+      f'--sweep {key}={text!r}: {key} is of type {type(current).__name__} ({current!r}); {text!r} is not one'
+    ) from None
 
 
 def get_key(config: ml_collections.ConfigDict, key: str):
@@ -95,6 +97,7 @@ def point_label(point: dict) -> str:
 def run_config(config, point: dict, seed: int) -> ml_collections.ConfigDict:
   c = runs_lib.with_overrides(config, {**point, 'seed': seed})
   from kimijax.config import validate
+
   return validate(c)
 
 
@@ -110,7 +113,7 @@ def plan(config, named_points: list[tuple[str, dict]], seeds: int, workdir: path
   for label, point in named_points:
     for seed in range(config.seed, config.seed + seeds):
       c = run_config(config, point, seed)
-      run_dir = workdir / 'runs' / (re.sub(r'[^\w.=,:+-]', '_', label) + f',seed={seed}')   # a safe folder name
+      run_dir = workdir / 'runs' / (re.sub(r'[^\w.=,:+-]', '_', label) + f',seed={seed}')  # a safe folder name
       runs_lib.check_folder(run_dir, c)
       out.append({'label': label, 'point': point, 'seed': seed, 'config': c, 'run_dir': run_dir})
   return out
@@ -134,16 +137,24 @@ def _fmt_int(x) -> str:
 
 def markdown(swept: str, rows: list[dict], prov: dict, png_name: str, title: str) -> str:
   seeds = max(len(r['runs']) for r in rows)
-  accuracy_name = 'recall accuracy' if rows[0]['runs'][0]['figures']['accuracy_key'] == 'eval_recall_accuracy' \
-      else 'eval accuracy'
-  lines = [f'# {title}', '',
-           f'Date: {prov["date"]}. Hardware: {prov["hardware"]}.', '', 'Command:', '',
-           f'    {prov["command"]}', '',
-           f'{swept}; {seeds} seed(s) per point. '
-           'Losses in nats per token; mean ± sample standard deviation over seeds.', '',
-           f'| point | seeds | final train loss | final eval loss | {accuracy_name} | tokens | training FLOPs | '
-           'tokens/s | max logit (final / peak) | wall s |',
-           '|---|---|---|---|---|---|---|---|---|---|']
+  accuracy_name = (
+    'recall accuracy' if rows[0]['runs'][0]['figures']['accuracy_key'] == 'eval_recall_accuracy' else 'eval accuracy'
+  )
+  lines = [
+    f'# {title}',
+    '',
+    f'Date: {prov["date"]}. Hardware: {prov["hardware"]}.',
+    '',
+    'Command:',
+    '',
+    f'    {prov["command"]}',
+    '',
+    f'{swept}; {seeds} seed(s) per point. Losses in nats per token; mean ± sample standard deviation over seeds.',
+    '',
+    f'| point | seeds | final train loss | final eval loss | {accuracy_name} | tokens | training FLOPs | '
+    'tokens/s | max logit (final / peak) | wall s |',
+    '|---|---|---|---|---|---|---|---|---|---|',
+  ]
   for row in rows:
     figs = [r['figures'] for r in row['runs']]
     peak = [f['max_logit_peak'] for f in figs if f['max_logit_peak'] is not None]
@@ -152,24 +163,31 @@ def markdown(swept: str, rows: list[dict], prov: dict, png_name: str, title: str
     rates = [f['tokens_per_sec'] for f in figs if f['tokens_per_sec']]
     walls = [f['wall_seconds'] for f in figs if f['wall_seconds']]
     lines.append(
-        f"| {row['label']} | {len(figs)} | {runs_lib.fmt_mean([f['final_train_loss'] for f in figs])} | "
-        f"{runs_lib.fmt_mean([f['final_eval_loss'] for f in figs])} | "
-        f"{runs_lib.fmt_mean([f['final_accuracy'] for f in figs], 3)} | {_fmt_int(figs[0]['tokens'])} | "
-        f"{figs[0]['flops']:.3g} | {_fmt_int(sum(rates) / len(rates) if rates else None)} | {logit} | "
-        f"{_fmt_int(sum(walls) / len(walls) if walls else None)} |")
-  lines += ['', f'![loss curves]({png_name})', '',
-            'Final train loss is the loss logged at the last step; final eval loss is the eval at the '
-            'last step on the fixed validation batches. Training FLOPs: kimijax.train.flops (6 N + '
-            'causal attention + KDA state products per token, plus Newton-Schulz for Muon). tokens/s is '
-            'the median logged rate (the first step, which compiles, excluded); wall time includes '
-            'compilation and evals.']
+      f'| {row["label"]} | {len(figs)} | {runs_lib.fmt_mean([f["final_train_loss"] for f in figs])} | '
+      f'{runs_lib.fmt_mean([f["final_eval_loss"] for f in figs])} | '
+      f'{runs_lib.fmt_mean([f["final_accuracy"] for f in figs], 3)} | {_fmt_int(figs[0]["tokens"])} | '
+      f'{figs[0]["flops"]:.3g} | {_fmt_int(sum(rates) / len(rates) if rates else None)} | {logit} | '
+      f'{_fmt_int(sum(walls) / len(walls) if walls else None)} |'
+    )
+  lines += [
+    '',
+    f'![loss curves]({png_name})',
+    '',
+    'Final train loss is the loss logged at the last step; final eval loss is the eval at the '
+    'last step on the fixed validation batches. Training FLOPs: kimijax.train.flops (6 N + '
+    'causal attention + KDA state products per token, plus Newton-Schulz for Muon). tokens/s is '
+    'the median logged rate (the first step, which compiles, excluded); wall time includes '
+    'compilation and evals.',
+  ]
   return '\n'.join(lines) + '\n'
 
 
 def plot(rows: list[dict], out: pathlib.Path, title: str) -> pathlib.Path:
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   has_logits = any(r['figures']['curves']['max_logit'] for row in rows for r in row['runs'])
   panels = 4 if has_logits else 3
   fig, axes = plt.subplots(1, panels, figsize=(5.6 * panels, 4.5))
@@ -184,16 +202,18 @@ def plot(rows: list[dict], out: pathlib.Path, title: str) -> pathlib.Path:
       if has_logits and curves['max_logit']:
         axes[2].plot(*zip(*curves['max_logit']), color=color, lw=1.2, label=label)
       by_position = r['figures']['loss_by_position']
-      points = [(last + 1, loss) for (_, last), loss in zip(by_position['buckets'] or [], by_position['loss'] or [])
-                if loss is not None]
+      points = [
+        (last + 1, loss)
+        for (_, last), loss in zip(by_position['buckets'] or [], by_position['loss'] or [])
+        if loss is not None
+      ]
       if points:
         axes[-1].plot(*zip(*points), 'o-', ms=3, color=color, lw=1.2, alpha=0.8, label=label)
   axes[0].set(xlabel='step', ylabel='train loss (nats/token)')
   axes[1].set(xlabel='training FLOPs', ylabel='eval loss (nats/token)', xscale='log')
   if has_logits:
     axes[2].set(xlabel='step', ylabel='max logit (all layers, heads)', yscale='log')
-  axes[-1].set(xlabel='token position (context seen, bucket end)', ylabel='final eval loss by position',
-               xscale='log')
+  axes[-1].set(xlabel='token position (context seen, bucket end)', ylabel='final eval loss by position', xscale='log')
   for ax in axes:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -203,19 +223,44 @@ def plot(rows: list[dict], out: pathlib.Path, title: str) -> pathlib.Path:
   return out
 
 
-def run_sweep(config: ml_collections.ConfigDict, axes: list[tuple[str, list]], *, seeds: int,
-              workdir: str | pathlib.Path, publish: str | None = None, title: str = 'Sweep',
-              devices=None) -> dict:
+def run_sweep(
+  config: ml_collections.ConfigDict,
+  axes: list[tuple[str, list]],
+  *,
+  seeds: int,
+  workdir: str | pathlib.Path,
+  publish: str | None = None,
+  title: str = 'Sweep',
+  devices=None,
+) -> dict:
   """Trains (or resumes, or reuses) every run of the cross product of `axes`, then writes the
   report into workdir (and to the --publish prefix). Returns the report's data (as in sweep.json)."""
   swept = 'Swept: ' + '; '.join(f'`{k}` in {v}' for k, v in axes)
-  return run_points(config, named(axes), seeds=seeds, workdir=workdir, publish=publish, title=title,
-                    devices=devices, description=swept, extra={'axes': axes})
+  return run_points(
+    config,
+    named(axes),
+    seeds=seeds,
+    workdir=workdir,
+    publish=publish,
+    title=title,
+    devices=devices,
+    description=swept,
+    extra={'axes': axes},
+  )
 
 
-def run_points(config: ml_collections.ConfigDict, named_points: list[tuple[str, dict]], *, seeds: int,
-               workdir: str | pathlib.Path, publish: str | None = None, title: str = 'Sweep',
-               devices=None, description: str = '', extra: dict | None = None) -> dict:
+def run_points(
+  config: ml_collections.ConfigDict,
+  named_points: list[tuple[str, dict]],
+  *,
+  seeds: int,
+  workdir: str | pathlib.Path,
+  publish: str | None = None,
+  title: str = 'Sweep',
+  devices=None,
+  description: str = '',
+  extra: dict | None = None,
+) -> dict:
   """run_sweep for an explicit list of (label, overrides) points (the ablations' arms)."""
   workdir = pathlib.Path(workdir)
   runs = plan(config, named_points, seeds, workdir)
@@ -229,9 +274,16 @@ def run_points(config: ml_collections.ConfigDict, named_points: list[tuple[str, 
   png = plot(rows, workdir / 'loss_curves.png', title)
   md = workdir / 'sweep.md'
   md.write_text(markdown(description or f'{len(rows)} points', rows, prov, png.name, title))
-  data = {'title': title, **prov, **(extra or {}), 'seeds': seeds,
-          'points': [{'point': row['point'], 'label': row['label'],
-                      'runs': [{'seed': r['seed'], **r['figures']} for r in row['runs']]} for row in rows]}
+  data = {
+    'title': title,
+    **prov,
+    **(extra or {}),
+    'seeds': seeds,
+    'points': [
+      {'point': row['point'], 'label': row['label'], 'runs': [{'seed': r['seed'], **r['figures']} for r in row['runs']]}
+      for row in rows
+    ],
+  }
   js = workdir / 'sweep.json'
   js.write_text(runs_lib.to_json(data))
   print(md.read_text())
@@ -244,13 +296,14 @@ def run_points(config: ml_collections.ConfigDict, named_points: list[tuple[str, 
 
 def define_flags():
   from absl import flags
+
   from kimijax.config import define_config_flag
+
   define_config_flag('config', None, 'base config file, FILE[:VARIANT[,VARIANT]].')
   flags.DEFINE_multi_string('sweep', [], 'KEY=V1,V2,...: one axis of the cross product (repeatable)')
   flags.DEFINE_integer('seeds', 1, 'runs per point, seeds config.seed, config.seed + 1, ...')
   flags.DEFINE_string('workdir', None, 'output folder: runs/, sweep.json, sweep.md, loss_curves.png')
-  flags.DEFINE_string('publish', None, 'also copy the report to PREFIX.md/.png/.json (e.g. '
-                      'experiments/results/NAME)')
+  flags.DEFINE_string('publish', None, 'also copy the report to PREFIX.md/.png/.json (e.g. experiments/results/NAME)')
   flags.DEFINE_string('title', 'Sweep', 'report title')
   flags.mark_flags_as_required(['config', 'workdir'])
 
@@ -258,18 +311,27 @@ def define_flags():
 def main(argv):
   del argv
   from absl import flags
+
   from experiments.cli import user_errors
   from kimijax.config import config_from_flags
+
   FLAGS = flags.FLAGS
   with user_errors():
     if not FLAGS.sweep:
       raise WorkflowError('give at least one --sweep=KEY=V1,V2,... (or use run.py for a single run)')
     config = config_from_flags('config')
-    run_sweep(config, parse_axes(FLAGS.sweep, config), seeds=FLAGS.seeds,
-              workdir=FLAGS.workdir, publish=FLAGS.publish, title=FLAGS.title)
+    run_sweep(
+      config,
+      parse_axes(FLAGS.sweep, config),
+      seeds=FLAGS.seeds,
+      workdir=FLAGS.workdir,
+      publish=FLAGS.publish,
+      title=FLAGS.title,
+    )
 
 
 if __name__ == '__main__':
   from absl import app
+
   define_flags()
   app.run(main)

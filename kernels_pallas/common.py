@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+
 # Imported for its side effect only: it registers a config option that is part of jit's trace
 # context. Pallas's CPU interpreter imports it during a first trace, after jit has keyed that
 # call, so every jitted function holding an interpreted kernel would trace and compile again on
@@ -20,7 +21,6 @@ import jax
 import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
-
 
 # ----------------------------------------------------------------------------- settings
 
@@ -38,6 +38,7 @@ class Settings:
   (their defaults the measured ones), hashable, so that a jit or custom VJP takes them as a static
   argument. FAMILY names the kernels in errors; SWITCHES are the fields that are 0 or 1, every
   other field is a positive int."""
+
   FAMILY = 'kernels'
   SWITCHES = ()
 
@@ -100,6 +101,7 @@ def pad_rows(x, m_pad: int, value=0):
 def triton_params(num_warps: int, num_stages: int):
   """Triton's compiler parameters of one kernel."""
   from jax.experimental.pallas import triton as plgpu
+
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -120,8 +122,11 @@ def defvjp_with_symbolic_zeros(fn, fwd, bwd, num_diff_args: int):
   """fn.defvjp(fwd, bwd) where bwd sees a SymbolicZero for each output that nothing uses (to
   skip work on it; `dense` makes one an array) and fwd gets plain values, not the wrapped
   primals, for fn's first num_diff_args arguments (the differentiable ones)."""
-  fn.defvjp(lambda *args: fwd(*custom_vjp_primal_tree_values(args[:num_diff_args]),
-                              *args[num_diff_args:]), bwd, symbolic_zeros=True)
+  fn.defvjp(
+    lambda *args: fwd(*custom_vjp_primal_tree_values(args[:num_diff_args]), *args[num_diff_args:]),
+    bwd,
+    symbolic_zeros=True,
+  )
 
 
 def dense(cotangent, shape, dtype):

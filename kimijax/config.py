@@ -13,7 +13,8 @@ import importlib.util
 import pathlib
 import re
 import sys
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import ml_collections
 
@@ -32,10 +33,10 @@ ATTNRES_IMPLS = attnres_ops.IMPLS
 # model.kernels key -> the parser of the settings of the Pallas kernels it overrides ('key=int/key=int'
 # -> a frozen dataclass of kernels_pallas/<op>/settings.py), from the ops' 'pallas' implementations
 KERNEL_SETTINGS = {
-    'kda': KDA_IMPLS['pallas'].parse_settings,
-    'short_conv': SHORT_CONV_IMPLS['pallas'].parse_settings,
-    'attnres_phase1': ATTNRES_IMPLS['pallas'].parse_phase1_settings,
-    'attnres_merge_norm': ATTNRES_IMPLS['pallas'].parse_merge_norm_settings,
+  'kda': KDA_IMPLS['pallas'].parse_settings,
+  'short_conv': SHORT_CONV_IMPLS['pallas'].parse_settings,
+  'attnres_phase1': ATTNRES_IMPLS['pallas'].parse_phase1_settings,
+  'attnres_merge_norm': ATTNRES_IMPLS['pallas'].parse_merge_norm_settings,
 }
 DTYPES = ('float32', 'bfloat16')
 MESH_AXES = ('data', 'fsdp', 'tensor')
@@ -46,21 +47,21 @@ RECOMPUTABLE_PROJECTIONS = ('', 'q', 'k', 'v', 'qk', 'qv', 'kv', 'qkv')
 # activations use the 'act_*' names so that e.g. the parameter embedding dim can be fsdp-sharded
 # while the activation's embedding dim is replicated.
 DEFAULT_RULES = (
-    ('act_batch', ('data', 'fsdp')),
-    ('act_length', None),
-    ('act_embed', None),
-    ('act_heads', 'tensor'),
-    ('act_mlp', 'tensor'),
-    ('act_vocab', 'tensor'),
-    ('embed', 'fsdp'),
-    ('vocab', 'tensor'),
-    ('heads', 'tensor'),
-    ('kv_heads', 'tensor'),
-    ('head_dim', None),
-    ('mlp', 'tensor'),
-    ('norm', None),
-    ('conv_width', None),
-    ('latent', None),
+  ('act_batch', ('data', 'fsdp')),
+  ('act_length', None),
+  ('act_embed', None),
+  ('act_heads', 'tensor'),
+  ('act_mlp', 'tensor'),
+  ('act_vocab', 'tensor'),
+  ('embed', 'fsdp'),
+  ('vocab', 'tensor'),
+  ('heads', 'tensor'),
+  ('kv_heads', 'tensor'),
+  ('head_dim', None),
+  ('mlp', 'tensor'),
+  ('norm', None),
+  ('conv_width', None),
+  ('latent', None),
 )
 
 
@@ -74,11 +75,13 @@ def _layer_pattern(path: str, pattern: str) -> None:
 
 def _kernel_settings(key: str) -> Callable[[str, str], None]:
   """The check of model.kernels.<key>: its 'key=int/key=int' text parses as that kernel family's settings."""
+
   def check(path: str, text: str) -> None:
     try:
       KERNEL_SETTINGS[key](text)
     except ValueError as e:
       raise ConfigError(f'{path}={text!r}: {e}') from None
+
   return check
 
 
@@ -100,125 +103,173 @@ def _mesh_rules(path: str, rules) -> None:
 # Every key, declared once: Key(default, one line of doc, allowed= or bounds=). The defaults are a
 # tiny attention LM on the stdlib corpus, CPU-sized.
 SCHEMA = {
-    'seed': Key(0, 'seeds the parameters and the data order'),
-    'model': {
-        'vocab_size': Key(258, ">= the tokenizer's vocabulary (bytes + EOS + PAD)", bounds=POSITIVE),
-        'd_model': Key(256, 'width of the residual stream', bounds=POSITIVE),
-        'num_layers': Key(4, 'mixer layers (each with its MLP)', bounds=POSITIVE),
-        'num_heads': Key(4, 'attention heads; head_dim = d_model // num_heads', bounds=POSITIVE),
-        'num_kv_heads': Key(0, "0: same as num_heads; < num_heads with attention_kind='gqa'", bounds=NON_NEGATIVE),
-        'attention_kind': Key('mha', 'the attention layers (A): multi-head, grouped-query or MLA',
-                              allowed=('mha', 'gqa', 'mla')),
-        'mlp_dim': Key(768, 'SwiGLU hidden width', bounds=POSITIVE),
-        'layer_pattern': Key('A', "letters tiled to num_layers ('KKKA'), or a ratio 'K:A' ('3:1' = 'KKKA')",
-                             check=_layer_pattern),
-        'residual': Key('standard', "'standard' (h + f(h)) or Attention Residuals (docs/attention_residuals.md)",
-                        allowed=('standard', 'attnres_full', 'attnres_block')),
-        'attnres_block_size': Key(4, 'attnres_block: sublayers per block (attention and MLP count one each; the last '
-                                  'block takes the rest; 1 is Full AttnRes)', bounds=POSITIVE),
-        'attnres_impl': Key('xla', "AttnRes: 'pallas' runs the GPU kernels of kernels_pallas/attnres/ (phase 1, and "
-                            'phase 2 fused with the pre-norm; the default variant below only)', allowed=ATTNRES_IMPLS),
-        'attnres_key_norm': Key(True, 'AttnRes depth keys: RMSNorm(v_i) with a learned gain; False: the raw '
-                                'sources, no gain (the paper\'s "no key RMSNorm" ablation)'),
-        'attnres_depth_weights': Key('softmax', "AttnRes weights over the sources: softmax over depth or "
-                                     "'sigmoid' per source, not normalised (the paper's ablation)",
-                                     allowed=attnres_ops.DEPTH_WEIGHTS),
-        'position': Key('rope', 'positions of the attention layers: rotary or none', allowed=('rope', 'nope')),
-        'rope_theta': Key(10000.0, 'RoPE base frequency', bounds=POSITIVE),
-        'tie_embeddings': Key(True, 'the output head reuses the embedding matrix'),
-        'attn_impl': Key('xla', "'xla' runs everywhere; 'cudnn', 'tokamax' and 'gpu' (per call the faster of the two) "
-                         "need an NVIDIA GPU and compute_dtype='bfloat16' (kimijax/ops/attention.py)",
-                         allowed=ATTN_IMPLS),
-        'kda_impl': Key('xla', "KDA (kimijax/ops/kda.py): 'xla' the chunkwise form, 'xla_recurrent' the "
-                        "token scan (the reference), 'pallas' the fused kernels", allowed=KDA_IMPLS),
-        'norm_eps': Key(1e-6, 'eps of the RMSNorms', bounds=POSITIVE),
-        'init_std': Key(0.02, 'std of the normal initialisation of the matrices', bounds=POSITIVE),
-        'compute_dtype': Key('bfloat16', 'params stay float32; norms, softmax and the loss run in float32',
-                             allowed=DTYPES),
-        'residual_dtype': Key('float32', 'dtype of the residual stream between sublayers', allowed=DTYPES),
-        'remat': Key(False, 'rematerialise each layer in the backward pass'),
-        # Kimi Delta Attention layers ('K'; docs/kda.md)
-        'kda_num_heads': Key(0, '0: num_heads', bounds=NON_NEGATIVE),
-        'kda_head_dim': Key(0, '0: d_model // num_heads (key and value head dim)', bounds=NON_NEGATIVE),
-        'kda_short_conv': Key(True, 'depthwise causal conv (kernel 4) + SiLU on q, k, v'),
-        'short_conv_impl': Key('xla', "the short conv: 'pallas' runs the fused conv kernels "
-                               '(kimijax/ops/short_conv.py)', allowed=SHORT_CONV_IMPLS),
-        'kda_recompute_projections': Key('', "KDA projections its backward recomputes instead of keeping ('qkv': all);"
-                                         ' each saves 2 bytes per token and channel in bf16 for one more matmul',
-                                         allowed=RECOMPUTABLE_PROJECTIONS),
-        'kda_output_gate': Key('sigmoid', 'the KDA output gate (report Table 1)', allowed=('sigmoid', 'swish', 'none')),
-        'kda_gate_lower_bound': Key(0.0, '0: -exp(A_log) softplus gate; in [-5, 0): bounded sigmoid gate',
-                                    bounds='[-5, 0]'),
-        'kda_output_norm_eps': Key(1e-5, "eps of KDA's per-head output RMSNorm (Kimi Linear: its rms_norm_eps)",
-                                   bounds=POSITIVE),
-        # Multi-head Latent Attention (attention_kind='mla')
-        'mla_kv_lora_rank': Key(64, 'rank of the shared key-value latent', bounds=POSITIVE),
-        'mla_q_lora_rank': Key(0, '0: full-rank queries', bounds=NON_NEGATIVE),
-        'mla_qk_nope_head_dim': Key(0, '0: d_model // num_heads', bounds=NON_NEGATIVE),
-        'mla_qk_rope_head_dim': Key(0, 'decoupled dims, a per-head query part and a key part shared by all heads; '
-                                    '0: none', bounds=NON_NEGATIVE),
-        'mla_rope': Key(True, "rotate the decoupled dims with RoPE; False: unrotated, as Kimi Linear's MLA (\"NoPE\")"),
-        'mla_latent_norm_eps': Key(1e-6, 'eps of the q and kv latent RMSNorms (1e-6 in Kimi Linear and DeepSeek-V3)',
-                                   bounds=POSITIVE),
-        'mla_v_head_dim': Key(0, '0: the nope head dim', bounds=NON_NEGATIVE),
-        # Settings of the Pallas kernels, 'key=int/key=int' over their defaults ('': the defaults)
-        'kernels': {
-            'kda': Key('', 'KdaSettings (kernels_pallas/kda/settings.py)', check=_kernel_settings('kda')),
-            'short_conv': Key('', 'ShortConvSettings (kernels_pallas/short_conv/settings.py)',
-                              check=_kernel_settings('short_conv')),
-            'attnres_phase1': Key('', 'Phase1Settings (kernels_pallas/attnres/settings.py)',
-                                  check=_kernel_settings('attnres_phase1')),
-            'attnres_merge_norm': Key('', 'MergeNormSettings, AttnRes phase 2 fused with the pre-norm '
-                                      '(kernels_pallas/attnres/settings.py)', check=_kernel_settings('attnres_merge_norm')),
-        },
+  'seed': Key(0, 'seeds the parameters and the data order'),
+  'model': {
+    'vocab_size': Key(258, ">= the tokenizer's vocabulary (bytes + EOS + PAD)", bounds=POSITIVE),
+    'd_model': Key(256, 'width of the residual stream', bounds=POSITIVE),
+    'num_layers': Key(4, 'mixer layers (each with its MLP)', bounds=POSITIVE),
+    'num_heads': Key(4, 'attention heads; head_dim = d_model // num_heads', bounds=POSITIVE),
+    'num_kv_heads': Key(0, "0: same as num_heads; < num_heads with attention_kind='gqa'", bounds=NON_NEGATIVE),
+    'attention_kind': Key(
+      'mha', 'the attention layers (A): multi-head, grouped-query or MLA', allowed=('mha', 'gqa', 'mla')
+    ),
+    'mlp_dim': Key(768, 'SwiGLU hidden width', bounds=POSITIVE),
+    'layer_pattern': Key(
+      'A', "letters tiled to num_layers ('KKKA'), or a ratio 'K:A' ('3:1' = 'KKKA')", check=_layer_pattern
+    ),
+    'residual': Key(
+      'standard',
+      "'standard' (h + f(h)) or Attention Residuals (docs/attention_residuals.md)",
+      allowed=('standard', 'attnres_full', 'attnres_block'),
+    ),
+    'attnres_block_size': Key(
+      4,
+      'attnres_block: sublayers per block (attention and MLP count one each; the last '
+      'block takes the rest; 1 is Full AttnRes)',
+      bounds=POSITIVE,
+    ),
+    'attnres_impl': Key(
+      'xla',
+      "AttnRes: 'pallas' runs the GPU kernels of kernels_pallas/attnres/ (phase 1, and "
+      'phase 2 fused with the pre-norm; the default variant below only)',
+      allowed=ATTNRES_IMPLS,
+    ),
+    'attnres_key_norm': Key(
+      True,
+      'AttnRes depth keys: RMSNorm(v_i) with a learned gain; False: the raw '
+      'sources, no gain (the paper\'s "no key RMSNorm" ablation)',
+    ),
+    'attnres_depth_weights': Key(
+      'softmax',
+      'AttnRes weights over the sources: softmax over depth or '
+      "'sigmoid' per source, not normalised (the paper's ablation)",
+      allowed=attnres_ops.DEPTH_WEIGHTS,
+    ),
+    'position': Key('rope', 'positions of the attention layers: rotary or none', allowed=('rope', 'nope')),
+    'rope_theta': Key(10000.0, 'RoPE base frequency', bounds=POSITIVE),
+    'tie_embeddings': Key(True, 'the output head reuses the embedding matrix'),
+    'attn_impl': Key(
+      'xla',
+      "'xla' runs everywhere; 'cudnn', 'tokamax' and 'gpu' (per call the faster of the two) "
+      "need an NVIDIA GPU and compute_dtype='bfloat16' (kimijax/ops/attention.py)",
+      allowed=ATTN_IMPLS,
+    ),
+    'kda_impl': Key(
+      'xla',
+      "KDA (kimijax/ops/kda.py): 'xla' the chunkwise form, 'xla_recurrent' the "
+      "token scan (the reference), 'pallas' the fused kernels",
+      allowed=KDA_IMPLS,
+    ),
+    'norm_eps': Key(1e-6, 'eps of the RMSNorms', bounds=POSITIVE),
+    'init_std': Key(0.02, 'std of the normal initialisation of the matrices', bounds=POSITIVE),
+    'compute_dtype': Key('bfloat16', 'params stay float32; norms, softmax and the loss run in float32', allowed=DTYPES),
+    'residual_dtype': Key('float32', 'dtype of the residual stream between sublayers', allowed=DTYPES),
+    'remat': Key(False, 'rematerialise each layer in the backward pass'),
+    # Kimi Delta Attention layers ('K'; docs/kda.md)
+    'kda_num_heads': Key(0, '0: num_heads', bounds=NON_NEGATIVE),
+    'kda_head_dim': Key(0, '0: d_model // num_heads (key and value head dim)', bounds=NON_NEGATIVE),
+    'kda_short_conv': Key(True, 'depthwise causal conv (kernel 4) + SiLU on q, k, v'),
+    'short_conv_impl': Key(
+      'xla',
+      "the short conv: 'pallas' runs the fused conv kernels (kimijax/ops/short_conv.py)",
+      allowed=SHORT_CONV_IMPLS,
+    ),
+    'kda_recompute_projections': Key(
+      '',
+      "KDA projections its backward recomputes instead of keeping ('qkv': all);"
+      ' each saves 2 bytes per token and channel in bf16 for one more matmul',
+      allowed=RECOMPUTABLE_PROJECTIONS,
+    ),
+    'kda_output_gate': Key('sigmoid', 'the KDA output gate (report Table 1)', allowed=('sigmoid', 'swish', 'none')),
+    'kda_gate_lower_bound': Key(
+      0.0, '0: -exp(A_log) softplus gate; in [-5, 0): bounded sigmoid gate', bounds='[-5, 0]'
+    ),
+    'kda_output_norm_eps': Key(
+      1e-5, "eps of KDA's per-head output RMSNorm (Kimi Linear: its rms_norm_eps)", bounds=POSITIVE
+    ),
+    # Multi-head Latent Attention (attention_kind='mla')
+    'mla_kv_lora_rank': Key(64, 'rank of the shared key-value latent', bounds=POSITIVE),
+    'mla_q_lora_rank': Key(0, '0: full-rank queries', bounds=NON_NEGATIVE),
+    'mla_qk_nope_head_dim': Key(0, '0: d_model // num_heads', bounds=NON_NEGATIVE),
+    'mla_qk_rope_head_dim': Key(
+      0, 'decoupled dims, a per-head query part and a key part shared by all heads; 0: none', bounds=NON_NEGATIVE
+    ),
+    'mla_rope': Key(True, 'rotate the decoupled dims with RoPE; False: unrotated, as Kimi Linear\'s MLA ("NoPE")'),
+    'mla_latent_norm_eps': Key(
+      1e-6, 'eps of the q and kv latent RMSNorms (1e-6 in Kimi Linear and DeepSeek-V3)', bounds=POSITIVE
+    ),
+    'mla_v_head_dim': Key(0, '0: the nope head dim', bounds=NON_NEGATIVE),
+    # Settings of the Pallas kernels, 'key=int/key=int' over their defaults ('': the defaults)
+    'kernels': {
+      'kda': Key('', 'KdaSettings (kernels_pallas/kda/settings.py)', check=_kernel_settings('kda')),
+      'short_conv': Key(
+        '', 'ShortConvSettings (kernels_pallas/short_conv/settings.py)', check=_kernel_settings('short_conv')
+      ),
+      'attnres_phase1': Key(
+        '', 'Phase1Settings (kernels_pallas/attnres/settings.py)', check=_kernel_settings('attnres_phase1')
+      ),
+      'attnres_merge_norm': Key(
+        '',
+        'MergeNormSettings, AttnRes phase 2 fused with the pre-norm (kernels_pallas/attnres/settings.py)',
+        check=_kernel_settings('attnres_merge_norm'),
+      ),
     },
-    'train': {
-        'steps': Key(1000, 'optimizer steps', bounds=POSITIVE),
-        'batch_size': Key(16, 'global, in sequences', bounds=POSITIVE),
-        'seq_len': Key(256, 'tokens per sequence', bounds=POSITIVE),
-        'log_every': Key(10, 'steps between metrics.jsonl lines', bounds=POSITIVE),
-        'eval_every': Key(200, 'steps between evals', bounds=POSITIVE),
-        'eval_batches': Key(8, 'validation batches per eval', bounds=POSITIVE),
-        'checkpoint_every': Key(200, 'steps between checkpoints', bounds=POSITIVE),
-        'keep_checkpoints': Key(3, 'checkpoints kept on disk', bounds=POSITIVE),
-        'grad_clip': Key(1.0, 'global-norm clip; 0 disables', bounds=NON_NEGATIVE),
-        'plot': Key(True, 'loss-curve PNG in the workdir at the end'),
-        'log_attnres': Key(False, 'log per-sublayer depth-attention weights (AttnRes) and input/output RMS'),
-        'log_max_logits': Key(True, "log each attention layer's per-head max logit (docs/attention.md); False: "
-                              "no max-logit work runs, unless QK-Clip (optimizer.name='muonclip') needs them"),
-    },
-    'optimizer': {
-        'name': Key('adamw', "'muon' (Moonlight) or 'muonclip' (muon + QK-Clip); docs/optimizers.md",
-                    allowed=('adamw', 'muon', 'muonclip')),
-        'learning_rate': Key(3e-3, 'shared by AdamW and both sides of muon', bounds=POSITIVE),
-        'weight_decay': Key(0.1, 'decoupled (x lr); muon decays every parameter, adamw only matrices',
-                            bounds=NON_NEGATIVE),
-        'qk_clip_tau': Key(100.0, 'muonclip: logit cap tau', bounds=POSITIVE),
-        'schedule': Key('cosine', 'after the warmup', allowed=('cosine', 'wsd', 'constant')),
-        'warmup_steps': Key(50, 'linear warmup from 0', bounds=NON_NEGATIVE),
-        'decay_fraction': Key(0.2, 'wsd: fraction of steps spent decaying at the end', bounds='[0, 1]'),
-        'min_lr_ratio': Key(0.1, 'final lr = min_lr_ratio * learning_rate', bounds='[0, 1]'),
-        'b1': Key(0.9, 'AdamW beta1 (also muon\'s AdamW side)', bounds='[0, 1]'),
-        'b2': Key(0.95, 'AdamW beta2', bounds='[0, 1]'),
-        'eps': Key(1e-8, 'AdamW eps', bounds=POSITIVE),
-        'momentum': Key(0.95, 'muon: M = momentum * M + G (Moonlight, no bias correction)', bounds='[0, 1)'),
-        'nesterov': Key(True, 'muon: orthogonalise G + momentum * M instead of M'),
-        'ns_steps': Key(5, 'muon: Newton-Schulz iterations', bounds=POSITIVE),
-        'ns_dtype': Key('bfloat16', "muon: dtype of the Newton-Schulz matmuls ('float32' for exactness)",
-                        allowed=DTYPES),
-        'rms_scale': Key(0.2, 'muon: update = rms_scale * sqrt(max(A, B)) * NS(N), AdamW-like RMS', bounds=POSITIVE),
-        'muon_per_head': Key(False, 'muon: attention kernels as per-head matrices, not one [D, H*Dh]'),
-        'muon_split_matrices': Key(True, 'muon: each device runs Newton-Schulz on its share of whole matrices'),
-        'muon_mla_views': Key('fused', "muon: MLA parts fused as DeepSeek-V3's q_b_proj, kv_a_proj_with_mqa, kv_b_proj "
-                              "(Moonlight) or 'per_part' (kimijax/optim/routing.py)", allowed=('fused', 'per_part')),
-    },
-    'data': DATA_KEYS,
-    'mesh': {
-        'data': Key(-1, 'data-parallel size; -1: all devices not used by the other axes', check=_mesh_size),
-        'fsdp': Key(1, 'parameter-sharding size (-1: the remaining devices)', check=_mesh_size),
-        'tensor': Key(1, 'tensor-parallel size (-1: the remaining devices)', check=_mesh_size),
-        'rules': Key(DEFAULT_RULES, 'logical axis name -> mesh axes (DEFAULT_RULES)', check=_mesh_rules),
-    },
+  },
+  'train': {
+    'steps': Key(1000, 'optimizer steps', bounds=POSITIVE),
+    'batch_size': Key(16, 'global, in sequences', bounds=POSITIVE),
+    'seq_len': Key(256, 'tokens per sequence', bounds=POSITIVE),
+    'log_every': Key(10, 'steps between metrics.jsonl lines', bounds=POSITIVE),
+    'eval_every': Key(200, 'steps between evals', bounds=POSITIVE),
+    'eval_batches': Key(8, 'validation batches per eval', bounds=POSITIVE),
+    'checkpoint_every': Key(200, 'steps between checkpoints', bounds=POSITIVE),
+    'keep_checkpoints': Key(3, 'checkpoints kept on disk', bounds=POSITIVE),
+    'grad_clip': Key(1.0, 'global-norm clip; 0 disables', bounds=NON_NEGATIVE),
+    'plot': Key(True, 'loss-curve PNG in the workdir at the end'),
+    'log_attnres': Key(False, 'log per-sublayer depth-attention weights (AttnRes) and input/output RMS'),
+    'log_max_logits': Key(
+      True,
+      "log each attention layer's per-head max logit (docs/attention.md); False: "
+      "no max-logit work runs, unless QK-Clip (optimizer.name='muonclip') needs them",
+    ),
+  },
+  'optimizer': {
+    'name': Key(
+      'adamw',
+      "'muon' (Moonlight) or 'muonclip' (muon + QK-Clip); docs/optimizers.md",
+      allowed=('adamw', 'muon', 'muonclip'),
+    ),
+    'learning_rate': Key(3e-3, 'shared by AdamW and both sides of muon', bounds=POSITIVE),
+    'weight_decay': Key(0.1, 'decoupled (x lr); muon decays every parameter, adamw only matrices', bounds=NON_NEGATIVE),
+    'qk_clip_tau': Key(100.0, 'muonclip: logit cap tau', bounds=POSITIVE),
+    'schedule': Key('cosine', 'after the warmup', allowed=('cosine', 'wsd', 'constant')),
+    'warmup_steps': Key(50, 'linear warmup from 0', bounds=NON_NEGATIVE),
+    'decay_fraction': Key(0.2, 'wsd: fraction of steps spent decaying at the end', bounds='[0, 1]'),
+    'min_lr_ratio': Key(0.1, 'final lr = min_lr_ratio * learning_rate', bounds='[0, 1]'),
+    'b1': Key(0.9, "AdamW beta1 (also muon's AdamW side)", bounds='[0, 1]'),
+    'b2': Key(0.95, 'AdamW beta2', bounds='[0, 1]'),
+    'eps': Key(1e-8, 'AdamW eps', bounds=POSITIVE),
+    'momentum': Key(0.95, 'muon: M = momentum * M + G (Moonlight, no bias correction)', bounds='[0, 1)'),
+    'nesterov': Key(True, 'muon: orthogonalise G + momentum * M instead of M'),
+    'ns_steps': Key(5, 'muon: Newton-Schulz iterations', bounds=POSITIVE),
+    'ns_dtype': Key('bfloat16', "muon: dtype of the Newton-Schulz matmuls ('float32' for exactness)", allowed=DTYPES),
+    'rms_scale': Key(0.2, 'muon: update = rms_scale * sqrt(max(A, B)) * NS(N), AdamW-like RMS', bounds=POSITIVE),
+    'muon_per_head': Key(False, 'muon: attention kernels as per-head matrices, not one [D, H*Dh]'),
+    'muon_split_matrices': Key(True, 'muon: each device runs Newton-Schulz on its share of whole matrices'),
+    'muon_mla_views': Key(
+      'fused',
+      "muon: MLA parts fused as DeepSeek-V3's q_b_proj, kv_a_proj_with_mqa, kv_b_proj "
+      "(Moonlight) or 'per_part' (kimijax/optim/routing.py)",
+      allowed=('fused', 'per_part'),
+    ),
+  },
+  'data': DATA_KEYS,
+  'mesh': {
+    'data': Key(-1, 'data-parallel size; -1: all devices not used by the other axes', check=_mesh_size),
+    'fsdp': Key(1, 'parameter-sharding size (-1: the remaining devices)', check=_mesh_size),
+    'tensor': Key(1, 'tensor-parallel size (-1: the remaining devices)', check=_mesh_size),
+    'rules': Key(DEFAULT_RULES, 'logical axis name -> mesh axes (DEFAULT_RULES)', check=_mesh_rules),
+  },
 }
 
 
@@ -233,8 +284,7 @@ def expand_pattern(pattern: str) -> str:
     return pattern
   parts = pattern.split(':')
   if len(parts) != 2 or not all(p.isdigit() for p in parts) or not int(parts[0]) + int(parts[1]):
-    raise ConfigError(f"model.layer_pattern={pattern!r}: a ratio must be 'K:A' with non-negative "
-                      "integers, e.g. '3:1'")
+    raise ConfigError(f"model.layer_pattern={pattern!r}: a ratio must be 'K:A' with non-negative integers, e.g. '3:1'")
   return 'K' * int(parts[0]) + 'A' * int(parts[1])
 
 
@@ -276,32 +326,45 @@ def _model_rules(m: ml_collections.ConfigDict) -> None:
   if m.d_model % m.num_heads:
     raise ConfigError(f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}')
   if (m.d_model // m.num_heads) % 2 and m.position == 'rope':
-    raise ConfigError(f'head_dim = model.d_model // model.num_heads = {m.d_model // m.num_heads} '
-                      'must be even for model.position=\'rope\'')
+    raise ConfigError(
+      f"head_dim = model.d_model // model.num_heads = {m.d_model // m.num_heads} must be even for model.position='rope'"
+    )
   kv = num_kv_heads(m)
   if m.attention_kind == 'mha' and kv != m.num_heads:
-    raise ConfigError(f'model.num_kv_heads={m.num_kv_heads} differs from model.num_heads={m.num_heads}; '
-                      "set model.attention_kind='gqa' for grouped-query attention")
+    raise ConfigError(
+      f'model.num_kv_heads={m.num_kv_heads} differs from model.num_heads={m.num_heads}; '
+      "set model.attention_kind='gqa' for grouped-query attention"
+    )
   if m.num_heads % kv:
     raise ConfigError(f'model.num_kv_heads={kv} does not divide model.num_heads={m.num_heads}')
   if m.mla_qk_rope_head_dim % 2 and m.mla_rope:
-    raise ConfigError(f'model.mla_qk_rope_head_dim={m.mla_qk_rope_head_dim} must be even (rotary pairs) '
-                      'with model.mla_rope=True')
-  if (m.residual != 'standard' and not ATTNRES_IMPLS[m.attnres_impl].all_variants
-      and not attnres_ops.is_default_variant(m.attnres_key_norm, m.attnres_depth_weights)):
-    changed = [f'model.{k}={m[k]!r}' for k, default in (('attnres_key_norm', True),
-                                                         ('attnres_depth_weights', 'softmax'))
-               if m[k] != default]
-    raise ConfigError(f"{' and '.join(changed)} need{'s' * (len(changed) == 1)} model.attnres_impl='xla': "
-                      f"model.attnres_impl={m.attnres_impl!r} implements only the softmax over "
-                      "RMS-normalised keys (model.attnres_key_norm=True, model.attnres_depth_weights='softmax')")
+    raise ConfigError(
+      f'model.mla_qk_rope_head_dim={m.mla_qk_rope_head_dim} must be even (rotary pairs) with model.mla_rope=True'
+    )
+  if (
+    m.residual != 'standard'
+    and not ATTNRES_IMPLS[m.attnres_impl].all_variants
+    and not attnres_ops.is_default_variant(m.attnres_key_norm, m.attnres_depth_weights)
+  ):
+    changed = [
+      f'model.{k}={m[k]!r}'
+      for k, default in (('attnres_key_norm', True), ('attnres_depth_weights', 'softmax'))
+      if m[k] != default
+    ]
+    raise ConfigError(
+      f"{' and '.join(changed)} need{'s' * (len(changed) == 1)} model.attnres_impl='xla': "
+      f'model.attnres_impl={m.attnres_impl!r} implements only the softmax over '
+      "RMS-normalised keys (model.attnres_key_norm=True, model.attnres_depth_weights='softmax')"
+    )
   if m.residual != 'standard' and m.attnres_impl == 'pallas' and m.d_model % 16:
     raise ConfigError(f"model.attnres_impl='pallas' needs model.d_model divisible by 16; got {m.d_model}")
   head_dim = kda_dims(m)[1]
   for key in ('kda_impl', 'short_conv_impl'):
     if m[key] == 'pallas' and 'K' in layer_kinds(m) and (head_dim < 16 or head_dim & (head_dim - 1)):
-      raise ConfigError(f"model.{key}='pallas' needs the KDA head dim (model.kda_head_dim, or d_model // "
-                        f"num_heads) a power of two >= 16; got {head_dim}")
+      raise ConfigError(
+        f"model.{key}='pallas' needs the KDA head dim (model.kda_head_dim, or d_model // "
+        f'num_heads) a power of two >= 16; got {head_dim}'
+      )
 
 
 def _data_rules(d: ml_collections.ConfigDict) -> None:
@@ -330,15 +393,16 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 # ----------------------------------------------------------------------------- config files
 
 
-def apply_variants(config: ml_collections.ConfigDict, variants: Mapping[str, Callable[[Any], Any]],
-                   names: str | None) -> ml_collections.ConfigDict:
+def apply_variants(
+  config: ml_collections.ConfigDict, variants: Mapping[str, Callable[[Any], Any]], names: str | None
+) -> ml_collections.ConfigDict:
   """config with the comma-separated variant `names` applied, in the order `variants` lists them
   (so that ':a,b' and ':b,a' are one config). A config file declares its variants as
   VARIANTS = {name: function that edits the config} and ends get_config with this call."""
   chosen = [n for n in (names or '').split(',') if n]
   for name in chosen:
     if name not in variants:
-      raise ConfigError(f"unknown variant {name!r}; allowed: {', '.join(map(repr, variants))}")
+      raise ConfigError(f'unknown variant {name!r}; allowed: {", ".join(map(repr, variants))}')
   for name, edit in variants.items():
     if name in chosen:
       edit(config)
@@ -370,7 +434,7 @@ def _get_config(path: str, variants: str):
     return module.get_config(variants) if variants else module.get_config()
   except ConfigError as e:
     raise ConfigError(f'{path}: {e}') from None
-  except Exception as e:   # a config file's own error: its message is what the user needs
+  except Exception as e:  # a config file's own error: its message is what the user needs
     raise ConfigError(f'{path}: {type(e).__name__}: {e}') from e
 
 
@@ -416,15 +480,20 @@ def load(spec: str, overrides: Mapping[str, Any] | None = None) -> ml_collection
   return validate(load_file(spec, overrides)).lock()
 
 
-def define_config_flag(name: str = 'config', default: str | None = None,
-                       help_string: str = 'config file, FILE[:VARIANT[,VARIANT]] (the variants: its VARIANTS).',
-                       flag_values=None) -> None:
+def define_config_flag(
+  name: str = 'config',
+  default: str | None = None,
+  help_string: str = 'config file, FILE[:VARIANT[,VARIANT]] (the variants: its VARIANTS).',
+  flag_values=None,
+) -> None:
   """Defines the absl flag --NAME=FILE[:VARIANT,...] and its --NAME.a.b=VALUE overrides, as run.py
   has them; `config_from_flags(NAME)` loads the config once the flags are parsed."""
   from absl import flags
+
   flag_values = flags.FLAGS if flag_values is None else flag_values
-  flags.DEFINE_string(name, default, f'{help_string} Override any key with --{name}.KEY=VALUE.',
-                      flag_values=flag_values)
+  flags.DEFINE_string(
+    name, default, f'{help_string} Override any key with --{name}.KEY=VALUE.', flag_values=flag_values
+  )
   # absl knows no flag patterns: each --NAME.a.b on this command line becomes a string flag, parsed
   # as the key's type when the config is loaded.
   for arg in sys.argv[1:]:
@@ -432,19 +501,24 @@ def define_config_flag(name: str = 'config', default: str | None = None,
       break
     match = re.match(rf'--{re.escape(name)}\.([\w.]+)(=|$)', arg)
     if match and f'{name}.{match.group(1)}' not in flag_values:
-      flags.DEFINE_string(f'{name}.{match.group(1)}', None, f'override of config key {match.group(1)}',
-                          flag_values=flag_values)
+      flags.DEFINE_string(
+        f'{name}.{match.group(1)}', None, f'override of config key {match.group(1)}', flag_values=flag_values
+      )
 
 
 def config_from_flags(name: str = 'config', *, validate: bool = True, flag_values=None) -> ml_collections.ConfigDict:
   """The config of the parsed --NAME flag with its --NAME.a.b overrides: load(), or load_file()
   with validate=False. Call it inside the script's error handling: mistakes are ConfigErrors."""
   from absl import flags
+
   flag_values = flags.FLAGS if flag_values is None else flag_values
   spec = flag_values[name].value
   if not spec:
     raise ConfigError(f'--{name}=FILE[:VARIANT] is required')
   prefix = f'{name}.'
-  overrides = {flag[len(prefix):]: flag_values[flag].value for flag in flag_values
-               if flag.startswith(prefix) and flag_values[flag].present}
+  overrides = {
+    flag[len(prefix) :]: flag_values[flag].value
+    for flag in flag_values
+    if flag.startswith(prefix) and flag_values[flag].present
+  }
   return (load if validate else load_file)(spec, overrides)

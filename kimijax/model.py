@@ -60,8 +60,9 @@ def _cotangent_in_bwd(dtype, _, g):
 cotangent_in.defvjp(_cotangent_in_fwd, _cotangent_in_bwd)
 
 
-def make_mixer(cfg: ml_collections.ConfigDict, kind: str, dtype, max_logits: bool = True,
-               kernels: dict | None = None) -> nn.Module:
+def make_mixer(
+  cfg: ml_collections.ConfigDict, kind: str, dtype, max_logits: bool = True, kernels: dict | None = None
+) -> nn.Module:
   """The sequence mixer of a model.layer_pattern letter. Called as mixer(x_btd, positions_bt, cache)
   it returns (y_btd, max_logits [H] fp32 or None, new cache or None). max_logits is None for
   mixers without softmax logits (KDA), when decoding and when `max_logits` is False; the cache
@@ -71,22 +72,50 @@ def make_mixer(cfg: ml_collections.ConfigDict, kind: str, dtype, max_logits: boo
     kernels = config_lib.kernel_settings(cfg) if kernels is None else kernels
     heads, head_dim = config_lib.kda_dims(cfg)
     return KimiDeltaAttention(
-        num_heads=heads, head_dim=head_dim, impl=cfg.kda_impl, short_conv=cfg.kda_short_conv,
-        output_gate=cfg.kda_output_gate, gate_lower_bound=cfg.kda_gate_lower_bound, init_std=cfg.init_std,
-        dtype=dtype, output_norm_eps=cfg.kda_output_norm_eps, short_conv_impl=cfg.short_conv_impl,
-        recompute_projections=cfg.kda_recompute_projections, settings=kernels['kda'],
-        short_conv_settings=kernels['short_conv'], name='kda')
+      num_heads=heads,
+      head_dim=head_dim,
+      impl=cfg.kda_impl,
+      short_conv=cfg.kda_short_conv,
+      output_gate=cfg.kda_output_gate,
+      gate_lower_bound=cfg.kda_gate_lower_bound,
+      init_std=cfg.init_std,
+      dtype=dtype,
+      output_norm_eps=cfg.kda_output_norm_eps,
+      short_conv_impl=cfg.short_conv_impl,
+      recompute_projections=cfg.kda_recompute_projections,
+      settings=kernels['kda'],
+      short_conv_settings=kernels['short_conv'],
+      name='kda',
+    )
   if kind == 'A' and cfg.attention_kind == 'mla':
     return MultiHeadLatentAttention(
-        num_heads=cfg.num_heads, kv_lora_rank=cfg.mla_kv_lora_rank,
-        qk_nope_head_dim=cfg.mla_qk_nope_head_dim or cfg.d_model // cfg.num_heads,
-        qk_rope_head_dim=cfg.mla_qk_rope_head_dim, v_head_dim=cfg.mla_v_head_dim, q_lora_rank=cfg.mla_q_lora_rank,
-        rope_theta=cfg.rope_theta, impl=cfg.attn_impl, norm_eps=cfg.mla_latent_norm_eps, init_std=cfg.init_std,
-        dtype=dtype, rope=cfg.mla_rope, max_logits=max_logits, name='mla')
+      num_heads=cfg.num_heads,
+      kv_lora_rank=cfg.mla_kv_lora_rank,
+      qk_nope_head_dim=cfg.mla_qk_nope_head_dim or cfg.d_model // cfg.num_heads,
+      qk_rope_head_dim=cfg.mla_qk_rope_head_dim,
+      v_head_dim=cfg.mla_v_head_dim,
+      q_lora_rank=cfg.mla_q_lora_rank,
+      rope_theta=cfg.rope_theta,
+      impl=cfg.attn_impl,
+      norm_eps=cfg.mla_latent_norm_eps,
+      init_std=cfg.init_std,
+      dtype=dtype,
+      rope=cfg.mla_rope,
+      max_logits=max_logits,
+      name='mla',
+    )
   if kind == 'A':
-    return SelfAttention(num_heads=cfg.num_heads, num_kv_heads=config_lib.num_kv_heads(cfg),
-                         rope=cfg.position == 'rope', rope_theta=cfg.rope_theta, impl=cfg.attn_impl,
-                         init_std=cfg.init_std, dtype=dtype, max_logits=max_logits, name='attention')
+    return SelfAttention(
+      num_heads=cfg.num_heads,
+      num_kv_heads=config_lib.num_kv_heads(cfg),
+      rope=cfg.position == 'rope',
+      rope_theta=cfg.rope_theta,
+      impl=cfg.attn_impl,
+      init_std=cfg.init_std,
+      dtype=dtype,
+      max_logits=max_logits,
+      name='attention',
+    )
   raise ValueError(f'unknown layer kind {kind!r}')
 
 
@@ -98,6 +127,7 @@ class Layer(nn.Module):
   (state, positions [B, T], cache) -> (state, max logits [H] of an attention mixer or None,
   per-sublayer statistics when `log` else None, the mixer's new cache or None). kernels: the
   Pallas kernels' settings, model.kernels parsed (config_lib.kernel_settings)."""
+
   cfg: ml_collections.ConfigDict
   kind: str
   index: int
@@ -123,6 +153,7 @@ class Layer(nn.Module):
       return res.write(state, y_btd, 2 * self.index + offset), extra
 
     mixer = make_mixer(cfg, self.kind, dtype, self.max_logits, self.kernels)
+
     def run_mixer(x_btd):
       y_btd, max_logits_h, new_cache = mixer(x_btd, positions_bt, cache)
       return y_btd, (max_logits_h, new_cache)
@@ -138,9 +169,10 @@ class Transformer(nn.Module):
 
   With `cache` (kimijax.infer.cache.init_cache) the call is a prefill (T tokens from position 0)
   or a decode step (T = 1 at positions_bt), and aux['cache'] holds the updated caches."""
+
   cfg: ml_collections.ConfigDict
-  log_attnres: bool = False     # add aux['attnres'] (per-sublayer depth weights and RMS)
-  max_logits: bool = True       # compute aux['max_logits'] (False: no max-logit work at all)
+  log_attnres: bool = False  # add aux['attnres'] (per-sublayer depth weights and RMS)
+  max_logits: bool = True  # compute aux['max_logits'] (False: no max-logit work at all)
 
   @nn.compact
   def __call__(self, tokens_bt, positions_bt=None, cache=None):
@@ -148,8 +180,12 @@ class Transformer(nn.Module):
     dtype = jnp.dtype(cfg.compute_dtype)
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-    embed = self.param('embed', nn.with_logical_partitioning(
-        nn.initializers.normal(cfg.init_std), ('vocab', 'embed')), (cfg.vocab_size, cfg.d_model), jnp.float32)
+    embed = self.param(
+      'embed',
+      nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ('vocab', 'embed')),
+      (cfg.vocab_size, cfg.d_model),
+      jnp.float32,
+    )
     # The Pallas kernels' settings (model.kernels), parsed once and handed to the layers as values.
     kernels = config_lib.kernel_settings(cfg)
     # The residual stream is kept in residual_dtype (default float32); sublayers compute in `dtype`.
@@ -161,20 +197,26 @@ class Transformer(nn.Module):
     max_logits, stats, new_cache = {}, [], {}
     for i, kind in enumerate(config_lib.layer_kinds(cfg)):
       name = f'layer_{i}'
-      layer = layer_cls(cfg=cfg, kind=kind, index=i, log=self.log_attnres, max_logits=self.max_logits,
-                        kernels=kernels, name=name)
+      layer = layer_cls(
+        cfg=cfg, kind=kind, index=i, log=self.log_attnres, max_logits=self.max_logits, kernels=kernels, name=name
+      )
       state, m, s, new_cache[name] = layer(state, positions_bt, None if cache is None else cache[name])
       stats.append(s)
       if m is not None:
         max_logits[f'layer_{i}'] = m
     # The final norm's input (AttnRes: the final aggregator's).
-    x_btd, h_btd, w_n, _ = res.read(state, residual_lib.num_sublayers(cfg),
-                                    RMSNorm(eps=cfg.norm_eps, dtype=dtype, name='final_norm'))
+    x_btd, h_btd, w_n, _ = res.read(
+      state, residual_lib.num_sublayers(cfg), RMSNorm(eps=cfg.norm_eps, dtype=dtype, name='final_norm')
+    )
     if cfg.tie_embeddings:
       head_dv = embed.T
     else:
-      head_dv = self.param('head', nn.with_logical_partitioning(
-          nn.initializers.normal(cfg.init_std), ('embed', 'vocab')), (cfg.d_model, cfg.vocab_size), jnp.float32)
+      head_dv = self.param(
+        'head',
+        nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), ('embed', 'vocab')),
+        (cfg.d_model, cfg.vocab_size),
+        jnp.float32,
+      )
     logits_btv = jnp.einsum('btd,dv->btv', x_btd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
     logits_btv = cotangent_in(logits_btv, dtype)
     logits_btv = nn.with_logical_constraint(logits_btv, ('act_batch', 'act_length', 'act_vocab'))
@@ -189,13 +231,14 @@ class Transformer(nn.Module):
 def _collect_stats(cfg, layer_stats, final_w_n, final_rms):
   """Per-layer statistics -> aux['attnres'] (see the module docstring): weight rows padded
   with NaN to the most sources any consumer sees."""
-  out = {'input_rms': jnp.stack([r for s in layer_stats for r in s['input_rms']] + [final_rms]),
-         'output_rms': jnp.stack([r for s in layer_stats for r in s['output_rms']])}
+  out = {
+    'input_rms': jnp.stack([r for s in layer_stats for r in s['input_rms']] + [final_rms]),
+    'output_rms': jnp.stack([r for s in layer_stats for r in s['output_rms']]),
+  }
   if cfg.residual != 'standard':
     width = residual_lib.num_sources(cfg)
     rows = [w for s in layer_stats for w in s['weights']] + [final_w_n]
-    out['weights'] = jnp.stack([jnp.pad(w, (0, width - w.shape[0]), constant_values=jnp.nan)
-                                for w in rows])
+    out['weights'] = jnp.stack([jnp.pad(w, (0, width - w.shape[0]), constant_values=jnp.nan) for w in rows])
   return out
 
 
@@ -215,7 +258,7 @@ def parameter_counts(cfg: ml_collections.ConfigDict) -> dict[str, int]:
     if names[0] in ('embed', 'head', 'attnres'):
       part = {'embed': 'embedding', 'head': 'head', 'attnres': 'attnres'}[names[0]]
     elif names[0] == 'final_norm' or (len(names) > 1 and names[1].endswith('_norm')):
-      part = 'norms'             # the sublayers' pre-norms and the final norm
+      part = 'norms'  # the sublayers' pre-norms and the final norm
     elif len(names) > 1 and names[1] in ('attention', 'mla', 'kda'):
       part = {'attention': 'attention layers', 'mla': 'mla layers', 'kda': 'kda layers'}[names[1]]
     elif len(names) > 1 and names[1] == 'mlp':

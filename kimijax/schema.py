@@ -14,7 +14,8 @@ import ast
 import dataclasses
 import math
 import re
-from typing import Any, Callable, Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 import ml_collections
 
@@ -32,6 +33,7 @@ class Key:
   `bounds`: an interval such as '(0, inf)' or '[0, 1)' its value must lie in; `check(path, value)`:
   any other rule on the key alone, raising ConfigError. The type is the default's (a float key
   also takes an int)."""
+
   default: Any
   doc: str
   allowed: Collection | None = None
@@ -39,17 +41,23 @@ class Key:
   check: Callable[[str, Any], None] | None = None
 
 
-Section = dict   # name -> Key | Section
+Section = dict  # name -> Key | Section
 
 
 def defaults(section: Section) -> ml_collections.ConfigDict:
   """The ConfigDict of the declared defaults (groups as nested ConfigDicts)."""
-  return ml_collections.ConfigDict({name: defaults(k) if isinstance(k, dict) else k.default
-                                    for name, k in section.items()})
+  return ml_collections.ConfigDict(
+    {name: defaults(k) if isinstance(k, dict) else k.default for name, k in section.items()}
+  )
 
 
-_TYPE_NAMES = {bool: 'a bool (True or False)', int: 'an int (such as 1000 or 1e3)', float: 'a float (such as 3e-4)',
-               str: 'a string', tuple: 'a tuple'}
+_TYPE_NAMES = {
+  bool: 'a bool (True or False)',
+  int: 'an int (such as 1000 or 1e3)',
+  float: 'a float (such as 3e-4)',
+  str: 'a string',
+  tuple: 'a tuple',
+}
 
 
 def _type_ok(value, kind: type) -> bool:
@@ -74,8 +82,7 @@ def in_bounds(value, bounds: str) -> bool:
     raise ValueError(f'bounds {bounds!r} is not an interval such as (0, inf) or [0, 1)')
   left, lo, hi, right = match.groups()
   lo, hi = float(lo), float(hi)
-  return ((value > lo or (left == '[' and value == lo)) and
-          (value < hi or (right == ']' and value == hi)))
+  return (value > lo or (left == '[' and value == lo)) and (value < hi or (right == ']' and value == hi))
 
 
 def _bounds_text(bounds: str) -> str:

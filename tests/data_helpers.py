@@ -15,17 +15,17 @@ import numpy as np
 from kimijax.data import default_data_config
 
 UNICODE_DOCS = [
-    'naïve café — déjà vu ✓ 日本語のテキスト 中文 한국어 emoji 🎉🚀 and Ωμέγα',
-    'tabs\tand  double  spaces\r\nwindows line\r\n\n\n   trailing   ',
-    'the literal text <|endoftext|> and <|pad|> is ordinary text here',
-    'x' * 30_000 + '\n' + 'long line without spaces ' + 'y' * 26_000,
+  'naïve café — déjà vu ✓ 日本語のテキスト 中文 한국어 emoji 🎉🚀 and Ωμέγα',
+  'tabs\tand  double  spaces\r\nwindows line\r\n\n\n   trailing   ',
+  'the literal text <|endoftext|> and <|pad|> is ordinary text here',
+  'x' * 30_000 + '\n' + 'long line without spaces ' + 'y' * 26_000,
 ]
 
 
 def stdlib_texts(n_files=40, start=0) -> list[str]:
   """The text of n_files top-level stdlib modules (sorted by name, from `start`)."""
   root = pathlib.Path(sysconfig.get_paths()['stdlib'])
-  files = sorted(root.glob('*.py'))[start:start + n_files]
+  files = sorted(root.glob('*.py'))[start : start + n_files]
   return [f.read_text(encoding='utf-8', errors='replace') for f in files]
 
 
@@ -36,7 +36,7 @@ def documents(n_files=12) -> list[str]:
   for text in stdlib_texts(n_files, start=7):
     paragraphs = text.split('\n\n')
     for i in range(0, len(paragraphs), 25):
-      docs.append('\n\n'.join(paragraphs[i:i + 25]))
+      docs.append('\n\n'.join(paragraphs[i : i + 25]))
   docs += UNICODE_DOCS
   docs.append(docs[3])
   return [d for d in docs if d]
@@ -88,6 +88,7 @@ def write_inputs(root: pathlib.Path, docs: list[str]) -> pathlib.Path:
   import pyarrow as pa
   import pyarrow.parquet as pq
   import zstandard
+
   root.mkdir(parents=True, exist_ok=True)
   parts = np.array_split(np.arange(len(docs)), 5)
   lines = lambda idx: ''.join(json.dumps({'id': int(i), 'text': docs[i]}) + '\n' for i in idx)
@@ -95,8 +96,9 @@ def write_inputs(root: pathlib.Path, docs: list[str]) -> pathlib.Path:
   with gzip.open(root / 'b.jsonl.gz', 'wt') as f:
     f.write(lines(parts[1]))
   (root / 'c.jsonl.zst').write_bytes(zstandard.ZstdCompressor().compress(lines(parts[2]).encode()))
-  pq.write_table(pa.table({'id': parts[3].tolist(), 'text': [docs[i] for i in parts[3]]}), root / 'd.parquet',
-                 row_group_size=7)
+  pq.write_table(
+    pa.table({'id': parts[3].tolist(), 'text': [docs[i] for i in parts[3]]}), root / 'd.parquet', row_group_size=7
+  )
   (root / 'txt').mkdir(exist_ok=True)
   for i in parts[4]:
     (root / 'txt' / f'doc{i:04d}.txt').write_text(docs[i], encoding='utf-8')
@@ -121,11 +123,13 @@ def make_config(batch_size=4, seq_len=8, seed=0, **data):
   return c
 
 
-def write_token_corpus(root: pathlib.Path, tokenizer, shard_tokens: list[int], mean_doc=700, seed=0,
-                       val_shards=1) -> pathlib.Path:
+def write_token_corpus(
+  root: pathlib.Path, tokenizer, shard_tokens: list[int], mean_doc=700, seed=0, val_shards=1
+) -> pathlib.Path:
   """A shard folder written directly (not by prepare): shards of random byte tokens with documents of
   random lengths, each ending in EOS; the last `val_shards` shards form the validation split."""
   from kimijax.data import shards as shards_lib
+
   rng = np.random.default_rng(seed)
   records = []
   for i, n in enumerate(shard_tokens):
@@ -134,10 +138,17 @@ def write_token_corpus(root: pathlib.Path, tokenizer, shard_tokens: list[int], m
     ends = ends[ends <= n]
     tokens[ends - 1] = tokenizer.eos_id
     records.append(shards_lib.write_shard(root, f'shard-{i:04d}', tokens, np.concatenate([[0], ends])))
-  split = {'train': records[:len(records) - val_shards], 'validation': records[len(records) - val_shards:]}
-  manifest = {'format': shards_lib.FORMAT, 'version': shards_lib.VERSION, 'dtype': 'uint16',
-              'tokenizer': tokenizer.describe(), 'text_bytes': 0,
-              'splits': {s: {'docs': sum(r['docs'] for r in rs), 'tokens': sum(r['tokens'] for r in rs), 'shards': rs}
-                         for s, rs in split.items()}}
+  split = {'train': records[: len(records) - val_shards], 'validation': records[len(records) - val_shards :]}
+  manifest = {
+    'format': shards_lib.FORMAT,
+    'version': shards_lib.VERSION,
+    'dtype': 'uint16',
+    'tokenizer': tokenizer.describe(),
+    'text_bytes': 0,
+    'splits': {
+      s: {'docs': sum(r['docs'] for r in rs), 'tokens': sum(r['tokens'] for r in rs), 'shards': rs}
+      for s, rs in split.items()
+    },
+  }
   (root / 'manifest.json').write_text(json.dumps(manifest))
   return root

@@ -11,7 +11,6 @@ from kimijax.model import Transformer
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.step import build_training
 
-
 # ----------------------------------------------------------------------------- a tiny model
 
 
@@ -21,8 +20,18 @@ B, T = 2, 9
 def tiny_model_config(**overrides):
   """A validated tiny float32 model config: V=37, D=32, 2 layers, 4 heads of 8, GQA 2 kv heads."""
   c = config_lib.base_config()
-  c.model.update(dict(vocab_size=37, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      attention_kind='gqa', mlp_dim=48, compute_dtype='float32'))
+  c.model.update(
+    dict(
+      vocab_size=37,
+      d_model=32,
+      num_layers=2,
+      num_heads=4,
+      num_kv_heads=2,
+      attention_kind='gqa',
+      mlp_dim=48,
+      compute_dtype='float32',
+    )
+  )
   c.model.update(overrides)
   return config_lib.validate(c).model
 
@@ -39,11 +48,11 @@ def init_params(cfg, seed=0):
   new = []
   for path, leaf in leaves:
     name = jax.tree_util.keystr(path)
-    if 'scale' in name:                                   # norm gains around 1
+    if 'scale' in name:  # norm gains around 1
       x = 1.0 + 0.3 * rng.standard_normal(leaf.shape)
     elif 'embed' in name:
       x = rng.standard_normal(leaf.shape)
-    else:                                                 # matrices: fan-in of the first axis
+    else:  # matrices: fan-in of the first axis
       fan_in = leaf.shape[0] * (leaf.shape[1] if name.endswith("['out']") else 1)
       gain = 2.0 if ("['query']" in name or "['key']" in name) else 1.0
       x = gain * rng.standard_normal(leaf.shape) / np.sqrt(fan_in)
@@ -70,8 +79,11 @@ def impl_params(impls):
   """pytest params over an op's IMPLS (the tokamax test_base pattern: one suite, every entry), an
   entry whose capability gpu_only is set marked gpu (skipped off the GPU)."""
   import pytest
-  return [pytest.param(name, id=name, marks=[pytest.mark.gpu] if getattr(impl, 'gpu_only', False) else [])
-          for name, impl in impls.items()]
+
+  return [
+    pytest.param(name, id=name, marks=[pytest.mark.gpu] if getattr(impl, 'gpu_only', False) else [])
+    for name, impl in impls.items()
+  ]
 
 
 def rel_err(a, ref):
@@ -81,7 +93,7 @@ def rel_err(a, ref):
 def rel_rmse(a, ref):
   """Relative RMSE over a whole tensor (float64), as fla's tests measure kernel errors."""
   a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-  return float(np.sqrt(np.mean((a - ref) ** 2) / np.mean(ref ** 2)))
+  return float(np.sqrt(np.mean((a - ref) ** 2) / np.mean(ref**2)))
 
 
 def cross_entropy(logits_btv, tokens_bt):
@@ -105,6 +117,7 @@ def short_conv_inputs(seed, b, t, h, dk, dtype=jnp.float32):
 def short_conv_grads(impl, activation, x, w, dy, settings=None):
   """The gradients in x and w of sum(short_conv(x, w) * dy) under impl (and its kernels' settings)."""
   from kimijax.ops.short_conv import short_conv
+
   loss = lambda x, w: jnp.sum(short_conv(x, w, activation, impl=impl, settings=settings)[0].astype(jnp.float32) * dy)
   return jax.jit(jax.grad(loss, (0, 1)))(x, w)
 
@@ -127,8 +140,13 @@ def random_merge(shape, seed=5, dtype=jnp.float32):
   partial = rng.standard_normal(shape) * 0.3
   lse = rng.standard_normal(shape[:-1]) * 2
   q, scale = 0.5 * rng.standard_normal(shape[-1:]), 1 + 0.3 * rng.standard_normal(shape[-1:])
-  return (jnp.asarray(o, dtype), jnp.asarray(lse, jnp.float32), jnp.asarray(partial, dtype),
-          jnp.asarray(q, jnp.float32), jnp.asarray(scale, jnp.float32))
+  return (
+    jnp.asarray(o, dtype),
+    jnp.asarray(lse, jnp.float32),
+    jnp.asarray(partial, dtype),
+    jnp.asarray(q, jnp.float32),
+    jnp.asarray(scale, jnp.float32),
+  )
 
 
 # ----------------------------------------------------------------------------- train steps on a mesh
@@ -139,9 +157,9 @@ BATCH, SEQ = 8, 16
 RTOL = 1e-5
 
 VARIANTS = {
-    # vocab 256 divides every tensor size used here (the 'vocab' axis is tensor-sharded).
-    'mha': dict(d_model=32, num_heads=4, num_kv_heads=0, attention_kind='mha'),
-    'gqa': dict(d_model=64, num_heads=8, num_kv_heads=4, attention_kind='gqa'),
+  # vocab 256 divides every tensor size used here (the 'vocab' axis is tensor-sharded).
+  'mha': dict(d_model=32, num_heads=4, num_kv_heads=0, attention_kind='mha'),
+  'gqa': dict(d_model=64, num_heads=8, num_kv_heads=4, attention_kind='gqa'),
 }
 
 
@@ -194,9 +212,16 @@ def train_steps(config, devices):
 # step 1, so that the schedule does not depend on train.steps (a resumed run follows the same
 # curve) and every step moves the parameters (the default warmup starts at lr 0).
 TINY_RUN = {
-    'model.d_model': 64, 'model.num_layers': 2, 'model.mlp_dim': 128,
-    'train.seq_len': 64, 'train.batch_size': 4, 'train.log_every': 1, 'train.eval_batches': 2,
-    'train.plot': False, 'optimizer.schedule': 'constant', 'optimizer.warmup_steps': 0,
+  'model.d_model': 64,
+  'model.num_layers': 2,
+  'model.mlp_dim': 128,
+  'train.seq_len': 64,
+  'train.batch_size': 4,
+  'train.log_every': 1,
+  'train.eval_batches': 2,
+  'train.plot': False,
+  'optimizer.schedule': 'constant',
+  'optimizer.warmup_steps': 0,
 }
 
 
@@ -207,17 +232,20 @@ def tiny_run_overrides(every: int) -> dict:
 
 def run_py_args(workdir, overrides: dict, steps: int) -> list[str]:
   """run.py's arguments for configs/default.py with `overrides` for `steps` steps."""
-  return (['--config=configs/default.py', f'--workdir={workdir}']
-          + [f'--config.{k}={v}' for k, v in dict(overrides, **{'train.steps': steps}).items()])
+  return ['--config=configs/default.py', f'--workdir={workdir}'] + [
+    f'--config.{k}={v}' for k, v in dict(overrides, **{'train.steps': steps}).items()
+  ]
 
 
 def train_losses(workdir) -> dict:
   """{step: train loss} of a run's metrics.jsonl."""
   from kimijax.train.metrics import read_metrics
+
   return {r['step']: r['loss'] for r in read_metrics(workdir) if 'loss' in r}
 
 
 def eval_losses(workdir) -> dict:
   """{step: eval loss} of a run's metrics.jsonl."""
   from kimijax.train.metrics import read_metrics
+
   return {r['step']: r['eval_loss'] for r in read_metrics(workdir) if 'eval_loss' in r}

@@ -2,7 +2,8 @@
 never calling the code under test. Test files import them from here (and never from each other).
 
 Sections: the dense model's sublayers and forward (RoPE, RMSNorm, attention, SwiGLU); attention
-and its per-head max logits (docs/optimizers.md#qk-clip); KDA (docs/kda.md), its layer; MLA; Muon and AdamW (docs/optimizers.md#muon);
+and its per-head max logits (docs/optimizers.md#qk-clip); KDA (docs/kda.md), its layer; MLA;
+Muon and AdamW (docs/optimizers.md#muon);
 Attention Residuals (docs/attention_residuals.md).
 """
 
@@ -67,8 +68,7 @@ def np_forward(cfg, params, tokens, positions=None):
   max_logits = []
   for i in range(cfg.num_layers):
     lp = p[f'layer_{i}']
-    y, m = np_attention_block(np_rmsnorm(h, lp['mixer_norm']['scale'], cfg.norm_eps),
-                              lp['attention'], positions, cfg)
+    y, m = np_attention_block(np_rmsnorm(h, lp['mixer_norm']['scale'], cfg.norm_eps), lp['attention'], positions, cfg)
     h = h + y
     max_logits.append(m)
     x = np_rmsnorm(h, lp['mlp_norm']['scale'], cfg.norm_eps)
@@ -106,7 +106,7 @@ def ref_attention(q, k, v, causal):
   _, t, h, d = q.shape
   s = k.shape[1]
   kh, vh = ref_expand_kv(k, h), ref_expand_kv(v, h)
-  logits = np.einsum('bthd,bshd->bhts', q, kh) * d ** -0.5
+  logits = np.einsum('bthd,bshd->bhts', q, kh) * d**-0.5
   logits = np.where(ref_mask(t, s, causal), logits, -np.inf)
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
@@ -125,7 +125,7 @@ def ref_max_logits(q, k, causal):
       for i in range(t):
         last_key = s - t + i if causal else s - 1
         for j in range(last_key + 1):
-          out[head] = max(out[head], float(q[bi, i, head] @ k[bi, j, kv]) * d ** -0.5)
+          out[head] = max(out[head], float(q[bi, i, head] @ k[bi, j, kv]) * d**-0.5)
   return out
 
 
@@ -134,15 +134,15 @@ def ref_attention_grads(q, k, v, d_out, causal):
   q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
   b, t, h, d = q.shape
   s, hkv = k.shape[1], k.shape[2]
-  scale = d ** -0.5
+  scale = d**-0.5
   kh, vh = ref_expand_kv(k, h), ref_expand_kv(v, h)
   _, p = ref_attention(q, k, v, causal)
   dp = np.einsum('bthd,bshd->bhts', d_out, vh)
-  ds = p * (dp - (dp * p).sum(-1, keepdims=True))          # softmax Jacobian; masked p are 0
+  ds = p * (dp - (dp * p).sum(-1, keepdims=True))  # softmax Jacobian; masked p are 0
   dq = scale * np.einsum('bhts,bshd->bthd', ds, kh)
   dkh = scale * np.einsum('bhts,bthd->bshd', ds, q)
   dvh = np.einsum('bhts,bthd->bshd', p, d_out)
-  group = h // hkv                                           # sum each kv head's query heads
+  group = h // hkv  # sum each kv head's query heads
   dk = dkh.reshape(b, s, hkv, group, d).sum(3)
   dv = dvh.reshape(b, s, hkv, group, v.shape[-1]).sum(3)
   return dq, dk, dv
@@ -153,7 +153,7 @@ def ref_max_logits_fast(q, k, causal):
   queries and unmasked keys of D^-0.5 q . k per head; queries are the last T of S positions."""
   q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
   _, t, h, d = q.shape
-  logits = np.einsum('bthd,bshd->bhts', q, ref_expand_kv(k, h)) * d ** -0.5
+  logits = np.einsum('bthd,bshd->bhts', q, ref_expand_kv(k, h)) * d**-0.5
   return np.where(ref_mask(t, k.shape[1], causal), logits, -np.inf).max(axis=(0, 2, 3))
 
 
@@ -165,7 +165,7 @@ def np_projected_max_logits(x_btd, w_q, w_k):
   positions = np.arange(t, dtype=np.float64)[None]
   q = np_rope(np.einsum('btd,dhk->bthk', x, w_q), positions, 10000.0)
   k = np_rope(np.einsum('btd,dhk->bthk', x, w_k), positions, 10000.0)
-  k = np.repeat(k, w_q.shape[1] // w_k.shape[1], axis=2)          # query head h uses KV head h // G
+  k = np.repeat(k, w_q.shape[1] // w_k.shape[1], axis=2)  # query head h uses KV head h // G
   logits = np.einsum('bthk,bshk->bhts', q, k) / np.sqrt(w_q.shape[-1])
   causal = np.tril(np.ones((t, t), bool))
   return np.where(causal, logits, -np.inf).max(axis=(0, 2, 3))
@@ -182,11 +182,11 @@ def ref_kda(q, k, v, g, beta, scale, s0=None):
   s = np.zeros((b, h, dk, dv)) if s0 is None else np.array(s0, np.float64)
   o = np.zeros((b, t, h, dv))
   for i in range(t):
-    s = s * np.exp(g[:, i])[..., None]                                    # decay
-    predicted = np.einsum('bhkv,bhk->bhv', s, k[:, i])                    # S^T k
-    delta = beta[:, i, :, None] * (v[:, i] - predicted)                   # beta (v - S^T k)
-    s = s + k[:, i, :, :, None] * delta[:, :, None, :]                    # + k delta^T
-    o[:, i] = np.einsum('bhkv,bhk->bhv', s, scale * q[:, i])             # read
+    s = s * np.exp(g[:, i])[..., None]  # decay
+    predicted = np.einsum('bhkv,bhk->bhv', s, k[:, i])  # S^T k
+    delta = beta[:, i, :, None] * (v[:, i] - predicted)  # beta (v - S^T k)
+    s = s + k[:, i, :, :, None] * delta[:, :, None, :]  # + k delta^T
+    o[:, i] = np.einsum('bhkv,bhk->bhv', s, scale * q[:, i])  # read
   return o, s
 
 
@@ -194,7 +194,7 @@ def np_conv(x, w):
   """Causal depthwise conv over axis 1: y[t] = sum_j w[j] x[t - 3 + j]."""
   width = w.shape[0]
   xp = np.concatenate([np.zeros((x.shape[0], width - 1) + x.shape[2:]), x], axis=1)
-  return sum(xp[:, j: j + x.shape[1]] * w[j] for j in range(width))
+  return sum(xp[:, j : j + x.shape[1]] * w[j] for j in range(width))
 
 
 def np_short_conv(x, w, activation):
@@ -222,11 +222,11 @@ def np_kda_layer(p, x, *, short_conv, output_gate, lower_bound):
   g = lower_bound * np_sigmoid(a * f) if lower_bound else -a * np.log1p(np.exp(f))
   s = np.zeros((x.shape[0], h, dk, dk))
   o = np.zeros((x.shape[0], x.shape[1], h, dk))
-  for t in range(x.shape[1]):       # docs/kda.md: decay, delta write, read
+  for t in range(x.shape[1]):  # docs/kda.md: decay, delta write, read
     s = s * np.exp(g[:, t])[..., None]
     pred = np.einsum('bhkv,bhk->bhv', s, k[:, t])
     s = s + np.einsum('bhk,bhv->bhkv', k[:, t], beta[:, t, :, None] * (v[:, t] - pred))
-    o[:, t] = np.einsum('bhkv,bhk->bhv', s, q[:, t] * dk ** -0.5)
+    o[:, t] = np.einsum('bhkv,bhk->bhv', s, q[:, t] * dk**-0.5)
   o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + 1e-5) * p['o_norm']
   if output_gate != 'none':
     gate = np.einsum('btr,rhk->bthk', x @ p['g_a'], p['g_b'])
@@ -303,7 +303,7 @@ class NpAdamW:
     self.t += 1
     self.m = self.b1 * self.m + (1 - self.b1) * g
     self.v = self.b2 * self.v + (1 - self.b2) * g * g
-    m_hat, v_hat = self.m / (1 - self.b1 ** self.t), self.v / (1 - self.b2 ** self.t)
+    m_hat, v_hat = self.m / (1 - self.b1**self.t), self.v / (1 - self.b2**self.t)
     self.w = self.w - lr * (m_hat / (np.sqrt(v_hat) + self.eps) + self.wd * self.w)
 
 
@@ -360,16 +360,22 @@ def np_attnres_forward(cfg, params, tokens):
 
   def consume(l, q):
     n = l // S
-    sources = [emb] + [sum(outputs[k * S:(k + 1) * S]) for k in range(n)]
+    sources = [emb] + [sum(outputs[k * S : (k + 1) * S]) for k in range(n)]
     if l % S:
-      sources.append(sum(outputs[n * S:l]))
-    if q is None:                 # sublayer 0: the embedding alone, no parameters
+      sources.append(sum(outputs[n * S : l]))
+    if q is None:  # sublayer 0: the embedding alone, no parameters
       assert l == 0 and len(sources) == 1
       h, alpha = emb, np.ones((1,) + emb.shape[:-1])
     else:
       assert ('attnres_key_scale' in q) == cfg.attnres_key_norm, sorted(q)
-      h, alpha = np_depth_attention(sources, q['attnres_query'], q.get('attnres_key_scale'), cfg.norm_eps,
-                                    key_norm=cfg.attnres_key_norm, depth_weights=cfg.attnres_depth_weights)
+      h, alpha = np_depth_attention(
+        sources,
+        q['attnres_query'],
+        q.get('attnres_key_scale'),
+        cfg.norm_eps,
+        key_norm=cfg.attnres_key_norm,
+        depth_weights=cfg.attnres_depth_weights,
+      )
     weights.append(alpha.mean(axis=(1, 2)))
     in_rms.append(np.sqrt(np.mean(h * h)))
     return h
@@ -377,14 +383,12 @@ def np_attnres_forward(cfg, params, tokens):
   for i in range(cfg.num_layers):
     lp = p[f'layer_{i}']
     h = consume(2 * i, p['attnres'].get(f'layer_{i}_mixer'))
-    y, _ = np_attention_block(np_rmsnorm(h, lp['mixer_norm']['scale'], cfg.norm_eps),
-                                 lp['attention'], positions, cfg)
+    y, _ = np_attention_block(np_rmsnorm(h, lp['mixer_norm']['scale'], cfg.norm_eps), lp['attention'], positions, cfg)
     outputs.append(y)
     h = consume(2 * i + 1, p['attnres'][f'layer_{i}_mlp'])
     x = np_rmsnorm(h, lp['mlp_norm']['scale'], cfg.norm_eps)
     mlp = lp['mlp']
-    outputs.append((np_silu(x @ matrix(mlp['wi_gate'])) * (x @ matrix(mlp['wi_up'])))
-                   @ matrix(mlp['wo']))
+    outputs.append((np_silu(x @ matrix(mlp['wi_gate'])) * (x @ matrix(mlp['wi_up']))) @ matrix(mlp['wo']))
   out_rms = [np.sqrt(np.mean(y * y)) for y in outputs]
   h = consume(2 * cfg.num_layers, p['attnres']['final'])
   x = np_rmsnorm(h, p['final_norm']['scale'], cfg.norm_eps)

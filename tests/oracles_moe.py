@@ -37,8 +37,7 @@ def np_scores(logits_te, score_func):
   return z / z.sum(-1, keepdims=True)
 
 
-def np_route(logits_te, bias_e, *, top_k, score_func='sigmoid', n_group=1, topk_group=1,
-             renormalize=True, scaling=1.0):
+def np_route(logits_te, bias_e, *, top_k, score_func='sigmoid', n_group=1, topk_group=1, renormalize=True, scaling=1.0):
   """(experts [T, K] best first, weights [T, K], scores [T, E], margin): margin is the smallest gap,
   over tokens, between the last chosen and the first unchosen biased score (and between the last
   eligible and the first ineligible group score): a test needs it well above float32 rounding."""
@@ -54,13 +53,13 @@ def np_route(logits_te, bias_e, *, top_k, score_func='sigmoid', n_group=1, topk_
     eligible = np.ones(e, bool)
     if n_group > 1:
       size = e // n_group
-      group_score = np.array([np.sort(c[g * size:(g + 1) * size])[-2:].sum() for g in range(n_group)])
+      group_score = np.array([np.sort(c[g * size : (g + 1) * size])[-2:].sum() for g in range(n_group)])
       ranked = np.argsort(-group_score, kind='stable')
       if topk_group < n_group:
         margin = min(margin, group_score[ranked[topk_group - 1]] - group_score[ranked[topk_group]])
       eligible[:] = False
       for g in ranked[:topk_group]:
-        eligible[g * size:(g + 1) * size] = True
+        eligible[g * size : (g + 1) * size] = True
     candidates = np.flatnonzero(eligible)
     candidates = candidates[np.argsort(-c[candidates], kind='stable')]
     chosen = candidates[:top_k]
@@ -98,12 +97,12 @@ def np_routed_experts(x_td, weights_tk, experts_tk, w_gate, w_up, w_down, dy_td=
   for n in range(t):
     for j in range(k):
       e = experts_tk[n, j]
-      out = np_swiglu(x_td[n:n + 1], w_gate[e], w_up[e], w_down[e])[0]
+      out = np_swiglu(x_td[n : n + 1], w_gate[e], w_up[e], w_down[e])[0]
       y[n] += weights_tk[n, j] * out
       if dy_td is not None:
-        g = np.asarray(dy_td, np.float64)[n:n + 1]
+        g = np.asarray(dy_td, np.float64)[n : n + 1]
         dw[n, j] = np.sum(g * out)
-        gx, gg, gu, gd = np_swiglu_backward(x_td[n:n + 1], w_gate[e], w_up[e], w_down[e], weights_tk[n, j] * g)
+        gx, gg, gu, gd = np_swiglu_backward(x_td[n : n + 1], w_gate[e], w_up[e], w_down[e], weights_tk[n, j] * g)
         dx[n] += gx[0]
         dg[e] += gg
         du[e] += gu
@@ -128,23 +127,34 @@ def np_moe_layer(x_btd, params, bias_e, cfg, dy_btd=None):
   topk_group, renormalize, scaling, alpha. Returns (y [B, T, D], aux_loss, routing (experts,
   weights, scores, margin)) and, with dy_btd, also the gradients of sum(y * dy) + aux_loss: a dict
   like params plus 'x'."""
-  p = {k: (np.asarray(v, np.float64) if not isinstance(v, dict) else
-           {kk: np.asarray(vv, np.float64) for kk, vv in v.items()}) for k, v in params.items()}
+  p = {
+    k: (
+      np.asarray(v, np.float64) if not isinstance(v, dict) else {kk: np.asarray(vv, np.float64) for kk, vv in v.items()}
+    )
+    for k, v in params.items()
+  }
   x_btd = np.asarray(x_btd, np.float64)
   b, t, d = x_btd.shape
   x = x_btd.reshape(b * t, d)
   e = p['router'].shape[1]
   logits = x @ p['router']
   experts, weights, scores, margin = np_route(
-      logits, bias_e, top_k=cfg['top_k'], score_func=cfg['score_func'], n_group=cfg['n_group'],
-      topk_group=cfg['topk_group'], renormalize=cfg['renormalize'], scaling=cfg['scaling'])
+    logits,
+    bias_e,
+    top_k=cfg['top_k'],
+    score_func=cfg['score_func'],
+    n_group=cfg['n_group'],
+    topk_group=cfg['topk_group'],
+    renormalize=cfg['renormalize'],
+    scaling=cfg['scaling'],
+  )
   k = experts.shape[1]
   y = np.zeros_like(x)
   outs = np.zeros((b * t, k, d))
   for n in range(b * t):
     for j in range(k):
       ex = experts[n, j]
-      outs[n, j] = np_swiglu(x[n:n + 1], p['wi_gate'][ex], p['wi_up'][ex], p['wo'][ex])[0]
+      outs[n, j] = np_swiglu(x[n : n + 1], p['wi_gate'][ex], p['wi_up'][ex], p['wo'][ex])[0]
       y[n] += weights[n, j] * outs[n, j]
   if 'shared' in p:
     sh = p['shared']
@@ -161,8 +171,9 @@ def np_moe_layer(x_btd, params, bias_e, cfg, dy_btd=None):
   for n in range(b * t):
     for j in range(k):
       ex = experts[n, j]
-      gx, gg, gu, gd = np_swiglu_backward(x[n:n + 1], p['wi_gate'][ex], p['wi_up'][ex], p['wo'][ex],
-                                        weights[n, j] * g[n:n + 1])
+      gx, gg, gu, gd = np_swiglu_backward(
+        x[n : n + 1], p['wi_gate'][ex], p['wi_up'][ex], p['wo'][ex], weights[n, j] * g[n : n + 1]
+      )
       dx[n] += gx[0]
       grads['wi_gate'][ex] += gg
       grads['wi_up'][ex] += gu
@@ -179,7 +190,7 @@ def np_moe_layer(x_btd, params, bias_e, cfg, dy_btd=None):
     s_c = scores[n, experts[n]]
     if cfg['renormalize']:
       z = s_c.sum() + 1e-20
-      dscores[n, experts[n]] += cfg['scaling'] * (dweights[n] / z - np.sum(dweights[n] * s_c) / z ** 2)
+      dscores[n, experts[n]] += cfg['scaling'] * (dweights[n] / z - np.sum(dweights[n] * s_c) / z**2)
     else:
       dscores[n, experts[n]] += cfg['scaling'] * dweights[n]
   # aux loss -> scores: d/dp_bte = alpha f_be / (B T); p = s / S -> ds = (dp - sum(dp p)) / S.
@@ -191,7 +202,7 @@ def np_moe_layer(x_btd, params, bias_e, cfg, dy_btd=None):
       ssum = s_bte[i].sum(-1, keepdims=True)
       pr = s_bte[i] / ssum
       dp = np.broadcast_to(cfg['alpha'] * f / (b * t), pr.shape)
-      dscores[i * t:(i + 1) * t] += (dp - np.sum(dp * pr, -1, keepdims=True)) / ssum
+      dscores[i * t : (i + 1) * t] += (dp - np.sum(dp * pr, -1, keepdims=True)) / ssum
   if cfg['score_func'] == 'sigmoid':
     dlogits = dscores * scores * (1.0 - scores)
   else:

@@ -9,13 +9,11 @@ import sys
 import ml_collections
 import pytest
 from absl import flags
+from tiny_config import TINY
 
-from kimijax import config as config_lib
-from kimijax import schema
+from kimijax import config as config_lib, schema
 from kimijax.config import ConfigError, base_config, load, load_file, validate
 from kimijax.ops import attention as attention_ops, attnres as attnres_ops, kda as kda_ops, short_conv as short_conv_ops
-
-from tiny_config import TINY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -60,10 +58,20 @@ def test_base_config_is_the_declared_defaults_and_every_key_has_one_line_of_doc(
 
 def test_the_data_section_is_declared_with_the_pipeline():
   from kimijax.data.pipeline import DATA_KEYS, SOURCES, default_data_config
+
   assert config_lib.SCHEMA['data'] is DATA_KEYS
-  assert default_data_config().to_dict() == base_config().data.to_dict() == {
-      'source': 'stdlib', 'path': '', 'val_fraction': 0.05, 'mqar_num_pairs': 16,
-      'tokenizer': 'byte', 'document_mask': False}
+  assert (
+    default_data_config().to_dict()
+    == base_config().data.to_dict()
+    == {
+      'source': 'stdlib',
+      'path': '',
+      'val_fraction': 0.05,
+      'mqar_num_pairs': 16,
+      'tokenizer': 'byte',
+      'document_mask': False,
+    }
+  )
   assert list(DATA_KEYS['source'].allowed) == list(SOURCES)
 
 
@@ -73,22 +81,33 @@ def test_renamed_and_new_keys():
   assert m.kernels.to_dict() == {'kda': '', 'short_conv': '', 'attnres_phase1': '', 'attnres_merge_norm': ''}
 
 
-@pytest.mark.parametrize('key,impls', [('kda_impl', kda_ops.IMPLS), ('attn_impl', attention_ops.IMPLS),
-                                       ('short_conv_impl', short_conv_ops.IMPLS),
-                                       ('attnres_impl', attnres_ops.IMPLS)],
-                         ids=['kda', 'attn', 'short_conv', 'attnres'])
+@pytest.mark.parametrize(
+  'key,impls',
+  [
+    ('kda_impl', kda_ops.IMPLS),
+    ('attn_impl', attention_ops.IMPLS),
+    ('short_conv_impl', short_conv_ops.IMPLS),
+    ('attnres_impl', attnres_ops.IMPLS),
+  ],
+  ids=['kda', 'attn', 'short_conv', 'attnres'],
+)
 def test_impl_keys_allow_the_names_of_the_ops_implementation_tables(key, impls):
   for name in impls:
     validate(_with({f'model.{key}': name}))
-  with pytest.raises(ConfigError, match=rf"^model\.{key}='flash' is not allowed; allowed values: "
-                                        rf"\[{', '.join(map(repr, impls))}\]$"):
+  with pytest.raises(
+    ConfigError,
+    match=rf"^model\.{key}='flash' is not allowed; allowed values: "
+    rf'\[{", ".join(map(repr, impls))}\]$',
+  ):
     validate(_with({f'model.{key}': 'flash'}))
 
 
 # ----------------------------------------------------------------------------- generic checks
 
 
-@pytest.mark.parametrize('values,message', [
+@pytest.mark.parametrize(
+  'values,message',
+  [
     ({'model.foo': 1}, "unknown config key 'model.foo'; known keys in 'model': ["),
     ({'bar': 1}, "unknown config key 'bar'; known keys here: ['data', 'mesh', 'model', 'optimizer', 'seed', 'train']"),
     ({'model.kernels': 'x'}, "config key 'model.kernels' must be a group with keys ['attnres_merge_norm'"),
@@ -108,7 +127,8 @@ def test_impl_keys_allow_the_names_of_the_ops_implementation_tables(key, impls):
     ({'mesh.tensor': 0}, 'mesh.tensor=0 must be a positive size or -1'),
     ({'mesh.rules': (('embed', 'model'),)}, "names mesh axis 'model'"),
     ({'model.layer_pattern': ''}, 'model.layer_pattern is empty'),
-])
+  ],
+)
 def test_each_declaration_brings_its_checks(values, message):
   with pytest.raises(ConfigError) as info:
     validate(_with(values))
@@ -129,19 +149,37 @@ def test_bounds():
   assert schema.in_bounds(1e9, '(0, inf)') and not schema.in_bounds(0, '(0, inf)')
 
 
-@pytest.mark.parametrize('text,current,want', [
-    ('1e3', 1000, 1000), ('2048', 1, 2048), ('-1', 1, -1), ('3e-4', 1.0, 3e-4), ('5', 1.0, 5.0),
-    ('False', True, False), ('true', False, True), ('0', True, False), ('xla', 'chunk', 'xla'),
-    ("(('embed', None),)", (('a', 'b'),), (('embed', None),))])
+@pytest.mark.parametrize(
+  'text,current,want',
+  [
+    ('1e3', 1000, 1000),
+    ('2048', 1, 2048),
+    ('-1', 1, -1),
+    ('3e-4', 1.0, 3e-4),
+    ('5', 1.0, 5.0),
+    ('False', True, False),
+    ('true', False, True),
+    ('0', True, False),
+    ('xla', 'chunk', 'xla'),
+    ("(('embed', None),)", (('a', 'b'),), (('embed', None),)),
+  ],
+)
 def test_command_line_values_are_parsed_as_the_keys_type(text, current, want):
   value = schema.parse_value('a.b', text, current)
   assert value == want and type(value) is type(want)
 
 
-@pytest.mark.parametrize('text,current,message', [
-    ('abc', 1, "a.b='abc' is not an int (such as 1000 or 1e3)"), ('1.5e0', 1, "a.b='1.5e0' is not an int"),
-    ('inf', 1, 'is not an int'), ('fast', 1.0, "a.b='fast' is not a float"),
-    ('yes', True, "a.b='yes' is not a bool (True or False)"), ('embed', (), "a.b='embed' is not a tuple")])
+@pytest.mark.parametrize(
+  'text,current,message',
+  [
+    ('abc', 1, "a.b='abc' is not an int (such as 1000 or 1e3)"),
+    ('1.5e0', 1, "a.b='1.5e0' is not an int"),
+    ('inf', 1, 'is not an int'),
+    ('fast', 1.0, "a.b='fast' is not a float"),
+    ('yes', True, "a.b='yes' is not a bool (True or False)"),
+    ('embed', (), "a.b='embed' is not a tuple"),
+  ],
+)
 def test_a_value_of_the_wrong_type_is_one_line_naming_the_key_and_the_type(text, current, message):
   with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace(')', r'\)')):
     schema.parse_value('a.b', text, current)
@@ -150,24 +188,37 @@ def test_a_value_of_the_wrong_type_is_one_line_naming_the_key_and_the_type(text,
 # ----------------------------------------------------------------------------- rules between keys
 
 
-@pytest.mark.parametrize('values,message', [
+@pytest.mark.parametrize(
+  'values,message',
+  [
     ({'model.num_heads': 3}, 'model.num_heads=3 does not divide model.d_model=256'),
     ({'model.d_model': 36, 'model.num_heads': 4}, 'head_dim = model.d_model // model.num_heads = 9 must be even'),
     ({'model.num_kv_heads': 2}, "set model.attention_kind='gqa'"),
-    ({'model.attention_kind': 'gqa', 'model.num_kv_heads': 3},
-     'model.num_kv_heads=3 does not divide model.num_heads=4'),
+    (
+      {'model.attention_kind': 'gqa', 'model.num_kv_heads': 3},
+      'model.num_kv_heads=3 does not divide model.num_heads=4',
+    ),
     ({'model.mla_qk_rope_head_dim': 3}, 'model.mla_qk_rope_head_dim=3 must be even'),
-    ({'model.residual': 'attnres_full', 'model.attnres_impl': 'pallas', 'model.attnres_key_norm': False},
-     "model.attnres_key_norm=False needs model.attnres_impl='xla'"),
-    ({'model.residual': 'attnres_block', 'model.attnres_impl': 'pallas', 'model.d_model': 40, 'model.num_heads': 5},
-     "model.attnres_impl='pallas' needs model.d_model divisible by 16"),
-    ({'model.layer_pattern': 'KA', 'model.kda_head_dim': 24, 'model.kda_impl': 'pallas'},
-     "model.kda_impl='pallas' needs the KDA head dim"),
-    ({'model.layer_pattern': 'KA', 'model.kda_head_dim': 24, 'model.short_conv_impl': 'pallas'},
-     "model.short_conv_impl='pallas' needs the KDA head dim"),
+    (
+      {'model.residual': 'attnres_full', 'model.attnres_impl': 'pallas', 'model.attnres_key_norm': False},
+      "model.attnres_key_norm=False needs model.attnres_impl='xla'",
+    ),
+    (
+      {'model.residual': 'attnres_block', 'model.attnres_impl': 'pallas', 'model.d_model': 40, 'model.num_heads': 5},
+      "model.attnres_impl='pallas' needs model.d_model divisible by 16",
+    ),
+    (
+      {'model.layer_pattern': 'KA', 'model.kda_head_dim': 24, 'model.kda_impl': 'pallas'},
+      "model.kda_impl='pallas' needs the KDA head dim",
+    ),
+    (
+      {'model.layer_pattern': 'KA', 'model.kda_head_dim': 24, 'model.short_conv_impl': 'pallas'},
+      "model.short_conv_impl='pallas' needs the KDA head dim",
+    ),
     ({'data.source': 'text'}, "data.path must name a text file or folder when data.source='text'"),
     ({'mesh.fsdp': -1}, 'at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1'),
-])
+  ],
+)
 def test_rules_between_keys(values, message):
   with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace(')', r'\)')):
     validate(_with(values))
@@ -181,14 +232,16 @@ def test_the_pallas_kda_rule_applies_only_with_kda_layers():
 
 
 def test_load_applies_variants_and_typed_overrides_and_validates():
-  c = load('configs/default.py:gqa,nope', overrides={'train.steps': '1e3', 'optimizer.learning_rate': 1,
-                                                      'train.plot': 'false', 'data.source': 'mqar'})
+  c = load(
+    'configs/default.py:gqa,nope',
+    overrides={'train.steps': '1e3', 'optimizer.learning_rate': 1, 'train.plot': 'false', 'data.source': 'mqar'},
+  )
   assert (c.model.attention_kind, c.model.num_kv_heads, c.model.position) == ('gqa', 2, 'nope')
   assert c.train.steps == 1000 and type(c.train.steps) is int
   assert c.optimizer.learning_rate == 1.0 and c.train.plot is False and c.data.source == 'mqar'
-  assert c.train.seq_len == 256 and c.model.compute_dtype == 'float32'   # the file's own values
+  assert c.train.seq_len == 256 and c.model.compute_dtype == 'float32'  # the file's own values
   with pytest.raises(AttributeError):
-    c.train.stepz = 5                                                     # locked: no new keys
+    c.train.stepz = 5  # locked: no new keys
   assert load('configs/default.py', {'train.steps': 1e3}).train.steps == 1000
 
 
@@ -198,22 +251,31 @@ def test_variants_apply_in_the_order_the_file_lists_them():
   assert a.to_dict() == b.to_dict() and a.model.attnres_impl == 'xla' and a.model.residual == 'attnres_block'
   hm = load('configs/bench_350m.py:hybrid,mla').model
   assert (hm.layer_pattern, hm.attention_kind, hm.mla_kv_lora_rank, hm.kda_impl, hm.short_conv_impl) == (
-      'KKKA', 'mla', 512, 'pallas', 'pallas')
+    'KKKA',
+    'mla',
+    512,
+    'pallas',
+    'pallas',
+  )
 
 
 def test_load_works_from_any_working_directory(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   c = load('configs/kimi_linear_small.py:rope', {'train.steps': '20'})
   assert c.model.mla_rope is True and c.train.steps == 20
-  own = tmp_path / 'mine.py'      # a config file outside the repository, by a relative path
-  own.write_text('from kimijax import configs_common\nfrom kimijax.config import apply_variants, base_config\n\n'
-                 'def get_config(variants=None):\n  c = base_config()\n  configs_common.cpu_run(c)\n'
-                 "  return apply_variants(c, {'big': lambda c: c.model.update(d_model=512)}, variants)\n")
+  own = tmp_path / 'mine.py'  # a config file outside the repository, by a relative path
+  own.write_text(
+    'from kimijax import configs_common\nfrom kimijax.config import apply_variants, base_config\n\n'
+    'def get_config(variants=None):\n  c = base_config()\n  configs_common.cpu_run(c)\n'
+    "  return apply_variants(c, {'big': lambda c: c.model.update(d_model=512)}, variants)\n"
+  )
   assert load('mine.py:big').model.d_model == 512
   assert load(str(own)).train.steps == 600
 
 
-@pytest.mark.parametrize('spec,overrides,message', [
+@pytest.mark.parametrize(
+  'spec,overrides,message',
+  [
     ('configs/default.py:gqa2', None, "configs/default.py: unknown variant 'gqa2'; allowed: 'gqa', 'nope'"),
     ('configs/kimi_linear_small.py:rope,nope1', None, "unknown variant 'nope1'; allowed: 'all_mla', "),
     ('configs/ladder.py:smoke,gpu', None, "configs/ladder.py: 'smoke,gpu': give one ladder"),
@@ -224,7 +286,8 @@ def test_load_works_from_any_working_directory(tmp_path, monkeypatch):
     ('configs/default.py', {'train.steps': 'abc'}, "train.steps='abc' is not an int"),
     ('configs/default.py', {'train.steps': 2.5}, 'train.steps=2.5 is not of the type of train.steps (int)'),
     ('configs/default.py', {'model.num_heads': '3'}, 'model.num_heads=3 does not divide'),
-])
+  ],
+)
 def test_load_mistakes_are_one_config_error(spec, overrides, message):
   with pytest.raises(ConfigError) as info:
     load(spec, overrides)
@@ -248,8 +311,13 @@ def test_load_file_leaves_a_ladder_unvalidated():
 
 
 def test_the_config_flag_takes_a_file_variants_and_overrides(monkeypatch):
-  argv = ['prog', '--config=configs/default.py:nope', '--config.train.steps=1e3', '--config.model.remat=true',
-          '--other=1']
+  argv = [
+    'prog',
+    '--config=configs/default.py:nope',
+    '--config.train.steps=1e3',
+    '--config.model.remat=true',
+    '--other=1',
+  ]
   monkeypatch.setattr(sys, 'argv', argv)
   fv = flags.FlagValues()
   config_lib.define_config_flag('config', None, 'a config', flag_values=fv)
@@ -269,11 +337,11 @@ def test_the_config_flag_takes_a_file_variants_and_overrides(monkeypatch):
 
 
 BAD = [  # (override, fragments the one message must contain)
-    ({'model.foo': 1}, ['model.foo', "'d_model'", "'num_heads'"]),
-    ({'model.d_model': -64}, ['model.d_model', 'positive']),
-    ({'model.num_heads': 3}, ['model.num_heads', 'model.d_model']),
-    ({'optimizer.name': 'sgd'}, ['optimizer.name', "'adamw'"]),
-    ({'model.layer_pattern': 'AX'}, ['model.layer_pattern', "'X'", "'A'"]),
+  ({'model.foo': 1}, ['model.foo', "'d_model'", "'num_heads'"]),
+  ({'model.d_model': -64}, ['model.d_model', 'positive']),
+  ({'model.num_heads': 3}, ['model.num_heads', 'model.d_model']),
+  ({'optimizer.name': 'sgd'}, ['optimizer.name', "'adamw'"]),
+  ({'model.layer_pattern': 'AX'}, ['model.layer_pattern', "'X'", "'A'"]),
 ]
 BAD_IDS = ['unknown_key', 'negative_d_model', 'heads_not_dividing', 'unknown_optimizer', 'unknown_layer_letter']
 
@@ -283,7 +351,7 @@ def test_validate_rejects_bad_config(override, fragments):
   c = base_config()
   for key, value in override.items():
     group, name = key.split('.')
-    c[group][name] = value                   # an unlocked ConfigDict accepts new keys
+    c[group][name] = value  # an unlocked ConfigDict accepts new keys
   with pytest.raises(ConfigError) as info:
     validate(c)
   for fragment in fragments:
@@ -291,22 +359,28 @@ def test_validate_rejects_bad_config(override, fragments):
 
 
 def run_py(workdir, flags):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}   # one CPU device, not 8 fake
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device, not 8 fake
   env['JAX_PLATFORMS'] = 'cpu'
-  command = [sys.executable, str(ROOT / 'run.py'), '--config=' + str(ROOT / 'configs/default.py'),
-             f'--workdir={workdir}'] + [f'--config.{k}={v}' for k, v in flags.items()]
+  command = [
+    sys.executable,
+    str(ROOT / 'run.py'),
+    '--config=' + str(ROOT / 'configs/default.py'),
+    f'--workdir={workdir}',
+  ] + [f'--config.{k}={v}' for k, v in flags.items()]
   return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_run_py_rejects_bad_config_before_training(tmp_path):
-  procs = [(override, fragments, tmp_path / name, run_py(tmp_path / name, {**TINY, **override}))
-           for (override, fragments), name in zip(BAD, BAD_IDS)]   # all at once: each only starts up
+  procs = [
+    (override, fragments, tmp_path / name, run_py(tmp_path / name, {**TINY, **override}))
+    for (override, fragments), name in zip(BAD, BAD_IDS)
+  ]  # all at once: each only starts up
   for override, fragments, workdir, proc in procs:
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0, override
     assert 'Traceback' not in err, err[-2000:]
     lines = [l for l in err.splitlines() if 'ConfigError' in l]
-    assert len(lines) == 1, err[-2000:]                             # one message
+    assert len(lines) == 1, err[-2000:]  # one message
     for fragment in fragments:
       assert fragment in lines[0], (override, lines[0])
     assert not (workdir / 'checkpoints').exists() and not (workdir / 'metrics.jsonl').exists()
@@ -316,8 +390,10 @@ def test_run_py_takes_integral_floats_and_names_a_bad_type_in_one_line():
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   env['JAX_PLATFORMS'] = 'cpu'
   base = [sys.executable, str(ROOT / 'run.py'), '--mode=config', '--config=configs/default.py']
-  procs = [subprocess.Popen(base + [flag], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for flag in ('--config.train.steps=1e3', '--config.train.steps=abc')]
+  procs = [
+    subprocess.Popen(base + [flag], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for flag in ('--config.train.steps=1e3', '--config.train.steps=abc')
+  ]
   (good_out, good_err), (_, bad_err) = [p.communicate(timeout=300) for p in procs]
   assert procs[0].returncode == 0, good_err[-2000:]
   assert '  steps: 1000\n' in good_out

@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import B, T, cross_entropy, forward, init_params, random_tokens, rel_err, tiny_model_config
+from oracles import matrix, np_forward, np_rope
 
 from kimijax import config as config_lib
 from kimijax.layers.attention import apply_rope
 from kimijax.model import Transformer, count_params
-
-from helpers import B, T, cross_entropy, forward, init_params, random_tokens, rel_err, tiny_model_config
-from oracles import matrix, np_forward, np_rope
 
 
 @pytest.fixture(autouse=True)
@@ -36,15 +35,19 @@ def test_apply_rope_matches_pair_rotation(theta):
   positions = rng.integers(0, 64, (2, 6))
   got = apply_rope(jnp.asarray(x), jnp.asarray(positions), theta)
   assert got.dtype == jnp.float32 and got.shape == x.shape
-  np.testing.assert_allclose(got, np_rope(x.astype(np.float64), positions.astype(np.float64), theta),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    got, np_rope(x.astype(np.float64), positions.astype(np.float64), theta), rtol=1e-5, atol=1e-5
+  )
   # Explicit check of one pair against the written-out 2-D rotation.
   i, d, pos = 3, 16, float(positions[1, 4])
   ang = pos * theta ** (-2 * i / d)
   a, b = x[1, 4, 2, i], x[1, 4, 2, i + d // 2]
-  np.testing.assert_allclose(got[1, 4, 2, [i, i + d // 2]],
-                             [a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)],
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    got[1, 4, 2, [i, i + d // 2]],
+    [a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)],
+    rtol=1e-5,
+    atol=1e-5,
+  )
   # Position 0 is the identity; bf16 input keeps its dtype.
   np.testing.assert_array_equal(apply_rope(jnp.asarray(x), jnp.zeros((2, 6)), theta), x)
   assert apply_rope(jnp.asarray(x, jnp.bfloat16), jnp.asarray(positions), theta).dtype == jnp.bfloat16
@@ -67,10 +70,10 @@ def test_rope_logits_depend_only_on_relative_offset():
 
 
 MODEL_CASES = {
-    'rope_gqa_tied': dict(),
-    'rope_mha_untied': dict(num_kv_heads=0, attention_kind='mha', tie_embeddings=False),
-    'nope_gqa_tied': dict(position='nope'),
-    'rope_mqa_1layer': dict(num_layers=1, num_kv_heads=1, rope_theta=100.0),
+  'rope_gqa_tied': dict(),
+  'rope_mha_untied': dict(num_kv_heads=0, attention_kind='mha', tie_embeddings=False),
+  'nope_gqa_tied': dict(position='nope'),
+  'rope_mqa_1layer': dict(num_layers=1, num_kv_heads=1, rope_theta=100.0),
 }
 
 
@@ -127,7 +130,7 @@ def test_causality():
 
 
 def test_gqa_param_shapes():
-  cfg = tiny_model_config()          # D=32, H=4, Hkv=2, Dh=8, F=48, V=37
+  cfg = tiny_model_config()  # D=32, H=4, Hkv=2, Dh=8, F=48, V=37
   params = init_params(cfg)
   attn = params['layer_0']['attention']
   assert attn['query'].shape == (32, 4, 8)
@@ -136,7 +139,10 @@ def test_gqa_param_shapes():
   assert attn['out'].shape == (4, 8, 32)
   mlp = params['layer_1']['mlp']
   assert (matrix(mlp['wi_gate']).shape, matrix(mlp['wi_up']).shape, matrix(mlp['wo']).shape) == (
-      (32, 48), (32, 48), (48, 32))
+    (32, 48),
+    (32, 48),
+    (48, 32),
+  )
   assert params['embed'].shape == (37, 32) and 'head' not in params
   untied = init_params(tiny_model_config(tie_embeddings=False))
   assert untied['head'].shape == (32, 37)
@@ -151,7 +157,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
   tokens = random_tokens(cfg32, b=4, t=16)
   boxed = jax.eval_shape(Transformer(cfg16).init, jax.random.key(0), tokens)['params']
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nn.unbox(boxed)))
-  params = init_params(cfg32)                 # the same pytree serves both configs
+  params = init_params(cfg32)  # the same pytree serves both configs
   logits16, aux16 = forward(cfg16, params, tokens)
   logits32, _ = forward(cfg32, params, tokens)
   assert logits16.dtype == jnp.float32 and all(v.dtype == jnp.float32 for v in aux16['max_logits'].values())
@@ -184,21 +190,22 @@ def test_remat_gives_same_loss_and_gradients():
 def closed_form_param_count(m):
   v, d, f, h, layers = m.vocab_size, m.d_model, m.mlp_dim, m.num_heads, m.num_layers
   hkv, dh = (m.num_kv_heads or h), d // h
-  attention = d * h * dh + 2 * d * hkv * dh + h * dh * d      # query, key + value, out
-  per_layer = attention + 2 * d + 3 * d * f                   # + two norm gains + SwiGLU matrices
+  attention = d * h * dh + 2 * d * hkv * dh + h * dh * d  # query, key + value, out
+  per_layer = attention + 2 * d + 3 * d * f  # + two norm gains + SwiGLU matrices
   head = 0 if m.tie_embeddings else d * v
-  return v * d + layers * per_layer + d + head                # embed, layers, final norm, head
+  return v * d + layers * per_layer + d + head  # embed, layers, final norm, head
 
 
-@pytest.mark.parametrize('overrides', [{}, dict(num_kv_heads=2, attention_kind='gqa', tie_embeddings=False)],
-                         ids=['default', 'gqa_untied'])
+@pytest.mark.parametrize(
+  'overrides', [{}, dict(num_kv_heads=2, attention_kind='gqa', tie_embeddings=False)], ids=['default', 'gqa_untied']
+)
 def test_param_count_matches_closed_form(overrides):
   c = config_lib.base_config()
   c.model.update(overrides)
   m = config_lib.validate(c).model
   shapes = jax.eval_shape(Transformer(m).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))['params']
   expected = closed_form_param_count(m)
-  if not overrides:   # the default config, written out: 258*256 + 4*(4*256*256 + 2*256 + 3*256*768) + 256
+  if not overrides:  # the default config, written out: 258*256 + 4*(4*256*256 + 2*256 + 3*256*768) + 256
     assert expected == 258 * 256 + 4 * (4 * 256 * 256 + 2 * 256 + 3 * 256 * 768) + 256 == 3_476_224
   assert count_params(shapes) == expected
   assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(shapes))) == expected
@@ -224,16 +231,22 @@ def test_kernel_settings_from_the_config_reach_the_layers_and_bad_ones_name_the_
   c.model.kernels.attnres_phase1 = 'bt=32'
   m = config_lib.validate(c).model
   kernels = config_lib.kernel_settings(m)
-  assert kernels == {'kda': KdaSettings(warps_diag=4, flat_branch=0), 'short_conv': ShortConvSettings(),
-                     'attnres_phase1': Phase1Settings(bt=32), 'attnres_merge_norm': MergeNormSettings()}
+  assert kernels == {
+    'kda': KdaSettings(warps_diag=4, flat_branch=0),
+    'short_conv': ShortConvSettings(),
+    'attnres_phase1': Phase1Settings(bt=32),
+    'attnres_merge_norm': MergeNormSettings(),
+  }
   mixer = make_mixer(m, 'K', jnp.float32, kernels=kernels)
   assert mixer.settings == KdaSettings(warps_diag=4, flat_branch=0) and mixer.short_conv_settings == ShortConvSettings()
   residual = residual_lib.make_residual(m, kernels=kernels)
   assert residual.phase1_settings == Phase1Settings(bt=32) and residual.merge_norm_settings == MergeNormSettings()
-  for key, text, says in [('kda', 'warps_dig=2', r"unknown keys \['warps_dig'\]"),
-                          ('short_conv', 'rows=0', 'rows must be a positive int'),
-                          ('attnres_phase1', 'bt_grads=48', r'bt_grads \(48\) must divide rows_grads'),
-                          ('attnres_merge_norm', 'groups', "expected 'key=int/key=int'")]:
+  for key, text, says in [
+    ('kda', 'warps_dig=2', r"unknown keys \['warps_dig'\]"),
+    ('short_conv', 'rows=0', 'rows must be a positive int'),
+    ('attnres_phase1', 'bt_grads=48', r'bt_grads \(48\) must divide rows_grads'),
+    ('attnres_merge_norm', 'groups', "expected 'key=int/key=int'"),
+  ]:
     c = config_lib.base_config()
     c.model.kernels[key] = text
     with pytest.raises(config_lib.ConfigError, match=rf"model.kernels.{key}='{text}': .*{says}"):

@@ -31,7 +31,7 @@ def _named_paths(text: str):
   for match in PATH.finditer(text):
     path = match.group(1).rstrip('.')
     end = match.end(1)
-    if PLACEHOLDER.search(path) or text[end:end + 1] in '<*{':
+    if PLACEHOLDER.search(path) or text[end : end + 1] in '<*{':
       continue
     if (path.endswith('/') or FILE.search(path)) and path not in MEANT_TO_BE_MISSING:
       yield path

@@ -2,9 +2,17 @@
 
 from configs.default import get_config
 
-TINY = {'model.d_model': 64, 'model.num_layers': 2, 'model.num_heads': 2, 'model.mlp_dim': 128,
-        'train.seq_len': 64, 'train.batch_size': 4, 'train.eval_batches': 1, 'train.plot': False,
-        'train.log_every': 1}
+TINY = {
+  'model.d_model': 64,
+  'model.num_layers': 2,
+  'model.num_heads': 2,
+  'model.mlp_dim': 128,
+  'train.seq_len': 64,
+  'train.batch_size': 4,
+  'train.eval_batches': 1,
+  'train.plot': False,
+  'train.log_every': 1,
+}
 
 
 def make_config(overrides):

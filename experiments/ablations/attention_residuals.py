@@ -13,7 +13,8 @@ no key RMSNorm 1.743 (model.attnres_key_norm=False: logits w . v_i on the raw so
 gain) and sigmoid instead of softmax 1.741 (model.attnres_depth_weights='sigmoid': each source
 weighed by sigmoid(w . RMSNorm(v_i)), no normalisation over depth); kimijax/ops/attnres.py has the
 maths. The Full arms (full, no_key_norm, sigmoid) run on the XLA path: the fused Pallas kernels
-implement docs/attention_residuals.md's softmax over RMS-normalised keys only, and compile a kernel set per source count.
+implement docs/attention_residuals.md's softmax over RMS-normalised keys only, and
+compile a kernel set per source count.
 Expected runtime: cpu, 8 arms x 2 seeds of a 0.4M model, 300 steps. With --seeds=1 the 8 runs
 took 40 min on the shared 2-core CPU (2026-12-01): 2-4 min for standard and each Block arm, 4-6 min
 for no_key_norm and sigmoid, 15 min for Full (the CPU busy with tests meanwhile); so about 1.3 h
@@ -34,38 +35,48 @@ def block(s: int) -> dict:
 FULL = {'model.residual': 'attnres_full', 'model.attnres_impl': 'xla'}
 
 ARMS = [
-    common.Arm('standard', {}, 'val loss 1.766'),
-    common.Arm('full', FULL, '1.737'),
-    common.Arm('block2', block(2), '1.746'),
-    common.Arm('block4', block(4), '1.746'),
-    common.Arm('block8', block(8), '1.748'),
-    common.Arm('block16', block(16), '1.753'),
-    common.Arm('no_key_norm', {**FULL, 'model.attnres_key_norm': False}, '1.743'),
-    common.Arm('sigmoid', {**FULL, 'model.attnres_depth_weights': 'sigmoid'}, '1.741'),
+  common.Arm('standard', {}, 'val loss 1.766'),
+  common.Arm('full', FULL, '1.737'),
+  common.Arm('block2', block(2), '1.746'),
+  common.Arm('block4', block(4), '1.746'),
+  common.Arm('block8', block(8), '1.748'),
+  common.Arm('block16', block(16), '1.753'),
+  common.Arm('no_key_norm', {**FULL, 'model.attnres_key_norm': False}, '1.743'),
+  common.Arm('sigmoid', {**FULL, 'model.attnres_depth_weights': 'sigmoid'}, '1.741'),
 ]
 SOURCE = 'AttnRes 436M ablation (val loss)'
 CLAIMS = [
-    common.Claim('full', '<', 'standard', source=SOURCE),
-    common.Claim('block4', '<', 'standard', source=SOURCE),
-    common.Claim('block8', '<', 'standard', source=SOURCE),
-    common.Claim('full', '<', 'block8', source=SOURCE),
-    common.Claim('block2', '<', 'block16', source=SOURCE),
-    common.Claim('block4', '=', 'block2', source='AttnRes (1.746 = 1.746)'),
-    common.Claim('full', '<', 'no_key_norm', source=SOURCE),
-    common.Claim('full', '<', 'sigmoid', source=SOURCE),
-    common.Claim('no_key_norm', '<', 'standard', source=SOURCE),
-    common.Claim('sigmoid', '<', 'standard', source=SOURCE),
+  common.Claim('full', '<', 'standard', source=SOURCE),
+  common.Claim('block4', '<', 'standard', source=SOURCE),
+  common.Claim('block8', '<', 'standard', source=SOURCE),
+  common.Claim('full', '<', 'block8', source=SOURCE),
+  common.Claim('block2', '<', 'block16', source=SOURCE),
+  common.Claim('block4', '=', 'block2', source='AttnRes (1.746 = 1.746)'),
+  common.Claim('full', '<', 'no_key_norm', source=SOURCE),
+  common.Claim('full', '<', 'sigmoid', source=SOURCE),
+  common.Claim('no_key_norm', '<', 'standard', source=SOURCE),
+  common.Claim('sigmoid', '<', 'standard', source=SOURCE),
 ]
 
 
 def base(scale: str):
   from kimijax.config import load
+
   config = load('configs/default.py')
   if scale == 'cpu':
-    return common.sized(config, scale, d_model=64, num_layers=8, num_heads=4, seq_len=128,
-                        batch_size=8, steps=300)
-  return common.sized(config, scale, d_model=512, num_layers=8, num_heads=8, seq_len=1024,
-                      batch_size=16, steps=1500, model__attnres_impl='pallas', optimizer__learning_rate=2e-3)
+    return common.sized(config, scale, d_model=64, num_layers=8, num_heads=4, seq_len=128, batch_size=8, steps=300)
+  return common.sized(
+    config,
+    scale,
+    d_model=512,
+    num_layers=8,
+    num_heads=8,
+    seq_len=1024,
+    batch_size=16,
+    steps=1500,
+    model__attnres_impl='pallas',
+    optimizer__learning_rate=2e-3,
+  )
 
 
 if __name__ == '__main__':

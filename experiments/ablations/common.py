@@ -19,22 +19,23 @@ import dataclasses
 import math
 import pathlib
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
-NOISE_Z = 2.0   # fixed before any run: gaps within 2 standard errors are seed noise
+NOISE_Z = 2.0  # fixed before any run: gaps within 2 standard errors are seed noise
 
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
   name: str
   overrides: dict
-  published: str = ''          # the paper's figure for this arm, as printed there
-  runnable: bool = True        # False: the paper's arm needs a switch kimijax does not have
+  published: str = ''  # the paper's figure for this arm, as printed there
+  runnable: bool = True  # False: the paper's arm needs a switch kimijax does not have
 
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
   """The paper's ordering: `a` relation `b` on `metric` ('<': a lower, '>': a higher, '=': equal)."""
+
   a: str
   relation: str
   b: str
@@ -47,7 +48,7 @@ def verdict(a: list[float], b: list[float], relation: str) -> str:
   if relation not in ('<', '>', '='):
     raise ValueError(f"relation must be '<', '>' or '='; got {relation!r}")
   gap = statistics.fmean(a) - statistics.fmean(b)
-  if gap == 0 and relation != '=':     # e.g. both arms recall everything: no ordering to judge
+  if gap == 0 and relation != '=':  # e.g. both arms recall everything: no ordering to judge
     return 'tie (equal means)'
   if len(a) < 2 or len(b) < 2:
     if relation == '=':
@@ -78,47 +79,95 @@ def metric_values(point: dict, metric: str) -> list[float]:
 def report(title: str, arms: list[Arm], claims: list[Claim], data: dict, commands: str, png: str) -> str:
   """Markdown: ours beside the published figure per arm, then each claim with its verdict."""
   from experiments.runs import fmt_mean
+
   points = {p['label']: p for p in data['points']}
-  lines = [f'# {title}', '', f'Date: {data["date"]}. Hardware: {data["hardware"]}.', '', 'Command:', '',
-           f'    {data["command"]}', '', "The file's commands:", '', commands.strip('\n'), '',
-           '| arm | seeds | final eval loss (ours) | accuracy (ours) | published |', '|---|---|---|---|---|']
+  lines = [
+    f'# {title}',
+    '',
+    f'Date: {data["date"]}. Hardware: {data["hardware"]}.',
+    '',
+    'Command:',
+    '',
+    f'    {data["command"]}',
+    '',
+    "The file's commands:",
+    '',
+    commands.strip('\n'),
+    '',
+    '| arm | seeds | final eval loss (ours) | accuracy (ours) | published |',
+    '|---|---|---|---|---|',
+  ]
   for arm in arms:
     if arm.name not in points:
       why = 'not run' if arm.runnable else 'not runnable in kimijax'
       lines.append(f'| {arm.name} | 0 | {why} | - | {arm.published} |')
       continue
     p = points[arm.name]
-    lines.append(f"| {arm.name} | {len(p['runs'])} | {fmt_mean(metric_values(p, 'final_eval_loss'))} | "
-                 f"{fmt_mean(metric_values(p, 'final_accuracy'), 3)} | {arm.published} |")
-  lines += ['', f'Verdicts (fixed rule: with >= 2 seeds a gap within {NOISE_Z:g} standard errors is seed noise):',
-            '', '| published ordering | metric | ours (mean over seeds) | verdict | source |', '|---|---|---|---|---|']
+    lines.append(
+      f'| {arm.name} | {len(p["runs"])} | {fmt_mean(metric_values(p, "final_eval_loss"))} | '
+      f'{fmt_mean(metric_values(p, "final_accuracy"), 3)} | {arm.published} |'
+    )
+  lines += [
+    '',
+    f'Verdicts (fixed rule: with >= 2 seeds a gap within {NOISE_Z:g} standard errors is seed noise):',
+    '',
+    '| published ordering | metric | ours (mean over seeds) | verdict | source |',
+    '|---|---|---|---|---|',
+  ]
   for c in claims:
     if c.a not in points or c.b not in points:
       lines.append(f'| {c.a} {c.relation} {c.b} | {c.metric} | not run | - | {c.source} |')
       continue
     va, vb = metric_values(points[c.a], c.metric), metric_values(points[c.b], c.metric)
-    lines.append(f'| {c.a} {c.relation} {c.b} | {c.metric} | {statistics.fmean(va):.4f} vs '
-                 f'{statistics.fmean(vb):.4f} | **{verdict(va, vb, c.relation)}** | {c.source} |')
-  lines += ['', f'![curves]({png})', '',
-            'Losses in nats per byte on our corpus, so only orderings are compared with the paper, '
-            'never values. Runs, curves and the sweep table: the workdir\'s sweep.md.']
+    lines.append(
+      f'| {c.a} {c.relation} {c.b} | {c.metric} | {statistics.fmean(va):.4f} vs '
+      f'{statistics.fmean(vb):.4f} | **{verdict(va, vb, c.relation)}** | {c.source} |'
+    )
+  lines += [
+    '',
+    f'![curves]({png})',
+    '',
+    'Losses in nats per byte on our corpus, so only orderings are compared with the paper, '
+    "never values. Runs, curves and the sweep table: the workdir's sweep.md.",
+  ]
   return '\n'.join(lines) + '\n'
 
 
-def sized(config, scale: str, *, d_model: int, num_layers: int, num_heads: int, seq_len: int,
-          batch_size: int, steps: int, **overrides):
+def sized(
+  config,
+  scale: str,
+  *,
+  d_model: int,
+  num_layers: int,
+  num_heads: int,
+  seq_len: int,
+  batch_size: int,
+  steps: int,
+  **overrides,
+):
   """config at an ablation's size: width, depth, heads, SwiGLU 3 d, tokens per step, steps (evals
   and checkpoints every steps / 5, warmup 5%). scale 'gpu' adds kimijax/configs_common.py's GPU
   kernels (bf16, tokamax attention, the Pallas KDA and short conv) and GPU data (the site-packages
   corpus, 16 eval batches). Keys in `overrides` are written with '__' for '.' (model__attn_impl='xla')."""
   from experiments.runs import with_overrides
   from kimijax import configs_common
+
   every = max(steps // 5, 1)
-  config = with_overrides(config, {
-      'model.d_model': d_model, 'model.num_layers': num_layers, 'model.num_heads': num_heads,
-      'model.mlp_dim': 3 * d_model, 'train.seq_len': seq_len, 'train.batch_size': batch_size,
-      'train.steps': steps, 'train.eval_every': every, 'train.checkpoint_every': every,
-      'optimizer.warmup_steps': max(steps // 20, 1)})
+  config = with_overrides(
+    config,
+    {
+      'model.d_model': d_model,
+      'model.num_layers': num_layers,
+      'model.num_heads': num_heads,
+      'model.mlp_dim': 3 * d_model,
+      'train.seq_len': seq_len,
+      'train.batch_size': batch_size,
+      'train.steps': steps,
+      'train.eval_every': every,
+      'train.checkpoint_every': every,
+      'optimizer.warmup_steps': max(steps // 20, 1),
+    },
+  )
   if scale == 'gpu':
     configs_common.gpu_kernels(config.model, attn_impl='tokamax')
     configs_common.gpu_data(config)
@@ -127,21 +176,31 @@ def sized(config, scale: str, *, d_model: int, num_layers: int, num_heads: int, 
 
 def define_flags(default_workdir: str):
   from absl import flags
-  flags.DEFINE_enum('scale', 'cpu', ['cpu', 'gpu'], "'cpu': tiny models that show the workflow on a "
-                    "2-core CPU (orderings there mean little); 'gpu': the sizes for one H200")
+
+  flags.DEFINE_enum(
+    'scale',
+    'cpu',
+    ['cpu', 'gpu'],
+    "'cpu': tiny models that show the workflow on a "
+    "2-core CPU (orderings there mean little); 'gpu': the sizes for one H200",
+  )
   flags.DEFINE_string('workdir', default_workdir, 'output folder: runs/, sweep.md, ablation.md')
   flags.DEFINE_integer('seeds', 2, 'runs per arm')
   flags.DEFINE_list('arms', [], 'arms to run (default: all); unknown names are an error')
-  flags.DEFINE_string('publish', None, 'also copy the report to PREFIX.md/.png/.json '
-                      '(e.g. experiments/results/ablation_NAME)')
+  flags.DEFINE_string(
+    'publish', None, 'also copy the report to PREFIX.md/.png/.json (e.g. experiments/results/ablation_NAME)'
+  )
 
 
-def main(title: str, base: Callable[[str], object], arms: list[Arm], claims: list[Claim], commands: str,
-         *, devices=None) -> dict:
+def main(
+  title: str, base: Callable[[str], object], arms: list[Arm], claims: list[Claim], commands: str, *, devices=None
+) -> dict:
   """Runs the chosen arms (flags from define_flags) and writes the ablation report."""
   from absl import flags
+
   from experiments import runs as runs_lib
   from experiments.cli import user_errors
+
   FLAGS = flags.FLAGS
   with user_errors():
     known = [a.name for a in arms if a.runnable]
@@ -149,17 +208,45 @@ def main(title: str, base: Callable[[str], object], arms: list[Arm], claims: lis
       if name not in known:
         raise runs_lib.WorkflowError(f'--arms: unknown or not runnable arm {name!r}; allowed: {known}')
     chosen = [a for a in arms if a.runnable and (not FLAGS.arms or a.name in FLAGS.arms)]
-    return run(title, base(FLAGS.scale), chosen, arms, claims, commands, seeds=FLAGS.seeds,
-               workdir=FLAGS.workdir, publish=FLAGS.publish, devices=devices)
+    return run(
+      title,
+      base(FLAGS.scale),
+      chosen,
+      arms,
+      claims,
+      commands,
+      seeds=FLAGS.seeds,
+      workdir=FLAGS.workdir,
+      publish=FLAGS.publish,
+      devices=devices,
+    )
 
 
-def run(title, config, chosen: list[Arm], arms: list[Arm], claims: list[Claim], commands: str, *, seeds: int,
-        workdir, publish=None, devices=None) -> dict:
-  from experiments import runs as runs_lib
-  from experiments import sweep
+def run(
+  title,
+  config,
+  chosen: list[Arm],
+  arms: list[Arm],
+  claims: list[Claim],
+  commands: str,
+  *,
+  seeds: int,
+  workdir,
+  publish=None,
+  devices=None,
+) -> dict:
+  from experiments import runs as runs_lib, sweep
+
   workdir = pathlib.Path(workdir)
-  data = sweep.run_points(config, [(a.name, a.overrides) for a in chosen], seeds=seeds, workdir=workdir,
-                          title=title, devices=devices, description=f'{len(chosen)} arms')
+  data = sweep.run_points(
+    config,
+    [(a.name, a.overrides) for a in chosen],
+    seeds=seeds,
+    workdir=workdir,
+    title=title,
+    devices=devices,
+    description=f'{len(chosen)} arms',
+  )
   md = workdir / 'ablation.md'
   md.write_text(report(title, arms, claims, data, commands, 'loss_curves.png'))
   print(md.read_text())
@@ -175,11 +262,18 @@ def script(title: str, base: Callable[[str], object], arms, claims, doc: str, wo
   lists, or functions of the scale (for grids that change with it); `doc` is the file's docstring
   (its second paragraph goes into the report)."""
   from absl import app, flags
+
   define_flags(workdir)
 
   def run_main(argv):
     del argv
     scale = flags.FLAGS.scale
-    main(title, base, arms(scale) if callable(arms) else arms, claims(scale) if callable(claims) else claims,
-         doc.split('\n\n')[1])
+    main(
+      title,
+      base,
+      arms(scale) if callable(arms) else arms,
+      claims(scale) if callable(claims) else claims,
+      doc.split('\n\n')[1],
+    )
+
   app.run(run_main)

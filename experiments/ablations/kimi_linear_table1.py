@@ -19,40 +19,61 @@ min on one H200, i.e. split it with --arms over several calls (runs resume and a
 from experiments.ablations import common
 
 ARMS = [
-    common.Arm('3:1', {}, 'train ppl 9.23, val 5.65'),
-    common.Arm('0:1', {'model.layer_pattern': '0:1'}, '9.45 / 5.77'),
-    common.Arm('1:1', {'model.layer_pattern': '1:1'}, '9.29 / 5.66'),
-    common.Arm('7:1', {'model.layer_pattern': '7:1'}, '9.23 / 5.70'),
-    common.Arm('15:1', {'model.layer_pattern': '15:1'}, '9.34 / 5.82'),
-    common.Arm('1:0', {'model.layer_pattern': '1:0'}, '(not in Table 1)'),
-    common.Arm('no_gate', {'model.kda_output_gate': 'none'}, '9.25 / 5.67'),
-    common.Arm('swish_gate', {'model.kda_output_gate': 'swish'}, '9.43 / 5.81'),
-    common.Arm('no_conv', {'model.kda_short_conv': False}, '9.29 / 5.70'),
-    common.Arm('rope', {'model.mla_rope': True, 'model.attn_impl': 'xla'},
-               'long-context avg 51.8 vs NoPE 54.5 (Table 5)'),
+  common.Arm('3:1', {}, 'train ppl 9.23, val 5.65'),
+  common.Arm('0:1', {'model.layer_pattern': '0:1'}, '9.45 / 5.77'),
+  common.Arm('1:1', {'model.layer_pattern': '1:1'}, '9.29 / 5.66'),
+  common.Arm('7:1', {'model.layer_pattern': '7:1'}, '9.23 / 5.70'),
+  common.Arm('15:1', {'model.layer_pattern': '15:1'}, '9.34 / 5.82'),
+  common.Arm('1:0', {'model.layer_pattern': '1:0'}, '(not in Table 1)'),
+  common.Arm('no_gate', {'model.kda_output_gate': 'none'}, '9.25 / 5.67'),
+  common.Arm('swish_gate', {'model.kda_output_gate': 'swish'}, '9.43 / 5.81'),
+  common.Arm('no_conv', {'model.kda_short_conv': False}, '9.29 / 5.70'),
+  common.Arm(
+    'rope', {'model.mla_rope': True, 'model.attn_impl': 'xla'}, 'long-context avg 51.8 vs NoPE 54.5 (Table 5)'
+  ),
 ]
 SOURCE = 'Kimi Linear Table 1 (val ppl)'
 CLAIMS = [
-    common.Claim('3:1', '<', '0:1', source=SOURCE),
-    common.Claim('3:1', '<', '1:1', source=SOURCE),
-    common.Claim('3:1', '<', '7:1', source=SOURCE),
-    common.Claim('3:1', '<', '15:1', source=SOURCE),
-    common.Claim('3:1', '<', 'no_gate', source=SOURCE),
-    common.Claim('3:1', '<', 'swish_gate', source=SOURCE),
-    common.Claim('no_gate', '<', 'swish_gate', source=SOURCE),
-    common.Claim('3:1', '<', 'no_conv', source=SOURCE),
-    common.Claim('3:1', '<', 'rope', metric='long_context_loss', source='Kimi Linear Table 5 (long context)'),
+  common.Claim('3:1', '<', '0:1', source=SOURCE),
+  common.Claim('3:1', '<', '1:1', source=SOURCE),
+  common.Claim('3:1', '<', '7:1', source=SOURCE),
+  common.Claim('3:1', '<', '15:1', source=SOURCE),
+  common.Claim('3:1', '<', 'no_gate', source=SOURCE),
+  common.Claim('3:1', '<', 'swish_gate', source=SOURCE),
+  common.Claim('no_gate', '<', 'swish_gate', source=SOURCE),
+  common.Claim('3:1', '<', 'no_conv', source=SOURCE),
+  common.Claim('3:1', '<', 'rope', metric='long_context_loss', source='Kimi Linear Table 5 (long context)'),
 ]
 
 
 def base(scale: str):
   from kimijax.config import load
+
   config = load('configs/kimi_linear_small.py')
   if scale == 'cpu':
-    return common.sized(config, scale, d_model=32, num_layers=16, num_heads=2, seq_len=128,
-                        batch_size=8, steps=100, model__mla_kv_lora_rank=32)
-  return common.sized(config, scale, d_model=512, num_layers=16, num_heads=8, seq_len=2048,
-                      batch_size=16, steps=1000, model__mla_kv_lora_rank=256, optimizer__learning_rate=2e-3)
+    return common.sized(
+      config,
+      scale,
+      d_model=32,
+      num_layers=16,
+      num_heads=2,
+      seq_len=128,
+      batch_size=8,
+      steps=100,
+      model__mla_kv_lora_rank=32,
+    )
+  return common.sized(
+    config,
+    scale,
+    d_model=512,
+    num_layers=16,
+    num_heads=8,
+    seq_len=2048,
+    batch_size=16,
+    steps=1000,
+    model__mla_kv_lora_rank=256,
+    optimizer__learning_rate=2e-3,
+  )
 
 
 if __name__ == '__main__':

@@ -19,21 +19,50 @@ the XLA chunk form, so an upper bound).
 
 from experiments.ablations import common
 
-ARMS = [common.Arm('attention', {'model.layer_pattern': '0:1'}, 'MLA: long-context avg 52.2'),
-        common.Arm('hybrid_3to1', {'model.layer_pattern': '3:1'}, 'Kimi Linear: 54.5'),
-        common.Arm('kda', {'model.layer_pattern': '1:0'}, '(not reported)')]
-CLAIMS = [common.Claim('hybrid_3to1', '<', 'attention', metric='long_context_loss',
-                       source='Kimi Linear Table 5 (long-context average, higher is better)')]
+ARMS = [
+  common.Arm('attention', {'model.layer_pattern': '0:1'}, 'MLA: long-context avg 52.2'),
+  common.Arm('hybrid_3to1', {'model.layer_pattern': '3:1'}, 'Kimi Linear: 54.5'),
+  common.Arm('kda', {'model.layer_pattern': '1:0'}, '(not reported)'),
+]
+CLAIMS = [
+  common.Claim(
+    'hybrid_3to1',
+    '<',
+    'attention',
+    metric='long_context_loss',
+    source='Kimi Linear Table 5 (long-context average, higher is better)',
+  )
+]
 
 
 def base(scale: str):
   from kimijax.config import load
+
   config = load('configs/kimi_linear_small.py')
   if scale == 'cpu':
-    return common.sized(config, scale, d_model=64, num_layers=4, num_heads=2, seq_len=1024,
-                        batch_size=4, steps=150, model__mla_kv_lora_rank=32)
-  return common.sized(config, scale, d_model=512, num_layers=8, num_heads=8, seq_len=8192,
-                      batch_size=4, steps=1000, model__mla_kv_lora_rank=256, optimizer__learning_rate=2e-3)
+    return common.sized(
+      config,
+      scale,
+      d_model=64,
+      num_layers=4,
+      num_heads=2,
+      seq_len=1024,
+      batch_size=4,
+      steps=150,
+      model__mla_kv_lora_rank=32,
+    )
+  return common.sized(
+    config,
+    scale,
+    d_model=512,
+    num_layers=8,
+    num_heads=8,
+    seq_len=8192,
+    batch_size=4,
+    steps=1000,
+    model__mla_kv_lora_rank=256,
+    optimizer__learning_rate=2e-3,
+  )
 
 
 if __name__ == '__main__':

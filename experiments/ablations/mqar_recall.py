@@ -26,28 +26,53 @@ def grid(scale: str):
 
 
 def arms(scale: str) -> list[common.Arm]:
-  return [common.Arm(f'{name}_T{t}_P{p}', {'model.layer_pattern': pattern, 'train.seq_len': t,
-                                             'data.mqar_num_pairs': p})
-          for t, p in grid(scale) for name, pattern in PATTERNS.items()]
+  return [
+    common.Arm(f'{name}_T{t}_P{p}', {'model.layer_pattern': pattern, 'train.seq_len': t, 'data.mqar_num_pairs': p})
+    for t, p in grid(scale)
+    for name, pattern in PATTERNS.items()
+  ]
 
 
 def claims(scale: str) -> list[common.Claim]:
   out = []
   for t, p in grid(scale):
-    out += [common.Claim(f'attention_T{t}_P{p}', '>', f'hybrid_3to1_T{t}_P{p}', 'final_accuracy', 'Zoology'),
-            common.Claim(f'hybrid_3to1_T{t}_P{p}', '>', f'kda_T{t}_P{p}', 'final_accuracy', 'Zoology')]
+    out += [
+      common.Claim(f'attention_T{t}_P{p}', '>', f'hybrid_3to1_T{t}_P{p}', 'final_accuracy', 'Zoology'),
+      common.Claim(f'hybrid_3to1_T{t}_P{p}', '>', f'kda_T{t}_P{p}', 'final_accuracy', 'Zoology'),
+    ]
   return out
 
 
 def base(scale: str):
   from kimijax.config import load
+
   config = load('configs/default.py')
-  if scale == 'cpu':   # seq_len is set per arm
-    return common.sized(config, scale, d_model=64, num_layers=4, num_heads=2, seq_len=128,
-                        batch_size=16, steps=300, train__eval_batches=4, data__source='mqar')
-  return common.sized(config, scale, d_model=256, num_layers=4, num_heads=4, seq_len=512,
-                      batch_size=32, steps=2000, train__eval_batches=8, optimizer__learning_rate=1e-3,
-                      data__source='mqar')
+  if scale == 'cpu':  # seq_len is set per arm
+    return common.sized(
+      config,
+      scale,
+      d_model=64,
+      num_layers=4,
+      num_heads=2,
+      seq_len=128,
+      batch_size=16,
+      steps=300,
+      train__eval_batches=4,
+      data__source='mqar',
+    )
+  return common.sized(
+    config,
+    scale,
+    d_model=256,
+    num_layers=4,
+    num_heads=4,
+    seq_len=512,
+    batch_size=32,
+    steps=2000,
+    train__eval_batches=8,
+    optimizer__learning_rate=1e-3,
+    data__source='mqar',
+  )
 
 
 if __name__ == '__main__':

@@ -18,23 +18,32 @@ from experiments.ablations import common
 SCALES = (0.05, 0.1, 0.2, 0.4, 0.8)
 PUBLISHED = {0.05: '3.503', 0.1: '3.374', 0.2: '3.325', 0.4: '3.314', 0.8: '3.543'}
 ARMS = [common.Arm('adamw', {'optimizer.name': 'adamw'}, 'val loss 3.679')] + [
-    common.Arm(f'muon_rms{s:g}', {'optimizer.name': 'muon', 'optimizer.rms_scale': s}, PUBLISHED[s])
-    for s in SCALES]
+  common.Arm(f'muon_rms{s:g}', {'optimizer.name': 'muon', 'optimizer.rms_scale': s}, PUBLISHED[s]) for s in SCALES
+]
 SOURCE = 'Moonlight update-RMS sweep (val loss)'
 CLAIMS = [common.Claim(f'muon_rms{s:g}', '<', 'adamw', source=SOURCE) for s in SCALES] + [
-    common.Claim('muon_rms0.2', '<', 'muon_rms0.05', source=SOURCE),
-    common.Claim('muon_rms0.4', '<', 'muon_rms0.8', source=SOURCE),
+  common.Claim('muon_rms0.2', '<', 'muon_rms0.05', source=SOURCE),
+  common.Claim('muon_rms0.4', '<', 'muon_rms0.8', source=SOURCE),
 ]
 
 
 def base(scale: str):
   from kimijax.config import load
+
   config = load('configs/default.py')
   if scale == 'cpu':
-    return common.sized(config, scale, d_model=128, num_layers=2, num_heads=2, seq_len=128,
-                        batch_size=16, steps=200)
-  return common.sized(config, scale, d_model=512, num_layers=8, num_heads=8, seq_len=1024,
-                      batch_size=16, steps=1500, optimizer__learning_rate=2e-3)
+    return common.sized(config, scale, d_model=128, num_layers=2, num_heads=2, seq_len=128, batch_size=16, steps=200)
+  return common.sized(
+    config,
+    scale,
+    d_model=512,
+    num_layers=8,
+    num_heads=8,
+    seq_len=1024,
+    batch_size=16,
+    steps=1500,
+    optimizer__learning_rate=2e-3,
+  )
 
 
 if __name__ == '__main__':

@@ -18,22 +18,44 @@ experiments/results/ablation_qk_clip_gpu.md).
 
 from experiments.ablations import common
 
-ARMS = [common.Arm('muon', {'optimizer.name': 'muon'}, 'max logit > 1000 at 9B active (diverged)'),
-        common.Arm('muonclip', {'optimizer.name': 'muonclip'}, 'capped at tau; same loss curve')]
+ARMS = [
+  common.Arm('muon', {'optimizer.name': 'muon'}, 'max logit > 1000 at 9B active (diverged)'),
+  common.Arm('muonclip', {'optimizer.name': 'muonclip'}, 'capped at tau; same loss curve'),
+]
 CLAIMS = [
-    common.Claim('muonclip', '<', 'muon', metric='max_logit_peak', source='K2: the clip caps the max logit'),
-    common.Claim('muonclip', '=', 'muon', source='K2: loss curves with and without the clip coincide'),
+  common.Claim('muonclip', '<', 'muon', metric='max_logit_peak', source='K2: the clip caps the max logit'),
+  common.Claim('muonclip', '=', 'muon', source='K2: loss curves with and without the clip coincide'),
 ]
 
 
 def base(scale: str):
   from kimijax.config import load
+
   config = load('configs/default.py')
-  if scale == 'cpu':    # configs/default.py as it is (3.5M parameters), 300 steps
-    return common.sized(config, scale, d_model=256, num_layers=4, num_heads=4, seq_len=256,
-                        batch_size=16, steps=300, optimizer__qk_clip_tau=5.0)
-  return common.sized(config, scale, d_model=512, num_layers=8, num_heads=8, seq_len=1024,
-                      batch_size=16, steps=1500, optimizer__learning_rate=3e-3, optimizer__qk_clip_tau=10.0)
+  if scale == 'cpu':  # configs/default.py as it is (3.5M parameters), 300 steps
+    return common.sized(
+      config,
+      scale,
+      d_model=256,
+      num_layers=4,
+      num_heads=4,
+      seq_len=256,
+      batch_size=16,
+      steps=300,
+      optimizer__qk_clip_tau=5.0,
+    )
+  return common.sized(
+    config,
+    scale,
+    d_model=512,
+    num_layers=8,
+    num_heads=8,
+    seq_len=1024,
+    batch_size=16,
+    steps=1500,
+    optimizer__learning_rate=3e-3,
+    optimizer__qk_clip_tau=10.0,
+  )
 
 
 if __name__ == '__main__':

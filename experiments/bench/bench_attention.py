@@ -28,12 +28,12 @@ import datetime
 import platform
 import sys
 
-SHAPES = {   # name: (B, T, S, H, Hkv, D, Dv)
-    'mha_4k': (8, 4096, 4096, 16, 16, 128, 128),
-    'mha_16k': (2, 16384, 16384, 16, 16, 128, 128),
-    'gqa_4k': (8, 4096, 4096, 16, 4, 128, 128),
-    'mla_4k': (8, 4096, 4096, 16, 16, 192, 128),
-    'decode_4k': (8, 1, 4096, 16, 16, 128, 128),
+SHAPES = {  # name: (B, T, S, H, Hkv, D, Dv)
+  'mha_4k': (8, 4096, 4096, 16, 16, 128, 128),
+  'mha_16k': (2, 16384, 16384, 16, 16, 128, 128),
+  'gqa_4k': (8, 4096, 4096, 16, 4, 128, 128),
+  'mla_4k': (8, 4096, 4096, 16, 16, 192, 128),
+  'decode_4k': (8, 1, 4096, 16, 16, 128, 128),
 }
 IMPLS = ('tokamax', 'cudnn', 'xla')
 
@@ -41,6 +41,7 @@ IMPLS = ('tokamax', 'cudnn', 'xla')
 def define_flags():
   """The command line (defined only when run as a script, so that tests can import the module)."""
   from absl import flags
+
   flags.DEFINE_list('shapes', list(SHAPES), f"shape names ({', '.join(SHAPES)}) or 'BxTxSxHxHkvxDxDv'")
   flags.DEFINE_list('impls', list(IMPLS), 'attention implementations to time')
   flags.DEFINE_string('dtype', None, 'input dtype; default bfloat16 on a GPU, float32 elsewhere')
@@ -54,7 +55,7 @@ def parse_shape(name: str) -> tuple[int, ...]:
     return SHAPES[name]
   parts = name.split('x')
   if len(parts) != 7 or not all(p.isdigit() and int(p) > 0 for p in parts):
-    raise ValueError(f"--shapes entry {name!r} is neither a name ({', '.join(SHAPES)}) nor BxTxSxHxHkvxDxDv")
+    raise ValueError(f'--shapes entry {name!r} is neither a name ({", ".join(SHAPES)}) nor BxTxSxHxHkvxDxDv')
   return tuple(int(p) for p in parts)
 
 
@@ -86,7 +87,7 @@ def _cells(shape, impl, max_logits, dtype, repeats, warmup):
   k = jax.random.normal(keys[1], (b, s, hkv, d), dtype)
   v = jax.random.normal(keys[2], (b, s, hkv, dv), dtype)
   do = jax.random.normal(keys[3], (b, t, h, dv), dtype)
-  if t == 1 and impl == 'xla':        # the decoding path over a cache (here full: length S)
+  if t == 1 and impl == 'xla':  # the decoding path over a cache (here full: length S)
     op = lambda q, k, v: attention_ops.decode_attention(q, k, v, s)
   else:
     op = lambda q, k, v: attention_ops.attention(q, k, v, causal=True, impl=impl, return_max_logits=max_logits)
@@ -124,7 +125,7 @@ def rows(shape_names, impls, dtype_name=None, repeats=10, warmup=2, skip_xla_abo
     for impl in impls:
       if impl not in attention_ops.IMPLS:
         raise ValueError(f'--impls entry {impl!r} is unknown; allowed: {tuple(attention_ops.IMPLS)}')
-      for max_logits in ((False,) if shape[1] == 1 else (False, True)):
+      for max_logits in (False,) if shape[1] == 1 else (False, True):
         what = impl + (' + max-logit kernel' if impl == 'cudnn' and max_logits else '')
         if shape[1] == 1 and impl == 'xla':
           what = 'xla (decode_attention)'
@@ -142,19 +143,24 @@ def main(argv):
   del argv
   import jax
   from absl import flags
+
   FLAGS = flags.FLAGS
   try:
     import tokamax
+
     tokamax_version = tokamax.__version__
   except ImportError:
     tokamax_version = 'not installed'
   device = jax.devices()[0]
-  print(f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; tokamax {tokamax_version}; '
-        f'backend {jax.default_backend()}; device {device.device_kind} x{jax.device_count()}; '
-        f'host {platform.node()}')
+  print(
+    f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; tokamax {tokamax_version}; '
+    f'backend {jax.default_backend()}; device {device.device_kind} x{jax.device_count()}; '
+    f'host {platform.node()}'
+  )
   print(f'command: python -m experiments.bench.bench_attention {" ".join(sys.argv[1:])}')
-  print(f'causal; median (min) of {FLAGS.repeats} calls in ms after {FLAGS.warmup}; forward TFLOP/s '
-        'over unmasked pairs\n')
+  print(
+    f'causal; median (min) of {FLAGS.repeats} calls in ms after {FLAGS.warmup}; forward TFLOP/s over unmasked pairs\n'
+  )
   print('| shape (B, T, S, H, Hkv, D, Dv) | implementation | max logits | forward ms | forward+backward ms |')
   print('|---|---|---|---|---|', flush=True)
   for row in rows(FLAGS.shapes, FLAGS.impls, FLAGS.dtype, FLAGS.repeats, FLAGS.warmup, FLAGS.skip_xla_above):
@@ -163,5 +169,6 @@ def main(argv):
 
 if __name__ == '__main__':
   from absl import app
+
   define_flags()
   app.run(main)

@@ -29,14 +29,30 @@ flags.DEFINE_integer('queries', 6, 'S, consumers per block')
 flags.DEFINE_list('sources', ['2', '5', '9'], 'n, block sums seen by the block')
 flags.DEFINE_list('impls', ['xla', 'pallas'], 'phase-1 impls to time')
 flags.DEFINE_string('dtype', 'bfloat16', 'source dtype')
-flags.DEFINE_list('pallas_tiles', [], "extra Pallas tile settings to time, each 'key=value/key=value' "
-                  "over the fields of kernels_pallas.attnres.settings.Phase1Settings (e.g. bt=32/warps=8)")
-flags.DEFINE_list('merge_tiles', [], "extra tile settings of the fused phase-2 kernels to time "
-                  "(the fields of kernels_pallas.attnres.settings.MergeNormSettings)")
-flags.DEFINE_bool('merge_add', True, 'phase 2 also adds the previous sublayer output to the partial '
-                  'sum first, as the model does with the Pallas kernels and no remat')
-flags.DEFINE_bool('per_kernel', False, "also print each kernel's device time per forward call and per "
-                  'forward+backward call (from profiler traces; GPU only: the CPU has none)')
+flags.DEFINE_list(
+  'pallas_tiles',
+  [],
+  "extra Pallas tile settings to time, each 'key=value/key=value' "
+  'over the fields of kernels_pallas.attnres.settings.Phase1Settings (e.g. bt=32/warps=8)',
+)
+flags.DEFINE_list(
+  'merge_tiles',
+  [],
+  'extra tile settings of the fused phase-2 kernels to time '
+  '(the fields of kernels_pallas.attnres.settings.MergeNormSettings)',
+)
+flags.DEFINE_bool(
+  'merge_add',
+  True,
+  'phase 2 also adds the previous sublayer output to the partial '
+  'sum first, as the model does with the Pallas kernels and no remat',
+)
+flags.DEFINE_bool(
+  'per_kernel',
+  False,
+  "also print each kernel's device time per forward call and per "
+  'forward+backward call (from profiler traces; GPU only: the CPU has none)',
+)
 flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
 flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
 FLAGS = flags.FLAGS
@@ -44,6 +60,7 @@ FLAGS = flags.FLAGS
 
 def _time(fn, *args):
   from experiments.bench import timing
+
   return timing.call_ms(lambda: fn(*args), repeats=FLAGS.repeats, warmup=FLAGS.warmup)[0]
 
 
@@ -52,8 +69,11 @@ def _kernel_ms(fn, *args, calls=5):
   import gzip
   import json
   import tempfile
+
   import jax
+
   from experiments.tools.profile_summary import device_events, newest_trace, summarise
+
   jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -73,12 +93,17 @@ def _print_kernels(label, forward, backward, args, backward_args, pass_ms):
     times = _kernel_ms(fn, *fn_args)
     ours = [(name, ms) for name, ms in times if name.startswith('attnres')]
     rest = sum(ms for name, ms in times if not name.startswith('attnres'))
-    print(f'|   {label} {kind}: ' + ', '.join(f'{name} {ms:.3f} ({ms / pass_ms:.1f})' for name, ms in ours)
-          + f'; other ops {rest:.3f} |', flush=True)
+    print(
+      f'|   {label} {kind}: '
+      + ', '.join(f'{name} {ms:.3f} ({ms / pass_ms:.1f})' for name, ms in ours)
+      + f'; other ops {rest:.3f} |',
+      flush=True,
+    )
 
 
 def _inputs(n, s, dtype, key=0):
   import jax
+
   keys = jax.random.split(jax.random.key(key), n + 3)
   shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.d_model)
   sources = tuple((jax.random.normal(keys[i], shape) * (1 + i)).astype(dtype) for i in range(n))
@@ -95,6 +120,7 @@ def _phase1_fns(impl):
   """impl: 'xla', 'pallas', or 'pallas:<tiles>' (the kernels with those tiles)."""
   import jax
   import jax.numpy as jnp
+
   from kernels_pallas.common import kernels_interpreted
   from kimijax.ops.attnres import phase1 as ops_phase1
 
@@ -103,13 +129,13 @@ def _phase1_fns(impl):
       return ops_phase1(v, q, impl=impl)
     from kernels_pallas.attnres.phase1 import phase1 as kernel
     from kernels_pallas.attnres.settings import Phase1Settings
+
     return kernel(v, q, settings=_settings(impl, Phase1Settings), interpret=kernels_interpreted())
 
   def loss(sources, queries, w_outs, w_lse):
     # The sources as passed through count too: in the model, later blocks use them.
     outs, lse, sources = phase1(sources, queries, impl=impl)
-    return (sum(jnp.sum(o.astype(jnp.float32) * w_outs) for o in outs + sources)
-            + jnp.sum(lse * w_lse))
+    return sum(jnp.sum(o.astype(jnp.float32) * w_outs) for o in outs + sources) + jnp.sum(lse * w_lse)
 
   forward = jax.jit(lambda v, q: phase1(v, q, impl=impl))
   backward = jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -120,14 +146,17 @@ def _check(impl, n, s):
   """Max relative error of impl against 'xla' at float32, forward and gradients."""
   import jax
   import jax.numpy as jnp
+
   sources, queries, k1, k2 = _inputs(n, s, jnp.float32, key=1)
   shape = sources[0].shape
   w_outs, w_lse = jax.random.normal(k1, shape), jax.random.normal(k2, (s,) + shape[:-1])
   with jax.default_matmul_precision('highest'):
-    got = [f(sources, queries) if i == 0 else f(sources, queries, w_outs, w_lse)
-           for i, f in enumerate(_phase1_fns(impl))]
-    want = [f(sources, queries) if i == 0 else f(sources, queries, w_outs, w_lse)
-            for i, f in enumerate(_phase1_fns('xla'))]
+    got = [
+      f(sources, queries) if i == 0 else f(sources, queries, w_outs, w_lse) for i, f in enumerate(_phase1_fns(impl))
+    ]
+    want = [
+      f(sources, queries) if i == 0 else f(sources, queries, w_outs, w_lse) for i, f in enumerate(_phase1_fns('xla'))
+    ]
   return _max_rel_err(got, want)
 
 
@@ -135,14 +164,18 @@ def _max_rel_err(got, want):
   """The largest max-abs error relative to the reference's max-abs, over the pytrees' leaves."""
   import jax
   import jax.numpy as jnp
-  return max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
-             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+  return max(
+    float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+  )
 
 
 def _merge_inputs(dtype, key=5):
   """Phase-2 inputs (o, lse, p, q, RMSNorm gain, and with --merge_add the sublayer output y to add
   to p first) and a random cotangent for the normalised input."""
   import jax
+
   shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.d_model)
   k = jax.random.split(jax.random.key(key), 7)
   o, p, y = (jax.random.normal(k[i], shape).astype(dtype) for i in (0, 1, 6))
@@ -160,6 +193,7 @@ def _merge_fns(impl):
   use in the model; the projection's read counts too)."""
   import jax
   import jax.numpy as jnp
+
   from kernels_pallas.common import kernels_interpreted
   from kimijax.layers.norms import rms_normalise
   from kimijax.ops.attnres import merge_norm, merge_partial
@@ -173,12 +207,25 @@ def _merge_fns(impl):
       return merge_norm(o, lse, p, q, scale, dtype=o.dtype, addend=y, impl='pallas')
     from kernels_pallas.attnres.merge_norm import merge_norm as kernel
     from kernels_pallas.attnres.settings import MergeNormSettings
-    return kernel(o, lse, p, q, scale, eps=1e-6, norm_eps=1e-6, dtype=o.dtype, addend=y,
-                  settings=_settings(impl, MergeNormSettings), interpret=kernels_interpreted())
+
+    return kernel(
+      o,
+      lse,
+      p,
+      q,
+      scale,
+      eps=1e-6,
+      norm_eps=1e-6,
+      dtype=o.dtype,
+      addend=y,
+      settings=_settings(impl, MergeNormSettings),
+      interpret=kernels_interpreted(),
+    )
 
   def loss(*args):
     x, p = fn(*args[:-1])
     return jnp.sum((x.astype(jnp.float32) + p.astype(jnp.float32)) * args[-1])
+
   return jax.jit(fn), jax.jit(jax.grad(loss, argnums=tuple(range(6 if FLAGS.merge_add else 5))))
 
 
@@ -186,6 +233,7 @@ def _check_merge(impl):
   """Max relative error of a fused phase 2 against 'xla' at float32, forward and gradients."""
   import jax
   import jax.numpy as jnp
+
   args, w = _merge_inputs(jnp.float32, key=1)
   with jax.default_matmul_precision('highest'):
     got = [f(*args) if i == 0 else f(*args, w) for i, f in enumerate(_merge_fns(impl))]
@@ -196,18 +244,23 @@ def _check_merge(impl):
 def main(_):
   import jax
   import jax.numpy as jnp
+
   dtype = jnp.dtype(FLAGS.dtype)
   s = FLAGS.queries
   shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.d_model)
-  print(f'# AttnRes phase 1 / phase 2, {datetime.date.today()}, {jax.devices()[0].device_kind}, '
-        f'jax {jax.__version__}, {platform.python_version()}')
+  print(
+    f'# AttnRes phase 1 / phase 2, {datetime.date.today()}, {jax.devices()[0].device_kind}, '
+    f'jax {jax.__version__}, {platform.python_version()}'
+  )
   print(f'B={FLAGS.batch} T={FLAGS.seq_len} D={FLAGS.d_model} S={s} {FLAGS.dtype}\n')
   x = jnp.ones(shape, dtype)
-  scales = 20        # in one call, so that the launch overhead does not count
+  scales = 20  # in one call, so that the launch overhead does not count
   loop_ms = _time(jax.jit(lambda a: jax.lax.fori_loop(0, scales, lambda i, y: y * 1.5, a)), x)
   pass_ms = loop_ms / (2 * scales)
-  print(f'one pass over [B, T, D] ({x.nbytes / 2**20:.0f} MiB): {pass_ms:.3f} ms '
-        f'(from {scales} chained scale-and-copies in {loop_ms:.2f} ms)\n')
+  print(
+    f'one pass over [B, T, D] ({x.nbytes / 2**20:.0f} MiB): {pass_ms:.3f} ms '
+    f'(from {scales} chained scale-and-copies in {loop_ms:.2f} ms)\n'
+  )
   print('| op | impl | n | check (max rel err vs xla, f32) | forward ms (passes) | fwd+bwd ms (passes) |')
   print('|---|---|---|---|---|---|')
   for n in map(int, FLAGS.sources):
@@ -218,18 +271,25 @@ def main(_):
       w_outs, w_lse = jax.random.normal(k1, shape), jax.random.normal(k2, (s,) + shape[:-1])
       f_ms = _time(forward, sources, queries)
       b_ms = _time(backward, sources, queries, w_outs, w_lse)
-      print(f'| phase1 | {impl} | {n} | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
-            f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |', flush=True)
-      _print_kernels(f'phase 1 {impl} n={n}', forward, backward, (sources, queries),
-                     (sources, queries, w_outs, w_lse), pass_ms)
+      print(
+        f'| phase1 | {impl} | {n} | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
+        f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |',
+        flush=True,
+      )
+      _print_kernels(
+        f'phase 1 {impl} n={n}', forward, backward, (sources, queries), (sources, queries, w_outs, w_lse), pass_ms
+      )
   for impl in ['xla', 'pallas'] + [f'pallas:{t}' for t in FLAGS.merge_tiles]:
     err = _check_merge(impl) if impl != 'xla' else 0.0
     args, w = _merge_inputs(dtype)
     forward, backward = _merge_fns(impl)
     f_ms = _time(forward, *args)
     b_ms = _time(backward, *args, w)
-    print(f'| phase 2 + pre-norm | {impl} | - | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
-          f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |', flush=True)
+    print(
+      f'| phase 2 + pre-norm | {impl} | - | {err:.1e} | {f_ms:.2f} ({f_ms / pass_ms:.1f}) | '
+      f'{b_ms:.2f} ({b_ms / pass_ms:.1f}) |',
+      flush=True,
+    )
     _print_kernels(f'phase 2 {impl}', forward, backward, args, (*args, w), pass_ms)
 
 

@@ -50,9 +50,13 @@ def define_flags():
   flags.DEFINE_integer('warmup', 3, 'untimed steps per run (the first run of a setup also compiles)')
   flags.DEFINE_string('cache_dir', str(ROOT / 'runs/xla_cache'), 'persistent XLA compilation cache')
   flags.DEFINE_string('json_out', None, 'also write the runs and the summary to this JSON file')
-  flags.DEFINE_float('time_budget_s', None, 'start no run that would end past this many seconds, '
-                     'judged by the last run of its setup (the first run of each setup always '
-                     'runs); the report then covers the runs done')
+  flags.DEFINE_float(
+    'time_budget_s',
+    None,
+    'start no run that would end past this many seconds, '
+    'judged by the last run of its setup (the first run of each setup always '
+    'runs); the report then covers the runs done',
+  )
   flags.mark_flags_as_required(['base', 'other'])
 
 
@@ -73,15 +77,20 @@ def fits_budget(elapsed_s: float, last_s: float | None, budget_s: float | None) 
 def bench_once(args: str, out: pathlib.Path) -> dict:
   """One experiments/bench/bench_train.py process; its JSON figures. A failed run is an error that
   shows the end of its output."""
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=FLAGS.cache_dir,
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
-  cmd = [sys.executable, '-m', 'experiments.bench.bench_train', f'--steps={FLAGS.steps}',
-         f'--warmup={FLAGS.warmup}', f'--json_out={out}', *shlex.split(args)]
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=FLAGS.cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+  cmd = [
+    sys.executable,
+    '-m',
+    'experiments.bench.bench_train',
+    f'--steps={FLAGS.steps}',
+    f'--warmup={FLAGS.warmup}',
+    f'--json_out={out}',
+    *shlex.split(args),
+  ]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
   if proc.returncode != 0:
     tail = '\n'.join((proc.stdout + proc.stderr).splitlines()[-15:])
-    raise RuntimeError(f'bench_compare: this run failed (exit {proc.returncode}):\n  '
-                       f'{shlex.join(cmd)}\n{tail}')
+    raise RuntimeError(f'bench_compare: this run failed (exit {proc.returncode}):\n  {shlex.join(cmd)}\n{tail}')
   return json.loads(out.read_text())
 
 
@@ -91,35 +100,47 @@ def main(argv):
     raise app.UsageError(f'--rounds must be >= 1; got {FLAGS.rounds}')
   for name in ('base', 'other'):
     if '--config' not in getattr(FLAGS, name):
-      raise app.UsageError(f"--{name} must give bench_train.py a --config; got {getattr(FLAGS, name)!r}")
+      raise app.UsageError(f'--{name} must give bench_train.py a --config; got {getattr(FLAGS, name)!r}')
   pathlib.Path(FLAGS.cache_dir).mkdir(parents=True, exist_ok=True)
   runs, order, last_s, start = [], run_order(FLAGS.rounds), {}, time.monotonic()
   with tempfile.TemporaryDirectory() as tmp:
     for k, setup in enumerate(order):
       if not fits_budget(time.monotonic() - start, last_s.get(setup), FLAGS.time_budget_s):
-        print(f'stopping before run {k + 1} of {len(order)}: by its setup\'s last run '
-              f'({last_s[setup]:.0f} s) it would end past the {FLAGS.time_budget_s:.0f} s budget', flush=True)
+        print(
+          f"stopping before run {k + 1} of {len(order)}: by its setup's last run "
+          f'({last_s[setup]:.0f} s) it would end past the {FLAGS.time_budget_s:.0f} s budget',
+          flush=True,
+        )
         break
       began = time.monotonic()
       result = bench_once(getattr(FLAGS, setup), pathlib.Path(tmp) / f'{k}.json')
       last_s[setup] = time.monotonic() - began
       runs.append({'setup': setup, **result})
-      print(f"run {k + 1}: {setup} {result['step_ms']:.1f} ms", flush=True)
+      print(f'run {k + 1}: {setup} {result["step_ms"]:.1f} ms', flush=True)
 
   median = {s: statistics.median(r['step_ms'] for r in runs if r['setup'] == s) for s in ('base', 'other')}
   overhead = median['other'] / median['base'] - 1
-  print(f"\n{datetime.date.today()}, {runs[0]['device']} x {runs[0]['num_devices']}, "
-        f"host {platform.node()}; {FLAGS.steps} timed steps per run"
-        + (f'; {len(runs)} of {len(order)} runs (time budget)' if len(runs) < len(order) else '') + '\n')
+  print(
+    f'\n{datetime.date.today()}, {runs[0]["device"]} x {runs[0]["num_devices"]}, '
+    f'host {platform.node()}; {FLAGS.steps} timed steps per run'
+    + (f'; {len(runs)} of {len(order)} runs (time budget)' if len(runs) < len(order) else '')
+    + '\n'
+  )
   print(f'- base: `{FLAGS.base}`\n- other: `{FLAGS.other}`\n')
   print('| run | setup | step ms | peak GiB | loss |\n|---|---|---|---|---|')
   for k, r in enumerate(runs):
-    print(f"| {k + 1} | {r['setup']} | {r['step_ms']:.1f} | {r['peak_memory_GiB']:.1f} | {r['loss']:.4f} |")
-  print(f"\nmedian step: base {median['base']:.1f} ms, other {median['other']:.1f} ms; "
-        f'other over base: **{overhead:+.1%}**')
+    print(f'| {k + 1} | {r["setup"]} | {r["step_ms"]:.1f} | {r["peak_memory_GiB"]:.1f} | {r["loss"]:.4f} |')
+  print(
+    f'\nmedian step: base {median["base"]:.1f} ms, other {median["other"]:.1f} ms; other over base: **{overhead:+.1%}**'
+  )
   if FLAGS.json_out:
-    summary = {'base': FLAGS.base, 'other': FLAGS.other, 'median_step_ms': median, 'overhead': overhead,
-               'runs_planned': len(order)}
+    summary = {
+      'base': FLAGS.base,
+      'other': FLAGS.other,
+      'median_step_ms': median,
+      'overhead': overhead,
+      'runs_planned': len(order),
+    }
     pathlib.Path(FLAGS.json_out).write_text(json.dumps({'summary': summary, 'runs': runs}, indent=1))
 
 

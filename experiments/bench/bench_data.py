@@ -37,19 +37,28 @@ flags.DEFINE_integer('batches', 200, 'timed loader batches per shape (fewer for 
 flags.DEFINE_string('keep', '', 'keep the prepared shards in this folder (default: a temporary one)')
 FLAGS = flags.FLAGS
 
-LOADER_SHAPES = (('ladder smoke d32/d48', 8, 128), ('ladder smoke d64', 16, 128), ('ladder gpu d128', 16, 1024),
-                 ('ladder gpu d192', 32, 1024), ('ladder gpu d256/d320', 64, 1024), ('ladder gpu d384', 128, 1024),
-                 ('bench_350m', 16, 4096))
+LOADER_SHAPES = (
+  ('ladder smoke d32/d48', 8, 128),
+  ('ladder smoke d64', 16, 128),
+  ('ladder gpu d128', 16, 1024),
+  ('ladder gpu d192', 32, 1024),
+  ('ladder gpu d256/d320', 64, 1024),
+  ('ladder gpu d384', 128, 1024),
+  ('bench_350m', 16, 4096),
+)
 
 
 def corpus_files(corpus: str, mb: float) -> list[pathlib.Path]:
   if corpus == 'stdlib':
     from kimijax.data.sources import stdlib_files
+
     candidates = stdlib_files()
   else:
     from kimijax.data import site_packages
-    candidates = sorted({p.resolve() for root in site_packages.site_packages_roots()
-                         for p in site_packages._python_files(root)}, key=str)
+
+    candidates = sorted(
+      {p.resolve() for root in site_packages.site_packages_roots() for p in site_packages._python_files(root)}, key=str
+    )
   files, total = [], 0
   for f in candidates:
     if total >= mb * 2**20:
@@ -73,8 +82,11 @@ def bpe_as_tiktoken(tokenizer_json: pathlib.Path, path: pathlib.Path) -> None:
       char_to_byte[chr(256 + extra)] = b
       extra += 1
   vocab = json.loads(tokenizer_json.read_text())['model']['vocab']
-  lines = [f'{base64.b64encode(bytes(char_to_byte[c] for c in tok)).decode()} {i - 2}'
-           for tok, i in sorted(vocab.items(), key=lambda kv: kv[1]) if i >= 2]
+  lines = [
+    f'{base64.b64encode(bytes(char_to_byte[c] for c in tok)).decode()} {i - 2}'
+    for tok, i in sorted(vocab.items(), key=lambda kv: kv[1])
+    if i >= 2
+  ]
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text('\n'.join(lines) + '\n')
 
@@ -82,6 +94,7 @@ def bpe_as_tiktoken(tokenizer_json: pathlib.Path, path: pathlib.Path) -> None:
 def cpu_seconds() -> float:
   """User + system CPU seconds of this process and of its finished children (prepare's workers)."""
   import resource
+
   own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
   return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
@@ -90,6 +103,7 @@ def bench_prepare(files, work: pathlib.Path) -> dict[str, str]:
   """Prints one row per (tokenizer, workers); returns the specs of the tokenizers."""
   from kimijax.data import bpe_train
   from kimijax.data.prepare import prepare
+
   text_mb = sum(f.stat().st_size for f in files) / 2**20
   specs = {'byte': 'byte'}
   if {'hf', 'tiktoken'} & set(FLAGS.tokenizers.split(',')):
@@ -101,14 +115,19 @@ def bench_prepare(files, work: pathlib.Path) -> dict[str, str]:
       taken += len(sample[-1])
     began = time.perf_counter()
     tok = bpe_train.train_bpe(sample, FLAGS.vocab)
-    print(f'BPE of {FLAGS.vocab} ids trained on {taken / 2**20:.1f} MB in {time.perf_counter() - began:.1f} s '
-          '(tokenizers trainer, both cores)', flush=True)
+    print(
+      f'BPE of {FLAGS.vocab} ids trained on {taken / 2**20:.1f} MB in {time.perf_counter() - began:.1f} s '
+      '(tokenizers trainer, both cores)',
+      flush=True,
+    )
     (work / 'bpe').mkdir(parents=True, exist_ok=True)
     specs['hf'] = f'hf:{bpe_train.save_bpe(tok, work / "bpe")}'
     bpe_as_tiktoken(work / 'bpe' / 'tokenizer.json', work / 'tiktoken' / 'bpe.tiktoken')
     specs['tiktoken'] = f'tiktoken:{work / "tiktoken" / "bpe.tiktoken"}'
-  print(f'\nprepare: {len(files)} files ({FLAGS.corpus}), {text_mb:.1f} MB of text, load average before '
-        f'{os.getloadavg()[0]:.2f}\n')
+  print(
+    f'\nprepare: {len(files)} files ({FLAGS.corpus}), {text_mb:.1f} MB of text, load average before '
+    f'{os.getloadavg()[0]:.2f}\n'
+  )
   print('| tokenizer | workers | wall s | CPU s | MB of text / s | MB / CPU s | tokens | tokens / s |')
   print('|---|---|---|---|---|---|---|---|')
   for name in FLAGS.tokenizers.split(','):
@@ -116,20 +135,33 @@ def bench_prepare(files, work: pathlib.Path) -> dict[str, str]:
       out = work / f'shards_{name}_{workers}'
       shutil.rmtree(out, ignore_errors=True)
       began, cpu0 = time.perf_counter(), cpu_seconds()
-      result = prepare([str(f) for f in files], out, tokenizer=specs[name], workers=workers, unit_mb=1.0,
-                       val_fraction=0.01, progress=False, log=lambda *_: None)
+      result = prepare(
+        [str(f) for f in files],
+        out,
+        tokenizer=specs[name],
+        workers=workers,
+        unit_mb=1.0,
+        val_fraction=0.01,
+        progress=False,
+        log=lambda *_: None,
+      )
       seconds, cpu = time.perf_counter() - began, cpu_seconds() - cpu0
       m = result['manifest']
       tokens = m['splits']['train']['tokens'] + m['splits']['validation']['tokens']
       mb = m['text_bytes'] / 2**20
-      print(f'| {name} | {workers} | {seconds:.1f} | {cpu:.1f} | {mb / seconds:.2f} | {mb / cpu:.2f} | {tokens:,} | '
-            f'{tokens / seconds:,.0f} |', flush=True)
+      print(
+        f'| {name} | {workers} | {seconds:.1f} | {cpu:.1f} | {mb / seconds:.2f} | {mb / cpu:.2f} | {tokens:,} | '
+        f'{tokens / seconds:,.0f} |',
+        flush=True,
+      )
   return specs
 
 
 def bench_loader(path: pathlib.Path, spec: str) -> None:
   import ml_collections
+
   from kimijax.data import default_data_config, make_loader
+
   print(f'\nloader: {path} ({spec}), one process\n')
   print('| shape | batch x seq_len | document_mask | ms / batch | tokens / s |')
   print('|---|---|---|---|---|')
@@ -148,8 +180,11 @@ def bench_loader(path: pathlib.Path, spec: str) -> None:
         next(loader)
       seconds = (time.perf_counter() - began) / n
       loader.close()
-      print(f'| {name} | {batch} x {seq_len} | {"on" if mask else "off"} | {seconds * 1e3:.2f} | '
-            f'{batch * seq_len / seconds:,.0f} |', flush=True)
+      print(
+        f'| {name} | {batch} x {seq_len} | {"on" if mask else "off"} | {seconds * 1e3:.2f} | '
+        f'{batch * seq_len / seconds:,.0f} |',
+        flush=True,
+      )
 
 
 def main(argv):

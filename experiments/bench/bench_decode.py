@@ -23,7 +23,7 @@ define_config_flag('config', 'configs/kimi_linear_small.py', 'model config, FILE
 flags.DEFINE_list('contexts', ['4096', '32768', '131072'], 'context lengths')
 flags.DEFINE_integer('batch', 1, 'sequences decoded together')
 flags.DEFINE_integer('steps', 50, 'timed decode steps')
-flags.DEFINE_string('hybrid_pattern', None, 'layer pattern of the hybrid (default: the config\'s)')
+flags.DEFINE_string('hybrid_pattern', None, "layer pattern of the hybrid (default: the config's)")
 flags.DEFINE_string('baseline_pattern', 'A', 'layer pattern of the baseline')
 FLAGS = flags.FLAGS
 
@@ -39,7 +39,7 @@ def build(config, pattern: str):
 
   m = config.model
   m.layer_pattern = pattern
-  m.kda_impl = 'xla_recurrent'   # decoding uses kda_step whatever the impl; the scan compiles fastest for init
+  m.kda_impl = 'xla_recurrent'  # decoding uses kda_step whatever the impl; the scan compiles fastest for init
   validate(config)
   model = Transformer(m)
   params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))['params'])
@@ -55,7 +55,7 @@ def bench(model, params, m, context: int, batch: int, steps: int) -> dict:
   from kimijax.model import count_params
 
   @jax.jit
-  def random_cache(key):   # as if L - 1 tokens had been seen; no zero-filled copy first
+  def random_cache(key):  # as if L - 1 tokens had been seen; no zero-filled copy first
     shapes = jax.eval_shape(lambda: init_cache(m, batch, context))
     leaves, treedef = jax.tree.flatten(shapes)
     keys = jax.random.split(key, len(leaves))
@@ -63,37 +63,44 @@ def bench(model, params, m, context: int, batch: int, steps: int) -> dict:
 
   cache = random_cache(jax.random.key(1))
 
-  @functools.partial(jax.jit, donate_argnames='cache')   # as in kimijax.infer.generate: in place
+  @functools.partial(jax.jit, donate_argnames='cache')  # as in kimijax.infer.generate: in place
   def step(params, token, cache):
-    logits, aux = model.apply({'params': params}, token[:, None], jnp.full((batch, 1), context - 1),
-                              cache=cache)
+    logits, aux = model.apply({'params': params}, token[:, None], jnp.full((batch, 1), context - 1), cache=cache)
     return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), aux['cache']
 
   from experiments.bench import timing
+
   token = jnp.zeros((batch,), jnp.int32)
   # Each step rewrites position L - 1: a steady-state step at context L; the warm-up compiles.
   ms, (token, cache) = timing.loop_ms(lambda carry: step(params, *carry), (token, cache), steps=steps)
-  return {'ms_per_token': ms, 'tokens_per_sec': batch / ms * 1e3, 'params_M': count_params(params) / 1e6,
-          'cache_MiB_per_seq': cache_bytes(cache) / batch / 2**20}
+  return {
+    'ms_per_token': ms,
+    'tokens_per_sec': batch / ms * 1e3,
+    'params_M': count_params(params) / 1e6,
+    'cache_MiB_per_seq': cache_bytes(cache) / batch / 2**20,
+  }
 
 
 def main(argv):
   del argv
   from experiments.cli import user_errors
   from kimijax.config import config_from_flags
+
   with user_errors():
     config = config_from_flags('config')
   hybrid = FLAGS.hybrid_pattern or config.model.layer_pattern
-  models = {p: build(config.copy_and_resolve_references(), p)
-            for p in (hybrid, FLAGS.baseline_pattern)}
+  models = {p: build(config.copy_and_resolve_references(), p) for p in (hybrid, FLAGS.baseline_pattern)}
   print(f'batch {FLAGS.batch}; {FLAGS.steps} timed steps; compute dtype {config.model.compute_dtype}')
   print(f'{"context":>8} {"pattern":>8} {"params M":>9} {"ms/token":>9} {"tokens/s":>9} {"cache MiB/seq":>14}')
   for context in map(int, FLAGS.contexts):
     rows = {}
     for pattern, (model, params, m) in models.items():
       rows[pattern] = r = bench(model, params, m, context, FLAGS.batch, FLAGS.steps)
-      print(f'{context:>8} {pattern:>8} {r["params_M"]:>9.1f} {r["ms_per_token"]:>9.3f} '
-            f'{r["tokens_per_sec"]:>9.1f} {r["cache_MiB_per_seq"]:>14.2f}', flush=True)
+      print(
+        f'{context:>8} {pattern:>8} {r["params_M"]:>9.1f} {r["ms_per_token"]:>9.3f} '
+        f'{r["tokens_per_sec"]:>9.1f} {r["cache_MiB_per_seq"]:>14.2f}',
+        flush=True,
+      )
     speedup = rows[FLAGS.baseline_pattern]['ms_per_token'] / rows[hybrid]['ms_per_token']
     print(f'{context:>8} hybrid decode speed-up over {FLAGS.baseline_pattern!r}: {speedup:.2f}x')
 

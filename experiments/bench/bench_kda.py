@@ -9,7 +9,8 @@ range of the KDA gate at init, where no 16-token sub-chunk is steep; beta = sigm
 --gate_log_max=3 makes nearly every sub-chunk steep (its decay drops by 60 or more in some
 feature), which the Pallas kernels form with their pairwise diagonal kernels instead of matmuls
 (kernels_pallas/kda/README.md, Stability): the slow path's cost. forward: o from (q, k, v, g,
-beta); forward+backward: the gradients of sum(o * do) with respect to all five inputs. On a GPU where `import fla` works, fla's
+beta); forward+backward: the gradients of sum(o * do) with respect to all five inputs.
+On a GPU where `import fla` works, fla's
 Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (experiments/results/bench_kda.md: 1.77 ms /
 10.0 ms at the default shape on an H200). --gated calls the op as the KDA layer does, with the
 decay gate's pre-activation and parameters in place of g (kimijax.ops.kda.kda's a_log, dt_bias).
@@ -38,39 +39,69 @@ flags.DEFINE_integer('seq_len', 4096, 'T')
 flags.DEFINE_integer('heads', 16, 'H')
 flags.DEFINE_integer('head_dim', 128, 'K = V')
 flags.DEFINE_integer('chunk_size', 64, "chunk length of impl='xla'")
-flags.DEFINE_string('dtype', None, 'input dtype of q, k, v, beta (g is float32); default bfloat16 on GPU, '
-                    'float32 on CPU')
+flags.DEFINE_string(
+  'dtype', None, 'input dtype of q, k, v, beta (g is float32); default bfloat16 on GPU, float32 on CPU'
+)
 flags.DEFINE_list('impls', ['xla_recurrent', 'xla', 'pallas', 'fla'], 'what to time')
 flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
 flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
-flags.DEFINE_bool('stages', False, "also time each stage of impl='pallas' on its own (forward kernels, "
-                  'the backward\'s recomputation, reverse state pass and input gradients)')
-flags.DEFINE_list('kda_tiles', [''], "settings of the KDA kernels (kernels_pallas.kda.settings.KdaSettings) "
-                  "to time impl='pallas' under "
-                  "(and its stages, with --stages), one per entry, each 'key=int/key=int' (e.g. "
-                  "warps_diag=2/heads_diag=8); '' is the defaults")
+flags.DEFINE_bool(
+  'stages',
+  False,
+  "also time each stage of impl='pallas' on its own (forward kernels, "
+  "the backward's recomputation, reverse state pass and input gradients)",
+)
+flags.DEFINE_list(
+  'kda_tiles',
+  [''],
+  'settings of the KDA kernels (kernels_pallas.kda.settings.KdaSettings) '
+  "to time impl='pallas' under "
+  "(and its stages, with --stages), one per entry, each 'key=int/key=int' (e.g. "
+  "warps_diag=2/heads_diag=8); '' is the defaults",
+)
 flags.DEFINE_float('gate_log_max', 0.5, 'g = -exp(U(-7, gate_log_max))')
-flags.DEFINE_bool('gated', False, 'call the op as the KDA layer does: with the decay gate\'s pre-activation '
-                  'f ~ N(0, 1) in the input dtype, a_log and dt_bias at their init distributions, in '
-                  'place of g (formed inside the Pallas kernels; --kda_tiles=,fused_gate=0 for XLA\'s '
-                  'gate); forward+backward also differentiates a_log and dt_bias. Not for fla')
-flags.DEFINE_bool('kernels', False, "on a GPU: also the device time of each kernel inside one call of "
-                  "'pallas' (jax.profiler) and of fla (torch.profiler), forward and forward+backward, "
-                  'averaged over --repeats calls: where the two implementations differ')
-flags.DEFINE_integer('timeline', 0, "trace this many synchronised calls of impl='pallas' (forward, then "
-                     'forward+backward) and split each one\'s wall time into its kernels, the time before the '
-                     'first, the gaps between them and the time after the last, with the idle gaps and host '
-                     'events of 20 us or more (experiments/tools/profile_summary.call_timelines)')
-flags.DEFINE_bool('short_conv', False, "also time the KDA layer's short conv + SiLU + L2 norm "
-                  '(kimijax.ops.short_conv, one of q, k, v at the same shape) under each of its impls')
-flags.DEFINE_list('conv_tiles', [''], "with --short_conv: settings of the short-conv kernels (kernels_pallas."
-                  "short_conv.settings.ShortConvSettings) to time impl='pallas' under, '' for the defaults "
-                  "(e.g. --conv_tiles=,dz_tiles=1/dz_rows=32)")
+flags.DEFINE_bool(
+  'gated',
+  False,
+  "call the op as the KDA layer does: with the decay gate's pre-activation "
+  'f ~ N(0, 1) in the input dtype, a_log and dt_bias at their init distributions, in '
+  "place of g (formed inside the Pallas kernels; --kda_tiles=,fused_gate=0 for XLA's "
+  'gate); forward+backward also differentiates a_log and dt_bias. Not for fla',
+)
+flags.DEFINE_bool(
+  'kernels',
+  False,
+  'on a GPU: also the device time of each kernel inside one call of '
+  "'pallas' (jax.profiler) and of fla (torch.profiler), forward and forward+backward, "
+  'averaged over --repeats calls: where the two implementations differ',
+)
+flags.DEFINE_integer(
+  'timeline',
+  0,
+  "trace this many synchronised calls of impl='pallas' (forward, then "
+  "forward+backward) and split each one's wall time into its kernels, the time before the "
+  'first, the gaps between them and the time after the last, with the idle gaps and host '
+  'events of 20 us or more (experiments/tools/profile_summary.call_timelines)',
+)
+flags.DEFINE_bool(
+  'short_conv',
+  False,
+  "also time the KDA layer's short conv + SiLU + L2 norm "
+  '(kimijax.ops.short_conv, one of q, k, v at the same shape) under each of its impls',
+)
+flags.DEFINE_list(
+  'conv_tiles',
+  [''],
+  'with --short_conv: settings of the short-conv kernels (kernels_pallas.'
+  "short_conv.settings.ShortConvSettings) to time impl='pallas' under, '' for the defaults "
+  '(e.g. --conv_tiles=,dz_tiles=1/dz_rows=32)',
+)
 FLAGS = flags.FLAGS
 
 
 def _time(fn, repeats, warmup, sync):
   from experiments.bench import timing
+
   return timing.call_ms(fn, repeats=repeats, warmup=warmup, sync=sync)
 
 
@@ -78,6 +109,7 @@ def _cells(fns, sync):
   """The table's cells for the calls fns (forward, forward+backward): each one's median (min) ms
   over single waited calls, then each one's mean ms queued back to back (timing.queued_ms)."""
   from experiments.bench import timing
+
   single = ['%.2f (%.2f)' % _time(f, FLAGS.repeats, FLAGS.warmup, sync) for f in fns]
   return single + ['%.2f' % timing.queued_ms(f, repeats=FLAGS.repeats, warmup=1, sync=sync) for f in fns]
 
@@ -86,6 +118,7 @@ def _log_decay(key, shape):
   """g = -exp(U(-7, --gate_log_max)), float32."""
   import jax
   import jax.numpy as jnp
+
   return -jnp.exp(jax.random.uniform(key, shape, jnp.float32, -7.0, FLAGS.gate_log_max))
 
 
@@ -114,8 +147,9 @@ def _jax_rows(shape, dtype_name, impls, label='', settings=None):
   v = jax.random.normal(keys[2], (b, t, h, d), dtype)
   beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h))).astype(dtype)
   do = jax.random.normal(keys[5], (b, t, h, d), dtype)
-  if FLAGS.gated:   # a_log, dt_bias from the KDA layer's initialisers; f a unit normal
+  if FLAGS.gated:  # a_log, dt_bias from the KDA layer's initialisers; f a unit normal
     from kimijax.layers.kda import a_log_init, dt_bias_init
+
     gate_keys = jax.random.split(keys[3], 3)
     g = jax.random.normal(gate_keys[0], shape, dtype)
     gate = (a_log_init(gate_keys[1], (h,), jnp.float32), dt_bias_init(gate_keys[2], (h, d), jnp.float32))
@@ -162,6 +196,7 @@ def _profiled(call, run):
   import jax
 
   from experiments.tools import profile_summary
+
   jax.block_until_ready(call())
   with tempfile.TemporaryDirectory() as directory:
     with jax.profiler.trace(directory, create_perfetto_trace=True):
@@ -201,9 +236,15 @@ def _print_timeline(what, call):
   trace = _profiled(call, run)
   ms = lambda us: '%.3f' % (us / 1e3)
   for c in profile_summary.call_timelines(trace, 'timeline call ', min_us=20.0):
-    at = f'{what}, {c["name"][len("timeline "):]}'
-    _print_row([f'{at}: wall', ms(c['span_us']), f'kernels {ms(c["kernel_us"])}, before the first '
-                f'{ms(c["lead_us"])}, between {ms(c["gaps_us"])}, after the last {ms(c["tail_us"])}'])
+    at = f'{what}, {c["name"][len("timeline ") :]}'
+    _print_row(
+      [
+        f'{at}: wall',
+        ms(c['span_us']),
+        f'kernels {ms(c["kernel_us"])}, before the first '
+        f'{ms(c["lead_us"])}, between {ms(c["gaps_us"])}, after the last {ms(c["tail_us"])}',
+      ]
+    )
     for start, _, gap, name in c['kernels']:
       if gap >= 20.0:
         _print_row([f'{at}: idle before {name[:60]} (at +{ms(start)})', ms(gap)])
@@ -215,6 +256,7 @@ def _torch_kernel_ms(call):
   """The same for a PyTorch call, from torch.profiler's CUDA kernel events."""
   import torch
   from torch.profiler import ProfilerActivity, profile
+
   call()
   torch.cuda.synchronize()
   with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -245,14 +287,14 @@ def _stage_rows(shape, dtype_name, settings):
   b, t, h, d = shape
   dtype = jnp.dtype(dtype_name)
   keys = jax.random.split(jax.random.key(1), 6)
-  q = jax.random.normal(keys[0], (b, t, h, d), dtype) * d ** -0.5
-  k = jax.random.normal(keys[1], (b, t, h, d), dtype) * d ** -0.5
+  q = jax.random.normal(keys[0], (b, t, h, d), dtype) * d**-0.5
+  k = jax.random.normal(keys[1], (b, t, h, d), dtype) * d**-0.5
   v = jax.random.normal(keys[2], (b, t, h, d), dtype)
   g = _log_decay(keys[3], shape)
   beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
   do = jax.random.normal(keys[5], (b, t, h, d), dtype)
   s0 = jnp.zeros((b, h, d, d), jnp.float32)
-  c, scale = op.chunk_len(t), d ** -0.5
+  c, scale = op.chunk_len(t), d**-0.5
   interp = jax.default_backend() != 'gpu'
   kw = dict(c=c, settings=settings, interpret=interp)
   gc = op.chunk_cumsum(g, c, settings=settings, interpret=interp)
@@ -262,15 +304,19 @@ def _stage_rows(shape, dtype_name, settings):
   t_inv = inverse(n)
   apply = jax.jit(lambda *a: op.wy_apply(*a, scale=scale, **kw))
   qg, kg, w, u = apply(t_inv, q, k, v, gc, beta)
-  state = {with_h: jax.jit(lambda *a, with_h=with_h: op.state_fwd(*a, out_dtype=dtype, with_h=with_h, **kw))
-           for with_h in (False, True)}
+  state = {
+    with_h: jax.jit(lambda *a, with_h=with_h: op.state_fwd(*a, out_dtype=dtype, with_h=with_h, **kw))
+    for with_h in (False, True)
+  }
   bwd = jax.jit(lambda *a: op.state_bwd(*a, **kw))
   f32 = lambda x: x.astype(jnp.float32)
   sbwd = jax.jit(lambda *a: op.scores_bwd(*a, scale=scale, **kw))
-  cumsum = {rev: jax.jit(lambda x, rev=rev: op.chunk_cumsum(x, c, reverse=rev, settings=settings, interpret=interp))
-            for rev in (False, True)}
-  f_pre = g.astype(dtype)           # the gated kernels read the gate's pre-activation in the input dtype
-  rows_hk = jnp.full((h, d), 4.0), jnp.full((h, d), -4.0)    # exp(A_log), dt_bias
+  cumsum = {
+    rev: jax.jit(lambda x, rev=rev: op.chunk_cumsum(x, c, reverse=rev, settings=settings, interpret=interp))
+    for rev in (False, True)
+  }
+  f_pre = g.astype(dtype)  # the gated kernels read the gate's pre-activation in the input dtype
+  rows_hk = jnp.full((h, d), 4.0), jnp.full((h, d), -4.0)  # exp(A_log), dt_bias
   gate_kw = dict(lower_bound=0.0, t_valid=None, settings=settings, interpret=interp)
   gated = jax.jit(lambda f: op.gated_cumsum(f, *rows_hk, c, **gate_kw))
   ends = jnp.zeros((b, t // c, h, d), jnp.float32)
@@ -282,22 +328,25 @@ def _stage_rows(shape, dtype_name, settings):
   wy_back = jax.jit(lambda *a: op.wy_backward(*a, **kw))
   sync = jax.block_until_ready
   diag = jax.jit(lambda *a: op.diag_fwd(*a, scale=scale, settings=settings, interpret=interp))
-  stages = [('chunk_cumsum', lambda: cumsum[False](g)),
-            ('chunk_cumsum reverse (backward)', lambda: cumsum[True](g)),
-            ('gated cumsum (the gate fused: --gated)', lambda: gated(f_pre)),
-            ('gated reverse cumsum (backward)', lambda: gated_rev(g, f_pre)),
-            ('diag_fwd (part of scores_fwd when a sub-chunk is steep)', lambda: diag(q, k, gc, beta)),
-            ('scores_fwd', lambda: scores(q, k, gc, beta)),
-            ('wy_inverse', lambda: inverse(n)),
-            ('wy_apply (forward and backward)', lambda: apply(t_inv, q, k, v, gc, beta)),
-            ('state_fwd', lambda: state[False](qg, kg, w, u, aqk, gc, s0)),
-            ('state_fwd writing h, v_new (the backward)', lambda: state[True](qg, kg, w, u, aqk, gc, s0)),
-            ('state_bwd', lambda: bwd(qg, kg, w, aqk, gc, do, s0)),
-            ('chunk_cotangents', lambda: cot(hs, dh, do, dv_new, v_new)),
-            ('wy_backward', lambda: wy_back(t_inv, dw, dv_new, k, v, gc, beta)),
-            ('scores_bwd', lambda: sbwd(q, k, gc, beta, qg, kg, f32(aqk), n, f32(k), gc, beta))]
-  return [[f'pallas stage: {name}', '%.2f (%.2f)' % _time(fn, FLAGS.repeats, FLAGS.warmup, sync)]
-          for name, fn in stages]
+  stages = [
+    ('chunk_cumsum', lambda: cumsum[False](g)),
+    ('chunk_cumsum reverse (backward)', lambda: cumsum[True](g)),
+    ('gated cumsum (the gate fused: --gated)', lambda: gated(f_pre)),
+    ('gated reverse cumsum (backward)', lambda: gated_rev(g, f_pre)),
+    ('diag_fwd (part of scores_fwd when a sub-chunk is steep)', lambda: diag(q, k, gc, beta)),
+    ('scores_fwd', lambda: scores(q, k, gc, beta)),
+    ('wy_inverse', lambda: inverse(n)),
+    ('wy_apply (forward and backward)', lambda: apply(t_inv, q, k, v, gc, beta)),
+    ('state_fwd', lambda: state[False](qg, kg, w, u, aqk, gc, s0)),
+    ('state_fwd writing h, v_new (the backward)', lambda: state[True](qg, kg, w, u, aqk, gc, s0)),
+    ('state_bwd', lambda: bwd(qg, kg, w, aqk, gc, do, s0)),
+    ('chunk_cotangents', lambda: cot(hs, dh, do, dv_new, v_new)),
+    ('wy_backward', lambda: wy_back(t_inv, dw, dv_new, k, v, gc, beta)),
+    ('scores_bwd', lambda: sbwd(q, k, gc, beta, qg, kg, f32(aqk), n, f32(k), gc, beta)),
+  ]
+  return [
+    [f'pallas stage: {name}', '%.2f (%.2f)' % _time(fn, FLAGS.repeats, FLAGS.warmup, sync)] for name, fn in stages
+  ]
 
 
 def _short_conv_rows(shape, dtype_name):
@@ -313,6 +362,7 @@ def _short_conv_rows(shape, dtype_name):
   w = jax.random.uniform(keys[1], (4,) + shape[2:], jnp.float32, -0.5, 0.5)
   dy = jax.random.normal(keys[2], shape, jnp.dtype(dtype_name))
   from kernels_pallas.short_conv.settings import ShortConvSettings
+
   settings = [(text, ShortConvSettings.from_string(text)) for text in FLAGS.conv_tiles]
   rows = []
   for impl, (text, conv_settings) in [('xla', ('', None))] + [('pallas', st) for st in settings]:
@@ -320,7 +370,8 @@ def _short_conv_rows(shape, dtype_name):
     loss = lambda x, w, dy, fn=fn: jnp.sum(fn(x, w).astype(jnp.float32) * dy.astype(jnp.float32))
     calls = ((jax.jit(fn), (x, w)), (jax.jit(jax.grad(loss, argnums=(0, 1))), (x, w, dy)))
     row = [f'short_conv {impl} (silu_l2)' + (f' [{text}]' if text else '')] + _cells(
-        [lambda f=f, a=a: f(*a) for f, a in calls], jax.block_until_ready)
+      [lambda f=f, a=a: f(*a) for f, a in calls], jax.block_until_ready
+    )
     rows.append(row)
     _print_row(row)
     if FLAGS.kernels and jax.default_backend() == 'gpu':
@@ -346,7 +397,9 @@ def _fla_rows(shape):
   q = unit(randn(b, t, h, d)).bfloat16().requires_grad_()
   k = unit(randn(b, t, h, d)).bfloat16().requires_grad_()
   v = randn(b, t, h, d).bfloat16().requires_grad_()
-  g = (-torch.exp(torch.rand(b, t, h, d, device='cuda', generator=gen) * (FLAGS.gate_log_max + 7.0) - 7.0)).requires_grad_()
+  g = (
+    -torch.exp(torch.rand(b, t, h, d, device='cuda', generator=gen) * (FLAGS.gate_log_max + 7.0) - 7.0)
+  ).requires_grad_()
   beta = torch.sigmoid(randn(b, t, h)).bfloat16().requires_grad_()
   do = randn(b, t, h, d).bfloat16()
   sync = lambda _: torch.cuda.synchronize()
@@ -368,30 +421,37 @@ def _fla_rows(shape):
 def main(argv):
   del argv
   import jax
+
   shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.heads, FLAGS.head_dim)
   backend = jax.default_backend()
   dtype = FLAGS.dtype or ('float32' if backend == 'cpu' else 'bfloat16')
   device = jax.devices()[0]
-  print(f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; backend {backend}; '
-        f'device {device.device_kind} x{jax.device_count()}; host {platform.processor() or platform.machine()}')
+  print(
+    f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; backend {backend}; '
+    f'device {device.device_kind} x{jax.device_count()}; host {platform.processor() or platform.machine()}'
+  )
   print(f'command: python {" ".join(sys.argv)}')
-  print(f'shape B={shape[0]} T={shape[1]} H={shape[2]} K=V={shape[3]}; inputs {dtype} (g float32); '
-        f'chunk_size {FLAGS.chunk_size}; median (min) of {FLAGS.repeats} calls in ms, each waited for; '
-        f'queued: the mean of {FLAGS.repeats} calls issued back to back and waited for once\n')
+  print(
+    f'shape B={shape[0]} T={shape[1]} H={shape[2]} K=V={shape[3]}; inputs {dtype} (g float32); '
+    f'chunk_size {FLAGS.chunk_size}; median (min) of {FLAGS.repeats} calls in ms, each waited for; '
+    f'queued: the mean of {FLAGS.repeats} calls issued back to back and waited for once\n'
+  )
   _print_row(HEADER)
   _print_row(['---'] * len(HEADER))
   from kernels_pallas.kda.settings import KdaSettings
+
   # every --kda_tiles and --conv_tiles entry checked before anything runs
   settings = [KdaSettings.from_string(text) for text in FLAGS.kda_tiles]
   if FLAGS.short_conv:
     from kernels_pallas.short_conv.settings import ShortConvSettings
+
     for text in FLAGS.conv_tiles:
       ShortConvSettings.from_string(text)
-  _jax_rows(shape, dtype, FLAGS.impls)   # each row is printed as soon as it is timed
+  _jax_rows(shape, dtype, FLAGS.impls)  # each row is printed as soon as it is timed
   if FLAGS.short_conv:
     _short_conv_rows(shape, dtype)
   for text, kda_settings in zip(FLAGS.kda_tiles, settings):
-    if text and 'pallas' in FLAGS.impls:   # the whole op under this setting (the default's row is above)
+    if text and 'pallas' in FLAGS.impls:  # the whole op under this setting (the default's row is above)
       _jax_rows(shape, dtype, ['pallas'], f' [{text}]', settings=kda_settings)
     if FLAGS.stages:
       for row in _stage_rows(shape, dtype, kda_settings):

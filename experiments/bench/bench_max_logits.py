@@ -4,14 +4,14 @@
 Prints ms per call at B=8, T=4096, H=8, D=128 (the bench_350m attention shape) for each setting,
 next to cuDNN's causal attention forward on the same inputs.
 """
+
 import itertools
 
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.attention.max_logits import max_logits
-
 from experiments.bench import timing
+from kernels_pallas.attention.max_logits import max_logits
 
 
 def timeit(fn, *args, n=20):

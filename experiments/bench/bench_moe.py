@@ -36,12 +36,17 @@ IMPLS = ('tokamax',)
 def define_flags():
   """The command line (defined only when run as a script, so that tests can import the module)."""
   from absl import flags
+
   flags.DEFINE_list('configs', list(CONFIGS), "'ExKxF': routed experts, top-k, expert hidden")
   flags.DEFINE_integer('tokens', 65536, 'tokens per call (16 sequences of tokens / 16)')
   flags.DEFINE_integer('d_model', 1024, 'D')
   flags.DEFINE_integer('shared', 0, 'shared experts (each of width F)')
-  flags.DEFINE_list('impls', list(IMPLS), "grouped matmul impls (kimijax.ops.moe.IMPLS); 'xla' is "
-                    'jax.lax.ragged_dot, which may lower to a dense dot over all experts on a GPU')
+  flags.DEFINE_list(
+    'impls',
+    list(IMPLS),
+    "grouped matmul impls (kimijax.ops.moe.IMPLS); 'xla' is "
+    'jax.lax.ragged_dot, which may lower to a dense dot over all experts on a GPU',
+  )
   flags.DEFINE_string('dtype', None, 'compute dtype; default bfloat16 on a GPU, float32 elsewhere')
   flags.DEFINE_bool('parts', True, 'also time the dispatch parts (table 2)')
   flags.DEFINE_integer('repeats', 10, 'timed calls per cell')
@@ -80,6 +85,7 @@ def _na_cell(problem: str) -> str:
 def _timed(fn, args, tflop, repeats, warmup) -> tuple[str, float | None]:
   """(cell, median ms or None)."""
   from experiments.bench import timing
+
   try:
     median, best = timing.call_ms(lambda: fn(*args), repeats=repeats, warmup=warmup)
   except Exception as e:  # noqa: BLE001 - out of memory, a shape a kernel refuses
@@ -93,6 +99,7 @@ def _fwd_and_grad(apply, params, x):
   params and x) of apply(params, x) -> y."""
   import jax
   import jax.numpy as jnp
+
   dy = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
   loss = lambda p, x: jnp.sum(apply(p, x).astype(jnp.float32) * dy)
   return jax.jit(apply), jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -100,6 +107,7 @@ def _fwd_and_grad(apply, params, x):
 
 def _inputs(tokens, d_model, dtype):
   import jax
+
   seqs = 16 if tokens % 16 == 0 else 1
   return jax.random.normal(jax.random.key(0), (seqs, tokens // seqs, d_model), dtype)
 
@@ -134,14 +142,15 @@ def layer_rows(config_names, impls, tokens=65536, d_model=1024, shared=0, dtype_
         cell = _na_cell(problem)
         yield [label, impl, cell, cell, dense_fwd, dense_grad, '-']
         continue
-      layer = MoE(num_experts=e, top_k=k, expert_hidden=f, num_shared=shared, scaling_factor=2.446,
-                  dtype=dtype, impl=impl)
+      layer = MoE(
+        num_experts=e, top_k=k, expert_hidden=f, num_shared=shared, scaling_factor=2.446, dtype=dtype, impl=impl
+      )
       variables = jax.jit(layer.init)(jax.random.key(3), x)
       state = variables[MOE_STATE]
 
       def apply(p, x, layer=layer, state=state):
         y, stats = layer.apply({'params': p, MOE_STATE: state}, x, mutable=[MOE_STATS])
-        return y + moe_aux_loss(stats[MOE_STATS]).astype(y.dtype)   # what the train step computes
+        return y + moe_aux_loss(stats[MOE_STATS]).astype(y.dtype)  # what the train step computes
 
       fwd, grad = _fwd_and_grad(apply, variables['params'], x)
       moe_fwd, _ = _timed(fwd, (variables['params'], x), moe_tflop, repeats, warmup)
@@ -164,9 +173,14 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
   for name in config_names:
     e, k, f = parse_config(name)
     w_router = 0.02 * jax.random.normal(keys[1], (d_model, e), jnp.float32)
-    route = jax.jit(lambda x, w: moe_ops.route(
-        jnp.einsum('td,de->te', x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST), None,
-        top_k=k, scaling_factor=2.446))
+    route = jax.jit(
+      lambda x, w: moe_ops.route(
+        jnp.einsum('td,de->te', x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST),
+        None,
+        top_k=k,
+        scaling_factor=2.446,
+      )
+    )
     routing = route(x_td, w_router)
     sort = jax.jit(lambda ex: moe_ops.sort_by_expert(ex, e))
     dispatch = sort(routing.experts_tk)
@@ -178,13 +192,19 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
     permute = lambda x: moe_ops.permute(x, dispatch, k)
     g_md = jax.random.normal(keys[2], (tokens * k, d_model), jnp.float32)
     permute_grad = jax.jit(jax.grad(lambda x: jnp.sum(permute(x).astype(jnp.float32) * g_md)))
-    yield [label, 'permute', '-', _timed(jax.jit(permute), (x_td,), None, repeats, warmup)[0],
-           _timed(permute_grad, (x_td,), None, repeats, warmup)[0]]
+    yield [
+      label,
+      'permute',
+      '-',
+      _timed(jax.jit(permute), (x_td,), None, repeats, warmup)[0],
+      _timed(permute_grad, (x_td,), None, repeats, warmup)[0],
+    ]
     x_md = jax.jit(permute)(x_td)
-    del g_md
 
-    w = [jax.random.normal(kk, shape, dtype) * 0.02
-         for kk, shape in zip(keys[3:6], ((e, d_model, f), (e, d_model, f), (e, f, d_model)))]
+    w = [
+      jax.random.normal(kk, shape, dtype) * 0.02
+      for kk, shape in zip(keys[3:6], ((e, d_model, f), (e, d_model, f), (e, f, d_model)))
+    ]
     for impl in impls:
       problem = moe_ops.unsupported(impl, dtype, d_model, f)
       if problem:
@@ -195,51 +215,70 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
       g_out = jax.random.normal(keys[6], (tokens * k, d_model), jnp.float32)
       swiglu_grad = jax.jit(jax.grad(lambda *a: jnp.sum(swiglu(*a).astype(jnp.float32) * g_out), argnums=(0, 1, 2, 3)))
       tflop = forward_tflop(tokens, d_model, f * k)
-      yield [label, 'grouped swiglu', impl, _timed(jax.jit(swiglu), (x_md, *w), tflop, repeats, warmup)[0],
-             _timed(swiglu_grad, (x_md, *w), 3 * tflop, repeats, warmup)[0]]
-      del g_out
+      yield [
+        label,
+        'grouped swiglu',
+        impl,
+        _timed(jax.jit(swiglu), (x_md, *w), tflop, repeats, warmup)[0],
+        _timed(swiglu_grad, (x_md, *w), 3 * tflop, repeats, warmup)[0],
+      ]
 
     weights = routing.weights_tk
     g_td = jax.random.normal(keys[7], (tokens, d_model), jnp.float32)
     combine = lambda y, w: moe_ops.combine(y, dispatch, w)
     combine_grad = jax.jit(jax.grad(lambda y, w: jnp.sum(combine(y, w) * g_td), argnums=(0, 1)))
-    yield [label, 'combine', '-', _timed(jax.jit(combine), (x_md, weights), None, repeats, warmup)[0],
-           _timed(combine_grad, (x_md, weights), None, repeats, warmup)[0]]
-    del x_md, g_td, w
+    yield [
+      label,
+      'combine',
+      '-',
+      _timed(jax.jit(combine), (x_md, weights), None, repeats, warmup)[0],
+      _timed(combine_grad, (x_md, weights), None, repeats, warmup)[0],
+    ]
 
 
 def main(argv):
   del argv
   import jax
   from absl import flags
+
   FLAGS = flags.FLAGS
   try:
     import tokamax
+
     tokamax_version = tokamax.__version__
   except ImportError:
     tokamax_version = 'not installed'
   device = jax.devices()[0]
-  print(f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; tokamax {tokamax_version}; '
-        f'backend {jax.default_backend()}; device {device.device_kind} x{jax.device_count()}; '
-        f'host {platform.node()}')
+  print(
+    f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; tokamax {tokamax_version}; '
+    f'backend {jax.default_backend()}; device {device.device_kind} x{jax.device_count()}; '
+    f'host {platform.node()}'
+  )
   print(f'command: python -m experiments.bench.bench_moe {" ".join(sys.argv[1:])}')
-  print(f'{FLAGS.tokens} tokens, d_model {FLAGS.d_model}; median (min) of {FLAGS.repeats} calls in ms after '
-        f'{FLAGS.warmup}; TFLOP/s over the active FLOPs\n')
-  print('| config | impl | MoE forward | MoE forward+backward | dense forward | dense forward+backward | '
-        'MoE / dense (fwd+bwd) |')
+  print(
+    f'{FLAGS.tokens} tokens, d_model {FLAGS.d_model}; median (min) of {FLAGS.repeats} calls in ms after '
+    f'{FLAGS.warmup}; TFLOP/s over the active FLOPs\n'
+  )
+  print(
+    '| config | impl | MoE forward | MoE forward+backward | dense forward | dense forward+backward | '
+    'MoE / dense (fwd+bwd) |'
+  )
   print('|---|---|---|---|---|---|---|', flush=True)
-  for row in layer_rows(FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.shared, FLAGS.dtype,
-                        FLAGS.repeats, FLAGS.warmup):
+  for row in layer_rows(
+    FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.shared, FLAGS.dtype, FLAGS.repeats, FLAGS.warmup
+  ):
     print('| ' + ' | '.join(row) + ' |', flush=True)
   if FLAGS.parts:
     print('\n| config | part | impl | forward | forward+backward |')
     print('|---|---|---|---|---|', flush=True)
-    for row in part_rows(FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.dtype, FLAGS.repeats,
-                         FLAGS.warmup):
+    for row in part_rows(
+      FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.dtype, FLAGS.repeats, FLAGS.warmup
+    ):
       print('| ' + ' | '.join(row) + ' |', flush=True)
 
 
 if __name__ == '__main__':
   from absl import app
+
   define_flags()
   app.run(main)

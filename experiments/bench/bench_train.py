@@ -27,15 +27,27 @@ flags.DEFINE_integer('warmup', 3, 'untimed steps (the first compiles)')
 flags.DEFINE_float('peak_tflops', 989.0, 'dense bf16 peak of one device, TFLOP/s')
 flags.DEFINE_string('json_out', None, 'also write the figures to this JSON file')
 flags.DEFINE_string('profile_dir', None, 'write a profiler trace (perfetto JSON too) of 3 extra steps here')
-flags.DEFINE_string('phase1_tiles', '', "AttnRes phase-1 kernel settings for this run, 'key=int/key=int' over "
-                    'kernels_pallas.attnres.settings.Phase1Settings (for step-level tile sweeps; sets '
-                    'model.kernels.attnres_phase1)')
-flags.DEFINE_string('merge_tiles', '', 'the same for the fused phase-2 kernels '
-                    '(MergeNormSettings; model.kernels.attnres_merge_norm)')
-flags.DEFINE_string('kda_tiles', '', "the same for the KDA kernels (kernels_pallas.kda.settings.KdaSettings; "
-                    "model.kernels.kda), e.g. 'flat_branch=0'")
-flags.DEFINE_string('conv_tiles', '', "the same for the short-conv kernels (kernels_pallas.short_conv.settings."
-                    "ShortConvSettings; model.kernels.short_conv), e.g. 'dz_tiles=1/dz_rows=32'")
+flags.DEFINE_string(
+  'phase1_tiles',
+  '',
+  "AttnRes phase-1 kernel settings for this run, 'key=int/key=int' over "
+  'kernels_pallas.attnres.settings.Phase1Settings (for step-level tile sweeps; sets '
+  'model.kernels.attnres_phase1)',
+)
+flags.DEFINE_string(
+  'merge_tiles', '', 'the same for the fused phase-2 kernels (MergeNormSettings; model.kernels.attnres_merge_norm)'
+)
+flags.DEFINE_string(
+  'kda_tiles',
+  '',
+  "the same for the KDA kernels (kernels_pallas.kda.settings.KdaSettings; model.kernels.kda), e.g. 'flat_branch=0'",
+)
+flags.DEFINE_string(
+  'conv_tiles',
+  '',
+  'the same for the short-conv kernels (kernels_pallas.short_conv.settings.'
+  "ShortConvSettings; model.kernels.short_conv), e.g. 'dz_tiles=1/dz_rows=32'",
+)
 flags.mark_flags_as_required(['config'])
 FLAGS = flags.FLAGS
 
@@ -45,8 +57,12 @@ def _kernel_tiles(config) -> dict:
   settings (the model passes them to the kernels; validate checks them before any compile).
   Returns the overrides, for the results."""
   tiles = {}
-  for key, flag in (('kda', FLAGS.kda_tiles), ('short_conv', FLAGS.conv_tiles),
-                    ('phase1', FLAGS.phase1_tiles), ('merge_norm', FLAGS.merge_tiles)):
+  for key, flag in (
+    ('kda', FLAGS.kda_tiles),
+    ('short_conv', FLAGS.conv_tiles),
+    ('phase1', FLAGS.phase1_tiles),
+    ('merge_norm', FLAGS.merge_tiles),
+  ):
     if flag:
       config.model.kernels[{'phase1': 'attnres_phase1', 'merge_norm': 'attnres_merge_norm'}.get(key, key)] = flag
       tiles[key] = flag
@@ -58,19 +74,18 @@ def main(argv):
   import jax
   import jax.numpy as jnp
 
+  from experiments.bench import timing
   from kimijax.config import config_from_flags, validate
   from kimijax.model import count_params
   from kimijax.parallel import mesh as mesh_lib
   from kimijax.train.flops import model_flops_per_token
   from kimijax.train.step import build_training
 
-  from experiments.bench import timing
-
   try:
     config = config_from_flags('config', validate=False)
     tiles = _kernel_tiles(config)
     config = validate(config)
-  except ValueError as e:    # a bad file, variant, key or tile setting: one line naming it
+  except ValueError as e:  # a bad file, variant, key or tile setting: one line naming it
     raise SystemExit(f'ConfigError: {e}') from None
   t = config.train
   mesh = mesh_lib.make_mesh(config.mesh)
@@ -78,13 +93,17 @@ def main(argv):
   start = time.perf_counter()
   state, train_step, batch_sh = jax.block_until_ready(run.init_state(config)), run.train_step, run.batch_sharding
   init_s = time.perf_counter() - start
-  tokens = jax.jit(lambda k: jax.random.randint(k, (t.batch_size, t.seq_len + 1), 0, config.model.vocab_size),
-                   out_shardings=mesh_lib.replicated(mesh))(jax.random.key(0))
-  batch = jax.device_put({'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-                          'mask': jnp.ones((t.batch_size, t.seq_len), jnp.float32)}, batch_sh)
+  tokens = jax.jit(
+    lambda k: jax.random.randint(k, (t.batch_size, t.seq_len + 1), 0, config.model.vocab_size),
+    out_shardings=mesh_lib.replicated(mesh),
+  )(jax.random.key(0))
+  batch = jax.device_put(
+    {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'mask': jnp.ones((t.batch_size, t.seq_len), jnp.float32)},
+    batch_sh,
+  )
 
   step = lambda carry: train_step(carry[0], batch)
-  start = time.perf_counter()     # the first step: compilation (or a cache load) and one step
+  start = time.perf_counter()  # the first step: compilation (or a cache load) and one step
   first = jax.block_until_ready(train_step(state, batch))
   first_step_s = time.perf_counter() - start
   step_ms, (state, metrics) = timing.loop_ms(step, first, steps=FLAGS.steps, warmup=max(FLAGS.warmup - 1, 0))
@@ -103,19 +122,28 @@ def main(argv):
   tflops_per_dev = flops_per_token * tokens_per_step / step_s / n_dev / 1e12
   stats = jax.devices()[0].memory_stats() or {}
   result = {
-      'device': jax.devices()[0].device_kind, 'num_devices': n_dev, 'params_M': n_params / 1e6,
-      'mesh': ' '.join(f'{a}={n}' for a, n in mesh.shape.items()), 'optimizer': config.optimizer.name,
-      'muon_split_matrices': (config.optimizer.muon_split_matrices
-                              if config.optimizer.name != 'adamw' else None),
-      'batch': t.batch_size, 'seq_len': t.seq_len, 'attn_impl': config.model.attn_impl,
-      'remat': config.model.remat, 'residual': config.model.residual,
-      'attnres_block_size': (config.model.attnres_block_size
-                             if config.model.residual == 'attnres_block' else None),
-      'residual_dtype': config.model.residual_dtype, 'attnres_tiles': tiles,
-      'step_ms': step_s * 1e3, 'tokens_per_sec': tokens_per_step / step_s,
-      'model_tflops_per_device': tflops_per_dev, 'mfu': tflops_per_dev / FLAGS.peak_tflops,
-      'peak_memory_GiB': stats.get('peak_bytes_in_use', 0) / 2**30, 'loss': float(metrics['loss']),
-      'init_s': init_s, 'first_step_s': first_step_s,
+    'device': jax.devices()[0].device_kind,
+    'num_devices': n_dev,
+    'params_M': n_params / 1e6,
+    'mesh': ' '.join(f'{a}={n}' for a, n in mesh.shape.items()),
+    'optimizer': config.optimizer.name,
+    'muon_split_matrices': (config.optimizer.muon_split_matrices if config.optimizer.name != 'adamw' else None),
+    'batch': t.batch_size,
+    'seq_len': t.seq_len,
+    'attn_impl': config.model.attn_impl,
+    'remat': config.model.remat,
+    'residual': config.model.residual,
+    'attnres_block_size': (config.model.attnres_block_size if config.model.residual == 'attnres_block' else None),
+    'residual_dtype': config.model.residual_dtype,
+    'attnres_tiles': tiles,
+    'step_ms': step_s * 1e3,
+    'tokens_per_sec': tokens_per_step / step_s,
+    'model_tflops_per_device': tflops_per_dev,
+    'mfu': tflops_per_dev / FLAGS.peak_tflops,
+    'peak_memory_GiB': stats.get('peak_bytes_in_use', 0) / 2**30,
+    'loss': float(metrics['loss']),
+    'init_s': init_s,
+    'first_step_s': first_step_s,
   }
   for key, value in result.items():
     print(f'{key:>24}: {value:.4g}' if isinstance(value, float) else f'{key:>24}: {value}')

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _block(x):
   import jax
+
   return jax.block_until_ready(x)
 
 
-def call_times_ms(fn: Callable[[], Any], *, repeats: int = 10, warmup: int = 2,
-                  sync: Callable[[Any], Any] = _block) -> list[float]:
+def call_times_ms(
+  fn: Callable[[], Any], *, repeats: int = 10, warmup: int = 2, sync: Callable[[Any], Any] = _block
+) -> list[float]:
   """Milliseconds of each of `repeats` calls fn(), each followed by sync(result), after `warmup`
   untimed calls. `sync` defaults to jax.block_until_ready (pass e.g. a torch.cuda.synchronize
   wrapper for other frameworks)."""
@@ -38,15 +41,17 @@ def call_times_ms(fn: Callable[[], Any], *, repeats: int = 10, warmup: int = 2,
   return times
 
 
-def call_ms(fn: Callable[[], Any], *, repeats: int = 10, warmup: int = 2,
-            sync: Callable[[Any], Any] = _block) -> tuple[float, float]:
+def call_ms(
+  fn: Callable[[], Any], *, repeats: int = 10, warmup: int = 2, sync: Callable[[Any], Any] = _block
+) -> tuple[float, float]:
   """(median, min) milliseconds per call of fn(); see call_times_ms."""
   times = call_times_ms(fn, repeats=repeats, warmup=warmup, sync=sync)
   return statistics.median(times), min(times)
 
 
-def queued_ms(fn: Callable[[], Any], *, repeats: int = 10, warmup: int = 2,
-              sync: Callable[[Any], Any] = _block) -> float:
+def queued_ms(
+  fn: Callable[[], Any], *, repeats: int = 10, warmup: int = 2, sync: Callable[[Any], Any] = _block
+) -> float:
   """Mean milliseconds per call of `repeats` independent calls fn() issued back to back, with
   sync only on the last result (the device runs them in order), after `warmup` waited calls."""
   if repeats < 1:

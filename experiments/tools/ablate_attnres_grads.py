@@ -26,28 +26,32 @@ flags.DEFINE_integer('sources', 8, 'n, block sums')
 flags.DEFINE_integer('queries', 6, 'S, consumers per block')
 flags.DEFINE_integer('tokens', 16 * 4096, 'M')
 flags.DEFINE_integer('d_model', 1024, 'D')
-flags.DEFINE_string('tiles', '', "phase-1 tiles, 'key=int/key=int' (the grads kernel's: bt_grads, "
-                    "rows_grads, dc_grads, warps_grads, stages_grads)")
+flags.DEFINE_string(
+  'tiles',
+  '',
+  "phase-1 tiles, 'key=int/key=int' (the grads kernel's: bt_grads, rows_grads, dc_grads, warps_grads, stages_grads)",
+)
 FLAGS = flags.FLAGS
 
-VARIANTS = {                     # name: the terms kept (None: the kernel itself)
-    'the kernel as it is': None,
-    'without sum_j alpha_ji do_j (nor the do reads)': dict(alpha_do=False),
-    'without sum_j b_ji q_j': dict(b_q=False),
-    'without the dq dot': dict(dq=False),
-    'without dv_in (nor its reads)': dict(dv_in=False),
-    'dv_i = c_i v_i + dv_in_i + sum_j do_j, no dq: the memory traffic alone': dict(weights=False, dq=False),
+VARIANTS = {  # name: the terms kept (None: the kernel itself)
+  'the kernel as it is': None,
+  'without sum_j alpha_ji do_j (nor the do reads)': dict(alpha_do=False),
+  'without sum_j b_ji q_j': dict(b_q=False),
+  'without the dq dot': dict(dq=False),
+  'without dv_in (nor its reads)': dict(dv_in=False),
+  'dv_i = c_i v_i + dv_in_i + sum_j do_j, no dq: the memory traffic alone': dict(weights=False, dq=False),
 }
 
 
 def make_kernel(n, s, bt, alpha_do=True, b_q=True, dq=True, dv_in=True, weights=True):
   """grads_kernel (bf16 sources) with the named terms left out; weights=False sums the do_j
   unweighted (their reads stay, the alpha and b reads go)."""
+
   def kernel(*refs):
     k = n if dv_in else 0
-    do, src, dv_prev = refs[:s], refs[s:s + n], refs[s + n:s + n + k]
-    alpha_ref, b_ref, c_ref, q_ref, parts_ref = refs[s + n + k:s + n + k + 5]
-    dv, (dq_ref,) = refs[s + n + k + 5:s + 2 * n + k + 5], refs[s + 2 * n + k + 5:]
+    do, src, dv_prev = refs[:s], refs[s : s + n], refs[s + n : s + n + k]
+    alpha_ref, b_ref, c_ref, q_ref, parts_ref = refs[s + n + k : s + n + k + 5]
+    dv, (dq_ref,) = refs[s + n + k + 5 : s + 2 * n + k + 5], refs[s + 2 * n + k + 5 :]
     q = [q_ref[j, :][None, :] for j in range(s)]
 
     def step(t, carry):
@@ -74,11 +78,13 @@ def make_kernel(n, s, bt, alpha_do=True, b_q=True, dq=True, dv_in=True, weights=
       for i in range(n):
         acc += jnp.dot(parts_ref[i], src[i][...], preferred_element_type=jnp.float32)
     dq_ref[...] = acc
+
   return kernel
 
 
 def median_ms(fn, args, calls=20, warmup=3):
   from experiments.bench import timing
+
   return timing.call_ms(lambda: fn(*args), repeats=calls, warmup=warmup)[0]
 
 
@@ -92,15 +98,23 @@ def main(argv):
   rand = lambda shape, dtype=jnp.bfloat16: jax.random.normal(next(keys), shape, jnp.float32).astype(dtype)
   width = bf16_split.dot_width(s)
   d_outs, sources, d_sources_in = ([rand((m, d)) for _ in range(k)] for k in (s, n, n))
-  coefficients = (rand((n, s, m), jnp.float32), rand((n, s, m), jnp.float32), rand((n, m), jnp.float32),
-                  rand((s, d), jnp.float32), rand((n, width, m)))
-  print(f"| grads kernel, n = {n}, S = {s}, M = {m}, D = {d}, bf16, {jax.devices()[0].device_kind}"
-        f"{', tiles ' + FLAGS.tiles if FLAGS.tiles else ''} | ms per call |")
+  coefficients = (
+    rand((n, s, m), jnp.float32),
+    rand((n, s, m), jnp.float32),
+    rand((n, m), jnp.float32),
+    rand((s, d), jnp.float32),
+    rand((n, width, m)),
+  )
+  print(
+    f'| grads kernel, n = {n}, S = {s}, M = {m}, D = {d}, bf16, {jax.devices()[0].device_kind}'
+    f'{", tiles " + FLAGS.tiles if FLAGS.tiles else ""} | ms per call |'
+  )
   print('|---|---|')
   for name, parts in VARIANTS.items():
     if parts is None:
-      kernel = functools.partial(phase1_backward.grads_kernel, n=n, s=s, bt=settings.bt_grads, accumulate=True,
-                                 source_parts=1)
+      kernel = functools.partial(
+        phase1_backward.grads_kernel, n=n, s=s, bt=settings.bt_grads, accumulate=True, source_parts=1
+      )
     else:
       kernel = make_kernel(n, s, settings.bt_grads, **parts)
     accumulated = d_sources_in if (parts or {}).get('dv_in', True) else []

@@ -33,7 +33,7 @@ flags.DEFINE_integer('heads', 4, 'H')
 flags.DEFINE_integer('head_dim', 128, 'K = V')
 flags.DEFINE_string('dtype', 'bfloat16', 'dtype of q, k, v, beta and f (states and the gate parameters: float32)')
 flags.DEFINE_list('impls', ['pallas', 'xla', 'fla'], "what to measure: kimijax impls and 'fla'")
-flags.DEFINE_bool('gated', True, 'the gate from its pre-activation inside the op (the KDA layer\'s call)')
+flags.DEFINE_bool('gated', True, "the gate from its pre-activation inside the op (the KDA layer's call)")
 flags.DEFINE_float('f_std', 0.5, 'standard deviation of the gate pre-activation f')
 flags.DEFINE_integer('seed', 0, 'seed of the inputs')
 FLAGS = flags.FLAGS
@@ -46,13 +46,20 @@ def inputs(shape, *, gated: bool, f_std: float, seed: int) -> dict[str, np.ndarr
   import jax
 
   from kimijax.layers.kda import a_log_init, dt_bias_init
+
   b, t, h, d = shape
   rng = np.random.default_rng(seed)
   unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-  x = {'q': unit(rng.normal(size=shape)), 'k': unit(rng.normal(size=shape)), 'v': rng.normal(size=shape),
-       'f': rng.normal(size=shape) * f_std if gated else -np.exp(rng.uniform(-7.0, 0.5, size=shape)),
-       'beta': rng.uniform(size=(b, t, h)), 'initial_state': rng.normal(size=(b, h, d, d)),
-       'w_o': rng.normal(size=shape), 'w_s': rng.normal(size=(b, h, d, d))}
+  x = {
+    'q': unit(rng.normal(size=shape)),
+    'k': unit(rng.normal(size=shape)),
+    'v': rng.normal(size=shape),
+    'f': rng.normal(size=shape) * f_std if gated else -np.exp(rng.uniform(-7.0, 0.5, size=shape)),
+    'beta': rng.uniform(size=(b, t, h)),
+    'initial_state': rng.normal(size=(b, h, d, d)),
+    'w_o': rng.normal(size=shape),
+    'w_s': rng.normal(size=(b, h, d, d)),
+  }
   if gated:
     keys = jax.random.split(jax.random.key(seed), 2)
     x['a_log'] = np.asarray(a_log_init(keys[0], (h,), np.float32))
@@ -66,14 +73,25 @@ def _jax_outputs(impl: str, x: dict, dtype) -> list[np.ndarray]:
   import jax.numpy as jnp
 
   from kimijax.ops import kda as kda_lib
+
   names = [n for n in NAMES if n in x]
-  low = lambda n: n in ('q', 'k', 'v', 'beta') or (n == 'f' and 'a_log' in x)   # g stays float32
+  low = lambda n: n in ('q', 'k', 'v', 'beta') or (n == 'f' and 'a_log' in x)  # g stays float32
   args = [jnp.asarray(x[n], dtype if low(n) else jnp.float32) for n in names]
 
   def loss(*a):
     kw = dict(zip(names, a))
-    o, s = kda_lib.kda(kw['q'], kw['k'], kw['v'], kw['f'], kw['beta'], impl=impl, initial_state=kw['initial_state'],
-                       output_final_state=True, a_log=kw.get('a_log'), dt_bias=kw.get('dt_bias'))
+    o, s = kda_lib.kda(
+      kw['q'],
+      kw['k'],
+      kw['v'],
+      kw['f'],
+      kw['beta'],
+      impl=impl,
+      initial_state=kw['initial_state'],
+      output_final_state=True,
+      a_log=kw.get('a_log'),
+      dt_bias=kw.get('dt_bias'),
+    )
     return jnp.sum(o.astype(jnp.float32) * x['w_o']) + jnp.sum(s * x['w_s']), (o, s)
 
   (_, (o, s)), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
@@ -94,8 +112,9 @@ def _fla_outputs(x: dict) -> list[np.ndarray] | str:
   t = {n: torch.tensor(x[n], device='cuda') for n in NAMES if n in x}
   t = {n: (v.bfloat16() if n in low else v).requires_grad_() for n, v in t.items()}
   kw = dict(A_log=t['a_log'], dt_bias=t['dt_bias'].reshape(-1), use_gate_in_kernel=True) if gated else {}
-  o, s = chunk_kda(t['q'], t['k'], t['v'], t['f'], t['beta'], initial_state=t['initial_state'],
-                   output_final_state=True, **kw)
+  o, s = chunk_kda(
+    t['q'], t['k'], t['v'], t['f'], t['beta'], initial_state=t['initial_state'], output_final_state=True, **kw
+  )
   w_o, w_s = (torch.tensor(x[n], device='cuda') for n in ('w_o', 'w_s'))
   ((o.float() * w_o).sum() + (s.float() * w_s).sum()).backward()
   return [y.float().cpu().numpy() for y in [o, s] + [t[n].grad for n in NAMES if n in t]]
@@ -109,6 +128,7 @@ def errors(shape, dtype_name: str, impls, *, gated: bool = True, f_std: float = 
   """({impl: [relative RMSE of o, final state, each gradient] or why skipped}, column names)."""
   import jax
   import jax.numpy as jnp
+
   x = inputs(shape, gated=gated, f_std=f_std, seed=seed)
   with jax.default_matmul_precision('highest'):
     ref = _jax_outputs('xla', x, jnp.float32)
@@ -123,14 +143,18 @@ def errors(shape, dtype_name: str, impls, *, gated: bool = True, f_std: float = 
 def main(argv):
   del argv
   import jax
+
   shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.heads, FLAGS.head_dim)
   from kimijax.ops import kda as kda_lib
+
   for impl in FLAGS.impls:
     if impl != 'fla' and impl not in kda_lib.IMPLS:
       raise app.UsageError(f'--impls: {impl!r} is unknown; allowed: {tuple(kda_lib.IMPLS)} and fla')
   print(f'jax {jax.__version__}; backend {jax.default_backend()}; device {jax.devices()[0].device_kind}')
-  print(f'shape B, T, H, K=V = {shape}; inputs {FLAGS.dtype}; gated {FLAGS.gated}; relative RMSE against '
-        "impl='xla' in float32 (matmul precision 'highest')\n")
+  print(
+    f'shape B, T, H, K=V = {shape}; inputs {FLAGS.dtype}; gated {FLAGS.gated}; relative RMSE against '
+    "impl='xla' in float32 (matmul precision 'highest')\n"
+  )
   result, columns = errors(shape, FLAGS.dtype, FLAGS.impls, gated=FLAGS.gated, f_std=FLAGS.f_std, seed=FLAGS.seed)
   print('| implementation | ' + ' | '.join(columns) + ' |')
   print('|---' * (len(columns) + 1) + '|')

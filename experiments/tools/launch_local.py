@@ -81,16 +81,23 @@ def define_flags():
   """The command line (defined only when run as a script, so that tests can import the module
   next to others that define flags of the same names, e.g. run.py's --num_processes)."""
   flags.DEFINE_integer('num_processes', 2, 'processes to start (>= 1); 1 runs the command alone')
-  flags.DEFINE_integer('gpus_per_process', 1, 'GPUs each process sees (CUDA_VISIBLE_DEVICES); '
-                       '0: CPU processes')
-  flags.DEFINE_integer('cpu_devices_per_process', 1, 'with --gpus_per_process=0: CPU devices of '
-                       'each process (--xla_force_host_platform_device_count)')
+  flags.DEFINE_integer('gpus_per_process', 1, 'GPUs each process sees (CUDA_VISIBLE_DEVICES); 0: CPU processes')
+  flags.DEFINE_integer(
+    'cpu_devices_per_process',
+    1,
+    'with --gpus_per_process=0: CPU devices of each process (--xla_force_host_platform_device_count)',
+  )
   # --log_dir (folder for process_<i>.log; default: a new temporary folder) is absl's own flag
   # ("directory to write logfiles into"), defined by absl.logging: the launcher reads it.
-  flags.DEFINE_string('program', 'run.py', 'what each process runs: a Python script (.py; relative '
-                      'to this repository, else to the current folder) or a module name (run with -m)')
-  flags.DEFINE_float('grace_s', 10.0, 'after a failure or Ctrl-C, seconds the other processes get '
-                     'to exit before they are killed')
+  flags.DEFINE_string(
+    'program',
+    'run.py',
+    'what each process runs: a Python script (.py; relative '
+    'to this repository, else to the current folder) or a module name (run with -m)',
+  )
+  flags.DEFINE_float(
+    'grace_s', 10.0, 'after a failure or Ctrl-C, seconds the other processes get to exit before they are killed'
+  )
   flags.DEFINE_float('timeout_s', 0.0, 'stop every process and fail after this many seconds (0: no limit)')
 
 
@@ -103,7 +110,7 @@ class Process:
   index: int
   command: list[str]
   env: dict[str, str]
-  devices: str             # what it runs on, for the start-up line
+  devices: str  # what it runs on, for the start-up line
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -148,9 +155,18 @@ def program_command(program: str, cwd: pathlib.Path) -> list[str]:
   return [sys.executable, '-m', program]
 
 
-def plan(args: list[str], *, num_processes: int, gpus_per_process: int, cpu_devices_per_process: int,
-         program: str, env: dict[str, str], gpus: list[str] | None = None, gpus_from: str = '',
-         cwd: pathlib.Path | None = None) -> list[Process]:
+def plan(
+  args: list[str],
+  *,
+  num_processes: int,
+  gpus_per_process: int,
+  cpu_devices_per_process: int,
+  program: str,
+  env: dict[str, str],
+  gpus: list[str] | None = None,
+  gpus_from: str = '',
+  cwd: pathlib.Path | None = None,
+) -> list[Process]:
   """The command and environment of every process; LaunchError on bad input, before any start.
 
   `gpus` (default: visible_gpus(env)) are the CUDA_VISIBLE_DEVICES entries to hand out."""
@@ -164,8 +180,9 @@ def plan(args: list[str], *, num_processes: int, gpus_per_process: int, cpu_devi
   if gpus_per_process and cpu_devices_per_process != 1:
     raise LaunchError('--cpu_devices_per_process applies to CPU processes only (--gpus_per_process=0)')
   if not args and program == 'run.py':
-    raise LaunchError("no command: give run.py's arguments after '--', e.g. "
-                      "-- --config=configs/default.py --workdir=runs/two")
+    raise LaunchError(
+      "no command: give run.py's arguments after '--', e.g. -- --config=configs/default.py --workdir=runs/two"
+    )
   if num_processes > 1:
     for a in args:
       name = a.split('=', 1)[0]
@@ -178,10 +195,12 @@ def plan(args: list[str], *, num_processes: int, gpus_per_process: int, cpu_devi
       gpus, gpus_from = visible_gpus(env)
     need = num_processes * gpus_per_process
     if need > len(gpus):
-      raise LaunchError(f'--num_processes={num_processes} x --gpus_per_process={gpus_per_process} needs '
-                        f'{need} GPU{"s" if need > 1 else ""}, but {len(gpus)} '
-                        f'{"is" if len(gpus) == 1 else "are"} visible ({gpus_from}); '
-                        '--gpus_per_process=0 starts CPU processes')
+      raise LaunchError(
+        f'--num_processes={num_processes} x --gpus_per_process={gpus_per_process} needs '
+        f'{need} GPU{"s" if need > 1 else ""}, but {len(gpus)} '
+        f'{"is" if len(gpus) == 1 else "are"} visible ({gpus_from}); '
+        '--gpus_per_process=0 starts CPU processes'
+      )
 
   address = f'127.0.0.1:{free_port()}' if num_processes > 1 else None
   pythonpath = os.pathsep.join(p for p in (str(ROOT), env.get('PYTHONPATH', '')) if p)
@@ -189,12 +208,12 @@ def plan(args: list[str], *, num_processes: int, gpus_per_process: int, cpu_devi
   for i in range(num_processes):
     penv = dict(env, PYTHONUNBUFFERED='1', PYTHONPATH=pythonpath)
     if gpus_per_process:
-      mine = gpus[i * gpus_per_process:(i + 1) * gpus_per_process]
+      mine = gpus[i * gpus_per_process : (i + 1) * gpus_per_process]
       penv['CUDA_VISIBLE_DEVICES'] = ','.join(mine)
       devices = f'GPU {",".join(mine)}'
     else:
       penv['JAX_PLATFORMS'] = 'cpu'
-      penv['CUDA_VISIBLE_DEVICES'] = ''     # a CUDA jaxlib must not take a GPU either
+      penv['CUDA_VISIBLE_DEVICES'] = ''  # a CUDA jaxlib must not take a GPU either
       xla = re.sub(r'--xla_force_host_platform_device_count=\S*', '', env.get('XLA_FLAGS', '')).split()
       penv['XLA_FLAGS'] = ' '.join(xla + [f'--xla_force_host_platform_device_count={cpu_devices_per_process}'])
       devices = f'{cpu_devices_per_process} CPU device{"s" if cpu_devices_per_process > 1 else ""}'
@@ -215,7 +234,7 @@ def _prctl():
     return None
 
 
-_PRCTL = _prctl()   # looked up here, not in the forked child
+_PRCTL = _prctl()  # looked up here, not in the forked child
 PR_SET_PDEATHSIG = 1
 
 
@@ -242,17 +261,25 @@ class Launch:
     self.lock = threading.Lock()
     self.popens: list[subprocess.Popen] = []
     self.pumps: list[threading.Thread] = []
-    self.codes: dict[int, int] = {}        # index -> exit status, once reaped
-    self.sent: dict[int, set[int]] = {}    # index -> signals the launcher sent it while it ran
+    self.codes: dict[int, int] = {}  # index -> exit status, once reaped
+    self.sent: dict[int, set[int]] = {}  # index -> signals the launcher sent it while it ran
 
   def log_path(self, i: int) -> pathlib.Path:
     return self.log_dir / f'process_{i}.log'
 
   def start(self) -> None:
-    for p in self.processes:    # every process first, then the pumps (no threads around a fork)
-      self.popens.append(subprocess.Popen(p.command, env=p.env, stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          start_new_session=True, preexec_fn=_die_with_parent))
+    for p in self.processes:  # every process first, then the pumps (no threads around a fork)
+      self.popens.append(
+        subprocess.Popen(
+          p.command,
+          env=p.env,
+          stdin=subprocess.DEVNULL,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          start_new_session=True,
+          preexec_fn=_die_with_parent,
+        )
+      )
     for p, popen in zip(self.processes, self.popens):
       t = threading.Thread(target=self._pump, args=(p.index, popen.stdout), daemon=True)
       t.start()
@@ -262,7 +289,7 @@ class Launch:
     prefix = f'[{i:>{self.width}}] '
     with self.log_path(i).open('wb') as log:
       console = True
-      for raw in iter(stream.readline, b''):   # read to the end, so that the process never blocks
+      for raw in iter(stream.readline, b''):  # read to the end, so that the process never blocks
         log.write(raw)
         log.flush()
         if console:
@@ -270,7 +297,7 @@ class Launch:
             with self.lock:
               self.out.write(prefix + _screen_line(raw) + '\n')
               self.out.flush()
-          except (OSError, ValueError):   # the console went away: keep the log
+          except (OSError, ValueError):  # the console went away: keep the log
             console = False
     stream.close()
 
@@ -286,21 +313,21 @@ class Launch:
       pid = self.popens[i].pid
       try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-      except ChildProcessError:   # reaped already (not by this class): its id may be reused
+      except ChildProcessError:  # reaped already (not by this class): its id may be reused
         self.codes[i] = self.popens[i].wait()
         ended.append(i)
         continue
       if info is None:
         continue
       sent = set(self.sent.get(i, ()))
-      self._signal_group(i, signal.SIGKILL)   # what it started, if anything is left
+      self._signal_group(i, signal.SIGKILL)  # what it started, if anything is left
       self.sent[i] = sent
       self.codes[i] = self.popens[i].wait()
       ended.append(i)
     return ended
 
   def _signal_group(self, i: int, sig) -> None:
-    if i in self.codes:      # reaped: its id may belong to another process now
+    if i in self.codes:  # reaped: its id may belong to another process now
       return
     self.sent.setdefault(i, set()).add(int(sig))
     try:
@@ -366,8 +393,9 @@ def _raise_terminated(signum, frame):
   raise _Terminated
 
 
-def launch(processes: list[Process], log_dir: pathlib.Path, *, grace_s: float, timeout_s: float,
-           out=None, err=None) -> int:
+def launch(
+  processes: list[Process], log_dir: pathlib.Path, *, grace_s: float, timeout_s: float, out=None, err=None
+) -> int:
   """Runs the processes to the end; returns the launcher's exit status (0, 1 or 130), having
   printed one message to `err` (default stderr) unless all succeeded."""
   err = err or sys.stderr
@@ -375,11 +403,14 @@ def launch(processes: list[Process], log_dir: pathlib.Path, *, grace_s: float, t
   n = len(processes)
   log_dir.mkdir(parents=True, exist_ok=True)
   run = Launch(processes, log_dir, out)
-  address = next((a.split('=', 1)[1] for a in processes[0].command if a.startswith('--coordinator_address=')),
-                 None)
-  say(f'{n} process{"es" if n > 1 else ""}'
-      + (f' joined at {address}' if address else '') + ': '
-      + '; '.join(f'{p.index} on {p.devices}' for p in processes) + f'; logs in {log_dir}/process_<i>.log')
+  address = next((a.split('=', 1)[1] for a in processes[0].command if a.startswith('--coordinator_address=')), None)
+  say(
+    f'{n} process{"es" if n > 1 else ""}'
+    + (f' joined at {address}' if address else '')
+    + ': '
+    + '; '.join(f'{p.index} on {p.devices}' for p in processes)
+    + f'; logs in {log_dir}/process_<i>.log'
+  )
   # SIGINT explicitly too: started with it ignored (a background job of a shell script), Python
   # would not raise KeyboardInterrupt, and the processes would inherit the ignoring.
   previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -398,21 +429,25 @@ def launch(processes: list[Process], log_dir: pathlib.Path, *, grace_s: float, t
       if timeout_s and time.monotonic() - started > timeout_s:
         left = run.running()
         run.stop(signal.SIGTERM, grace_s)
-        say(f'timed out after --timeout_s={timeout_s:g} s; stopped process{"es" if len(left) > 1 else ""} '
-            f'{", ".join(map(str, left))}, still running (logs in {log_dir})')
+        say(
+          f'timed out after --timeout_s={timeout_s:g} s; stopped process{"es" if len(left) > 1 else ""} '
+          f'{", ".join(map(str, left))}, still running (logs in {log_dir})'
+        )
         return EXIT_FAILED
       time.sleep(0.05)
   except (KeyboardInterrupt, _Terminated) as e:
     what = 'Ctrl-C' if isinstance(e, KeyboardInterrupt) else 'SIGTERM'
-    say(f'{what}: passing SIGINT on to the processes (they stop after their step and any checkpoint '
-        f'save); killing those still running after --grace_s={grace_s:g} s')
+    say(
+      f'{what}: passing SIGINT on to the processes (they stop after their step and any checkpoint '
+      f'save); killing those still running after --grace_s={grace_s:g} s'
+    )
     run.stop(signal.SIGINT, grace_s)
     say('stopped: ' + ', '.join(f'process {i} {run.describe(i)}' for i in sorted(run.codes)))
     return EXIT_INTERRUPTED
   finally:
     signal.signal(signal.SIGTERM, previous_term)
     signal.signal(signal.SIGINT, previous_int)
-    if run.running():          # an unexpected error in the launcher itself: leave nothing behind
+    if run.running():  # an unexpected error in the launcher itself: leave nothing behind
       run.stop(signal.SIGKILL, 0)
 
 
@@ -420,14 +455,19 @@ def _fail(run: Launch, i: int, grace_s: float, say) -> int:
   """Stops the others after process i failed; the one message; EXIT_FAILED."""
   ended_before = {j: c for j, c in run.codes.items() if j != i}
   run.stop(signal.SIGTERM, grace_s)
+
   def other(j):
     if j not in ended_before:
       return f'{j} {run.describe(j)}'
     return f'{j} had finished' if ended_before[j] == 0 else f'{j} {describe_exit(ended_before[j])} on its own'
+
   others = [other(j) for j in range(len(run.processes)) if j != i]
-  say(f'process {i} of {len(run.processes)} failed: it {run.describe(i)}'
-      + (f' (other processes: {", ".join(others)})' if others else '')
-      + f'. Its log is {run.log_path(i)}; last lines:\n' + run.tail(i).rstrip('\n'))
+  say(
+    f'process {i} of {len(run.processes)} failed: it {run.describe(i)}'
+    + (f' (other processes: {", ".join(others)})' if others else '')
+    + f'. Its log is {run.log_path(i)}; last lines:\n'
+    + run.tail(i).rstrip('\n')
+  )
   return EXIT_FAILED
 
 
@@ -435,8 +475,14 @@ def main(argv):
   args = argv[1:]
   env = dict(os.environ)
   try:
-    processes = plan(args, num_processes=FLAGS.num_processes, gpus_per_process=FLAGS.gpus_per_process,
-                     cpu_devices_per_process=FLAGS.cpu_devices_per_process, program=FLAGS.program, env=env)
+    processes = plan(
+      args,
+      num_processes=FLAGS.num_processes,
+      gpus_per_process=FLAGS.gpus_per_process,
+      cpu_devices_per_process=FLAGS.cpu_devices_per_process,
+      program=FLAGS.program,
+      env=env,
+    )
     if FLAGS.grace_s < 0:
       raise LaunchError(f'--grace_s={FLAGS.grace_s} must be >= 0')
     if FLAGS.timeout_s < 0:

@@ -29,6 +29,7 @@ def define_flags():
   """The command line (defined only when run as a script, so that tests can import the module
   next to others that define flags of the same names)."""
   from kimijax.config import define_config_flag
+
   define_config_flag('config', None, 'config file, FILE[:VARIANT[,VARIANT]].')
   flags.DEFINE_integer('seq_len', 256, 'tokens per sequence of the lowered batch (2 sequences)')
   flags.DEFINE_integer('top', 12, 'kernel names to list')
@@ -43,6 +44,7 @@ def lower_gradient(model_cfg, seq_len: int) -> tuple[float, str]:
   from experiments.tools.triton_report import lower_for_h200
   from kernels_pallas import common
   from kimijax.model import Transformer
+
   model = Transformer(model_cfg)
   tokens = jax.ShapeDtypeStruct((2, seq_len), jnp.int32)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2, seq_len), jnp.int32)))
@@ -52,7 +54,7 @@ def lower_gradient(model_cfg, seq_len: int) -> tuple[float, str]:
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1))
 
   interpreted = common.kernels_interpreted
-  common.kernels_interpreted = lambda: False     # lower the kernels as on the GPU, through Triton
+  common.kernels_interpreted = lambda: False  # lower the kernels as on the GPU, through Triton
   try:
     start = time.perf_counter()
     module = lower_for_h200(jax.grad(loss), params, tokens)
@@ -70,14 +72,17 @@ def main(argv):
   del argv
   from experiments.cli import user_errors
   from kimijax.config import config_from_flags
+
   with user_errors():
     cfg = config_from_flags('config').model
   cfg.attn_impl = 'xla'
   seconds, module = lower_gradient(cfg, FLAGS.seq_len)
   counts = kernel_counts(module)
-  print(f'{jax.__version__=}; layers {cfg.num_layers} ({cfg.layer_pattern or "all attention"}); '
-        f'lowered in {seconds:.1f} s; module {len(module) / 1e6:.2f} M characters; '
-        f'{sum(counts.values())} Pallas kernel names, {len(counts)} distinct')
+  print(
+    f'{jax.__version__=}; layers {cfg.num_layers} ({cfg.layer_pattern or "all attention"}); '
+    f'lowered in {seconds:.1f} s; module {len(module) / 1e6:.2f} M characters; '
+    f'{sum(counts.values())} Pallas kernel names, {len(counts)} distinct'
+  )
   for name, n in counts.most_common(FLAGS.top):
     print(f'  {name}: {n}')
 

@@ -49,14 +49,17 @@ def collect_stats(workdir: str | pathlib.Path, batches: int = 4) -> dict:
   model = Transformer(config.model, log_attnres=True)
   params, step = restore_latest_params(workdir, config, model, mesh)
 
-  forward = jax.jit(lambda p, x: model.apply({'params': p}, x)[1]['attnres'],
-                    in_shardings=(jax.tree.map(lambda x: x.sharding, params),
-                                  mesh_lib.batch_sharding(mesh, config.mesh)))
+  forward = jax.jit(
+    lambda p, x: model.apply({'params': p}, x)[1]['attnres'],
+    in_shardings=(jax.tree.map(lambda x: x.sharding, params), mesh_lib.batch_sharding(mesh, config.mesh)),
+  )
   forward = in_mesh(forward, mesh, config.mesh)
-  runs = [jax.device_get(forward(params, b['inputs']))
-          for b in eval_batches(config, batches, process_index=0, process_count=1)]
+  runs = [
+    jax.device_get(forward(params, b['inputs']))
+    for b in eval_batches(config, batches, process_index=0, process_count=1)
+  ]
   stats = {'residual': config.model.residual, 'step': int(step)}
-  for key in ('input_rms', 'output_rms'):     # equal-sized batches: the RMS over all of them
+  for key in ('input_rms', 'output_rms'):  # equal-sized batches: the RMS over all of them
     stats[key] = np.sqrt(np.mean([np.asarray(r[key], np.float64) ** 2 for r in runs], axis=0))
   if 'weights' in runs[0]:
     stats['weights'] = np.mean([np.asarray(r['weights'], np.float64) for r in runs], axis=0)
@@ -76,6 +79,7 @@ def _source_names(residual: str, width: int, num_sublayers: int) -> list[str]:
 def plot(stats_by_run: dict[str, dict], out_dir: str | pathlib.Path) -> list[pathlib.Path]:
   """Writes the figures and attnres_stats.json into out_dir; returns their paths."""
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
@@ -94,8 +98,7 @@ def plot(stats_by_run: dict[str, dict], out_dir: str | pathlib.Path) -> list[pat
     if w.size <= 400:
       for (r, c), value in np.ndenumerate(w):
         if np.isfinite(value):
-          ax.text(c, r, f'{value:.2f}', ha='center', va='center', fontsize=6,
-                  color='white' if value < 0.5 else 'black')
+          ax.text(c, r, f'{value:.2f}', ha='center', va='center', fontsize=6, color='white' if value < 0.5 else 'black')
     ax.set_xlabel('source')
     ax.set_ylabel('consumer (layer.sublayer)')
     ax.set_title(f'{run}: mean depth-attention weights\n({s["residual"]}, step {s["step"]})', fontsize=9)
@@ -124,8 +127,10 @@ def plot(stats_by_run: dict[str, dict], out_dir: str | pathlib.Path) -> list[pat
   paths.append(path)
 
   path = out_dir / 'attnres_stats.json'
-  as_json = {run: {k: (np.where(np.isnan(v), None, v).tolist() if isinstance(v, np.ndarray) else v)
-                   for k, v in s.items()} for run, s in stats_by_run.items()}
+  as_json = {
+    run: {k: (np.where(np.isnan(v), None, v).tolist() if isinstance(v, np.ndarray) else v) for k, v in s.items()}
+    for run, s in stats_by_run.items()
+  }
   path.write_text(json.dumps(as_json, indent=1))
   paths.append(path)
   return paths
@@ -133,16 +138,17 @@ def plot(stats_by_run: dict[str, dict], out_dir: str | pathlib.Path) -> list[pat
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)   # orbax logs every restore at INFO
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   if not FLAGS.workdir:
     raise app.UsageError('give at least one --workdir')
   from kimijax.config import ConfigError
   from kimijax.data import DataError
   from kimijax.train.checkpoint import CheckpointError
+
   stats = {}
   for workdir in FLAGS.workdir:
     name = pathlib.Path(workdir).resolve().name
-    try:   # a folder that is not a run, or a run without a checkpoint: one message, no traceback
+    try:  # a folder that is not a run, or a run without a checkpoint: one message, no traceback
       stats[name if name not in stats else f'{name}_{len(stats)}'] = collect_stats(workdir, FLAGS.batches)
     except (CheckpointError, ConfigError, DataError) as e:
       sys.exit(f'{type(e).__name__}: --workdir={workdir}: {e}')

@@ -32,16 +32,19 @@ from absl import app, flags
 
 flags.DEFINE_integer('steps', 3, 'steps the trace holds (bench_train.py --profile_dir profiles 3)')
 flags.DEFINE_integer('top', 25, 'how many op names to list')
-flags.DEFINE_string('hlo_dump', None, 'an XLA_FLAGS=--xla_dump_to directory of the profiled run: name '
-                    'the JAX operation behind each listed op')
+flags.DEFINE_string(
+  'hlo_dump',
+  None,
+  'an XLA_FLAGS=--xla_dump_to directory of the profiled run: name the JAX operation behind each listed op',
+)
 FLAGS = flags.FLAGS
 
 # First match wins; matched against the lower-cased event name.
 KINDS = (
-    ('collective', ('nccl', 'all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective')),
-    ('attention', ('cudnn', 'flash', 'fmha', 'attention')),
-    ('matmul', ('gemm', 'cublas', 'nvjet', 'matmul', 'dot', 'xmma', 'cutlass', 'wgmma')),
-    ('custom call', ('custom-call', 'custom_call', 'triton', 'pallas', 'attnres_phase1')),
+  ('collective', ('nccl', 'all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective')),
+  ('attention', ('cudnn', 'flash', 'fmha', 'attention')),
+  ('matmul', ('gemm', 'cublas', 'nvjet', 'matmul', 'dot', 'xmma', 'cutlass', 'wgmma')),
+  ('custom call', ('custom-call', 'custom_call', 'triton', 'pallas', 'attnres_phase1')),
 )
 
 
@@ -56,8 +59,11 @@ def kind_of(name: str) -> str:
 def device_events(trace: dict) -> list[dict]:
   """The complete ('X') events of the trace's device processes ('/device:...')."""
   events = trace['traceEvents'] if isinstance(trace, dict) else trace
-  devices = {e['pid'] for e in events if e.get('ph') == 'M' and e.get('name') == 'process_name'
-             and str(e['args'].get('name', '')).startswith('/device:')}
+  devices = {
+    e['pid']
+    for e in events
+    if e.get('ph') == 'M' and e.get('name') == 'process_name' and str(e['args'].get('name', '')).startswith('/device:')
+  }
   return [e for e in events if e.get('ph') == 'X' and e['pid'] in devices]
 
 
@@ -93,13 +99,22 @@ def call_timelines(trace: dict, prefix: str, min_us: float = 15.0) -> list[dict]
       gaps += gap
       timeline.append((e['ts'] - start, e['dur'], gap, e['name']))
       last_end = e['ts'] + e['dur'] if last_end is None else max(last_end, e['ts'] + e['dur'])
-    out.append({
-        'name': call['name'], 'span_us': call['dur'],
-        'host': [(e['ts'] - start, e['dur'], e['name']) for e in host
-                 if e is not call and start <= e['ts'] <= end and e['dur'] >= min_us],
-        'kernels': timeline, 'kernel_us': sum(e['dur'] for e in inside),
-        'lead_us': inside[0]['ts'] - start if inside else call['dur'], 'gaps_us': gaps,
-        'tail_us': end - last_end if inside else 0.0})
+    out.append(
+      {
+        'name': call['name'],
+        'span_us': call['dur'],
+        'host': [
+          (e['ts'] - start, e['dur'], e['name'])
+          for e in host
+          if e is not call and start <= e['ts'] <= end and e['dur'] >= min_us
+        ],
+        'kernels': timeline,
+        'kernel_us': sum(e['dur'] for e in inside),
+        'lead_us': inside[0]['ts'] - start if inside else call['dur'],
+        'gaps_us': gaps,
+        'tail_us': end - last_end if inside else 0.0,
+      }
+    )
   return out
 
 
@@ -112,15 +127,15 @@ def summarise(events: list[dict], steps: int) -> tuple[dict, list[tuple[str, flo
   for name, us in by_name.items():
     by_kind[kind_of(name)] += us
   per_step = lambda us: us / 1e3 / steps
-  return ({k: per_step(us) for k, us in by_kind.most_common()},
-          [(n, per_step(us)) for n, us in by_name.most_common()])
+  return ({k: per_step(us) for k, us in by_kind.most_common()}, [(n, per_step(us)) for n, us in by_name.most_common()])
 
 
 def newest_trace(directory: str) -> str:
   paths = glob.glob(os.path.join(directory, '**', 'perfetto_trace.json.gz'), recursive=True)
   if not paths:
-    raise SystemExit(f'profile_summary: no perfetto_trace.json.gz under {directory!r} '
-                     '(run bench_train.py with --profile_dir first)')
+    raise SystemExit(
+      f'profile_summary: no perfetto_trace.json.gz under {directory!r} (run bench_train.py with --profile_dir first)'
+    )
   return max(paths, key=os.path.getmtime)
 
 
@@ -132,8 +147,9 @@ def hlo_origins(directory: str) -> dict[str, str]:
   HLO module of a train step in an XLA dump directory."""
   paths = [p for p in glob.glob(os.path.join(directory, '*after_optimizations.txt')) if 'train_step' in p]
   if not paths:
-    raise SystemExit(f'profile_summary: no optimised train-step HLO (*train_step*after_optimizations.txt) '
-                     f'under {directory!r}')
+    raise SystemExit(
+      f'profile_summary: no optimised train-step HLO (*train_step*after_optimizations.txt) under {directory!r}'
+    )
   origins = {}
   with open(max(paths, key=os.path.getmtime)) as f:
     for line in f:
@@ -154,15 +170,14 @@ def main(argv):
   if not events:
     raise SystemExit(f'profile_summary: {path} has no device events (a CPU trace?)')
   by_kind, by_name = summarise(events, FLAGS.steps)
-  print(f'{path}: {len(events)} events, {sum(by_kind.values()):.1f} ms per step in all '
-        f'({FLAGS.steps} steps)\n')
+  print(f'{path}: {len(events)} events, {sum(by_kind.values()):.1f} ms per step in all ({FLAGS.steps} steps)\n')
   print('| kind | ms / step |\n|---|---|')
   for kind, ms in by_kind.items():
     print(f'| {kind} | {ms:.2f} |')
   origins = hlo_origins(FLAGS.hlo_dump) if FLAGS.hlo_dump else None
   extra = lambda text: f' {text} |' if origins is not None else ''
   print(f'\n| op (top {FLAGS.top}) | kind | ms / step |{extra("from")}\n|---|---|---|{extra("---")}')
-  for name, ms in by_name[:FLAGS.top]:
+  for name, ms in by_name[: FLAGS.top]:
     print(f'| {name[:90]} | {kind_of(name)} | {ms:.2f} |' + extra(origins.get(name, '') if origins else ''))
 
 

@@ -46,7 +46,7 @@ def define_flags():
   flags.DEFINE_string('phase1_tiles', '', "phase-1 tiles, 'key=int/key=int'")
   flags.DEFINE_string('merge_tiles', '', 'merge_norm tiles, the same form')
   flags.DEFINE_string('triton_python', sys.executable, 'a Python that can import triton')
-  flags.DEFINE_string('out_dir', None, 'keep each kernel\'s .ttir, .ttgir, .ptx and .sass here')
+  flags.DEFINE_string('out_dir', None, "keep each kernel's .ttir, .ttgir, .ptx and .sass here")
 
 
 def lower_for_h200(fn, *args) -> str:
@@ -55,9 +55,11 @@ def lower_for_h200(fn, *args) -> str:
   power of two, an op without a Triton rule) before any GPU time is spent."""
   from jax import export
   from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
   # Auto axes: a whole model's sharding annotations lower as they do on one real device.
-  h200 = AbstractMesh((1,), ('x',), axis_types=(AxisType.Auto,),
-                      abstract_device=AbstractDevice('NVIDIA H200', 132, 'gpu'))
+  h200 = AbstractMesh(
+    (1,), ('x',), axis_types=(AxisType.Auto,), abstract_device=AbstractDevice('NVIDIA H200', 132, 'gpu')
+  )
   triton = export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')
   with use_abstract_mesh(h200):
     return export.export(jax.jit(fn), platforms=['cuda'], disabled_checks=[triton])(*args).mlir_module()
@@ -73,21 +75,39 @@ def attnres_block(n, s, m, d, dtype, phase1_settings=None, merge_settings=None):
 
   def block(sources, queries, partial, y, scale):
     outs, lse, passed = phase1(sources, queries, settings=phase1_settings)
-    x, p = merge_norm(outs[0], lse[0], partial, queries[0], scale, eps=1e-6, norm_eps=1e-6,
-                      dtype=jnp.bfloat16, addend=y, settings=merge_settings)
-    return (jnp.sum(x.astype(jnp.float32)) + jnp.sum(p.astype(jnp.float32) ** 2)
-            + sum(jnp.sum(v.astype(jnp.float32) ** 2) for v in passed))
+    x, p = merge_norm(
+      outs[0],
+      lse[0],
+      partial,
+      queries[0],
+      scale,
+      eps=1e-6,
+      norm_eps=1e-6,
+      dtype=jnp.bfloat16,
+      addend=y,
+      settings=merge_settings,
+    )
+    return (
+      jnp.sum(x.astype(jnp.float32))
+      + jnp.sum(p.astype(jnp.float32) ** 2)
+      + sum(jnp.sum(v.astype(jnp.float32) ** 2) for v in passed)
+    )
 
   sources = [jax.ShapeDtypeStruct((m, d), dtype)] * n
-  args = (sources, jax.ShapeDtypeStruct((s, d), jnp.float32), sources[0], sources[0],
-          jax.ShapeDtypeStruct((d,), jnp.float32))
+  args = (
+    sources,
+    jax.ShapeDtypeStruct((s, d), jnp.float32),
+    sources[0],
+    sources[0],
+    jax.ShapeDtypeStruct((d,), jnp.float32),
+  )
   return jax.value_and_grad(block, argnums=(0, 1, 2, 3, 4)), args
 
 
 @dataclasses.dataclass
 class Kernel:
-  name: str          # the pallas_call's name; '#2' etc. for later variants of one name
-  ir: str            # Triton IR (tt dialect), as Triton's parser reads it
+  name: str  # the pallas_call's name; '#2' etc. for later variants of one name
+  ir: str  # Triton IR (tt dialect), as Triton's parser reads it
   warps: int
   stages: int
   grid: tuple
@@ -107,8 +127,11 @@ def kernel_irs(fn, *args) -> list[Kernel]:
   launch = {}
   for config in re.findall(r'mhlo\.backend_config = \{debug = true, (.*?)\}', _drop_ir(module)):
     fields = dict(re.findall(r'(\w+) = "?([\w.]+)"?', config))
-    launch[fields['name']] = (int(fields['num_warps']), int(fields['num_stages']),
-                              tuple(int(fields[f'grid_{a}']) for a in 'xyz'))
+    launch[fields['name']] = (
+      int(fields['num_warps']),
+      int(fields['num_stages']),
+      tuple(int(fields[f'grid_{a}']) for a in 'xyz'),
+    )
   kernels, seen = [], collections.Counter()
   for chunk in printed.getvalue().split('The Triton module for pallas_call')[1:]:
     ir = clean_ir(chunk)
@@ -128,15 +151,15 @@ def clean_ir(printed: str) -> str:
   """One module as pallas_call(debug=True) prints it -> text Triton's parser accepts: from
   'module @' to its closing brace, without the source locations (pretty-printed, they are not
   MLIR syntax)."""
-  text = printed[printed.index('module @'):]
-  text = text[:text.index('\n}') + 2] + '\n'
+  text = printed[printed.index('module @') :]
+  text = text[: text.index('\n}') + 2] + '\n'
   text = re.sub(r' \[unknown\]| "[^"\n]*"\(#loc\d*\)| \(#loc\d*\)| loc\([^)\n]*\)', '', text)
   return re.sub(r'^#loc.*\n', '', text, flags=re.M)
 
 
 # Run by --triton_python: compiles one IR file for sm_90, writes .ttgir/.ptx/.cubin beside it and
 # prints the shared memory and the directory of Triton's CUDA tools.
-_COMPILE = r'''
+_COMPILE = r"""
 import json, os, sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -148,30 +171,38 @@ for key in ('ttgir', 'ptx'):
 open(base + '.cubin', 'wb').write(k.asm['cubin'])
 print(json.dumps(dict(shared=k.metadata.shared,
                       bin=os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin'))))
-'''
+"""
 
 
 def compile_report(kernel: Kernel, out_dir: pathlib.Path, triton_python: str) -> dict:
   """Registers, spill bytes, shared memory, layout conversions and SASS counts of one kernel."""
-  ir_path = out_dir / f"{kernel.name.replace('#', '_')}.ttir"
+  ir_path = out_dir / f'{kernel.name.replace("#", "_")}.ttir'
   ir_path.write_text(kernel.ir)
-  run = subprocess.run([triton_python, '-c', _COMPILE, str(ir_path), str(kernel.warps), str(kernel.stages)],
-                       capture_output=True, text=True)
+  run = subprocess.run(
+    [triton_python, '-c', _COMPILE, str(ir_path), str(kernel.warps), str(kernel.stages)], capture_output=True, text=True
+  )
   if run.returncode:
     raise RuntimeError(f'triton could not compile {kernel.name} ({ir_path}):\n{run.stderr[-3000:]}')
   meta = json.loads(run.stdout.strip().splitlines()[-1])
   base = ir_path.with_suffix('')
-  ptxas = subprocess.run([f"{meta['bin']}/ptxas", '-arch=sm_90a', '-v', f'{base}.ptx', '-o', f'{base}.cubin'],
-                         capture_output=True, text=True, check=True).stderr
-  sass = subprocess.run([f"{meta['bin']}/cuobjdump", '-sass', f'{base}.cubin'],
-                        capture_output=True, text=True, check=True).stdout
+  ptxas = subprocess.run(
+    [f'{meta["bin"]}/ptxas', '-arch=sm_90a', '-v', f'{base}.ptx', '-o', f'{base}.cubin'],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stderr
+  sass = subprocess.run(
+    [f'{meta["bin"]}/cuobjdump', '-sass', f'{base}.cubin'], capture_output=True, text=True, check=True
+  ).stdout
   pathlib.Path(f'{base}.sass').write_text(sass)
-  return dict(registers=int(re.search(r'Used (\d+) registers', ptxas).group(1)),
-              spill_stores=int(re.search(r'(\d+) bytes spill stores', ptxas).group(1)),
-              spill_loads=int(re.search(r'(\d+) bytes spill loads', ptxas).group(1)),
-              shared=meta['shared'],
-              layout_conversions=pathlib.Path(f'{base}.ttgir').read_text().count('ttg.convert_layout'),
-              sass=sass_counts(sass))
+  return dict(
+    registers=int(re.search(r'Used (\d+) registers', ptxas).group(1)),
+    spill_stores=int(re.search(r'(\d+) bytes spill stores', ptxas).group(1)),
+    spill_loads=int(re.search(r'(\d+) bytes spill loads', ptxas).group(1)),
+    shared=meta['shared'],
+    layout_conversions=pathlib.Path(f'{base}.ttgir').read_text().count('ttg.convert_layout'),
+    sass=sass_counts(sass),
+  )
 
 
 def sass_counts(sass: str) -> collections.Counter:
@@ -183,28 +214,39 @@ def sass_counts(sass: str) -> collections.Counter:
 def main(argv):
   del argv
   from kernels_pallas.attnres.settings import MergeNormSettings, Phase1Settings
+
   # Tile flags checked here, before anything is lowered: one error that names the bad key.
   phase1_settings = Phase1Settings.from_string(FLAGS.phase1_tiles)
   merge_settings = MergeNormSettings.from_string(FLAGS.merge_tiles)
   if subprocess.run([FLAGS.triton_python, '-c', 'import triton'], capture_output=True).returncode:
-    raise SystemExit(f'triton_report.py: {FLAGS.triton_python} cannot import triton; '
-                     'pip install triton==3.6.0 there, or pass --triton_python')
-  fn, args = attnres_block(FLAGS.sources, FLAGS.queries, FLAGS.tokens, FLAGS.d_model,
-                           jnp.dtype(FLAGS.dtype), phase1_settings, merge_settings)
+    raise SystemExit(
+      f'triton_report.py: {FLAGS.triton_python} cannot import triton; '
+      'pip install triton==3.6.0 there, or pass --triton_python'
+    )
+  fn, args = attnres_block(
+    FLAGS.sources, FLAGS.queries, FLAGS.tokens, FLAGS.d_model, jnp.dtype(FLAGS.dtype), phase1_settings, merge_settings
+  )
   kernels = kernel_irs(fn, *args)
   out_dir = pathlib.Path(FLAGS.out_dir or tempfile.mkdtemp(prefix='triton_report_'))
   out_dir.mkdir(parents=True, exist_ok=True)
-  print(f'n = {FLAGS.sources}, S = {FLAGS.queries}, M = {FLAGS.tokens}, D = {FLAGS.d_model}, '
-        f'{FLAGS.dtype} sources, sm_90; files in {out_dir}\n')
-  print('| kernel | grid | warps / stages | registers | spill bytes (st / ld) | shared bytes '
-        '| layout conversions | SASS | ' + ' | '.join(SASS_COLUMNS) + ' |')
+  print(
+    f'n = {FLAGS.sources}, S = {FLAGS.queries}, M = {FLAGS.tokens}, D = {FLAGS.d_model}, '
+    f'{FLAGS.dtype} sources, sm_90; files in {out_dir}\n'
+  )
+  print(
+    '| kernel | grid | warps / stages | registers | spill bytes (st / ld) | shared bytes '
+    '| layout conversions | SASS | ' + ' | '.join(SASS_COLUMNS) + ' |'
+  )
   print('|---' * (8 + len(SASS_COLUMNS)) + '|')
   for kernel in kernels:
     r = compile_report(kernel, out_dir, FLAGS.triton_python)
     counts = ' | '.join(str(r['sass'][op]) for op in SASS_COLUMNS)
-    print(f"| {kernel.name} | {'x'.join(map(str, kernel.grid))} | {kernel.warps} / {kernel.stages} "
-          f"| {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | {r['shared']} "
-          f"| {r['layout_conversions']} | {sum(r['sass'].values())} | {counts} |", flush=True)
+    print(
+      f'| {kernel.name} | {"x".join(map(str, kernel.grid))} | {kernel.warps} / {kernel.stages} '
+      f'| {r["registers"]} | {r["spill_stores"]} / {r["spill_loads"]} | {r["shared"]} '
+      f'| {r["layout_conversions"]} | {sum(r["sass"].values())} | {counts} |',
+      flush=True,
+    )
 
 
 if __name__ == '__main__':

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-BF16_TERMS = 3         # bfloat16 terms that hold a float32 value exactly (bf16_parts)
+BF16_TERMS = 3  # bfloat16 terms that hold a float32 value exactly (bf16_parts)
 
 
 def bf16_parts(x, parts):
@@ -22,7 +22,8 @@ def bf16_parts(x, parts):
   out = []
   for _ in range(parts):
     top = jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32)
+      jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), jnp.float32
+    )
     out.append(top.astype(jnp.bfloat16))
     x = x - top
   return out

@@ -38,8 +38,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.attnres.settings import MergeNormSettings
-from kernels_pallas.common import (compiler_params, defvjp_with_symbolic_zeros, dense, feature_chunk, is_zero,
-                                   pad_rows, round_up)
+from kernels_pallas.common import (
+  compiler_params,
+  defvjp_with_symbolic_zeros,
+  dense,
+  feature_chunk,
+  is_zero,
+  pad_rows,
+  round_up,
+)
 
 F32 = jnp.float32
 
@@ -73,7 +80,7 @@ def _fwd_kernel(*refs, dc, eps, norm_eps, add):
   and the sum p (rounded to their dtype, as an XLA add would store it) is written out too."""
   o_ref, p_ref = refs[:2]
   y_ref = refs[2] if add else None
-  lse_ref, q_ref, gamma_ref, x_ref, stats_ref = refs[2 + add:7 + add]
+  lse_ref, q_ref, gamma_ref, x_ref, stats_ref = refs[2 + add : 7 + add]
   bt, d = p_ref.shape
   chunks = [pl.ds(c, dc) for c in range(0, d, dc)]
   rows = pl.ds(0, bt)
@@ -101,8 +108,9 @@ def _bwd_kernel(*refs, bt, tiles_per_program, dc, accumulate):
   summed over rows once, at the end (this program's partials, summed over programs after).
   accumulate: a dp_next ref follows dx."""
   dx_ref, dp_in_ref = refs[0], (refs[1] if accumulate else None)
-  (o_ref, p_ref, lse_ref, stats_ref, q_ref, gamma_ref, do_ref, dp_ref, dlse_ref, dq_ref,
-   dgamma_ref) = refs[1 + accumulate:]
+  (o_ref, p_ref, lse_ref, stats_ref, q_ref, gamma_ref, do_ref, dp_ref, dlse_ref, dq_ref, dgamma_ref) = refs[
+    1 + accumulate :
+  ]
   d = p_ref.shape[1]
   chunks = [pl.ds(c, dc) for c in range(0, d, dc)]
   q, gamma = _vector(q_ref, chunks), _vector(gamma_ref, chunks)
@@ -116,10 +124,10 @@ def _bwd_kernel(*refs, bt, tiles_per_program, dc, accumulate):
     h = [sig * oc + (1 - sig) * pc for oc, pc in zip(o, p)]
     g = [xc * gc for xc, gc in zip(dx, gamma)]
     diff = [oc - pc for oc, pc in zip(o, p)]
-    k = r_h * r_h * r_h * _rowsum(g, h) / d               # dh = r_h g - k h
+    k = r_h * r_h * r_h * _rowsum(g, h) / d  # dh = r_h g - k h
     dlse = (r_h * _rowsum(g, diff) - k * _rowsum(h, diff)) * sigma * (1 - sigma)
     dlse_ref[rows] = dlse
-    coef = (-dlse * r_p)[:, None]                          # ds_p r_p
+    coef = (-dlse * r_p)[:, None]  # ds_p r_p
     shrink = (s_p * r_p / d)[:, None]
     k, r_h = k[:, None], r_h[:, None]
     dq_acc, dgamma_acc = [], []
@@ -153,14 +161,15 @@ def _merge_norm_fwd(o, lse, p, addends, q, gamma, eps, norm_eps, dtype, settings
   rows = pl.BlockSpec((bt, d), lambda t: (t, 0))
   vector = pl.BlockSpec((d,), lambda t: (0,))
   x, stats, *p_sum = pl.pallas_call(
-      functools.partial(_fwd_kernel, dc=feature_chunk(d, settings.dc), eps=eps, norm_eps=norm_eps,
-                        add=add),
-      grid=(m // bt,),
-      in_specs=[rows] * (2 + add) + [pl.BlockSpec((bt,), lambda t: (t,)), vector, vector],
-      out_specs=[rows, pl.BlockSpec((3, bt), lambda t: (0, t))] + [rows] * add,
-      out_shape=[jax.ShapeDtypeStruct((m, d), dtype), jax.ShapeDtypeStruct((3, m), F32)]
-                + [jax.ShapeDtypeStruct((m, d), p.dtype)] * add,
-      compiler_params=compiler_params(settings), interpret=interpret, name='attnres_merge_norm',
+    functools.partial(_fwd_kernel, dc=feature_chunk(d, settings.dc), eps=eps, norm_eps=norm_eps, add=add),
+    grid=(m // bt,),
+    in_specs=[rows] * (2 + add) + [pl.BlockSpec((bt,), lambda t: (t,)), vector, vector],
+    out_specs=[rows, pl.BlockSpec((3, bt), lambda t: (0, t))] + [rows] * add,
+    out_shape=[jax.ShapeDtypeStruct((m, d), dtype), jax.ShapeDtypeStruct((3, m), F32)]
+    + [jax.ShapeDtypeStruct((m, d), p.dtype)] * add,
+    compiler_params=compiler_params(settings),
+    interpret=interpret,
+    name='attnres_merge_norm',
   )(o, p, *addends, lse, q, gamma)
   p = p_sum[0] if add else p
   return (x, p), (o, lse, p, q, gamma, stats, (None,) * add)
@@ -179,26 +188,44 @@ def _merge_norm_bwd(eps, norm_eps, dtype, settings, interpret, res, cotangents):
   partial = pl.BlockSpec((None, d), lambda t: (t, 0))
   programs = m // (bt * g)
   do, dp, dlse, dq_parts, dgamma_parts = pl.pallas_call(
-      functools.partial(_bwd_kernel, bt=bt, tiles_per_program=g, dc=feature_chunk(d, settings.dc),
-                        accumulate=bool(dp_in)),
-      grid=(programs,),
-      in_specs=[rows] * (3 + len(dp_in)) + [pl.BlockSpec((bt * g,), lambda t: (t,)),
-                pl.BlockSpec((3, bt * g), lambda t: (0, t)), vector, vector],
-      out_specs=[rows, rows, pl.BlockSpec((bt * g,), lambda t: (t,)), partial, partial],
-      out_shape=[jax.ShapeDtypeStruct((m, d), o.dtype), jax.ShapeDtypeStruct((m, d), p.dtype),
-                 jax.ShapeDtypeStruct((m,), F32)] + [jax.ShapeDtypeStruct((programs, d), F32)] * 2,
-      compiler_params=compiler_params(settings), interpret=interpret, name='attnres_merge_norm_bwd',
+    functools.partial(
+      _bwd_kernel, bt=bt, tiles_per_program=g, dc=feature_chunk(d, settings.dc), accumulate=bool(dp_in)
+    ),
+    grid=(programs,),
+    in_specs=[rows] * (3 + len(dp_in))
+    + [pl.BlockSpec((bt * g,), lambda t: (t,)), pl.BlockSpec((3, bt * g), lambda t: (0, t)), vector, vector],
+    out_specs=[rows, rows, pl.BlockSpec((bt * g,), lambda t: (t,)), partial, partial],
+    out_shape=[
+      jax.ShapeDtypeStruct((m, d), o.dtype),
+      jax.ShapeDtypeStruct((m, d), p.dtype),
+      jax.ShapeDtypeStruct((m,), F32),
+    ]
+    + [jax.ShapeDtypeStruct((programs, d), F32)] * 2,
+    compiler_params=compiler_params(settings),
+    interpret=interpret,
+    name='attnres_merge_norm_bwd',
   )(dx, *dp_in, o, p, lse, stats, q, gamma)
   # p = p_prev + y: both get p's gradient.
-  return (do, dlse, dp, tuple(dp for _ in addends), jnp.sum(dq_parts, axis=0),
-          jnp.sum(dgamma_parts, axis=0))
+  return (do, dlse, dp, tuple(dp for _ in addends), jnp.sum(dq_parts, axis=0), jnp.sum(dgamma_parts, axis=0))
 
 
 defvjp_with_symbolic_zeros(_merge_norm, _merge_norm_fwd, _merge_norm_bwd, num_diff_args=6)
 
 
-def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dtype,
-               addend=None, settings=None, interpret: bool = False):
+def merge_norm(
+  o,
+  lse,
+  partial,
+  query,
+  scale,
+  *,
+  eps: float,
+  norm_eps: float,
+  dtype,
+  addend=None,
+  settings=None,
+  interpret: bool = False,
+):
   """o, partial [..., D] (one dtype), lse [...], query and scale [D] -> (x [..., D] in `dtype`,
   partial): x = scale * rms_normalise(h, norm_eps), h = sigma o + (1 - sigma) partial (see the
   module docstring). With `addend` y (like partial), the partial sum is partial + y, formed in
@@ -209,19 +236,39 @@ def merge_norm(o, lse, partial, query, scale, *, eps: float, norm_eps: float, dt
   settings: the kernels' MergeNormSettings (settings.py; None: the defaults). Differentiable in o,
   lse, partial, addend, query and scale."""
   shape = partial.shape
-  if o.shape != shape or o.dtype != partial.dtype or lse.shape != shape[:-1] \
-      or query.shape != shape[-1:] or scale.shape != shape[-1:] \
-      or (addend is not None and (addend.shape, addend.dtype) != (shape, partial.dtype)):
-    raise ValueError(f'attnres merge_norm: o, partial (and addend) must be [..., D] of one dtype, '
-                     f'lse [...], query and scale [D]; got o {o.shape} {o.dtype}, partial {shape} '
-                     f'{partial.dtype}, addend {None if addend is None else (addend.shape, addend.dtype)}, '
-                     f'lse {lse.shape}, query {query.shape}, scale {scale.shape}')
+  if (
+    o.shape != shape
+    or o.dtype != partial.dtype
+    or lse.shape != shape[:-1]
+    or query.shape != shape[-1:]
+    or scale.shape != shape[-1:]
+    or (addend is not None and (addend.shape, addend.dtype) != (shape, partial.dtype))
+  ):
+    raise ValueError(
+      f'attnres merge_norm: o, partial (and addend) must be [..., D] of one dtype, '
+      f'lse [...], query and scale [D]; got o {o.shape} {o.dtype}, partial {shape} '
+      f'{partial.dtype}, addend {None if addend is None else (addend.shape, addend.dtype)}, '
+      f'lse {lse.shape}, query {query.shape}, scale {scale.shape}'
+    )
   settings = MergeNormSettings() if settings is None else settings
   if not isinstance(settings, MergeNormSettings):
-    raise TypeError(f'attnres merge_norm: settings must be a MergeNormSettings (kernels_pallas/attnres/'
-                    f'settings.py) or None, got {type(settings).__name__}')
-  return _merge_norm_flat(o, lse, partial, addend, query, scale, eps=float(eps), norm_eps=float(norm_eps),
-                          dtype=jnp.dtype(dtype), settings=settings, interpret=bool(interpret))
+    raise TypeError(
+      f'attnres merge_norm: settings must be a MergeNormSettings (kernels_pallas/attnres/'
+      f'settings.py) or None, got {type(settings).__name__}'
+    )
+  return _merge_norm_flat(
+    o,
+    lse,
+    partial,
+    addend,
+    query,
+    scale,
+    eps=float(eps),
+    norm_eps=float(norm_eps),
+    dtype=jnp.dtype(dtype),
+    settings=settings,
+    interpret=bool(interpret),
+  )
 
 
 @functools.partial(jax.jit, static_argnames=('eps', 'norm_eps', 'dtype', 'settings', 'interpret'))
@@ -236,6 +283,17 @@ def _merge_norm_flat(o, lse, partial, addend, query, scale, *, eps, norm_eps, dt
   flat = lambda a: pad_rows(a.reshape(m, d), m_pad, value=1)
   lse = jnp.pad(lse.reshape(m).astype(F32), (0, m_pad - m))
   addends = () if addend is None else (flat(addend),)
-  x, p = _merge_norm(flat(o), lse, flat(partial), addends, query.astype(F32), scale.astype(F32),
-                     eps, norm_eps, dtype, settings, interpret)
+  x, p = _merge_norm(
+    flat(o),
+    lse,
+    flat(partial),
+    addends,
+    query.astype(F32),
+    scale.astype(F32),
+    eps,
+    norm_eps,
+    dtype,
+    settings,
+    interpret,
+  )
   return x[:m].reshape(shape), p[:m].reshape(shape)

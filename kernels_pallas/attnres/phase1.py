@@ -39,7 +39,7 @@ from kernels_pallas.common import defvjp_with_symbolic_zeros, dense, is_zero, pa
 
 __all__ = ['MAX_QUERIES', 'Phase1Settings', 'phase1']
 
-MAX_QUERIES = 16              # queries per kernel call; more run in groups
+MAX_QUERIES = 16  # queries per kernel call; more run in groups
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -49,11 +49,11 @@ def _phase1(sources, queries, eps, settings, interpret):
 
 def _phase1_fwd(sources, queries, eps, settings, interpret):
   s = queries.shape[0]
-  q_parts = terms_side_by_side(queries.T, axis=1)                    # [D, N]
+  q_parts = terms_side_by_side(queries.T, axis=1)  # [D, N]
   terms, r = logits_call(sources, q_parts, eps, settings, interpret)
-  logits = sum_terms(terms, s, axis=2).transpose(0, 2, 1)           # [n, S, M]
-  lse = jax.nn.logsumexp(logits, axis=0)                             # [S, M]
-  alpha = jnp.exp(logits - lse)                                      # [n, S, M]
+  logits = sum_terms(terms, s, axis=2).transpose(0, 2, 1)  # [n, S, M]
+  lse = jax.nn.logsumexp(logits, axis=0)  # [S, M]
+  alpha = jnp.exp(logits - lse)  # [n, S, M]
   outs = combine_call(sources, alpha, settings, interpret)
   return (tuple(outs), lse, sources), (sources, queries, logits, r, lse)
 
@@ -70,15 +70,17 @@ def _phase1_bwd(eps, settings, interpret, res, cotangents):
   accumulate = not all(is_zero(x) for x in d_sources_in)
   d_sources_in = [dense(x, v.shape, v.dtype) for x, v in zip(d_sources_in, sources)] if accumulate else []
   vdo = vdo_call(d_outs, sources, settings, interpret)
-  alpha = jnp.exp(logits - lse)                                      # [n, S, M]
+  alpha = jnp.exp(logits - lse)  # [n, S, M]
   d_logits = alpha * (vdo - jnp.sum(alpha * vdo, axis=0) + d_lse)
   b = d_logits * r[:, None]
-  c = -(r * r / d) * jnp.sum(d_logits * logits, axis=1)               # [n, M]
-  b_parts = terms_side_by_side(b, axis=1)                            # [n, N, M], for the dq dots
-  kernel = functools.partial(grads_kernel, n=n, s=s, bt=settings.bt_grads, accumulate=accumulate,
-                             source_parts=source_parts(sources))
-  d_sources, dq_parts = grads_call(kernel, d_outs, sources, d_sources_in, (alpha, b, c, queries, b_parts),
-                                   settings, interpret)
+  c = -(r * r / d) * jnp.sum(d_logits * logits, axis=1)  # [n, M]
+  b_parts = terms_side_by_side(b, axis=1)  # [n, N, M], for the dq dots
+  kernel = functools.partial(
+    grads_kernel, n=n, s=s, bt=settings.bt_grads, accumulate=accumulate, source_parts=source_parts(sources)
+  )
+  d_sources, dq_parts = grads_call(
+    kernel, d_outs, sources, d_sources_in, (alpha, b, c, queries, b_parts), settings, interpret
+  )
   return tuple(d_sources), sum_terms(jnp.sum(dq_parts, axis=0), s, axis=0)
 
 
@@ -99,14 +101,15 @@ def phase1(sources, queries, *, eps: float = 1e-6, settings=None, interpret: boo
   if s > MAX_QUERIES:
     outs, lses = (), []
     for k in range(0, s, MAX_QUERIES):
-      o, lse, sources = phase1(sources, queries[k:k + MAX_QUERIES], eps=eps, settings=settings,
-                               interpret=interpret)
+      o, lse, sources = phase1(sources, queries[k : k + MAX_QUERIES], eps=eps, settings=settings, interpret=interpret)
       outs, lses = outs + o, lses + [lse]
     return outs, jnp.concatenate(lses), sources
   settings = Phase1Settings() if settings is None else settings
   if not isinstance(settings, Phase1Settings):
-    raise TypeError(f'attnres phase1: settings must be a Phase1Settings (kernels_pallas/attnres/settings.py) '
-                    f'or None, got {type(settings).__name__}')
+    raise TypeError(
+      f'attnres phase1: settings must be a Phase1Settings (kernels_pallas/attnres/settings.py) '
+      f'or None, got {type(settings).__name__}'
+    )
   return _phase1_flat(sources, queries, eps=float(eps), settings=settings, interpret=bool(interpret))
 
 

@@ -1,8 +1,8 @@
 """The backward kernels of Block AttnRes phase 1 (the maths: kernels_pallas/attnres/phase1.py).
 
-  vdo    g_ji = do_j . v_i from one read of each do_j and each source
-  grads  dv_i (plus the gradient of the sources' later uses, which the op passes through) and
-         per-program partial dq_j from one more read of each
+vdo    g_ji = do_j . v_i from one read of each do_j and each source
+grads  dv_i (plus the gradient of the sources' later uses, which the op passes through) and
+       per-program partial dq_j from one more read of each
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kernels_pallas.common import compiler_params, feature_chunk
 
 
 def _vdo_kernel(*refs, n, s, dc):
-  do, src, (g_ref,) = refs[:s], refs[s:s + n], refs[s + n:]
+  do, src, (g_ref,) = refs[:s], refs[s : s + n], refs[s + n :]
   bt, d = src[0].shape
 
   def body(c, acc):
@@ -41,12 +41,14 @@ def vdo_call(d_outs, sources, settings, interpret):
   n, (m, d), s = len(sources), sources[0].shape, len(d_outs)
   rows_bt = settings.bt_vdo
   return pl.pallas_call(
-      functools.partial(_vdo_kernel, n=n, s=s, dc=feature_chunk(d, settings.dc_vdo)),
-      grid=(m // rows_bt,),
-      in_specs=[pl.BlockSpec((rows_bt, d), lambda t: (t, 0))] * (s + n),
-      out_specs=pl.BlockSpec((n, s, rows_bt), lambda t: (0, 0, t)),
-      out_shape=jax.ShapeDtypeStruct((n, s, m), jnp.float32),
-      compiler_params=compiler_params(settings, '_vdo'), interpret=interpret, name='attnres_phase1_vdo',
+    functools.partial(_vdo_kernel, n=n, s=s, dc=feature_chunk(d, settings.dc_vdo)),
+    grid=(m // rows_bt,),
+    in_specs=[pl.BlockSpec((rows_bt, d), lambda t: (t, 0))] * (s + n),
+    out_specs=pl.BlockSpec((n, s, rows_bt), lambda t: (0, 0, t)),
+    out_shape=jax.ShapeDtypeStruct((n, s, m), jnp.float32),
+    compiler_params=compiler_params(settings, '_vdo'),
+    interpret=interpret,
+    name='attnres_phase1_vdo',
   )(*d_outs, *sources)
 
 
@@ -61,14 +63,14 @@ def grads_kernel(*refs, n, s, bt, accumulate, source_parts):
   dq: this program's partial sum_rows b_ji v_i, after the steps: one tensor-core dot per source
   (and bf16 term of the source) of b's bf16 terms [N, rows] (b_parts) against v [rows, dc]."""
   k = n if accumulate else 0
-  do, src, dv_in = refs[:s], refs[s:s + n], refs[s + n:s + n + k]
-  alpha_ref, b_ref, c_ref, q_ref, b_parts_ref = refs[s + n + k:s + n + k + 5]
-  dv, (dq_ref,) = refs[s + n + k + 5:s + 2 * n + k + 5], refs[s + 2 * n + k + 5:]
-  q = [q_ref[j, :][None, :] for j in range(s)]                       # [1, dc] each
+  do, src, dv_in = refs[:s], refs[s : s + n], refs[s + n : s + n + k]
+  alpha_ref, b_ref, c_ref, q_ref, b_parts_ref = refs[s + n + k : s + n + k + 5]
+  dv, (dq_ref,) = refs[s + n + k + 5 : s + 2 * n + k + 5], refs[s + 2 * n + k + 5 :]
+  q = [q_ref[j, :][None, :] for j in range(s)]  # [1, dc] each
 
   def step(t, carry):
     rows = pl.ds(t * bt, bt)
-    dos = [do[j][rows, :].astype(jnp.float32) for j in range(s)]       # [bt, dc] each
+    dos = [do[j][rows, :].astype(jnp.float32) for j in range(s)]  # [bt, dc] each
     grads = []
     for i in range(n):
       grad = c_ref[i, rows][:, None] * src[i][rows, :].astype(jnp.float32)
@@ -108,15 +110,20 @@ def grads_call(kernel, d_outs, sources, d_sources_in, coefficients, settings, in
   width = coefficients[-1].shape[1]
   tile_spec = pl.BlockSpec((rows, dc), lambda k, t: (t, k))
   *d_sources, dq_parts = pl.pallas_call(
-      kernel,
-      grid=(d // dc, m // rows),
-      in_specs=[tile_spec] * (s + n + len(d_sources_in))
-               + [pl.BlockSpec((n, s, rows), lambda k, t: (0, 0, t))] * 2
-               + [pl.BlockSpec((n, rows), lambda k, t: (0, t)), pl.BlockSpec((s, dc), lambda k, t: (0, k)),
-                  pl.BlockSpec((n, width, rows), lambda k, t: (0, 0, t))],
-      out_specs=[tile_spec] * n + [pl.BlockSpec((None, width, dc), lambda k, t: (t, 0, k))],
-      out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype) for x in sources]
-                + [jax.ShapeDtypeStruct((m // rows, width, d), jnp.float32)],
-      compiler_params=compiler_params(settings, '_grads'), interpret=interpret, name='attnres_phase1_grads',
+    kernel,
+    grid=(d // dc, m // rows),
+    in_specs=[tile_spec] * (s + n + len(d_sources_in))
+    + [pl.BlockSpec((n, s, rows), lambda k, t: (0, 0, t))] * 2
+    + [
+      pl.BlockSpec((n, rows), lambda k, t: (0, t)),
+      pl.BlockSpec((s, dc), lambda k, t: (0, k)),
+      pl.BlockSpec((n, width, rows), lambda k, t: (0, 0, t)),
+    ],
+    out_specs=[tile_spec] * n + [pl.BlockSpec((None, width, dc), lambda k, t: (t, 0, k))],
+    out_shape=[jax.ShapeDtypeStruct((m, d), x.dtype) for x in sources]
+    + [jax.ShapeDtypeStruct((m // rows, width, d), jnp.float32)],
+    compiler_params=compiler_params(settings, '_grads'),
+    interpret=interpret,
+    name='attnres_phase1_grads',
   )(*d_outs, *sources, *d_sources_in, *coefficients)
   return d_sources, dq_parts

@@ -17,6 +17,7 @@ class Phase1Settings(Settings):
   warps and Triton pipeline stages. A grads program covers rows_grads rows in steps of bt_grads;
   the logits and vdo kernels hold whole rows, dc features at a time. rows_grads and bt_logits are
   a dot's dimension: >= 16."""
+
   FAMILY = 'attnres phase1'
 
   # combine
@@ -41,11 +42,12 @@ class Phase1Settings(Settings):
   def __post_init__(self):
     super().__post_init__()
     if min(self.rows_grads, self.bt_logits) < 16:
-      raise ValueError(f"{self.FAMILY}: settings rows_grads and bt_logits are a dot's dimension and must "
-                       f'be >= 16; got {self.rows_grads} and {self.bt_logits}')
+      raise ValueError(
+        f"{self.FAMILY}: settings rows_grads and bt_logits are a dot's dimension and must "
+        f'be >= 16; got {self.rows_grads} and {self.bt_logits}'
+      )
     if self.rows_grads % self.bt_grads:
-      raise ValueError(f'{self.FAMILY}: setting bt_grads ({self.bt_grads}) must divide rows_grads '
-                       f'({self.rows_grads})')
+      raise ValueError(f'{self.FAMILY}: setting bt_grads ({self.bt_grads}) must divide rows_grads ({self.rows_grads})')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,7 @@ class MergeNormSettings(Settings):
   """Phase 2 fused with the pre-norm (merge_norm.py): bt rows per tile, held in registers as
   feature chunks of dc (D itself when D is a power of two <= dc; the chunk loads must be powers of
   two); `groups` tiles per backward program; warps and Triton pipeline stages."""
+
   FAMILY = 'attnres merge_norm'
 
   bt: int = 2

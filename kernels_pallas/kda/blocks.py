@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-SUB = 16   # rows of a sub-chunk: the unit of the exponent split and of the blockwise inverse
+SUB = 16  # rows of a sub-chunk: the unit of the exponent split and of the blockwise inverse
 F32 = jnp.float32
 # HIGHEST: float32 operands multiply in full precision (IEEE), not TF32; bf16 operands are
 # unaffected (tensor cores, float32 accumulation).
@@ -68,8 +68,7 @@ def dot_tn(x, y):
 
 def iotas(n=SUB):
   """(row index, column index) of an [n, n] block, int32."""
-  return (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0),
-          jax.lax.broadcasted_iota(jnp.int32, (n, n), 1))
+  return (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0), jax.lax.broadcasted_iota(jnp.int32, (n, n), 1))
 
 
 def unit_lower_inverse(n):

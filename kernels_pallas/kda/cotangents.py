@@ -28,8 +28,9 @@ def _causal(c, strict):
   return r > j if strict else r >= j
 
 
-def chunk_cotangents_kernel(h_ref, dh_ref, do_ref, dvn_ref, vn_ref, dqg_ref, dkg_ref, dw_ref, daqk_ref,
-                            ddecay_ref, *, dot_dtype):
+def chunk_cotangents_kernel(
+  h_ref, dh_ref, do_ref, dvn_ref, vn_ref, dqg_ref, dkg_ref, dw_ref, daqk_ref, ddecay_ref, *, dot_dtype
+):
   h, dh = h_ref[...].astype(dot_dtype), dh_ref[...].astype(dot_dtype)
   do, vn = do_ref[...].astype(dot_dtype), vn_ref[...].astype(dot_dtype)
   dqg_ref[...] = dot_nt(do, h).astype(dqg_ref.dtype)
@@ -39,16 +40,16 @@ def chunk_cotangents_kernel(h_ref, dh_ref, do_ref, dvn_ref, vn_ref, dqg_ref, dkg
   ddecay_ref[...] = jnp.sum(h.astype(F32) * dh.astype(F32), axis=1)
 
 
-def wy_bwd_kernel(t_ref, dw_ref, du_ref, k_ref, v_ref, g_ref, beta_ref, dn_ref, dk_ref, dv_ref, dg_ref,
-                  dbeta_ref, *, dot_dtype):
+def wy_bwd_kernel(
+  t_ref, dw_ref, du_ref, k_ref, v_ref, g_ref, beta_ref, dn_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, dot_dtype
+):
   # Each output is written as soon as it is formed, so that few [C, K] float32 tensors are live
   # at once (the kernel is register-bound).
   t = t_ref[...].astype(dot_dtype)
   dw, du = dw_ref[...].astype(dot_dtype), du_ref[...].astype(dot_dtype)
   beta = beta_ref[...].astype(F32)[:, None]
-  egk = jnp.exp(g_ref[...]) * k_ref[...].astype(F32)                    # e^G k
-  dt = (dot_nt(dw, (beta * egk).astype(dot_dtype))
-        + dot_nt(du, (beta * v_ref[...].astype(F32)).astype(dot_dtype)))
+  egk = jnp.exp(g_ref[...]) * k_ref[...].astype(F32)  # e^G k
+  dt = dot_nt(dw, (beta * egk).astype(dot_dtype)) + dot_nt(du, (beta * v_ref[...].astype(F32)).astype(dot_dtype))
   inner = dot_nt(dt.astype(dot_dtype), t).astype(dot_dtype)
   dn_ref[...] = jnp.where(_causal(t.shape[0], strict=True), -dot_tn(t, inner), 0.0)
   dx = dot_tn(t, dw)

@@ -61,8 +61,9 @@ def gated_cumsum_kernel(f_ref, a_ref, bias_ref, o_ref, *, lower_bound, t_valid):
   o_ref[...] = jnp.cumsum(g, axis=0)
 
 
-def gated_reverse_cumsum_kernel(x_ref, add_ref, f_ref, a_ref, bias_ref, df_ref, dbias_ref, dalog_ref, *,
-                                lower_bound, t_valid):
+def gated_reverse_cumsum_kernel(
+  x_ref, add_ref, f_ref, a_ref, bias_ref, df_ref, dbias_ref, dalog_ref, *, lower_bound, t_valid
+):
   """dg = reverse sum of dG plus the chunk-end row, then through the gate: df = dg dg/dx (f's
   dtype) and this chunk's column sums of df (dt_bias's gradient) and of dg dg/dA_log (A_log's,
   before the sum over features)."""

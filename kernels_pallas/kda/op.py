@@ -34,6 +34,7 @@ from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_b
 from kernels_pallas.kda.settings import KdaSettings
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_apply_kernel, wy_inverse_kernel
+
 # SAVED: the checkpoint_name of the residuals worth keeping (aqk, T), defined with the op
 from kimijax.ops.kda import SAVED, log_decay_from_pre_activation
 
@@ -53,8 +54,7 @@ def _sub_spec(d, nb, sliced=False):
   feature slice]); sliced: the block is feature slice f of width d."""
   if d is None:
     return pl.BlockSpec((None, SUB, None), lambda bi, hi, n, a, *f: (bi, n * nb + a, hi))
-  return pl.BlockSpec((None, SUB, None, d),
-                      lambda bi, hi, n, a, *f: (bi, n * nb + a, hi, f[0] if sliced else 0))
+  return pl.BlockSpec((None, SUB, None, d), lambda bi, hi, n, a, *f: (bi, n * nb + a, hi, f[0] if sliced else 0))
 
 
 def _chunk_spec(d, c, sliced=False):
@@ -62,8 +62,7 @@ def _chunk_spec(d, c, sliced=False):
   slice]); sliced: the block is feature slice f (the last grid index) of width d."""
   if d is None:
     return pl.BlockSpec((None, c, None), lambda bi, hi, n, *_: (bi, n, hi))
-  return pl.BlockSpec((None, c, None, d),
-                      lambda bi, hi, n, *rest: (bi, n, hi, rest[-1] if sliced else 0))
+  return pl.BlockSpec((None, c, None, d), lambda bi, hi, n, *rest: (bi, n, hi, rest[-1] if sliced else 0))
 
 
 def _chunk_state_spec(dk, dv):
@@ -83,9 +82,13 @@ def _cumsum_layout(x, c, reverse, settings):
   b, t, h, dk = x.shape
   kernel = 'reverse_cumsum' if reverse else 'cumsum'
   kb = power_of_two_divisor(dk, getattr(settings, 'features_' + kernel))
-  return ((b, h, t // c, dk // kb), _chunk_spec(kb, c, sliced=True),
-          pl.BlockSpec((None, None, None, kb), lambda bi, hi, n, f: (bi, n, hi, f)),
-          pl.BlockSpec((None, kb), lambda bi, hi, n, f: (hi, f)), settings.params(kernel))
+  return (
+    (b, h, t // c, dk // kb),
+    _chunk_spec(kb, c, sliced=True),
+    pl.BlockSpec((None, None, None, kb), lambda bi, hi, n, f: (bi, n, hi, f)),
+    pl.BlockSpec((None, kb), lambda bi, hi, n, f: (hi, f)),
+    settings.params(kernel),
+  )
 
 
 def chunk_cumsum(x, c, *, settings, reverse=False, add=None, interpret=False):
@@ -98,9 +101,14 @@ def chunk_cumsum(x, c, *, settings, reverse=False, add=None, interpret=False):
     in_specs.append(row)
     args.append(add)
   return pl.pallas_call(
-      functools.partial(chunk_cumsum_kernel, reverse=reverse), grid=grid,
-      in_specs=in_specs, out_specs=spec, out_shape=_sds(x.shape, F32),
-      compiler_params=params, interpret=interpret, name='kda_chunk_cumsum',
+    functools.partial(chunk_cumsum_kernel, reverse=reverse),
+    grid=grid,
+    in_specs=in_specs,
+    out_specs=spec,
+    out_shape=_sds(x.shape, F32),
+    compiler_params=params,
+    interpret=interpret,
+    name='kda_chunk_cumsum',
   )(*args)
 
 
@@ -111,9 +119,14 @@ def gated_cumsum(f, a_hk, bias_hk, c, *, lower_bound, t_valid, settings, interpr
   grid, spec, _, head, params = _cumsum_layout(f, c, False, settings)
   kernel = functools.partial(gated_cumsum_kernel, lower_bound=lower_bound, t_valid=t_valid)
   return pl.pallas_call(
-      kernel, grid=grid, in_specs=[spec, head, head],
-      out_specs=spec, out_shape=_sds(f.shape, F32),
-      compiler_params=params, interpret=interpret, name='kda_gated_cumsum',
+    kernel,
+    grid=grid,
+    in_specs=[spec, head, head],
+    out_specs=spec,
+    out_shape=_sds(f.shape, F32),
+    compiler_params=params,
+    interpret=interpret,
+    name='kda_gated_cumsum',
   )(f, a_hk, bias_hk)
 
 
@@ -126,10 +139,14 @@ def gated_reverse_cumsum(dgc, add, f, a_hk, bias_hk, c, *, lower_bound, t_valid,
   kernel = functools.partial(gated_reverse_cumsum_kernel, lower_bound=lower_bound, t_valid=t_valid)
   per_chunk = _sds((b, t // c, h, dk), F32)
   return pl.pallas_call(
-      kernel, grid=grid,
-      in_specs=[spec, row, spec, head, head],
-      out_specs=[spec, row, row], out_shape=[_sds(f.shape, f.dtype), per_chunk, per_chunk],
-      compiler_params=params, interpret=interpret, name='kda_gated_reverse_cumsum',
+    kernel,
+    grid=grid,
+    in_specs=[spec, row, spec, head, head],
+    out_specs=[spec, row, row],
+    out_shape=[_sds(f.shape, f.dtype), per_chunk, per_chunk],
+    compiler_params=params,
+    interpret=interpret,
+    name='kda_gated_reverse_cumsum',
   )(dgc, add, f, a_hk, bias_hk)
 
 
@@ -144,6 +161,7 @@ def _heads_per_program(h, key, settings):
 def _token_specs(hb):
   """Block specs of the token-parallel kernels, grid (b, token, head group): token(d) is token t
   of [B, T, H, d], sub(d) its 16-token sub-chunk (d None: of [B, T, H])."""
+
   def token(d):
     if d is None:
       return pl.BlockSpec((None, 1, hb), lambda bi, ti, hi: (bi, ti, hi))
@@ -161,8 +179,10 @@ def _score_diag_specs(hb, c):
   """The same grid's blocks of a [B, T, H, C] score array: token t's row and its sub-chunk's
   rows, the columns of t's own sub-chunk (its diagonal block)."""
   cols = lambda ti: (ti % c) // SUB
-  return (pl.BlockSpec((None, 1, hb, SUB), lambda bi, ti, hi: (bi, ti, hi, cols(ti))),
-          pl.BlockSpec((None, SUB, hb, SUB), lambda bi, ti, hi: (bi, ti // SUB, hi, cols(ti))))
+  return (
+    pl.BlockSpec((None, 1, hb, SUB), lambda bi, ti, hi: (bi, ti, hi, cols(ti))),
+    pl.BlockSpec((None, SUB, hb, SUB), lambda bi, ti, hi: (bi, ti // SUB, hi, cols(ti))),
+  )
 
 
 def diag_fwd(q, k, gc, beta, *, scale, settings, interpret):
@@ -174,10 +194,14 @@ def diag_fwd(q, k, gc, beta, *, scale, settings, interpret):
   hb = _heads_per_program(h, 'heads_diag', settings)
   token, sub = _token_specs(hb)
   return pl.pallas_call(
-      functools.partial(diag_fwd_kernel, scale=scale), grid=(b, t, h // hb),
-      in_specs=[token(dk), token(dk), token(dk), token(None), sub(dk), sub(dk)],
-      out_specs=[token(SUB), token(SUB)], out_shape=out_shape,
-      compiler_params=settings.params('diag'), interpret=interpret, name='kda_diag_fwd',
+    functools.partial(diag_fwd_kernel, scale=scale),
+    grid=(b, t, h // hb),
+    in_specs=[token(dk), token(dk), token(dk), token(None), sub(dk), sub(dk)],
+    out_specs=[token(SUB), token(SUB)],
+    out_shape=out_shape,
+    compiler_params=settings.params('diag'),
+    interpret=interpret,
+    name='kda_diag_fwd',
   )(q, k, gc, beta, k, gc)
 
 
@@ -190,10 +214,14 @@ def diag_bwd(q, k, gc, beta, daqk, dn, *, scale, c, settings, interpret):
   token, sub = _token_specs(hb)
   token_diag, sub_diag = _score_diag_specs(hb, c)
   return pl.pallas_call(
-      functools.partial(diag_bwd_kernel, scale=scale), grid=(b, t, h // hb),
-      in_specs=[token(dk), token_diag, token_diag, sub(dk), sub(dk), sub(dk), sub(None), sub_diag, sub_diag],
-      out_specs=[token(dk)] * 3, out_shape=[_sds(q.shape, F32)] * 3,
-      compiler_params=settings.params('diag_bwd'), interpret=interpret, name='kda_diag_bwd',
+    functools.partial(diag_bwd_kernel, scale=scale),
+    grid=(b, t, h // hb),
+    in_specs=[token(dk), token_diag, token_diag, sub(dk), sub(dk), sub(dk), sub(None), sub_diag, sub_diag],
+    out_specs=[token(dk)] * 3,
+    out_shape=[_sds(q.shape, F32)] * 3,
+    compiler_params=settings.params('diag_bwd'),
+    interpret=interpret,
+    name='kda_diag_bwd',
   )(gc, daqk, dn, q, k, gc, beta, daqk, dn)
 
 
@@ -212,16 +240,27 @@ def scores_fwd(q, k, gc, beta, *, scale, c, settings, interpret):
   def call(*diag):
     kernel = functools.partial(scores_fwd_kernel, scale=scale, nb=nb, dot_dtype=q.dtype, pairwise=bool(diag))
     return pl.pallas_call(
-        kernel, grid=(b, h, t // c, nb),
-        in_specs=[_sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(dk, nb), _sub_spec(None, nb),
-                  _chunk_spec(dk, c), _chunk_spec(dk, c)] + [_sub_spec(SUB, nb)] * len(diag),
-        out_specs=[_sub_spec(c, nb), _sub_spec(c, nb)],
-        out_shape=[_sds((b, t, h, c), q.dtype), _sds((b, t, h, c), F32)],
-        compiler_params=settings.params('scores'), interpret=interpret, name='kda_scores_fwd',
+      kernel,
+      grid=(b, h, t // c, nb),
+      in_specs=[
+        _sub_spec(dk, nb),
+        _sub_spec(dk, nb),
+        _sub_spec(dk, nb),
+        _sub_spec(None, nb),
+        _chunk_spec(dk, c),
+        _chunk_spec(dk, c),
+      ]
+      + [_sub_spec(SUB, nb)] * len(diag),
+      out_specs=[_sub_spec(c, nb), _sub_spec(c, nb)],
+      out_shape=[_sds((b, t, h, c), q.dtype), _sds((b, t, h, c), F32)],
+      compiler_params=settings.params('scores'),
+      interpret=interpret,
+      name='kda_scores_fwd',
     )(q, k, gc, beta, k, gc, *diag)
 
-  return _flat_or_steep(gc, call, lambda: call(*diag_fwd(q, k, gc, beta, scale=scale, settings=settings,
-                                                        interpret=interpret)), settings)
+  return _flat_or_steep(
+    gc, call, lambda: call(*diag_fwd(q, k, gc, beta, scale=scale, settings=settings, interpret=interpret)), settings
+  )
 
 
 def wy_inverse(n, *, c, dtype, settings, interpret):
@@ -229,9 +268,14 @@ def wy_inverse(n, *, c, dtype, settings, interpret):
   b, t, h, _ = n.shape
   spec = _chunk_spec(c, c)
   return pl.pallas_call(
-      functools.partial(wy_inverse_kernel, nb=c // SUB), grid=(b, h, t // c),
-      in_specs=[spec], out_specs=spec, out_shape=_sds(n.shape, dtype),
-      compiler_params=settings.params('wy'), interpret=interpret, name='kda_wy_inverse',
+    functools.partial(wy_inverse_kernel, nb=c // SUB),
+    grid=(b, h, t // c),
+    in_specs=[spec],
+    out_specs=spec,
+    out_shape=_sds(n.shape, dtype),
+    compiler_params=settings.params('wy'),
+    interpret=interpret,
+    name='kda_wy_inverse',
   )(n)
 
 
@@ -242,11 +286,14 @@ def wy_apply(t_inv, q, k, v, gc, beta, *, scale, c, settings, interpret):
   spec = lambda d: _chunk_spec(d, c)
   kernel = functools.partial(wy_apply_kernel, scale=scale, dot_dtype=q.dtype)
   return pl.pallas_call(
-      kernel, grid=(b, h, t // c),
-      in_specs=[spec(c), spec(dk), spec(dk), spec(v.shape[-1]), spec(dk), spec(None)],
-      out_specs=[spec(dk), spec(dk), spec(dk), spec(v.shape[-1])],
-      out_shape=[_sds(q.shape, q.dtype)] * 3 + [_sds(v.shape, q.dtype)],
-      compiler_params=settings.params('apply'), interpret=interpret, name='kda_wy_apply',
+    kernel,
+    grid=(b, h, t // c),
+    in_specs=[spec(c), spec(dk), spec(dk), spec(v.shape[-1]), spec(dk), spec(None)],
+    out_specs=[spec(dk), spec(dk), spec(dk), spec(v.shape[-1])],
+    out_shape=[_sds(q.shape, q.dtype)] * 3 + [_sds(v.shape, q.dtype)],
+    compiler_params=settings.params('apply'),
+    interpret=interpret,
+    name='kda_wy_apply',
   )(t_inv, q, k, v, gc, beta)
 
 
@@ -271,12 +318,14 @@ def state_fwd(qg, kg, w, u, aqk, gc, s0, *, c, out_dtype, with_h, settings, inte
     out_shape.append(_sds((b, h, (t // c) * dk, dv), qg.dtype))
   kernel = functools.partial(state_fwd_kernel, nt=t // c, c=c, dot_dtype=qg.dtype)
   return pl.pallas_call(
-      kernel, grid=(b, h, dv // bv),
-      in_specs=[whole(dk), whole(dk), whole(dk), cols, whole(c), whole(dk), state],
-      out_specs=out_specs, out_shape=out_shape,
-      compiler_params=settings.params('state', settings.state_stages('state_fwd', b, h, dk, dv, c,
-                                                                     qg.dtype.itemsize)),
-      interpret=interpret, name='kda_state_fwd',
+    kernel,
+    grid=(b, h, dv // bv),
+    in_specs=[whole(dk), whole(dk), whole(dk), cols, whole(c), whole(dk), state],
+    out_specs=out_specs,
+    out_shape=out_shape,
+    compiler_params=settings.params('state', settings.state_stages('state_fwd', b, h, dk, dv, c, qg.dtype.itemsize)),
+    interpret=interpret,
+    name='kda_state_fwd',
   )(qg, kg, w, u, aqk, gc, s0)
 
 
@@ -288,14 +337,14 @@ def state_bwd(qg, kg, w, aqk, gc, do, ds_final, *, c, settings, interpret):
   whole, cols, state, per_chunk = _state_specs(t, dk, bv, c)
   kernel = functools.partial(state_bwd_kernel, nt=t // c, c=c, dot_dtype=qg.dtype)
   return pl.pallas_call(
-      kernel, grid=(b, h, dv // bv),
-      in_specs=[whole(dk), whole(dk), whole(dk), whole(c), whole(dk), cols, state],
-      out_specs=[state, per_chunk, cols],
-      out_shape=[_sds((b, h, dk, dv), F32), _sds((b, h, (t // c) * dk, dv), qg.dtype),
-                 _sds((b, t, h, dv), F32)],
-      compiler_params=settings.params('state', settings.state_stages('state_bwd', b, h, dk, dv, c,
-                                                                     qg.dtype.itemsize)),
-      interpret=interpret, name='kda_state_bwd',
+    kernel,
+    grid=(b, h, dv // bv),
+    in_specs=[whole(dk), whole(dk), whole(dk), whole(c), whole(dk), cols, state],
+    out_specs=[state, per_chunk, cols],
+    out_shape=[_sds((b, h, dk, dv), F32), _sds((b, h, (t // c) * dk, dv), qg.dtype), _sds((b, t, h, dv), F32)],
+    compiler_params=settings.params('state', settings.state_stages('state_bwd', b, h, dk, dv, c, qg.dtype.itemsize)),
+    interpret=interpret,
+    name='kda_state_bwd',
   )(qg, kg, w, aqk, gc, do, ds_final)
 
 
@@ -309,11 +358,14 @@ def chunk_cotangents(hs, dh, do, dv_new, v_new, *, c, settings, interpret):
   decay = pl.BlockSpec((None, None, None, dk), lambda bi, hi, n: (bi, n, hi, 0))
   dt = hs.dtype
   return pl.pallas_call(
-      functools.partial(chunk_cotangents_kernel, dot_dtype=dt), grid=(b, h, t // c),
-      in_specs=[state, state, spec(dv), spec(dv), spec(dv)],
-      out_specs=[spec(dk)] * 3 + [spec(c), decay],
-      out_shape=[_sds((b, t, h, dk), dt)] * 3 + [_sds((b, t, h, c), F32), _sds((b, t // c, h, dk), F32)],
-      compiler_params=settings.params('cotangents'), interpret=interpret, name='kda_chunk_cotangents',
+    functools.partial(chunk_cotangents_kernel, dot_dtype=dt),
+    grid=(b, h, t // c),
+    in_specs=[state, state, spec(dv), spec(dv), spec(dv)],
+    out_specs=[spec(dk)] * 3 + [spec(c), decay],
+    out_shape=[_sds((b, t, h, dk), dt)] * 3 + [_sds((b, t, h, c), F32), _sds((b, t // c, h, dk), F32)],
+    compiler_params=settings.params('cotangents'),
+    interpret=interpret,
+    name='kda_chunk_cotangents',
   )(hs, dh, do, dv_new, v_new)
 
 
@@ -324,12 +376,20 @@ def wy_backward(t_inv, dw, dv_new, k, v, gc, beta, *, c, settings, interpret):
   dv = v.shape[-1]
   spec = lambda d: _chunk_spec(d, c)
   return pl.pallas_call(
-      functools.partial(wy_bwd_kernel, dot_dtype=t_inv.dtype), grid=(b, h, t // c),
-      in_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(dv), spec(dk), spec(None)],
-      out_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(None)],
-      out_shape=[_sds((b, t, h, c), F32), _sds(k.shape, F32), _sds(v.shape, v.dtype), _sds(k.shape, F32),
-                 _sds((b, t, h), F32)],
-      compiler_params=settings.params('wy_bwd'), interpret=interpret, name='kda_wy_bwd',
+    functools.partial(wy_bwd_kernel, dot_dtype=t_inv.dtype),
+    grid=(b, h, t // c),
+    in_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(dv), spec(dk), spec(None)],
+    out_specs=[spec(c), spec(dk), spec(dv), spec(dk), spec(None)],
+    out_shape=[
+      _sds((b, t, h, c), F32),
+      _sds(k.shape, F32),
+      _sds(v.shape, v.dtype),
+      _sds(k.shape, F32),
+      _sds((b, t, h), F32),
+    ],
+    compiler_params=settings.params('wy_bwd'),
+    interpret=interpret,
+    name='kda_wy_bwd',
   )(t_inv, dw, dv_new, k, v, gc, beta)
 
 
@@ -346,24 +406,53 @@ def scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, dk_wy, dg_wy, dbeta_wy, *, sc
   sub_f, whole_f = _sub_spec(bk, nb, sliced=True), _chunk_spec(bk, c, sliced=True)
 
   def call(*diag_terms):
-    kernel = functools.partial(scores_bwd_kernel, scale=scale, nb=nb, dot_dtype=q.dtype,
-                               pairwise=bool(diag_terms))
+    kernel = functools.partial(scores_bwd_kernel, scale=scale, nb=nb, dot_dtype=q.dtype, pairwise=bool(diag_terms))
     return pl.pallas_call(
-        kernel, grid=(b, h, t // c, nb, nk),
-        in_specs=[sub_f, sub_f, sub_f, sub(None), sub_f, sub_f, sub(c), sub(c),
-                  whole_f, whole_f, whole_f, whole(None), whole(c), whole(c)]
-                 + [sub_f] * len(diag_terms) + [sub_f, sub_f, sub(None)],
-        out_specs=[sub_f, sub_f, sub_f,
-                   pl.BlockSpec((None, SUB, None, None), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f)),
-                   pl.BlockSpec((None, 1, None, bk), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f))],
-        out_shape=[_sds(q.shape, q.dtype), _sds(k.shape, k.dtype), _sds(q.shape, F32),
-                   _sds((b, t, h, nk), F32), _sds((b, (t // c) * nb, h, dk), F32)],
-        compiler_params=settings.params('scores_bwd'), interpret=interpret, name='kda_scores_bwd',
+      kernel,
+      grid=(b, h, t // c, nb, nk),
+      in_specs=[
+        sub_f,
+        sub_f,
+        sub_f,
+        sub(None),
+        sub_f,
+        sub_f,
+        sub(c),
+        sub(c),
+        whole_f,
+        whole_f,
+        whole_f,
+        whole(None),
+        whole(c),
+        whole(c),
+      ]
+      + [sub_f] * len(diag_terms)
+      + [sub_f, sub_f, sub(None)],
+      out_specs=[
+        sub_f,
+        sub_f,
+        sub_f,
+        pl.BlockSpec((None, SUB, None, None), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f)),
+        pl.BlockSpec((None, 1, None, bk), lambda bi, hi, n, a, f: (bi, n * nb + a, hi, f)),
+      ],
+      out_shape=[
+        _sds(q.shape, q.dtype),
+        _sds(k.shape, k.dtype),
+        _sds(q.shape, F32),
+        _sds((b, t, h, nk), F32),
+        _sds((b, (t // c) * nb, h, dk), F32),
+      ],
+      compiler_params=settings.params('scores_bwd'),
+      interpret=interpret,
+      name='kda_scores_bwd',
     )(q, k, gc, beta, dqg, dkg, daqk, dn, q, k, gc, beta, daqk, dn, *diag_terms, dk_wy, dg_wy, dbeta_wy)
 
   dq, dk_, dg, dbeta, dlast = _flat_or_steep(
-      gc, call, lambda: call(*diag_bwd(q, k, gc, beta, daqk, dn, scale=scale, c=c, settings=settings,
-                                       interpret=interpret)), settings)
+    gc,
+    call,
+    lambda: call(*diag_bwd(q, k, gc, beta, daqk, dn, scale=scale, c=c, settings=settings, interpret=interpret)),
+    settings,
+  )
   return dq, dk_, dg, jnp.sum(dbeta, axis=-1), dlast
 
 
@@ -381,8 +470,9 @@ def _cumulative_log_decay(g, gate_params, gate, c, settings, interpret):
   if gate is None:
     return chunk_cumsum(g, c, settings=settings, interpret=interpret)
   lower_bound, t_valid = gate
-  return gated_cumsum(g, *_gate_rows(gate_params), c, lower_bound=lower_bound, t_valid=t_valid,
-                      settings=settings, interpret=interpret)
+  return gated_cumsum(
+    g, *_gate_rows(gate_params), c, lower_bound=lower_bound, t_valid=t_valid, settings=settings, interpret=interpret
+  )
 
 
 def _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings):
@@ -432,17 +522,19 @@ def _core_bwd(scale, interpret, gate, settings, res, cotangents):
   ds0, dh, dv_new = state_bwd(qg, kg, w, aqk, gc, do, ds_final.astype(F32), c=c, **kw)
   dqg, dkg, dw, daqk, ddecay = chunk_cotangents(hs, dh, do, dv_new, v_new, c=c, **kw)
   dn, dk_wy, dv, dg_wy, dbeta_wy = wy_backward(t_inv, dw, dv_new, k, v, gc, beta, c=c, **kw)
-  dq, dk_, dg_s, dbeta, dlast = scores_bwd(q, k, gc, beta, dqg, dkg, daqk, dn, dk_wy, dg_wy, dbeta_wy,
-                                           scale=scale, c=c, **kw)
-  g_end = _chunk_view(gc, c)[:, :, -1]                 # G_C, [B, N, H, K]
+  dq, dk_, dg_s, dbeta, dlast = scores_bwd(
+    q, k, gc, beta, dqg, dkg, daqk, dn, dk_wy, dg_wy, dbeta_wy, scale=scale, c=c, **kw
+  )
+  g_end = _chunk_view(gc, c)[:, :, -1]  # G_C, [B, N, H, K]
   d_end = jnp.sum(dlast.reshape(b, nt, c // SUB, h, dk), axis=2) + ddecay * jnp.exp(g_end)
   # dg_i = sum over rows r >= i of the chunk of dG_r, plus G_C's gradient (every g of the chunk)
   if gate is None:
     dg = chunk_cumsum(dg_s, c, reverse=True, add=d_end, **kw).astype(g.dtype)
     d_gate = None
-  else:                   # then through the gate: df, and the sums that are d A_log and d dt_bias
+  else:  # then through the gate: df, and the sums that are d A_log and d dt_bias
     dg, dbias_rows, dalog_rows = gated_reverse_cumsum(
-        dg_s, d_end, g, *_gate_rows(gate_params), c, lower_bound=gate[0], t_valid=gate[1], **kw)
+      dg_s, d_end, g, *_gate_rows(gate_params), c, lower_bound=gate[0], t_valid=gate[1], **kw
+    )
     d_gate = (jnp.sum(dalog_rows, axis=(0, 1, 3)), jnp.sum(dbias_rows, axis=(0, 1)))
   return dq, dk_, dv, dg, dbeta.astype(beta.dtype), ds0, d_gate
 
@@ -450,8 +542,21 @@ def _core_bwd(scale, interpret, gate, settings, res, cotangents):
 kda_core.defvjp(_core_fwd, _core_bwd)
 
 
-def kda_pallas(q, k, v, g, beta, initial_state=None, *, scale, a_log=None, dt_bias=None,
-               gate_lower_bound=0.0, settings=None, interpret=False):
+def kda_pallas(
+  q,
+  k,
+  v,
+  g,
+  beta,
+  initial_state=None,
+  *,
+  scale,
+  a_log=None,
+  dt_bias=None,
+  gate_lower_bound=0.0,
+  settings=None,
+  interpret=False,
+):
   """KDA (docs/kda.md) through the Pallas kernels: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H].
 
   Any T (padded to a multiple of the chunk with tokens that neither decay nor write); K and V
@@ -466,11 +571,25 @@ def kda_pallas(q, k, v, g, beta, initial_state=None, *, scale, a_log=None, dt_bi
   dk, dv = q.shape[-1], v.shape[-1]
   for name, d in (('K', dk), ('V', dv)):
     if d < 16 or d & (d - 1):
-      raise ValueError(f"kda impl='pallas': {name} = {d} must be a power of two >= 16 "
-                       f"(q {list(q.shape)}, v {list(v.shape)}); use impl='xla' for other sizes")
+      raise ValueError(
+        f"kda impl='pallas': {name} = {d} must be a power of two >= 16 "
+        f"(q {list(q.shape)}, v {list(v.shape)}); use impl='xla' for other sizes"
+      )
   settings = _checked(settings)
-  return _kda_pallas(q, k, v, g, beta, initial_state, a_log, dt_bias, scale=float(scale),
-                     gate_lower_bound=float(gate_lower_bound), interpret=bool(interpret), settings=settings)
+  return _kda_pallas(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state,
+    a_log,
+    dt_bias,
+    scale=float(scale),
+    gate_lower_bound=float(gate_lower_bound),
+    interpret=bool(interpret),
+    settings=settings,
+  )
 
 
 def _checked(settings) -> KdaSettings:
@@ -478,8 +597,10 @@ def _checked(settings) -> KdaSettings:
   if settings is None:
     return KdaSettings()
   if not isinstance(settings, KdaSettings):
-    raise TypeError(f"kda impl='pallas': settings must be a KdaSettings (kernels_pallas/kda/settings.py) "
-                    f'or None, got {type(settings).__name__}')
+    raise TypeError(
+      f"kda impl='pallas': settings must be a KdaSettings (kernels_pallas/kda/settings.py) "
+      f'or None, got {type(settings).__name__}'
+    )
   return settings
 
 

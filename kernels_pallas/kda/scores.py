@@ -48,13 +48,15 @@ def diag_fwd_kernel(q_ref, k_ref, g_ref, b_ref, k_sub_ref, g_sub_ref, aqk_ref, a
   @pl.when(jnp.logical_not(diagonal_by_matmul(g_sub_ref)))
   def _():
     q, k, g = q_ref[0].astype(F32), k_ref[0].astype(F32), g_ref[0]
-    col = jax.lax.broadcasted_iota(jnp.int32, aqk_ref.shape[1:], 1)        # [heads, 16]
+    col = jax.lax.broadcasted_iota(jnp.int32, aqk_ref.shape[1:], 1)  # [heads, 16]
 
-    def token(j, carry):   # G is non-increasing, so G_r - G_j <= 0 for j <= r
+    def token(j, carry):  # G is non-increasing, so G_r - G_j <= 0 for j <= r
       aqk, akk = carry
       kj = k_sub_ref[pl.ds(j, 1)][0].astype(F32) * jnp.exp(g - g_sub_ref[pl.ds(j, 1)][0])
-      return (jnp.where(col == j, jnp.sum(q * kj, axis=-1, keepdims=True), aqk),
-              jnp.where(col == j, jnp.sum(k * kj, axis=-1, keepdims=True), akk))
+      return (
+        jnp.where(col == j, jnp.sum(q * kj, axis=-1, keepdims=True), aqk),
+        jnp.where(col == j, jnp.sum(k * kj, axis=-1, keepdims=True), akk),
+      )
 
     zeros = jnp.zeros(aqk_ref.shape[1:], F32)
     aqk, akk = jax.lax.fori_loop(0, r + 1, token, (zeros, zeros))
@@ -72,7 +74,7 @@ def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, *refs, scale
   qa, ka, ga = qa_ref[...].astype(F32), ka_ref[...].astype(F32), ga_ref[...]
   beta = ba_ref[...].astype(F32)[:, None]
 
-  gp = _token(g_ref, a * SUB)                                  # anchor: the sub-chunk's first row
+  gp = _token(g_ref, a * SUB)  # anchor: the sub-chunk's first row
   row_f = jnp.exp(ga - gp)
   qa_f, ka_f = (qa * row_f).astype(dot_dtype), (ka * row_f).astype(dot_dtype)
 
@@ -89,12 +91,11 @@ def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, *refs, scale
 
   def earlier(b, carry):  # blocks (a, b), b < a, and the diagonal block (a, a) when by_matmul
     kb = (k_ref[rows(b), :].astype(F32) * jnp.exp(gp - g_ref[rows(b), :])).astype(dot_dtype)
-    aqk_ref[:, rows(b)] = jnp.where((b < a) | (c_idx <= r_idx), scale * dot_nt(qa_f, kb),
-                                    0.0).astype(aqk_ref.dtype)
+    aqk_ref[:, rows(b)] = jnp.where((b < a) | (c_idx <= r_idx), scale * dot_nt(qa_f, kb), 0.0).astype(aqk_ref.dtype)
     n_ref[:, rows(b)] = jnp.where((b < a) | (c_idx < r_idx), beta * dot_nt(ka_f, kb), 0.0)
     return carry
 
-  def later(b, carry):    # blocks above the diagonal
+  def later(b, carry):  # blocks above the diagonal
     aqk_ref[:, rows(b)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
     n_ref[:, rows(b)] = jnp.zeros((SUB, SUB), F32)
     return carry
@@ -103,8 +104,22 @@ def scores_fwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, k_ref, g_ref, *refs, scale
   jax.lax.fori_loop(a + 1, nb, later, None)
 
 
-def diag_bwd_kernel(g_ref, daqk_ref, dn_ref, q_sub_ref, k_sub_ref, g_sub_ref, beta_sub_ref, daqk_sub_ref,
-                    dn_sub_ref, qrow_ref, rrow_ref, ccol_ref, *, scale):
+def diag_bwd_kernel(
+  g_ref,
+  daqk_ref,
+  dn_ref,
+  q_sub_ref,
+  k_sub_ref,
+  g_sub_ref,
+  beta_sub_ref,
+  daqk_sub_ref,
+  dn_sub_ref,
+  qrow_ref,
+  rrow_ref,
+  ccol_ref,
+  *,
+  scale,
+):
   """The diagonal blocks' part of the scores backward for token r and a few heads. Inputs: g of
   token r [1, heads, K]; its row of the diagonal blocks of daqk and dn [1, heads, 16]; q, k, g,
   beta of its sub-chunk [16, heads, K] and [16, heads]; the sub-chunk's rows of the diagonal
@@ -117,8 +132,8 @@ def diag_bwd_kernel(g_ref, daqk_ref, dn_ref, q_sub_ref, k_sub_ref, g_sub_ref, be
   daqk and dn are zero above (and dn on) the diagonal, so the sums run over the whole loops.
   Nothing is written when scores_bwd_kernel forms these terms as matmuls (diagonal_by_matmul)."""
   r = pl.program_id(1) % SUB
-  one = lambda ref, j: ref[pl.ds(j, 1)][0]          # token j of a sub-chunk block, [heads, ...]
-  grad = lambda ref, i, j: ref[pl.ds(i, 1), :, pl.ds(j, 1)][0].astype(F32)   # [heads, 1]
+  one = lambda ref, j: ref[pl.ds(j, 1)][0]  # token j of a sub-chunk block, [heads, ...]
+  grad = lambda ref, i, j: ref[pl.ds(i, 1), :, pl.ds(j, 1)][0].astype(F32)  # [heads, 1]
 
   @pl.when(jnp.logical_not(diagonal_by_matmul(g_sub_ref)))
   def _():
@@ -131,8 +146,9 @@ def diag_bwd_kernel(g_ref, daqk_ref, dn_ref, q_sub_ref, k_sub_ref, g_sub_ref, be
 
     def column(i, ccol):
       beta_i = one(beta_sub_ref, i).astype(F32)[:, None]
-      x = (scale * grad(daqk_sub_ref, i, r) * one(q_sub_ref, i).astype(F32)
-           + grad(dn_sub_ref, i, r) * beta_i * one(k_sub_ref, i).astype(F32))
+      x = scale * grad(daqk_sub_ref, i, r) * one(q_sub_ref, i).astype(F32) + grad(dn_sub_ref, i, r) * beta_i * one(
+        k_sub_ref, i
+      ).astype(F32)
       return ccol + x * jnp.exp(one(g_sub_ref, i) - g)
 
     zero = jnp.zeros(g.shape, F32)
@@ -141,8 +157,27 @@ def diag_bwd_kernel(g_ref, daqk_ref, dn_ref, q_sub_ref, k_sub_ref, g_sub_ref, be
     ccol_ref[0] = jax.lax.fori_loop(r, SUB, column, zero)
 
 
-def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_rows_ref, dn_rows_ref,
-                      q_ref, k_ref, g_ref, b_ref, daqk_ref, dn_ref, *refs, scale, nb, dot_dtype, pairwise):
+def scores_bwd_kernel(
+  qa_ref,
+  ka_ref,
+  ga_ref,
+  ba_ref,
+  dqg_ref,
+  dkg_ref,
+  daqk_rows_ref,
+  dn_rows_ref,
+  q_ref,
+  k_ref,
+  g_ref,
+  b_ref,
+  daqk_ref,
+  dn_ref,
+  *refs,
+  scale,
+  nb,
+  dot_dtype,
+  pairwise,
+):
   """Gradients through the scores and the direct terms, for the rows of sub-chunk a.
 
   Inputs: the score gradients daqk (of aqk as defined above, scale inside) and dn (of N), both
@@ -176,21 +211,23 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
 
   def earlier(b, carry):
     kb = (k_ref[rows(b), :].astype(F32) * jnp.exp(gp - g_ref[rows(b), :])).astype(dot_dtype)
-    return (carry[0] + dot(daqk_rows_ref[:, rows(b)].astype(dot_dtype), kb),
-            carry[1] + dot(dn_rows_ref[:, rows(b)].astype(dot_dtype), kb))
+    return (
+      carry[0] + dot(daqk_rows_ref[:, rows(b)].astype(dot_dtype), kb),
+      carry[1] + dot(dn_rows_ref[:, rows(b)].astype(dot_dtype), kb),
+    )
 
   diag_term = lambda ref: jnp.where(by_matmul, 0.0, ref[...]) if pairwise else 0.0
   qrow_o, rrow_o = jax.lax.fori_loop(0, a + diag, earlier, (zero, zero))
   row_f = jnp.exp(ga - gp)
-  qrow = scale * (diag_term(qrow_ref) + row_f * qrow_o)     # the gradient of q through the scores
-  rrow = diag_term(rrow_ref) + row_f * rrow_o               # R_r: dk_r gets beta_r R_r, dbeta_r k_r . R_r
+  qrow = scale * (diag_term(qrow_ref) + row_f * qrow_o)  # the gradient of q through the scores
+  rrow = diag_term(rrow_ref) + row_f * rrow_o  # R_r: dk_r gets beta_r R_r, dbeta_r k_r . R_r
 
   # direct terms qg = scale q exp(G), kg = k exp(G_C - G), and the rows' terms
   qa = qa_ref[...].astype(F32)
   eg = jnp.exp(ga)
   dqg = dqg_ref[...].astype(F32)
   dq_ref[...] = (scale * eg * dqg + qrow).astype(dq_ref.dtype)
-  first_slice = pl.program_id(4) == 0                 # dbeta_wy goes into one slice's partial sum
+  first_slice = pl.program_id(4) == 0  # dbeta_wy goes into one slice's partial sum
   dbeta_ref[...] = jnp.sum(ka * rrow, axis=1) + jnp.where(first_slice, dbeta_wy_ref[...].astype(F32), 0.0)
   rrow = beta * rrow
   eg_end = jnp.exp(_token(g_ref, c - 1) - ga)
@@ -206,8 +243,9 @@ def scores_bwd_kernel(qa_ref, ka_ref, ga_ref, ba_ref, dqg_ref, dkg_ref, daqk_row
     fm = jnp.exp(g_ref[rows(m), :] - gpm)
     qm = (scale * q_ref[rows(m), :].astype(F32) * fm).astype(dot_dtype)
     km = (k_ref[rows(m), :].astype(F32) * fm * b_ref[rows(m)].astype(F32)[:, None]).astype(dot_dtype)
-    part = (dot_tn(daqk_ref[rows(m), rows(a)].astype(dot_dtype), qm)
-            + dot_tn(dn_ref[rows(m), rows(a)].astype(dot_dtype), km))
+    part = dot_tn(daqk_ref[rows(m), rows(a)].astype(dot_dtype), qm) + dot_tn(
+      dn_ref[rows(m), rows(a)].astype(dot_dtype), km
+    )
     return gpm, part
 
   def later(m, ccol_o):

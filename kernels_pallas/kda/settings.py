@@ -17,6 +17,7 @@ SHARED_MEMORY = 227 * 1024
 class KdaSettings(Settings):
   """The KDA kernels' settings (defaults: the measured ones) and the rules that pick shape-dependent
   values from them (value_block, state_stages)."""
+
   FAMILY = 'kda pallas'
   SWITCHES = ('flat_branch', 'fused_gate')
 

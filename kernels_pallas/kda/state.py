@@ -28,8 +28,9 @@ def _decay_column(g_ref, n, c):
   return jnp.exp(g_ref[n * c + c - 1, :]).astype(F32)[:, None]
 
 
-def state_fwd_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, g_ref, s0_ref, out_ref, s_out_ref, *h_ref,
-                     nt, c, dot_dtype):
+def state_fwd_kernel(
+  qg_ref, kg_ref, w_ref, u_ref, aqk_ref, g_ref, s0_ref, out_ref, s_out_ref, *h_ref, nt, c, dot_dtype
+):
   """out: o, or, when h is written (for the backward), v_new instead (o is not needed there)."""
   dk = qg_ref.shape[-1]
 
@@ -48,8 +49,9 @@ def state_fwd_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, g_ref, s0_ref, out_r
   s_out_ref[...] = jax.lax.fori_loop(0, nt, chunk, s0_ref[...].astype(F32))
 
 
-def state_bwd_kernel(qg_ref, kg_ref, w_ref, aqk_ref, g_ref, do_ref, ds_out_ref, ds0_ref, dh_ref,
-                     dv_new_ref, *, nt, c, dot_dtype):
+def state_bwd_kernel(
+  qg_ref, kg_ref, w_ref, aqk_ref, g_ref, do_ref, ds_out_ref, ds0_ref, dh_ref, dv_new_ref, *, nt, c, dot_dtype
+):
   dk = qg_ref.shape[-1]
 
   def chunk(i, ds):
@@ -60,7 +62,6 @@ def state_bwd_kernel(qg_ref, kg_ref, w_ref, aqk_ref, g_ref, do_ref, ds_out_ref, 
     do = do_ref[at, :].astype(dot_dtype)
     dv_new = dot_tn(aqk_ref[at, :], do) + dot(kg_ref[at, :], ds_d)
     dv_new_ref[at, :] = dv_new.astype(dv_new_ref.dtype)
-    return (_decay_column(g_ref, n, c) * ds + dot_tn(qg_ref[at, :], do)
-            - dot_tn(w_ref[at, :], dv_new.astype(dot_dtype)))
+    return _decay_column(g_ref, n, c) * ds + dot_tn(qg_ref[at, :], do) - dot_tn(w_ref[at, :], dv_new.astype(dot_dtype))
 
   ds0_ref[...] = jax.lax.fori_loop(0, nt, chunk, ds_out_ref[...].astype(F32))

@@ -18,10 +18,10 @@ F32 = jnp.float32
 
 
 def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale):
-  k = k_ref[...].astype(F32)[:, None]                            # [K, 1]
-  s = s_ref[...] * jnp.exp(g_ref[...].astype(F32))[:, None]      # decay
+  k = k_ref[...].astype(F32)[:, None]  # [K, 1]
+  s = s_ref[...] * jnp.exp(g_ref[...].astype(F32))[:, None]  # decay
   delta = beta_ref[...].astype(F32) * (v_ref[...].astype(F32) - jnp.sum(s * k, axis=0))
-  s = s + k * delta[None, :]                                     # delta write
+  s = s + k * delta[None, :]  # delta write
   o_ref[...] = jnp.sum(s * (scale * q_ref[...].astype(F32))[:, None], axis=0).astype(o_ref.dtype)
   s_out_ref[...] = s
 
@@ -45,12 +45,20 @@ def _kda_step_pallas(q, k, v, g, beta, state, *, scale, settings, interpret):
   cols = pl.BlockSpec((None, None, bv), lambda bi, hi, j: (bi, hi, j))
   state_spec = pl.BlockSpec((None, None, dk, bv), lambda bi, hi, j: (bi, hi, 0, j))
   return pl.pallas_call(
-      functools.partial(_step_kernel, scale=scale), grid=(b, h, dv // bv),
-      in_specs=[vec(dk), vec(dk), cols, vec(dk), pl.BlockSpec((None, None, 1), lambda bi, hi, j: (bi, hi, 0)),
-                state_spec],
-      out_specs=[cols, state_spec],
-      out_shape=[jax.ShapeDtypeStruct((b, h, dv), v.dtype), jax.ShapeDtypeStruct(state.shape, F32)],
-      input_output_aliases={5: 1},
-      compiler_params=settings.params('step', settings.stages_step), interpret=interpret,
-      name='kda_step',
+    functools.partial(_step_kernel, scale=scale),
+    grid=(b, h, dv // bv),
+    in_specs=[
+      vec(dk),
+      vec(dk),
+      cols,
+      vec(dk),
+      pl.BlockSpec((None, None, 1), lambda bi, hi, j: (bi, hi, 0)),
+      state_spec,
+    ],
+    out_specs=[cols, state_spec],
+    out_shape=[jax.ShapeDtypeStruct((b, h, dv), v.dtype), jax.ShapeDtypeStruct(state.shape, F32)],
+    input_output_aliases={5: 1},
+    compiler_params=settings.params('step', settings.stages_step),
+    interpret=interpret,
+    name='kda_step',
   )(q, k, v, g, beta[..., None], state.astype(F32))

@@ -18,15 +18,13 @@ from kernels_pallas.kda.blocks import F32, dot, inverse_blocks, rows
 
 
 def wy_inverse_kernel(n_ref, t_ref, *, nb):
-  t = inverse_blocks([[n_ref[rows(a), rows(b)] if b <= a else None for b in range(nb)]
-                      for a in range(nb)], nb)
+  t = inverse_blocks([[n_ref[rows(a), rows(b)] if b <= a else None for b in range(nb)] for a in range(nb)], nb)
   for a in range(nb):
     for b in range(nb):
       t_ref[rows(a), rows(b)] = (t[a][b] if b <= a else jnp.zeros_like(t[a][a])).astype(t_ref.dtype)
 
 
-def wy_apply_kernel(t_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kg_ref, w_ref, u_ref, *, scale,
-                    dot_dtype):
+def wy_apply_kernel(t_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, qg_ref, kg_ref, w_ref, u_ref, *, scale, dot_dtype):
   c = g_ref.shape[0]
   g = g_ref[...]
   eg = jnp.exp(g)

@@ -48,8 +48,11 @@ def _window(ref, start, shape, t):
   rows outside [0, t) read as zero (loaded through clamped indices under a mask)."""
   rows, hb, dk = shape
   r = start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1, 1), 0)
-  idx = (jnp.clip(r, 0, t - 1), jax.lax.broadcasted_iota(jnp.int32, (1, hb, 1), 1),
-         jax.lax.broadcasted_iota(jnp.int32, (1, 1, dk), 2))
+  idx = (
+    jnp.clip(r, 0, t - 1),
+    jax.lax.broadcasted_iota(jnp.int32, (1, hb, 1), 1),
+    jax.lax.broadcasted_iota(jnp.int32, (1, 1, dk), 2),
+  )
   inside = jnp.broadcast_to((r >= 0) & (r < t), shape)
   return plgpu.load(ref.at[idx], mask=inside, other=0).astype(F32)
 
@@ -97,7 +100,7 @@ def _dz_kernel(x_ref, w_ref, dy_ref, dz_ref, dw_ref, *, t, rows, activation):
   width = w_ref.shape[0]
   shape = (rows,) + dz_ref.shape[1:]
   n = dz_ref.shape[0] // rows
-  t0 = pl.program_id(1) * (n * rows)     # read outside the loop: interpret mode needs it there
+  t0 = pl.program_id(1) * (n * rows)  # read outside the loop: interpret mode needs it there
 
   def tile(i, acc):
     start = t0 + i * rows
@@ -129,16 +132,20 @@ def _conv_call(x, w, *, sign, activation, settings, interpret, name):
   b, tp, h, dk, rows, hb = _tiles(x, settings)
   whole, tile, taps = _specs(tp, hb, dk, w.shape[0], rows)
   return pl.pallas_call(
-      functools.partial(_fwd_kernel, t=tp, sign=sign, activation=activation), grid=(b, tp // rows, h // hb),
-      in_specs=[whole, taps], out_specs=tile, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-      compiler_params=compiler_params(settings), interpret=interpret, name=name,
+    functools.partial(_fwd_kernel, t=tp, sign=sign, activation=activation),
+    grid=(b, tp // rows, h // hb),
+    in_specs=[whole, taps],
+    out_specs=tile,
+    out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    compiler_params=compiler_params(settings),
+    interpret=interpret,
+    name=name,
   )(x, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _short_conv(x, w, activation, settings, interpret):
-  return _conv_call(x, w, sign=1, activation=activation, settings=settings, interpret=interpret,
-                    name='short_conv_fwd')
+  return _conv_call(x, w, sign=1, activation=activation, settings=settings, interpret=interpret, name='short_conv_fwd')
 
 
 def _short_conv_fwd(x, w, activation, settings, interpret):
@@ -149,15 +156,18 @@ def _short_conv_bwd(activation, settings, interpret, res, dy):
   x, w = res
   b, tp, h, dk, _, hb = _tiles(x, settings)
   width = w.shape[0]
-  rows, n = settings.dz_layout(tp)    # rows per tile of short_conv_dz, row tiles per program
+  rows, n = settings.dz_layout(tp)  # rows per tile of short_conv_dz, row tiles per program
   whole, tiles, taps = _specs(tp, hb, dk, width, n * rows)
   part = pl.BlockSpec((None, None, width, hb, dk), lambda bi, ti, hi: (bi, ti, 0, hi, 0))
   dz, dw_parts = pl.pallas_call(
-      functools.partial(_dz_kernel, t=tp, rows=rows, activation=activation), grid=(b, tp // (n * rows), h // hb),
-      in_specs=[whole, taps, tiles], out_specs=[tiles, part],
-      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype),
-                 jax.ShapeDtypeStruct((b, tp // (n * rows), width, h, dk), F32)],
-      compiler_params=compiler_params(settings), interpret=interpret, name='short_conv_dz',
+    functools.partial(_dz_kernel, t=tp, rows=rows, activation=activation),
+    grid=(b, tp // (n * rows), h // hb),
+    in_specs=[whole, taps, tiles],
+    out_specs=[tiles, part],
+    out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((b, tp // (n * rows), width, h, dk), F32)],
+    compiler_params=compiler_params(settings),
+    interpret=interpret,
+    name='short_conv_dz',
   )(x, w, dy.astype(x.dtype))
   dx = _conv_call(dz, w, sign=-1, activation='none', settings=settings, interpret=interpret, name='short_conv_dx')
   return dx, jnp.sum(dw_parts, axis=(0, 1)).astype(w.dtype)
@@ -172,12 +182,16 @@ def short_conv_pallas(x, w, activation='none', *, settings=None, interpret=False
   settings: the kernels' ShortConvSettings (None: the defaults). Differentiable in x and w."""
   dk = x.shape[-1]
   if dk < 16 or dk & (dk - 1):
-    raise ValueError(f"short_conv impl='pallas': K = {dk} must be a power of two >= 16 (x {list(x.shape)}); "
-                     "use impl='xla' for other sizes")
+    raise ValueError(
+      f"short_conv impl='pallas': K = {dk} must be a power of two >= 16 (x {list(x.shape)}); "
+      "use impl='xla' for other sizes"
+    )
   settings = ShortConvSettings() if settings is None else settings
   if not isinstance(settings, ShortConvSettings):
-    raise TypeError(f"short_conv impl='pallas': settings must be a ShortConvSettings "
-                    f'(kernels_pallas/short_conv/settings.py) or None, got {type(settings).__name__}')
+    raise TypeError(
+      f"short_conv impl='pallas': settings must be a ShortConvSettings "
+      f'(kernels_pallas/short_conv/settings.py) or None, got {type(settings).__name__}'
+    )
   return _short_conv_padded(x, w, activation=activation, settings=settings, interpret=bool(interpret))
 
 

@@ -15,6 +15,7 @@ class ShortConvSettings(Settings):
   """Rows (tokens) and heads per program, Triton warps and pipelining stages of the three kernels;
   short_conv_dz takes dz_tiles tiles of dz_rows rows per program (at most: powers of two dividing
   the padded T)."""
+
   FAMILY = 'short_conv pallas'
 
   rows: int = 32

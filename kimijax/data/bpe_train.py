@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Iterable
+from collections.abc import Iterable
 
 from kimijax.data.sources import DataError
 
@@ -23,14 +23,19 @@ MIN_VOCAB = 256 + 2
 def train_bpe(texts: Iterable[str], vocab_size: int):
   """A tokenizers.Tokenizer trained on `texts` with at most `vocab_size` ids (module docstring)."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
   if vocab_size < MIN_VOCAB:
     raise DataError(f'--train_tokenizer={vocab_size} is below {MIN_VOCAB} (256 bytes + EOS + PAD)')
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                special_tokens=[EOS_TOKEN, PAD_TOKEN],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    min_frequency=2,
+    show_progress=False,
+    special_tokens=[EOS_TOKEN, PAD_TOKEN],
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+  )
   tok.train_from_iterator(texts, trainer)
   return tok
 

@@ -23,7 +23,7 @@ import io
 import json
 import os
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from kimijax.data.sources import DataError, is_text_file
 
@@ -35,8 +35,9 @@ COMPRESSION = ('.gz', '.zst')
 class Piece:
   """Part of one input file: [start, stop) bytes (plain JSONL), row groups (parquet), or the whole
   file (start=0, stop=-1). `nbytes`: its share of the file's bytes on disk."""
+
   path: str
-  kind: str           # 'jsonl', 'parquet' or 'text'
+  kind: str  # 'jsonl', 'parquet' or 'text'
   start: int
   stop: int
   nbytes: int
@@ -47,7 +48,7 @@ def input_kind(path: pathlib.Path) -> str:
   name = path.name.lower()
   for c in COMPRESSION:
     if name.endswith(c):
-      name = name[:-len(c)]
+      name = name[: -len(c)]
       break
   if name.endswith(JSONL_SUFFIXES):
     return 'jsonl'
@@ -70,7 +71,8 @@ def expand_inputs(patterns) -> list[pathlib.Path]:
     if any(c in pattern for c in '*?['):
       matches = [pathlib.Path(m) for m in glob.glob(pattern, recursive=True)]
       matches = [m for m in matches if m.is_file()] + [
-          f for m in matches if m.is_dir() for f in m.rglob('*') if f.is_file() and not _hidden(f, m)]
+        f for m in matches if m.is_dir() for f in m.rglob('*') if f.is_file() and not _hidden(f, m)
+      ]
     else:
       p = pathlib.Path(pattern)
       if p.is_file():
@@ -92,6 +94,7 @@ def _open_binary(path: pathlib.Path):
     return gzip.open(path, 'rb')
   if name.endswith('.zst'):
     import zstandard
+
     return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, 'rb'), closefd=True))
   return open(path, 'rb')
 
@@ -130,6 +133,7 @@ def check_file(path: pathlib.Path, kind: str, field: str) -> bool:
     return True
   import pyarrow as pa
   import pyarrow.parquet as pq
+
   try:
     schema = pq.read_schema(path)
   except (OSError, pa.ArrowException) as e:
@@ -148,6 +152,7 @@ def file_pieces(path: pathlib.Path, kind: str, size: int, unit_bytes: int) -> li
     return [Piece(str(path), kind, a, b, b - a) for a, b in zip(bounds[:-1], bounds[1:])]
   if kind == 'parquet':
     import pyarrow.parquet as pq
+
     meta = pq.ParquetFile(path).metadata
     weights = [max(1, meta.row_group(i).total_byte_size) for i in range(meta.num_row_groups)]
     total = sum(weights) or 1
@@ -192,7 +197,7 @@ def read_documents(piece: Piece, field: str) -> Iterator[str | bytes]:
         return
       if piece.start > 0:
         f.seek(piece.start - 1)
-        f.readline()                      # the rest of the line that holds byte start - 1
+        f.readline()  # the rest of the line that holds byte start - 1
       while f.tell() < piece.stop:
         at = f.tell()
         line = f.readline()
@@ -204,6 +209,7 @@ def read_documents(piece: Piece, field: str) -> Iterator[str | bytes]:
             yield text
   else:
     import pyarrow.parquet as pq
+
     pf = pq.ParquetFile(path)
     for i in range(piece.start, piece.stop):
       for text in pf.read_row_group(i, columns=[field]).column(0).to_pylist():

@@ -25,15 +25,14 @@ def mqar_layout(seq_len: int, num_pairs: int, vocab_size: int) -> tuple[int, int
   id_range = (vocab_size - 2) // 2
   if num_pairs < 1 or num_pairs > id_range:
     raise DataError(
-        f'data.mqar_num_pairs={num_pairs} must be in [1, {id_range}] (keys are'
-        f' distinct ids drawn from {id_range} values)'
+      f'data.mqar_num_pairs={num_pairs} must be in [1, {id_range}] (keys are distinct ids drawn from {id_range} values)'
     )
   num_slots = (seq_len + 1 - 2 * num_pairs) // 2
   if num_slots < num_pairs:
     raise DataError(
-        f'train.seq_len={seq_len} is too short for data.mqar_num_pairs='
-        f'{num_pairs}: need seq_len >= 4 * num_pairs - 1 = {4 * num_pairs - 1}'
-        f' ({num_pairs} key-value pairs plus {num_pairs} queries)'
+      f'train.seq_len={seq_len} is too short for data.mqar_num_pairs='
+      f'{num_pairs}: need seq_len >= 4 * num_pairs - 1 = {4 * num_pairs - 1}'
+      f' ({num_pairs} key-value pairs plus {num_pairs} queries)'
     )
   return id_range, num_slots
 
@@ -44,12 +43,12 @@ def _random_subsets(rng: np.random.Generator, n: int, k: int, batch: int):
 
 
 def mqar_batch(
-    rng: np.random.Generator,
-    batch_size: int,
-    seq_len: int,
-    *,
-    num_pairs: int,
-    vocab_size: int,
+  rng: np.random.Generator,
+  batch_size: int,
+  seq_len: int,
+  *,
+  num_pairs: int,
+  vocab_size: int,
 ) -> dict[str, np.ndarray]:
   """Returns inputs/targets [B, T] int32 and mask [B, T] float32 (see module doc)."""
   id_range, num_slots = mqar_layout(seq_len, num_pairs, vocab_size)
@@ -57,13 +56,13 @@ def mqar_batch(
   b, p = batch_size, num_pairs
   rows = np.arange(b)[:, None]
 
-  keys = _random_subsets(rng, id_range, p, b)                 # distinct per row
+  keys = _random_subsets(rng, id_range, p, b)  # distinct per row
   values = rng.integers(id_range, 2 * id_range, size=(b, p))  # may repeat
   seq = np.full((b, seq_len + 1), pad_id, dtype=np.int32)
   seq[:, 0 : 2 * p : 2] = keys
   seq[:, 1 : 2 * p : 2] = values
 
-  order = _random_subsets(rng, p, p, b)                       # which pair to ask
+  order = _random_subsets(rng, p, p, b)  # which pair to ask
   slots = np.sort(_random_subsets(rng, num_slots, p, b), axis=1)
   key_pos = 2 * p + 2 * slots
   seq[rows, key_pos] = keys[rows, order]

@@ -48,14 +48,16 @@ _READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
 
 # The `data.*` section of the config (kimijax.schema.Key: default, doc, allowed values or bounds).
 DATA_KEYS = {
-    'source': Key('stdlib', 'the corpus (kimijax/data/sources.py; site_packages: kimijax/data/site_packages.py)',
-                  allowed=SOURCES),
-    'path': Key('', "file or folder for source='text'; the prepared folder for 'shards'"),
-    'val_fraction': Key(0.05, "fraction of files (or bytes) for validation; 'shards': the manifest's split",
-                        bounds='(0, 1)'),
-    'mqar_num_pairs': Key(16, 'key-value pairs per MQAR sequence', bounds=POSITIVE),
-    'tokenizer': Key('byte', "'byte' | 'hf:PATH' | 'tiktoken:PATH[#PRESET]' (kimijax/data/tokenizer.py)"),
-    'document_mask': Key(False, 'batches also carry segment_ids and positions [B, T] (module docstring)'),
+  'source': Key(
+    'stdlib', 'the corpus (kimijax/data/sources.py; site_packages: kimijax/data/site_packages.py)', allowed=SOURCES
+  ),
+  'path': Key('', "file or folder for source='text'; the prepared folder for 'shards'"),
+  'val_fraction': Key(
+    0.05, "fraction of files (or bytes) for validation; 'shards': the manifest's split", bounds='(0, 1)'
+  ),
+  'mqar_num_pairs': Key(16, 'key-value pairs per MQAR sequence', bounds=POSITIVE),
+  'tokenizer': Key('byte', "'byte' | 'hf:PATH' | 'tiktoken:PATH[#PRESET]' (kimijax/data/tokenizer.py)"),
+  'document_mask': Key(False, 'batches also carry segment_ids and positions [B, T] (module docstring)'),
 }
 
 
@@ -75,12 +77,15 @@ def data_report(config: ml_collections.ConfigDict) -> list[str]:
   d = config.data
   if d.source == 'shards':
     from kimijax.data.shards import read_manifest
+
     m = read_manifest(d.path)
-    lines = [f"data: shards ({d.path}), tokenizer {m['tokenizer']['spec']} ({m['tokenizer']['vocab_size']:,} ids), "
-             f"{m['text_bytes']:,} bytes of text"]
+    lines = [
+      f'data: shards ({d.path}), tokenizer {m["tokenizer"]["spec"]} ({m["tokenizer"]["vocab_size"]:,} ids), '
+      f'{m["text_bytes"]:,} bytes of text'
+    ]
     for split in SPLITS:
       s = m['splits'][split]
-      lines.append(f"  {split:<10} {s['docs']:>10,} documents {s['tokens']:>16,} tokens {len(s['shards']):>6,} shards")
+      lines.append(f'  {split:<10} {s["docs"]:>10,} documents {s["tokens"]:>16,} tokens {len(s["shards"]):>6,} shards')
     return lines
   lines = corpus_report(d.source, d.path, d.val_fraction)
   if tokenizer_spec(config) != 'byte':
@@ -107,6 +112,7 @@ def packed_tokens(source: str, path: str, split: str, val_fraction: float, token
     docs = stdlib_documents(split, val_fraction)
   elif source == 'site_packages':
     from kimijax.data.site_packages import site_packages_documents
+
     docs = site_packages_documents(split, val_fraction)
   else:
     docs = text_documents(path, split, val_fraction)
@@ -121,6 +127,7 @@ def split_tokens(config, split: str):
   d = config.data
   if d.source == 'shards':
     from kimijax.data.shards import open_split
+
     return open_split(str(d.path), split, load_tokenizer(tokenizer_spec(config)))
   return packed_tokens(d.source, str(d.path), split, float(d.val_fraction), tokenizer_spec(config))
 
@@ -132,6 +139,7 @@ def split_num_tokens(config, split: str = 'train') -> int | None:
     return None
   if config.data.source == 'shards':
     from kimijax.data.shards import read_manifest
+
     return int(read_manifest(config.data.path)['splits'][split]['tokens'])
   return len(split_tokens(config, split))
 
@@ -144,22 +152,24 @@ def _gather_windows(idx: np.ndarray, tokens, seq_len: int, eos_id: int | None = 
   else:
     win = tokens.read_rows(np.asarray(idx, dtype=np.int64) * seq_len, seq_len + 1)
   batch = {
-      'inputs': win[:, :-1],
-      'targets': win[:, 1:],
-      'mask': np.ones((len(idx), seq_len), dtype=np.float32),
+    'inputs': win[:, :-1],
+    'targets': win[:, 1:],
+    'mask': np.ones((len(idx), seq_len), dtype=np.float32),
   }
   if eos_id is not None:
     batch['segment_ids'], batch['positions'] = documents.document_ids(batch['inputs'], eos_id)
   return batch
 
 
-def _mqar_rows(batch_index: int, *, seed: int, split_id: int, rows: range,
-               seq_len: int, num_pairs: int, document_mask: bool = False) -> dict:
+def _mqar_rows(
+  batch_index: int, *, seed: int, split_id: int, rows: range, seq_len: int, num_pairs: int, document_mask: bool = False
+) -> dict:
   """Rows `rows` of global MQAR batch `batch_index`; each row has its own rng."""
   parts = [
-      mqar_batch(np.random.default_rng([seed, split_id, batch_index, r]), 1,
-                 seq_len, num_pairs=num_pairs, vocab_size=VOCAB_SIZE)
-      for r in rows
+    mqar_batch(
+      np.random.default_rng([seed, split_id, batch_index, r]), 1, seq_len, num_pairs=num_pairs, vocab_size=VOCAB_SIZE
+    )
+    for r in rows
   ]
   batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
   if document_mask:
@@ -176,35 +186,42 @@ def _local_batches(config, split: str, process_index: int, process_count: int):
   if split not in SPLITS:
     raise DataError(f'split must be one of {SPLITS}, got {split!r}')
   if batch < 1 or seq_len < 1:
-    raise DataError(
-        f'train.batch_size={batch} and train.seq_len={seq_len} must be >= 1')
+    raise DataError(f'train.batch_size={batch} and train.seq_len={seq_len} must be >= 1')
   if not 0 <= process_index < process_count or batch % process_count:
     raise DataError(
-        f'train.batch_size={batch} must be divisible by process_count='
-        f'{process_count} (process_index={process_index})')
+      f'train.batch_size={batch} must be divisible by process_count={process_count} (process_index={process_index})'
+    )
   local = batch // process_count
   seed = int(config.seed) % 2**32
   document_mask = bool(data.get('document_mask', False))
 
   if source == 'mqar':
     if str(data.get('tokenizer', 'byte')) != 'byte':
-      raise DataError(f"data.source='mqar' generates ids of the byte vocabulary ({VOCAB_SIZE}); "
-                      f"data.tokenizer={data.tokenizer!r} must be 'byte'")
+      raise DataError(
+        f"data.source='mqar' generates ids of the byte vocabulary ({VOCAB_SIZE}); "
+        f"data.tokenizer={data.tokenizer!r} must be 'byte'"
+      )
     mqar_layout(seq_len, int(data.mqar_num_pairs), VOCAB_SIZE)  # validates
     make = functools.partial(
-        _mqar_rows, seed=seed, split_id=_SPLIT_IDS[split],
-        rows=range(process_index * local, (process_index + 1) * local),
-        seq_len=seq_len, num_pairs=int(data.mqar_num_pairs), document_mask=document_mask)
+      _mqar_rows,
+      seed=seed,
+      split_id=_SPLIT_IDS[split],
+      rows=range(process_index * local, (process_index + 1) * local),
+      seq_len=seq_len,
+      num_pairs=int(data.mqar_num_pairs),
+      document_mask=document_mask,
+    )
     return grain.MapDataset.range(sys.maxsize).map(make), None
 
   tokens = split_tokens(config, split)
   num_windows = (len(tokens) - 1) // seq_len
   if num_windows < batch:
     raise DataError(
-        f"the {split!r} split of data.source={source!r}"
-        f"{f' (data.path={data.path!r})' if source in ('text', 'shards') else ''} has"
-        f' {max(len(tokens), 0)} tokens = {max(num_windows, 0)} sequences of train.seq_len='
-        f'{seq_len}, fewer than one global batch of train.batch_size={batch}')
+      f'the {split!r} split of data.source={source!r}'
+      f'{f" (data.path={data.path!r})" if source in ("text", "shards") else ""} has'
+      f' {max(len(tokens), 0)} tokens = {max(num_windows, 0)} sequences of train.seq_len='
+      f'{seq_len}, fewer than one global batch of train.batch_size={batch}'
+    )
   ds = grain.MapDataset.range(num_windows)
   if split == 'train':
     # Derive the shuffle seed: grain reshuffles epoch e with seed + e.
@@ -225,12 +242,10 @@ class DataLoader:
   `pad_id`: the tokenizer's.
   """
 
-  def __init__(self, config, split: str, *, process_index: int = 0,
-               process_count: int = 1):
+  def __init__(self, config, split: str, *, process_index: int = 0, process_count: int = 1):
     self.source = config.data.source
     self.split = split
-    self._ds, self.num_sequences = _local_batches(
-        config, split, process_index, process_count)
+    self._ds, self.num_sequences = _local_batches(config, split, process_index, process_count)
     self.global_batch_size = int(config.train.batch_size)
     self.batch_size = self.global_batch_size // process_count
     self.seq_len = int(config.train.seq_len)
@@ -247,16 +262,16 @@ class DataLoader:
 
   def get_state(self) -> dict:
     """JSON-serialisable; identical on all processes (global batch index)."""
-    return {'source': self.source, 'split': self.split,
-            'iterator': self._iter.get_state()}
+    return {'source': self.source, 'split': self.split, 'iterator': self._iter.get_state()}
 
   def set_state(self, state: dict) -> None:
     """Continues with exactly the batches that followed `state`."""
     if (state.get('source'), state.get('split')) != (self.source, self.split):
       raise DataError(
-          f"loader state is for data.source={state.get('source')!r} split="
-          f"{state.get('split')!r}, but this loader is data.source="
-          f'{self.source!r} split={self.split!r}')
+        f'loader state is for data.source={state.get("source")!r} split='
+        f'{state.get("split")!r}, but this loader is data.source='
+        f'{self.source!r} split={self.split!r}'
+      )
     self._iter.set_state(state['iterator'])
 
   def close(self) -> None:
@@ -264,15 +279,14 @@ class DataLoader:
     self._iter.close()
 
 
-def make_loader(config, split: str, *, process_index: int = 0,
-                process_count: int = 1) -> DataLoader:
+def make_loader(config, split: str, *, process_index: int = 0, process_count: int = 1) -> DataLoader:
   """Builds the loader for `split`; raises DataError on bad config/data."""
-  return DataLoader(config, split, process_index=process_index,
-                    process_count=process_count)
+  return DataLoader(config, split, process_index=process_index, process_count=process_count)
 
 
-def eval_batches(config, num_batches: int, *, process_index: int = 0,
-                 process_count: int = 1) -> list[dict[str, np.ndarray]]:
+def eval_batches(
+  config, num_batches: int, *, process_index: int = 0, process_count: int = 1
+) -> list[dict[str, np.ndarray]]:
   """The first `num_batches` validation batches (unshuffled, wrapping around).
 
   Same result on every call; rows sharded like the training loader.

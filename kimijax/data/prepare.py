@@ -42,12 +42,11 @@ import time
 
 import numpy as np
 
-from kimijax.data import inputs as inputs_lib
-from kimijax.data import shards as shards_lib
+from kimijax.data import inputs as inputs_lib, shards as shards_lib
 from kimijax.data.sources import SPLITS, DataError
 from kimijax.data.tokenizer import file_sha256, load_tokenizer
 
-BATCH_DOCS = 256                 # documents per encode_batch call
+BATCH_DOCS = 256  # documents per encode_batch call
 BATCH_BYTES = 8 << 20
 
 
@@ -65,8 +64,8 @@ def _write_json(path: pathlib.Path, data) -> None:
 
 # ------------------------------------------------------------------ one unit (in a worker)
 
-def tokenize_unit(unit: int, pieces, *, tokenizer, output: pathlib.Path, text_field: str,
-                  val_fraction: float) -> dict:
+
+def tokenize_unit(unit: int, pieces, *, tokenizer, output: pathlib.Path, text_field: str, val_fraction: float) -> dict:
   """Tokenizes the documents of `pieces` into the unit's shards (one per split that gets
   documents), then commits the unit by writing DIR/units/unit-N.json; returns that record. Memory
   is bounded by one batch of documents, whatever the unit's size."""
@@ -102,8 +101,7 @@ def tokenize_unit(unit: int, pieces, *, tokenizer, output: pathlib.Path, text_fi
     for w in writers.values():
       w.discard()
     raise
-  record = {'unit': unit, 'input_bytes': sum(p.nbytes for p in pieces), 'file_sha256': hashes,
-            'shards': {}, **stats}
+  record = {'unit': unit, 'input_bytes': sum(p.nbytes for p in pieces), 'file_sha256': hashes, 'shards': {}, **stats}
   for split, writer in writers.items():
     if writer.docs:
       record['shards'][split] = writer.close()
@@ -128,9 +126,13 @@ def _run_unit(task):
 
 # ------------------------------------------------------------------ planning
 
+
 def _plan(files, options: dict) -> dict:
-  return {'format': shards_lib.FORMAT, 'options': options,
-          'files': [{'path': str(f), 'size': f.stat().st_size, 'mtime_ns': f.stat().st_mtime_ns} for f in files]}
+  return {
+    'format': shards_lib.FORMAT,
+    'options': options,
+    'files': [{'path': str(f), 'size': f.stat().st_size, 'mtime_ns': f.stat().st_mtime_ns} for f in files],
+  }
 
 
 def _units(plan: dict, text_field: str, unit_bytes: int):
@@ -147,8 +149,10 @@ def _units(plan: dict, text_field: str, unit_bytes: int):
     used.append({'path': str(path), 'size': size, 'kind': kind})
     pieces += inputs_lib.file_pieces(path, kind, size, unit_bytes)
   if not pieces:
-    raise DataError(f"--input={plan['options']['inputs']} holds no documents: {len(plan['files'])} file(s), "
-                    f'all empty{" or not text" if skipped else ""}')
+    raise DataError(
+      f'--input={plan["options"]["inputs"]} holds no documents: {len(plan["files"])} file(s), '
+      f'all empty{" or not text" if skipped else ""}'
+    )
   return inputs_lib.group_units(pieces, unit_bytes), used, skipped
 
 
@@ -170,16 +174,21 @@ def _sample_texts(units, text_field: str, val_fraction: float, sample_bytes: int
 
 def _train_tokenizer(output: pathlib.Path, units, options: dict, log) -> str:
   from kimijax.data import bpe_train
+
   path = output / 'tokenizer.json'
   if not path.is_file():
-    log(f"training a byte-level BPE of {options['train_tokenizer']:,} ids on up to "
-        f"{options['tokenizer_sample_bytes'] / 2**20:,.0f} MB of training documents")
+    log(
+      f'training a byte-level BPE of {options["train_tokenizer"]:,} ids on up to '
+      f'{options["tokenizer_sample_bytes"] / 2**20:,.0f} MB of training documents'
+    )
     began = time.time()
     previous = os.environ.get('TOKENIZERS_PARALLELISM')
-    os.environ['TOKENIZERS_PARALLELISM'] = 'true'      # the trainer may use every core
+    os.environ['TOKENIZERS_PARALLELISM'] = 'true'  # the trainer may use every core
     try:
-      tok = bpe_train.train_bpe(_sample_texts(units, options['text_field'], options['val_fraction'],
-                                              options['tokenizer_sample_bytes']), options['train_tokenizer'])
+      tok = bpe_train.train_bpe(
+        _sample_texts(units, options['text_field'], options['val_fraction'], options['tokenizer_sample_bytes']),
+        options['train_tokenizer'],
+      )
     finally:
       if previous is None:
         os.environ.pop('TOKENIZERS_PARALLELISM', None)
@@ -195,33 +204,58 @@ def _manifest(plan, records, tokenizer, used, skipped, spec_file) -> dict:
   splits = {}
   for split in SPLITS:
     shards = [r['shards'][split] for r in records if split in r['shards']]
-    splits[split] = {'docs': sum(s['docs'] for s in shards), 'tokens': sum(s['tokens'] for s in shards),
-                     'shards': shards}
+    splits[split] = {
+      'docs': sum(s['docs'] for s in shards),
+      'tokens': sum(s['tokens'] for s in shards),
+      'shards': shards,
+    }
   described = tokenizer.describe()
   if spec_file:
     described['file_in_dir'] = spec_file
   o = plan['options']
-  return {'format': shards_lib.FORMAT, 'version': shards_lib.VERSION, 'dtype': tokenizer.token_dtype.name,
-          'tokenizer': described, 'val_fraction': o['val_fraction'], 'text_field': o['text_field'],
-          'split_rule': 'validation iff int(sha256(utf-8 text)[:8], big-endian) / 2**64 < val_fraction',
-          'sources': [{**u, 'sha256': hashes[u['path']]} for u in used], 'skipped_files': skipped,
-          'text_bytes': sum(r['text_bytes'] for r in records),
-          'documents_skipped': sum(r['skipped_documents'] for r in records), 'splits': splits,
-          'plan': plan}
+  return {
+    'format': shards_lib.FORMAT,
+    'version': shards_lib.VERSION,
+    'dtype': tokenizer.token_dtype.name,
+    'tokenizer': described,
+    'val_fraction': o['val_fraction'],
+    'text_field': o['text_field'],
+    'split_rule': 'validation iff int(sha256(utf-8 text)[:8], big-endian) / 2**64 < val_fraction',
+    'sources': [{**u, 'sha256': hashes[u['path']]} for u in used],
+    'skipped_files': skipped,
+    'text_bytes': sum(r['text_bytes'] for r in records),
+    'documents_skipped': sum(r['skipped_documents'] for r in records),
+    'splits': splits,
+    'plan': plan,
+  }
 
 
 def _describe(manifest: dict) -> str:
   s = manifest['splits']
-  return (f"{s['train']['docs']:,} train documents ({s['train']['tokens']:,} tokens), "
-          f"{s['validation']['docs']:,} validation ({s['validation']['tokens']:,} tokens), "
-          f"{manifest['text_bytes'] / 2**20:,.1f} MB of text, tokenizer {manifest['tokenizer']['spec']}")
+  return (
+    f'{s["train"]["docs"]:,} train documents ({s["train"]["tokens"]:,} tokens), '
+    f'{s["validation"]["docs"]:,} validation ({s["validation"]["tokens"]:,} tokens), '
+    f'{manifest["text_bytes"] / 2**20:,.1f} MB of text, tokenizer {manifest["tokenizer"]["spec"]}'
+  )
 
 
 # ------------------------------------------------------------------ the command
 
-def prepare(inputs, output, *, tokenizer: str = 'byte', train_tokenizer: int = 0,
-            tokenizer_sample_mb: float = 256.0, text_field: str = 'text', val_fraction: float = 0.01,
-            workers: int | None = None, unit_mb: float = 32.0, progress: bool = True, log=print) -> dict:
+
+def prepare(
+  inputs,
+  output,
+  *,
+  tokenizer: str = 'byte',
+  train_tokenizer: int = 0,
+  tokenizer_sample_mb: float = 256.0,
+  text_field: str = 'text',
+  val_fraction: float = 0.01,
+  workers: int | None = None,
+  unit_mb: float = 32.0,
+  progress: bool = True,
+  log=print,
+) -> dict:
   """Prepares (or resumes, or finds finished) the shards of `inputs` in `output`; returns
   {'already_done': bool, 'manifest': dict, 'output': str, 'seconds': float}. See the module
   docstring; DataError on bad input, before any tokenization."""
@@ -236,10 +270,16 @@ def prepare(inputs, output, *, tokenizer: str = 'byte', train_tokenizer: int = 0
   files = inputs_lib.expand_inputs(inputs)
   if not train_tokenizer:
     tok = load_tokenizer(tokenizer)
-  options = {'inputs': [str(i) for i in inputs], 'text_field': text_field, 'val_fraction': val_fraction,
-             'unit_bytes': unit_bytes, 'tokenizer': None if train_tokenizer else tokenizer,
-             'tokenizer_fingerprint': None if train_tokenizer else tok.fingerprint,
-             'train_tokenizer': int(train_tokenizer), 'tokenizer_sample_bytes': int(tokenizer_sample_mb * 2**20)}
+  options = {
+    'inputs': [str(i) for i in inputs],
+    'text_field': text_field,
+    'val_fraction': val_fraction,
+    'unit_bytes': unit_bytes,
+    'tokenizer': None if train_tokenizer else tokenizer,
+    'tokenizer_fingerprint': None if train_tokenizer else tok.fingerprint,
+    'train_tokenizer': int(train_tokenizer),
+    'tokenizer_sample_bytes': int(tokenizer_sample_mb * 2**20),
+  }
   plan = _plan(files, options)
   comparable = lambda p: {**p, 'options': {k: v for k, v in p['options'].items() if k not in ('inputs', 'tokenizer')}}
 
@@ -253,19 +293,23 @@ def prepare(inputs, output, *, tokenizer: str = 'byte', train_tokenizer: int = 0
     if (output / 'manifest.json').is_file():
       manifest = shards_lib.read_manifest(output)
       if comparable(manifest['plan']) != comparable(plan):
-        raise DataError(f'--output={output} already holds shards of other inputs or options; choose another '
-                        '--output or delete it')
+        raise DataError(
+          f'--output={output} already holds shards of other inputs or options; choose another --output or delete it'
+        )
       log(f'{output}: already prepared, nothing to do: {_describe(manifest)}')
       return {'already_done': True, 'manifest': manifest, 'output': str(output), 'seconds': time.time() - began}
     if (output / 'plan.json').is_file():
       if comparable(json.loads((output / 'plan.json').read_text())) != comparable(plan):
-        raise DataError(f'--output={output} holds an unfinished preparation of other inputs or options '
-                        f'({output / "plan.json"}); choose another --output or delete it')
+        raise DataError(
+          f'--output={output} holds an unfinished preparation of other inputs or options '
+          f'({output / "plan.json"}); choose another --output or delete it'
+        )
       resuming = True
     else:
       if any(p.name != '.lock' for p in output.iterdir()):
-        raise DataError(f'--output={output} is not empty and holds no kimijax.data.prepare plan; choose an empty '
-                        'or new folder')
+        raise DataError(
+          f'--output={output} is not empty and holds no kimijax.data.prepare plan; choose an empty or new folder'
+        )
       resuming = False
     units, used, skipped = _units(plan, text_field, unit_bytes)
     _write_json(output / 'plan.json', plan)
@@ -280,8 +324,7 @@ def prepare(inputs, output, *, tokenizer: str = 'byte', train_tokenizer: int = 0
       tokenizer = _train_tokenizer(output, units, options, log)
       tok, spec_file = load_tokenizer(tokenizer), 'tokenizer.json'
 
-    records = _tokenize_units(output, units, tokenizer, tok, text_field, val_fraction, workers, resuming,
-                              progress, log)
+    records = _tokenize_units(output, units, tokenizer, tok, text_field, val_fraction, workers, resuming, progress, log)
     manifest = _manifest(plan, records, tok, used, skipped, spec_file)
     if manifest['splits']['train']['tokens'] == 0:
       raise DataError(f'--input={list(inputs)} holds no non-empty documents for the train split')
@@ -296,7 +339,8 @@ def prepare(inputs, output, *, tokenizer: str = 'byte', train_tokenizer: int = 0
 def _tokenize_units(output, units, spec, tok, text_field, val_fraction, workers, resuming, progress, log):
   """Runs the units that have no committed record; returns every unit's record in unit order."""
   import tqdm
-  os.environ['TOKENIZERS_PARALLELISM'] = 'false'    # one thread per worker process
+
+  os.environ['TOKENIZERS_PARALLELISM'] = 'false'  # one thread per worker process
   done = {}
   for u in range(len(units)):
     path = output / 'units' / f'unit-{u:06d}.json'
@@ -306,8 +350,16 @@ def _tokenize_units(output, units, spec, tok, text_field, val_fraction, workers,
   total = sum(p.nbytes for unit in units for p in unit)
   if resuming:
     log(f'resuming: {len(done)} of {len(units)} units already done')
-  bar = tqdm.tqdm(total=total, initial=sum(r['input_bytes'] for r in done.values()), unit='B', unit_scale=True,
-                  desc='prepare', disable=not progress, mininterval=1.0, dynamic_ncols=True)
+  bar = tqdm.tqdm(
+    total=total,
+    initial=sum(r['input_bytes'] for r in done.values()),
+    unit='B',
+    unit_scale=True,
+    desc='prepare',
+    disable=not progress,
+    mininterval=1.0,
+    dynamic_ncols=True,
+  )
   kwargs = {'output': output, 'text_field': text_field, 'val_fraction': val_fraction}
   text_bytes, started = 0, time.time()
 
@@ -334,14 +386,20 @@ def _tokenize_units(output, units, spec, tok, text_field, val_fraction, workers,
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog='python -m kimijax.data.prepare', description=__doc__.split('\n')[0])
-  parser.add_argument('--input', action='append', required=True,
-                      help='a file, folder or glob of .txt/.jsonl[.gz|.zst]/.parquet (repeatable)')
+  parser.add_argument(
+    '--input',
+    action='append',
+    required=True,
+    help='a file, folder or glob of .txt/.jsonl[.gz|.zst]/.parquet (repeatable)',
+  )
   parser.add_argument('--output', required=True, help='the folder of the shards (data.path)')
   parser.add_argument('--tokenizer', default='byte', help="'byte', 'hf:PATH' or 'tiktoken:PATH[#PRESET]'")
-  parser.add_argument('--train_tokenizer', type=int, default=0,
-                      help='train a byte-level BPE of this many ids first (DIR/tokenizer.json)')
-  parser.add_argument('--tokenizer_sample_mb', type=float, default=256.0,
-                      help='MB of training documents the BPE is trained on')
+  parser.add_argument(
+    '--train_tokenizer', type=int, default=0, help='train a byte-level BPE of this many ids first (DIR/tokenizer.json)'
+  )
+  parser.add_argument(
+    '--tokenizer_sample_mb', type=float, default=256.0, help='MB of training documents the BPE is trained on'
+  )
   parser.add_argument('--text_field', default='text', help='the JSONL field / parquet column of the text')
   parser.add_argument('--val_fraction', type=float, default=0.01, help='fraction of documents for validation')
   parser.add_argument('--workers', type=int, default=0, help='tokenizing processes (0: one per core)')
@@ -349,10 +407,18 @@ def main(argv=None) -> int:
   parser.add_argument('--no_progress', action='store_true', help='no progress bar')
   args = parser.parse_args(argv)
   try:
-    prepare(args.input, args.output, tokenizer=args.tokenizer, train_tokenizer=args.train_tokenizer,
-            tokenizer_sample_mb=args.tokenizer_sample_mb, text_field=args.text_field,
-            val_fraction=args.val_fraction, workers=args.workers, unit_mb=args.unit_mb,
-            progress=not args.no_progress)
+    prepare(
+      args.input,
+      args.output,
+      tokenizer=args.tokenizer,
+      train_tokenizer=args.train_tokenizer,
+      tokenizer_sample_mb=args.tokenizer_sample_mb,
+      text_field=args.text_field,
+      val_fraction=args.val_fraction,
+      workers=args.workers,
+      unit_mb=args.unit_mb,
+      progress=not args.no_progress,
+    )
   except DataError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

@@ -89,10 +89,16 @@ class ShardWriter:
     tmp_index.write_bytes(index)
     os.replace(tmp_index, self.folder / f'{self.name}.idx')
     os.replace(self._tmp, self.folder / f'{self.name}.bin')
-    return {'file': f'{SHARDS_DIR}/{self.name}.bin', 'index': f'{SHARDS_DIR}/{self.name}.idx', 'docs': self.docs,
-            'tokens': self._ends[-1], 'bytes': size, 'sha256': self._hash.hexdigest(),
-            'edge_sha256': edge_sha256(self.folder / f'{self.name}.bin', size),
-            'index_sha256': hashlib.sha256(index).hexdigest()}
+    return {
+      'file': f'{SHARDS_DIR}/{self.name}.bin',
+      'index': f'{SHARDS_DIR}/{self.name}.idx',
+      'docs': self.docs,
+      'tokens': self._ends[-1],
+      'bytes': size,
+      'sha256': self._hash.hexdigest(),
+      'edge_sha256': edge_sha256(self.folder / f'{self.name}.bin', size),
+      'index_sha256': hashlib.sha256(index).hexdigest(),
+    }
 
   def discard(self) -> None:
     self._file.close()
@@ -112,15 +118,22 @@ def read_manifest(path: str | pathlib.Path) -> dict:
   """The manifest of the shards in `path` (data.path); DataError when there is none or it is not one."""
   root = pathlib.Path(str(path)).expanduser()
   if not str(path):
-    raise DataError("data.path is empty; data.source='shards' needs data.path set to a folder written by "
-                    'python -m kimijax.data.prepare')
+    raise DataError(
+      "data.path is empty; data.source='shards' needs data.path set to a folder written by "
+      'python -m kimijax.data.prepare'
+    )
   if not root.is_dir():
-    raise DataError(f'data.path={str(path)!r} does not exist (data.source=\'shards\' reads a folder written '
-                    'by python -m kimijax.data.prepare)')
+    raise DataError(
+      f"data.path={str(path)!r} does not exist (data.source='shards' reads a folder written "
+      'by python -m kimijax.data.prepare)'
+    )
   manifest = root / 'manifest.json'
   if not manifest.is_file():
-    hint = (' its preparation is unfinished: re-run the same python -m kimijax.data.prepare command to '
-            'resume it' if (root / 'plan.json').is_file() else ' it was not written by python -m kimijax.data.prepare')
+    hint = (
+      ' its preparation is unfinished: re-run the same python -m kimijax.data.prepare command to resume it'
+      if (root / 'plan.json').is_file()
+      else ' it was not written by python -m kimijax.data.prepare'
+    )
     raise DataError(f'data.path={str(path)!r} has no manifest.json:{hint}')
   try:
     data = json.loads(manifest.read_text())
@@ -139,9 +152,11 @@ def check_tokenizer(path, manifest: dict, tokenizer) -> None:
   spec = written['spec']
   if written.get('file_in_dir'):
     spec = 'hf:' + str(pathlib.Path(str(path)) / written['file_in_dir'])
-  raise DataError(f'data.path={str(path)!r} holds shards written with tokenizer {spec!r} (fingerprint '
-                  f"{written['fingerprint'][:12]}), but data.tokenizer={tokenizer.spec!r} has fingerprint "
-                  f'{tokenizer.fingerprint[:12]}; set data.tokenizer={spec!r}')
+  raise DataError(
+    f'data.path={str(path)!r} holds shards written with tokenizer {spec!r} (fingerprint '
+    f'{written["fingerprint"][:12]}), but data.tokenizer={tokenizer.spec!r} has fingerprint '
+    f'{tokenizer.fingerprint[:12]}; set data.tokenizer={spec!r}'
+  )
 
 
 def check_shard(root: pathlib.Path, record: dict) -> None:
@@ -151,15 +166,18 @@ def check_shard(root: pathlib.Path, record: dict) -> None:
     raise DataError(f'shard {path} of the manifest is missing')
   size = path.stat().st_size
   if size != record['bytes']:
-    raise DataError(f'shard {path} is {size:,} bytes, the manifest says {record["bytes"]:,} (truncated or '
-                    're-written); re-run python -m kimijax.data.prepare into a new folder')
+    raise DataError(
+      f'shard {path} is {size:,} bytes, the manifest says {record["bytes"]:,} (truncated or '
+      're-written); re-run python -m kimijax.data.prepare into a new folder'
+    )
   if edge_sha256(path, size) != record['edge_sha256']:
-    raise DataError(f'shard {path} is corrupt: its first/last {EDGE_BYTES} bytes do not match the manifest\'s '
-                    'checksum; re-run python -m kimijax.data.prepare into a new folder')
+    raise DataError(
+      f"shard {path} is corrupt: its first/last {EDGE_BYTES} bytes do not match the manifest's "
+      'checksum; re-run python -m kimijax.data.prepare into a new folder'
+    )
   index = root / record['index']
   if not index.is_file() or index.stat().st_size != 8 * (record['docs'] + 1):
-    raise DataError(f'shard index {index} is missing or not {8 * (record["docs"] + 1):,} bytes as the '
-                    'manifest says')
+    raise DataError(f'shard index {index} is missing or not {8 * (record["docs"] + 1):,} bytes as the manifest says')
 
 
 class ShardSplit:
@@ -176,7 +194,7 @@ class ShardSplit:
     self.starts = np.cumsum([0] + [r['tokens'] for r in self.records], dtype=np.int64)
     self._open = collections.OrderedDict()
     self._lock = threading.Lock()
-    self.max_read_bytes = 0            # the largest single read so far (tests bound it)
+    self.max_read_bytes = 0  # the largest single read so far (tests bound it)
 
   def __len__(self) -> int:
     return int(self.starts[-1])
@@ -208,7 +226,7 @@ class ShardSplit:
     while done < n:
       offset = start + done - int(self.starts[shard])
       count = min(n - done, int(self.starts[shard + 1]) - (start + done))
-      part = buf[done:done + count]
+      part = buf[done : done + count]
       got = os.preadv(self._fd(shard), [part], offset * self.dtype.itemsize)
       if got != part.nbytes:
         raise DataError(f'shard {self.root / self.records[shard]["file"]} ended early (truncated while reading)')
@@ -220,10 +238,11 @@ class ShardSplit:
     """int32 [len(starts), n]: row r holds tokens [starts[r], starts[r] + n)."""
     starts = np.asarray(starts, dtype=np.int64).reshape(-1)
     if len(starts) and (starts.min() < 0 or starts.max() + n > len(self)):
-      raise IndexError(f'rows of {n} tokens from {starts.min()} to {starts.max()} exceed the split of '
-                       f'{len(self)} tokens')
+      raise IndexError(
+        f'rows of {n} tokens from {starts.min()} to {starts.max()} exceed the split of {len(self)} tokens'
+      )
     buf = np.empty((len(starts), n), dtype=self.dtype)
-    with self._lock:       # one batch at a time: an evicted descriptor is never read after its close
+    with self._lock:  # one batch at a time: an evicted descriptor is never read after its close
       for r, start in enumerate(starts.tolist()):
         self._read_into(buf[r], start)
     return buf.astype(np.int32)
@@ -270,4 +289,4 @@ def verify_split(path: str, split: str) -> None:
     check_shard(root, record)
     for key, digest in (('file', 'sha256'), ('index', 'index_sha256')):
       if file_sha256(root / record[key]) != record[digest]:
-        raise DataError(f'shard file {root / record[key]} is corrupt: its SHA-256 differs from the manifest\'s')
+        raise DataError(f"shard file {root / record[key]} is corrupt: its SHA-256 differs from the manifest's")

@@ -18,7 +18,7 @@ import hashlib
 import os
 import pathlib
 import sysconfig
-from typing import Iterable
+from collections.abc import Iterable
 
 SKIPPED_DIRS = frozenset({'__pycache__'})
 
@@ -27,6 +27,7 @@ def site_packages_roots() -> tuple[pathlib.Path, ...]:
   """The running interpreter's package folders: sysconfig's purelib and platlib, site's global
   and user site-packages (dist-packages on Debian), existing ones, once each."""
   import site
+
   paths = sysconfig.get_paths()
   candidates = [paths['purelib'], paths['platlib'], *getattr(site, 'getsitepackages', lambda: [])()]
   if site.ENABLE_USER_SITE:
@@ -74,6 +75,7 @@ def split_by_hash(sources: tuple[tuple[bytes, bytes], ...], split: str, val_frac
   """Documents of `split`: validation iff the digest maps below val_fraction. With >= 2 documents
   each split gets one at least (the lowest digest goes to validation, or the highest to train)."""
   import numpy as np
+
   units = np.array([_hash_unit(d) for d, _ in sources])
   is_val = units < val_fraction
   if len(units) >= 2 and not is_val.any():
@@ -87,10 +89,13 @@ def site_packages_documents(split: str, val_fraction: float, roots=None) -> list
   """Documents (one per distinct `.py` file) of `split` of the site-packages corpus; `roots`
   defaults to site_packages_roots()."""
   from kimijax.data.sources import DataError, _check_split
+
   _check_split(split, val_fraction)
   roots = site_packages_roots() if roots is None else tuple(pathlib.Path(r).resolve() for r in roots)
   sources = unique_sources(roots)
   if len(sources) < 2:
-    raise DataError(f"data.source='site_packages' found {len(sources)} distinct .py file(s) under "
-                    f"{[str(r) for r in roots]}; it needs at least 2 (one per split)")
+    raise DataError(
+      f"data.source='site_packages' found {len(sources)} distinct .py file(s) under "
+      f'{[str(r) for r in roots]}; it needs at least 2 (one per split)'
+    )
   return split_by_hash(sources, split, val_fraction)

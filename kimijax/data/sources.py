@@ -9,17 +9,24 @@ from __future__ import annotations
 import hashlib
 import pathlib
 import sysconfig
-from typing import Sequence
+from collections.abc import Sequence
 
 SPLITS = ('train', 'validation')
 
 # Directories skipped in the stdlib corpus: installed packages and caches (not
 # the stdlib), test suites and IDLE (large, less code-like), and pydoc_data
 # (one ~0.8 MB .py file of English help text).
-STDLIB_EXCLUDED_DIRS = frozenset({
-    'site-packages', 'dist-packages', '__pycache__', 'test', 'tests',
-    'idlelib', 'pydoc_data',
-})
+STDLIB_EXCLUDED_DIRS = frozenset(
+  {
+    'site-packages',
+    'dist-packages',
+    '__pycache__',
+    'test',
+    'tests',
+    'idlelib',
+    'pydoc_data',
+  }
+)
 
 
 class DataError(ValueError):
@@ -30,9 +37,7 @@ def _check_split(split: str, val_fraction: float) -> None:
   if split not in SPLITS:
     raise DataError(f'split must be one of {SPLITS}, got {split!r}')
   if not 0.0 < val_fraction < 1.0:
-    raise DataError(
-        f'data.val_fraction must be in (0, 1), got {val_fraction!r}'
-    )
+    raise DataError(f'data.val_fraction must be in (0, 1), got {val_fraction!r}')
 
 
 def stdlib_root() -> pathlib.Path:
@@ -46,10 +51,9 @@ def stdlib_files() -> list[pathlib.Path]:
   """
   root = stdlib_root()
   files = [
-      p
-      for p in root.rglob('*.py')
-      if p.is_file()
-      and not STDLIB_EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
+    p
+    for p in root.rglob('*.py')
+    if p.is_file() and not STDLIB_EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
   ]
   return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
@@ -61,10 +65,10 @@ def _hash_unit(rel_path: str) -> float:
 
 
 def split_files(
-    paths: Sequence[pathlib.Path],
-    root: pathlib.Path,
-    split: str,
-    val_fraction: float,
+  paths: Sequence[pathlib.Path],
+  root: pathlib.Path,
+  split: str,
+  val_fraction: float,
 ) -> list[pathlib.Path]:
   """Files of `split`, chosen by a stable hash of the path relative to `root`.
 
@@ -89,10 +93,7 @@ def split_files(
 def _list_text_files(root: pathlib.Path) -> list[pathlib.Path]:
   """Regular, non-hidden files under `root` (recursively), sorted."""
   files = [
-      p
-      for p in root.rglob('*')
-      if p.is_file()
-      and not any(part.startswith('.') for part in p.relative_to(root).parts)
+    p for p in root.rglob('*') if p.is_file() and not any(part.startswith('.') for part in p.relative_to(root).parts)
   ]
   return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
@@ -131,8 +132,7 @@ def text_files(path: str) -> tuple[pathlib.Path, list[pathlib.Path], list[pathli
   folder (every non-hidden file under it). Raises DataError when no text is left."""
   if not path:
     raise DataError(
-        "data.path is empty; data.source='text' needs data.path set to a text"
-        ' file or a folder of text files'
+      "data.path is empty; data.source='text' needs data.path set to a text file or a folder of text files"
     )
   root = pathlib.Path(path).expanduser()
   if root.is_file():
@@ -143,15 +143,15 @@ def text_files(path: str) -> tuple[pathlib.Path, list[pathlib.Path], list[pathli
     raise DataError(f'data.path={path!r} does not exist')
   files = [f for f in files if f.stat().st_size > 0]
   if not files:
-    raise DataError(
-        f'data.path={path!r} has no data (no non-hidden, non-empty files)'
-    )
+    raise DataError(f'data.path={path!r} has no data (no non-hidden, non-empty files)')
   is_text = {f: is_text_file(f) for f in files}
   text = [f for f in files if is_text[f]]
   skipped = [f for f in files if not is_text[f]]
   if not text:
-    raise DataError(f'data.path={path!r} has no text files: all {len(skipped)} non-empty files are '
-                    f'not UTF-8 text ({_describe_kinds(skipped)})')
+    raise DataError(
+      f'data.path={path!r} has no text files: all {len(skipped)} non-empty files are '
+      f'not UTF-8 text ({_describe_kinds(skipped)})'
+    )
   return (root if root.is_dir() else root.parent), text, skipped
 
 
@@ -173,11 +173,13 @@ def corpus_report(source: str, path: str, val_fraction: float) -> list[str]:
       n_files, n_bytes = 1, (size - val if split == 'train' else val)
     else:
       sizes = [f.stat().st_size for f in split_files(files, root, split, val_fraction)]
-      n_files, n_bytes = sum(1 for n in sizes if n), sum(sizes)     # empty files are no documents
+      n_files, n_bytes = sum(1 for n in sizes if n), sum(sizes)  # empty files are no documents
     lines.append(f'  {split:<10} {n_files:>6,} files  {n_bytes:>14,} bytes')
   if skipped:
-    lines.append(f'  skipped {len(skipped):,} files that are not text ({_describe_kinds(skipped)}), e.g. '
-                 f'{skipped[0].relative_to(root) if skipped[0].is_relative_to(root) else skipped[0]}')
+    lines.append(
+      f'  skipped {len(skipped):,} files that are not text ({_describe_kinds(skipped)}), e.g. '
+      f'{skipped[0].relative_to(root) if skipped[0].is_relative_to(root) else skipped[0]}'
+    )
   return lines
 
 
@@ -189,7 +191,7 @@ def text_documents(path: str, split: str, val_fraction: float) -> list[bytes]:
   not UTF-8 text (is_text_file) are skipped; none left is a DataError.
   """
   _check_split(split, val_fraction)
-  root, files, _ = text_files(path)     # files that are not text are skipped (corpus_report)
+  root, files, _ = text_files(path)  # files that are not text are skipped (corpus_report)
   if len(files) == 1:
     data = files[0].read_bytes()
     cut = len(data) - max(1, int(len(data) * val_fraction))
@@ -204,8 +206,7 @@ def stdlib_documents(split: str, val_fraction: float) -> list[bytes]:
   files = stdlib_files()
   if not files:
     raise DataError(
-        f'no .py files found under the Python stdlib at {stdlib_root()}; set'
-        " data.source='text' and data.path instead"
+      f"no .py files found under the Python stdlib at {stdlib_root()}; set data.source='text' and data.path instead"
     )
   chosen = split_files(files, stdlib_root(), split, val_fraction)
   return [d for d in (f.read_bytes() for f in chosen) if d]

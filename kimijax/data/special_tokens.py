@@ -17,9 +17,9 @@ from kimijax.data.sources import DataError
 
 SIDECAR_FILES = ('tokenizer_config.json', 'special_tokens_map.json')
 CONVENTIONAL = {
-    'eos': ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>', '[EOS]', '<|eos|>'),
-    'bos': ('<|begin_of_text|>', '<|startoftext|>', '<s>', '<bos>', '[BOS]', '<|bos|>'),
-    'pad': ('<|pad|>', '<pad>', '[PAD]'),
+  'eos': ('<|endoftext|>', '<|end_of_text|>', '</s>', '<eos>', '[EOS]', '<|eos|>'),
+  'bos': ('<|begin_of_text|>', '<|startoftext|>', '<s>', '<bos>', '[BOS]', '<|bos|>'),
+  'pad': ('<|pad|>', '<pad>', '[PAD]'),
 }
 
 
@@ -27,7 +27,7 @@ def sidecar_config(path: pathlib.Path) -> dict:
   """The merged sidecar files next to tokenizer file `path` ({} when none); a sidecar that is not
   JSON is a DataError naming it."""
   merged = {}
-  for name in reversed(SIDECAR_FILES):       # tokenizer_config.json wins
+  for name in reversed(SIDECAR_FILES):  # tokenizer_config.json wins
     side = path.parent / name
     if side.is_file():
       try:
@@ -53,15 +53,18 @@ def special_roles(path: pathlib.Path, token_to_id: dict[str, int], sidecar: dict
     named = _content(sidecar.get(f'{role}_token'))
     if named is not None:
       if named not in token_to_id:
-        raise DataError(f'data.tokenizer: {role}_token {named!r} of {path.parent / SIDECAR_FILES[0]} is not '
-                        f'a token of {path}')
+        raise DataError(
+          f'data.tokenizer: {role}_token {named!r} of {path.parent / SIDECAR_FILES[0]} is not a token of {path}'
+        )
       roles[role] = token_to_id[named]
       continue
     roles[role] = next((token_to_id[n] for n in CONVENTIONAL[role] if n in token_to_id), None)
   if roles['eos'] is None:
-    raise DataError(f'data.tokenizer: {path} has no end-of-document token (none of '
-                    f"{', '.join(CONVENTIONAL['eos'])}); name it as eos_token in a tokenizer_config.json "
-                    'beside the file')
+    raise DataError(
+      f'data.tokenizer: {path} has no end-of-document token (none of '
+      f'{", ".join(CONVENTIONAL["eos"])}); name it as eos_token in a tokenizer_config.json '
+      'beside the file'
+    )
   if roles['pad'] is None:
     roles['pad'] = roles['eos']
   return roles

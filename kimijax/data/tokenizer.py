@@ -33,7 +33,7 @@ from kimijax.data.sources import DataError
 EOS_ID = 256  # document separator
 PAD_ID = 257  # padding / filler
 VOCAB_SIZE = 258
-VOCAB_MULTIPLE = 128   # model.vocab_size = 0 pads the tokenizer's vocabulary to a multiple of this
+VOCAB_MULTIPLE = 128  # model.vocab_size = 0 pads the tokenizer's vocabulary to a multiple of this
 
 
 class Tokenizer:
@@ -64,8 +64,14 @@ class Tokenizer:
 
   def describe(self) -> dict:
     """The tokenizer's record in a shard manifest."""
-    return {'spec': self.spec, 'fingerprint': self.fingerprint, 'vocab_size': self.vocab_size,
-            'eos_id': self.eos_id, 'pad_id': self.pad_id, 'bos_id': self.bos_id}
+    return {
+      'spec': self.spec,
+      'fingerprint': self.fingerprint,
+      'vocab_size': self.vocab_size,
+      'eos_id': self.eos_id,
+      'pad_id': self.pad_id,
+      'bos_id': self.bos_id,
+    }
 
 
 class ByteTokenizer(Tokenizer):
@@ -117,12 +123,16 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return ByteTokenizer()
   kind, sep, path = spec.partition(':')
   if not sep or not path or kind not in ('hf', 'tiktoken'):
-    raise DataError(f"data.tokenizer={spec!r} is not one of 'byte', 'hf:PATH' (a tokenizer.json), "
-                    "'tiktoken:PATH' (a tiktoken BPE file)")
+    raise DataError(
+      f"data.tokenizer={spec!r} is not one of 'byte', 'hf:PATH' (a tokenizer.json), "
+      "'tiktoken:PATH' (a tiktoken BPE file)"
+    )
   if kind == 'hf':
     from kimijax.data.tokenizer_hf import HFTokenizer
+
     return HFTokenizer(spec, path)
   from kimijax.data.tokenizer_tiktoken import TiktokenTokenizer
+
   return TiktokenTokenizer(spec, path)
 
 
@@ -140,9 +150,11 @@ def model_vocab_size(requested: int, tokenizer_vocab: int, tokenizer_spec: str =
     return padded_vocab_size(tokenizer_vocab)
   if requested < tokenizer_vocab:
     which = f'data.tokenizer={tokenizer_spec!r}' if tokenizer_spec else 'the tokenizer'
-    raise DataError(f'model.vocab_size={requested} is smaller than the vocabulary of {which} '
-                    f'({tokenizer_vocab} ids); set model.vocab_size=0 to take the tokenizer\'s, padded '
-                    f'to a multiple of {VOCAB_MULTIPLE} ({padded_vocab_size(tokenizer_vocab)})')
+    raise DataError(
+      f'model.vocab_size={requested} is smaller than the vocabulary of {which} '
+      f"({tokenizer_vocab} ids); set model.vocab_size=0 to take the tokenizer's, padded "
+      f'to a multiple of {VOCAB_MULTIPLE} ({padded_vocab_size(tokenizer_vocab)})'
+    )
   return requested
 
 

@@ -27,12 +27,13 @@ class HFTokenizer(Tokenizer):
 
   def __init__(self, spec: str, path: str):
     from tokenizers import Tokenizer as _Tokenizer
+
     file = pathlib.Path(path).expanduser()
     if not file.is_file():
       raise DataError(f'data.tokenizer={spec!r}: {file} does not exist')
     try:
       tok = _Tokenizer.from_file(str(file))
-    except Exception as e:    # the Rust parser raises a plain Exception
+    except Exception as e:  # the Rust parser raises a plain Exception
       reason = ' '.join(str(e).split())[:200]
       raise DataError(f'data.tokenizer={spec!r}: {file} is not a tokenizers tokenizer.json ({reason})') from None
     tok.encode_special_tokens = True
@@ -46,8 +47,7 @@ class HFTokenizer(Tokenizer):
     self.path = str(file)
     self.vocab_size = max(vocab.values()) + 1
     self.eos_id, self.bos_id, self.pad_id = roles['eos'], roles['bos'], roles['pad']
-    self.fingerprint = hashlib.sha256(json.dumps(
-        ['hf', file_sha256(file), roles], sort_keys=True).encode()).hexdigest()
+    self.fingerprint = hashlib.sha256(json.dumps(['hf', file_sha256(file), roles], sort_keys=True).encode()).hexdigest()
 
   def encode_batch(self, texts) -> list[np.ndarray]:
     encodings = self._tok.encode_batch_fast([as_text(t) for t in texts], add_special_tokens=False)

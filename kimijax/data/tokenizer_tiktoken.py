@@ -44,37 +44,61 @@ MAX_PIECE_CHARS = 25_000
 ENDOFTEXT = '<|endoftext|>'
 
 _R50K_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-_CL100K_PAT = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|"""
-               r"""\s++$|\s*[\r\n]|\s+(?!\S)|\s""")
-_O200K_PAT = '|'.join([
+_CL100K_PAT = (
+  r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|"""
+  r"""\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+_O200K_PAT = '|'.join(
+  [
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+"""])
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+  ]
+)
 _NOT_HAN_UPPER = r'[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]'
 _NOT_HAN_LOWER = r'[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]'
-_KIMI_PAT = '|'.join([
+_KIMI_PAT = '|'.join(
+  [
     r'[\p{Han}]+',
     rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
     rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r'\p{N}{1,3}', r' ?[^\s\p{L}\p{N}]+[\r\n]*', r'\s*[\r\n]+', r'\s+(?!\S)', r'\s+'])
+    r'\p{N}{1,3}',
+    r' ?[^\s\p{L}\p{N}]+[\r\n]*',
+    r'\s*[\r\n]+',
+    r'\s+(?!\S)',
+    r'\s+',
+  ]
+)
 KIMI_NUM_SPECIAL = 256 + 2
 
 # name -> (regex, {special token: id}); ids of OpenAI's encodings as tiktoken defines them.
 PRESETS = {
-    'r50k_base': (_R50K_PAT, {ENDOFTEXT: 50256}),
-    'p50k_base': (_R50K_PAT, {ENDOFTEXT: 50256}),
-    'cl100k_base': (_CL100K_PAT, {ENDOFTEXT: 100257, '<|fim_prefix|>': 100258, '<|fim_middle|>': 100259,
-                                  '<|fim_suffix|>': 100260, '<|endofprompt|>': 100276}),
-    'o200k_base': (_O200K_PAT, {ENDOFTEXT: 199999, '<|endofprompt|>': 200018}),
-    'kimi': (_KIMI_PAT, None),       # specials from the ranks' count and the sidecar config
-    'default': (_CL100K_PAT, None),  # '<|endoftext|>' right after the ranks
+  'r50k_base': (_R50K_PAT, {ENDOFTEXT: 50256}),
+  'p50k_base': (_R50K_PAT, {ENDOFTEXT: 50256}),
+  'cl100k_base': (
+    _CL100K_PAT,
+    {
+      ENDOFTEXT: 100257,
+      '<|fim_prefix|>': 100258,
+      '<|fim_middle|>': 100259,
+      '<|fim_suffix|>': 100260,
+      '<|endofprompt|>': 100276,
+    },
+  ),
+  'o200k_base': (_O200K_PAT, {ENDOFTEXT: 199999, '<|endofprompt|>': 200018}),
+  'kimi': (_KIMI_PAT, None),  # specials from the ranks' count and the sidecar config
+  'default': (_CL100K_PAT, None),  # '<|endoftext|>' right after the ranks
 }
 # SHA-256 of OpenAI's published .tiktoken files (tiktoken_ext/openai_public.py's expected_hash).
 OPENAI_FILE_SHA256 = {
-    '306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930': 'r50k_base',
-    '94b5ca7dff4d00767bc256fdd1b27e5b17361d7b8a5f968547f9f23eb70d2069': 'p50k_base',
-    '223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7': 'cl100k_base',
-    '446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d': 'o200k_base',
+  '306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930': 'r50k_base',
+  '94b5ca7dff4d00767bc256fdd1b27e5b17361d7b8a5f968547f9f23eb70d2069': 'p50k_base',
+  '223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7': 'cl100k_base',
+  '446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d': 'o200k_base',
 }
 
 
@@ -93,8 +117,9 @@ def read_ranks(path: pathlib.Path, spec: str) -> dict[bytes, int]:
         if rank < 0 or rank in seen or token in ranks:
           raise ValueError('duplicate or negative rank')
       except (ValueError, binascii.Error) as e:
-        raise DataError(f"data.tokenizer={spec!r}: {path}:{lineno} is not a 'base64-token rank' line of a "
-                        f'tiktoken BPE file ({e})') from None
+        raise DataError(
+          f"data.tokenizer={spec!r}: {path}:{lineno} is not a 'base64-token rank' line of a tiktoken BPE file ({e})"
+        ) from None
       ranks[token] = rank
       seen.add(rank)
   if not ranks:
@@ -135,7 +160,7 @@ def split_long(text: str, limit: int = MAX_PIECE_CHARS) -> list[str]:
   while len(text) - start > limit:
     end = start + limit
     cut = end
-    while True:                        # the last '\n' in (start, end] that a non-space follows
+    while True:  # the last '\n' in (start, end] that a non-space follows
       nl = text.rfind('\n', start, cut)
       if nl < 0:
         cut = end
@@ -155,6 +180,7 @@ class TiktokenTokenizer(Tokenizer):
 
   def __init__(self, spec: str, path: str):
     import tiktoken
+
     path, _, named = path.partition('#')
     file = pathlib.Path(path).expanduser()
     if not file.is_file():
@@ -167,11 +193,12 @@ class TiktokenTokenizer(Tokenizer):
     specials = _special_tokens(self.preset, len(ranks), sidecar)
     clash = sorted(set(specials.values()) & set(ranks.values()))
     if clash:
-      raise DataError(f'data.tokenizer={spec!r}: special token ids {clash[:3]} of preset {self.preset!r} are '
-                      f'ranks of {file}; name the preset (tiktoken:PATH#PRESET)')
+      raise DataError(
+        f'data.tokenizer={spec!r}: special token ids {clash[:3]} of preset {self.preset!r} are '
+        f'ranks of {file}; name the preset (tiktoken:PATH#PRESET)'
+      )
     try:
-      self._enc = tiktoken.Encoding(name=file.name, pat_str=pattern, mergeable_ranks=ranks,
-                                    special_tokens=specials)
+      self._enc = tiktoken.Encoding(name=file.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
     except Exception as e:
       raise DataError(f'data.tokenizer={spec!r}: tiktoken rejects {file} ({" ".join(str(e).split())[:200]})') from None
     token_to_id = dict(specials)
@@ -186,8 +213,9 @@ class TiktokenTokenizer(Tokenizer):
     self.path = str(file)
     self.vocab_size = max(self._ordinary_max, *specials.values()) + 1
     self.eos_id, self.bos_id, self.pad_id = roles['eos'], roles['bos'], roles['pad']
-    self.fingerprint = hashlib.sha256(json.dumps(
-        ['tiktoken', file_hash, pattern, sorted(specials.items()), roles], sort_keys=True).encode()).hexdigest()
+    self.fingerprint = hashlib.sha256(
+      json.dumps(['tiktoken', file_hash, pattern, sorted(specials.items()), roles], sort_keys=True).encode()
+    ).hexdigest()
 
   def encode_batch(self, texts) -> list[np.ndarray]:
     out = []

@@ -27,7 +27,8 @@ def init_cache(m: ml_collections.ConfigDict, batch: int, max_len: int) -> dict:
       cache[f'layer_{i}'] = KimiDeltaAttention.init_cache(batch, heads, head_dim, m.kda_short_conv, dtype)
     elif m.attention_kind == 'mla':
       cache[f'layer_{i}'] = MultiHeadLatentAttention.init_cache(
-          batch, max_len, m.mla_kv_lora_rank, m.mla_qk_rope_head_dim, dtype)
+        batch, max_len, m.mla_kv_lora_rank, m.mla_qk_rope_head_dim, dtype
+      )
     else:
       shape = (batch, max_len, config_lib.num_kv_heads(m), m.d_model // m.num_heads)
       cache[f'layer_{i}'] = {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype)}

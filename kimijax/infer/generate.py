@@ -26,11 +26,12 @@ from kimijax.train.checkpoint import load_run_config, restore_latest_params
 def _step_fns(model: nn.Module):
   """Jitted (prefill, decode_step) for `model`: each returns (last-position logits [B, V], cache).
   Both consume (donate) the cache they are given: use the returned one."""
+
   def run(params, tokens_bt, positions_bt, cache):
     logits, aux = model.apply({'params': params}, tokens_bt, positions_bt, cache=cache)
     return logits[:, -1], aux['cache']
 
-  @functools.partial(jax.jit, donate_argnames='cache')   # the cache is updated in place
+  @functools.partial(jax.jit, donate_argnames='cache')  # the cache is updated in place
   def prefill(params, tokens_bt, cache):
     return run(params, tokens_bt, jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape), cache)
 
@@ -41,8 +42,18 @@ def _step_fns(model: nn.Module):
   return prefill, decode_step
 
 
-def generate(model: nn.Module, params, prompt_bt, *, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_token: int | None = None):
+def generate(
+  model: nn.Module,
+  params,
+  prompt_bt,
+  *,
+  max_new_tokens: int,
+  temperature: float = 1.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  seed: int = 0,
+  stop_token: int | None = None,
+):
   """prompt [B, P] int -> [B, P + max_new_tokens] int32 (generation continues past stop_token
   for other rows; positions after a row's stop token are filled with it)."""
   prompt_bt = jnp.asarray(prompt_bt, jnp.int32)
@@ -66,7 +77,7 @@ def generate(model: nn.Module, params, prompt_bt, *, max_new_tokens: int, temper
       break
     logits, cache = decode_step(params, jnp.asarray(token_np), p + i, cache)
   tokens = np.concatenate(out, axis=1).astype(np.int32)
-  if tokens.shape[1] < p + max_new_tokens:   # every row stopped early
+  if tokens.shape[1] < p + max_new_tokens:  # every row stopped early
     tokens = np.pad(tokens, ((0, 0), (0, p + max_new_tokens - tokens.shape[1])), constant_values=stop_token)
   return tokens
 

@@ -16,7 +16,7 @@ def filter_logits(logits_bv, *, top_k: int = 0, top_p: float = 1.0):
   if top_p < 1.0:
     sorted_desc = jnp.sort(logits_bv, axis=-1)[:, ::-1]
     probs = jax.nn.softmax(sorted_desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs          # mass of strictly more likely tokens
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly more likely tokens
     keep = before < top_p
     threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     logits_bv = jnp.where(logits_bv < threshold, -jnp.inf, logits_bv)

@@ -14,10 +14,10 @@ def apply_rope(x_bthd, positions_bt, theta: float):
   """Rotary embedding (rotate-half pairing of dims i and i + D/2), computed in float32."""
   d = x_bthd.shape[-1]
   inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
-  angles = positions_bt.astype(jnp.float32)[..., None, None] * inv_freq   # [B, T, 1, D/2]
+  angles = positions_bt.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, D/2]
   sin, cos = jnp.sin(angles), jnp.cos(angles)
   x = x_bthd.astype(jnp.float32)
-  x1, x2 = x[..., : d // 2], x[..., d // 2:]
+  x1, x2 = x[..., : d // 2], x[..., d // 2 :]
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthd.dtype)
 
 
@@ -32,6 +32,7 @@ class SelfAttention(nn.Module):
   Query kernel [D, H, Dh], key/value kernels [D, Hkv, Dh], output kernel [H, Dh, D], so that
   per-head weight rewrites (QK-Clip, docs/optimizers.md#qk-clip) index the head axis directly.
   """
+
   num_heads: int
   num_kv_heads: int
   rope: bool
@@ -39,7 +40,7 @@ class SelfAttention(nn.Module):
   impl: str
   init_std: float
   dtype: jnp.dtype = jnp.float32
-  max_logits: bool = True       # return the per-head max logits in training (docs/optimizers.md#qk-clip)
+  max_logits: bool = True  # return the per-head max logits in training (docs/optimizers.md#qk-clip)
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, cache=None):
@@ -50,7 +51,7 @@ class SelfAttention(nn.Module):
     w_k = weight(self, 'key', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
     w_v = weight(self, 'value', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
     w_o = weight(self, 'out', (self.num_heads, head_dim, d), ('heads', 'head_dim', 'embed'))
-    if self.num_kv_heads == self.num_heads:   # one GEMM with 3x the output width
+    if self.num_kv_heads == self.num_heads:  # one GEMM with 3x the output width
       qkv = jnp.einsum('btd,dshk->btshk', x_btd, jnp.stack([w_q, w_k, w_v], axis=1))
       q_bthd, k_bthd, v_bthd = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     else:
@@ -61,15 +62,23 @@ class SelfAttention(nn.Module):
     names = ('act_batch', 'act_length', 'act_heads', None)
     q_bthd, k_bthd, v_bthd = (nn.with_logical_constraint(t, names) for t in (q_bthd, k_bthd, v_bthd))
     if cache is None:
-      result = attention(q_bthd, k_bthd, v_bthd, causal=True, impl=self.impl,
-                         return_max_logits=self.max_logits, spec=nn.logical_to_mesh_axes(names))
+      result = attention(
+        q_bthd,
+        k_bthd,
+        v_bthd,
+        causal=True,
+        impl=self.impl,
+        return_max_logits=self.max_logits,
+        spec=nn.logical_to_mesh_axes(names),
+      )
       o_bthd, max_logits_h = result if self.max_logits else (result, None)
       new_cache = None
-    else:   # write this call's keys/values at their positions; prefill starts at position 0
+    else:  # write this call's keys/values at their positions; prefill starts at position 0
       start = positions_bt[0, 0]
-      new_cache = {name: jax.lax.dynamic_update_slice_in_dim(cache[name], t.astype(cache[name].dtype),
-                                                             start, axis=1)
-                   for name, t in (('k', k_bthd), ('v', v_bthd))}
+      new_cache = {
+        name: jax.lax.dynamic_update_slice_in_dim(cache[name], t.astype(cache[name].dtype), start, axis=1)
+        for name, t in (('k', k_bthd), ('v', v_bthd))
+      }
       if x_btd.shape[1] == 1:
         o_bthd = decode_attention(q_bthd, new_cache['k'], new_cache['v'], start + 1)
       else:

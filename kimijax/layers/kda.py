@@ -41,8 +41,8 @@ from kimijax.ops.kda import SAVED, kda, kda_log_decay, kda_step
 from kimijax.ops.short_conv import activate
 
 CONV_WIDTH = 4
-PROJECTIONS = 'kda_projection'    # checkpoint_name prefix of the q/k/v projections' outputs ('_q', ...)
-ACTIVATIONS = {'q': 'silu_l2', 'k': 'silu_l2', 'v': 'silu'}   # after each short conv (kimijax.ops.short_conv)
+PROJECTIONS = 'kda_projection'  # checkpoint_name prefix of the q/k/v projections' outputs ('_q', ...)
+ACTIVATIONS = {'q': 'silu_l2', 'k': 'silu_l2', 'v': 'silu'}  # after each short conv (kimijax.ops.short_conv)
 
 
 def a_log_init(key, shape, dtype):
@@ -59,27 +59,30 @@ def dt_bias_init(key, shape, dtype):
 
 class KimiDeltaAttention(nn.Module):
   """x [B, T, D] -> (y [B, T, D], None, cache or None). Heads H of key dim K and value dim V."""
+
   num_heads: int
   head_dim: int
-  impl: str = 'xla'                   # the op's implementation (kimijax.ops.kda.IMPLS)
+  impl: str = 'xla'  # the op's implementation (kimijax.ops.kda.IMPLS)
   short_conv: bool = True
   output_gate: str = 'sigmoid'
-  gate_lower_bound: float = 0.0       # 0: the unbounded gate; in [-5, 0): the bounded gate
+  gate_lower_bound: float = 0.0  # 0: the unbounded gate; in [-5, 0): the bounded gate
   init_std: float = 0.02
   dtype: jnp.dtype = jnp.float32
-  output_norm_eps: float = 1e-5       # eps of the per-head output RMSNorm (the model's rms_norm_eps
-                                      # in Kimi Linear's release)
-  short_conv_impl: str = 'xla'        # the short convs' implementation (kimijax.ops.short_conv.IMPLS)
-  recompute_projections: str = ''      # the projections among 'q', 'k', 'v' that the backward
-                                       # recomputes from the layer input instead of keeping (one bf16
-                                       # [B, T, H, K] less each); '' keeps all three
-  settings: Any = None                 # the op's kernel settings under impl (None: the defaults)
-  short_conv_settings: Any = None      # the short convs' kernel settings under short_conv_impl
+  output_norm_eps: float = 1e-5  # eps of the per-head output RMSNorm (the model's rms_norm_eps
+  # in Kimi Linear's release)
+  short_conv_impl: str = 'xla'  # the short convs' implementation (kimijax.ops.short_conv.IMPLS)
+  recompute_projections: str = ''  # the projections among 'q', 'k', 'v' that the backward
+  # recomputes from the layer input instead of keeping (one bf16
+  # [B, T, H, K] less each); '' keeps all three
+  settings: Any = None  # the op's kernel settings under impl (None: the defaults)
+  short_conv_settings: Any = None  # the short convs' kernel settings under short_conv_impl
 
   def _low_rank_weights(self, name, d, rank):
     """The two factors of a rank-`rank` projection [D] -> [H, K]."""
-    return (weight(self, f'{name}_a', (d, rank), ('embed', 'latent')),
-            weight(self, f'{name}_b', (rank, self.num_heads, self.head_dim), ('latent', 'heads', 'head_dim')))
+    return (
+      weight(self, f'{name}_a', (d, rank), ('embed', 'latent')),
+      weight(self, f'{name}_b', (rank, self.num_heads, self.head_dim), ('latent', 'heads', 'head_dim')),
+    )
 
   def _gated_output(self, o_bthv, gain, g_btr, g_b, w_o):
     """W_o (RMSNorm_per_head(o) * gain * act(W_g2 g_lat)), the norm and gate in float32 (g_btr, the
@@ -96,14 +99,21 @@ class KimiDeltaAttention(nn.Module):
     the short convolutions and activations, beta, the decay gate and the op, (o, new cache). The
     parameters are created in the order of the layer's definition (docs/kda.md), which fixes their
     initial values for a given seed."""
-    projections = tuple(checkpoint_name(jnp.einsum('btd,dhk->bthk', x_btd, w), f'{PROJECTIONS}_{n}')
-                        for n, w in zip('qkv', w_qkv))
+    projections = tuple(
+      checkpoint_name(jnp.einsum('btd,dhk->bthk', x_btd, w), f'{PROJECTIONS}_{n}') for n, w in zip('qkv', w_qkv)
+    )
     new_cache, outs = {}, []
     for name, x_bthk in zip('qkv', projections):
       if self.short_conv:
         prefix = None if cache is None else cache[f'conv_{name}']
-        conv = ShortConv(width=CONV_WIDTH, dtype=self.dtype, activation=ACTIVATIONS[name],
-                         impl=self.short_conv_impl, settings=self.short_conv_settings, name=f'{name}_conv')
+        conv = ShortConv(
+          width=CONV_WIDTH,
+          dtype=self.dtype,
+          activation=ACTIVATIONS[name],
+          impl=self.short_conv_impl,
+          settings=self.short_conv_settings,
+          name=f'{name}_conv',
+        )
         x_bthk, new_cache[f'conv_{name}'] = conv(x_bthk, prefix)
       else:
         x_bthk = activate(x_bthk, ACTIVATIONS[name])
@@ -112,11 +122,13 @@ class KimiDeltaAttention(nn.Module):
     q_bthk, k_bthk, v_bthv = (nn.with_logical_constraint(x, act) for x in outs)
     h, hd = self.num_heads, self.head_dim
     d = x_btd.shape[-1]
-    beta_bth = jax.nn.sigmoid(jnp.einsum('btd,dh->bth', x_btd, weight(self, 'b_proj', (d, h), ('embed', 'heads'))
-                                         ).astype(jnp.float32))
+    beta_bth = jax.nn.sigmoid(
+      jnp.einsum('btd,dh->bth', x_btd, weight(self, 'b_proj', (d, h), ('embed', 'heads'))).astype(jnp.float32)
+    )
     a_log = self.param('A_log', nn.with_logical_partitioning(a_log_init, ('heads',)), (h,), jnp.float32)
-    dt_bias = self.param('dt_bias', nn.with_logical_partitioning(dt_bias_init, ('heads', 'head_dim')),
-                         (h, hd), jnp.float32)
+    dt_bias = self.param(
+      'dt_bias', nn.with_logical_partitioning(dt_bias_init, ('heads', 'head_dim')), (h, hd), jnp.float32
+    )
     f_a, f_b = self._low_rank_weights('f', d, hd)
     # The decay gate's pre-activation in self.dtype; the op forms the float32 log-decay from it
     # (inside the Pallas kernels under impl='pallas').
@@ -126,31 +138,31 @@ class KimiDeltaAttention(nn.Module):
 
     if cache is None:
       o_bthv, _ = kda(q_bthk, k_bthk, v_bthv, f_bthk, beta_bth, **op, **gate)
-    elif q_bthk.shape[1] == 1:       # decode: one token, O(1) in the context length
+    elif q_bthk.shape[1] == 1:  # decode: one token, O(1) in the context length
       g_bhk = kda_log_decay(f_bthk[:, 0], a_log, dt_bias, self.gate_lower_bound)
-      o_bhv, new_cache['state'] = kda_step(q_bthk[:, 0], k_bthk[:, 0], v_bthv[:, 0], g_bhk, beta_bth[:, 0],
-                                           cache['state'], **op)
+      o_bhv, new_cache['state'] = kda_step(
+        q_bthk[:, 0], k_bthk[:, 0], v_bthv[:, 0], g_bhk, beta_bth[:, 0], cache['state'], **op
+      )
       o_bthv = o_bhv[:, None]
-    else:                            # prefill (or a chunk of it) from the cached state
-      o_bthv, new_cache['state'] = kda(q_bthk, k_bthk, v_bthv, f_bthk, beta_bth, initial_state=cache['state'],
-                                       output_final_state=True, **op, **gate)
+    else:  # prefill (or a chunk of it) from the cached state
+      o_bthv, new_cache['state'] = kda(
+        q_bthk, k_bthk, v_bthv, f_bthk, beta_bth, initial_state=cache['state'], output_final_state=True, **op, **gate
+      )
     return o_bthv, new_cache
 
   @nn.compact
   def __call__(self, x_btd, positions_bt=None, cache=None):
-    del positions_bt   # KDA has no positional encoding: the decay orders the sequence
+    del positions_bt  # KDA has no positional encoding: the decay orders the sequence
     h, hd = self.num_heads, self.head_dim
     d = x_btd.shape[-1]
     x_btd = x_btd.astype(self.dtype)
     names = ('embed', 'heads', 'head_dim')
     w_qkv = [weight(self, f'{n}_proj', (d, h, hd), names) for n in ('q', 'k', 'v')]
     kept = (SAVED,) + tuple(f'{PROJECTIONS}_{n}' for n in 'qkv' if n not in self.recompute_projections)
-    mix = nn.remat(type(self)._mix, policy=jax.checkpoint_policies.save_only_these_names(*kept),
-                   prevent_cse=True)
+    mix = nn.remat(type(self)._mix, policy=jax.checkpoint_policies.save_only_these_names(*kept), prevent_cse=True)
     o_bthv, new_cache = mix(self, x_btd, w_qkv, cache)
 
-    gain = self.param('o_norm', nn.with_logical_partitioning(nn.initializers.ones, ('head_dim',)),
-                      (hd,), jnp.float32)
+    gain = self.param('o_norm', nn.with_logical_partitioning(nn.initializers.ones, ('head_dim',)), (hd,), jnp.float32)
     g_btr = g_b = None
     if self.output_gate != 'none':
       g_a, g_b = self._low_rank_weights('g', d, hd)

@@ -12,7 +12,8 @@ not rotated: Kimi Linear's released MLA ("NoPE", mla_use_nope) is this form, wit
 qk_rope_head_dim = 0 is NoPE without decoupled dims. The no-position and decoupled parts are
 separate parameters (q_nope / q_rope, k_nope, shared k_rope) so QK-Clip can scale them
 differently (docs/optimizers.md#qk-clip); Muon orthogonalises them as DeepSeek-V3's fused matrices by default
-(kimijax.optim.routing). The latent norms (q_norm, kv_norm) use norm_eps (1e-6 in the release). Decoding uses the absorbed form: queries are mapped into the latent
+(kimijax.optim.routing). The latent norms (q_norm, kv_norm) use norm_eps (1e-6 in the release).
+Decoding uses the absorbed form: queries are mapped into the latent
 space (W_uk_h^T q_h) and attend over the cached latents like multi-query attention; the cache
 holds r + d_rope numbers per token instead of 2 H D.
 """
@@ -41,19 +42,20 @@ class MultiHeadLatentAttention(nn.Module):
   Training and prefill attend in full form: q and k have qk_nope_head_dim + qk_rope_head_dim
   dims per head and v has v_head_dim (192 and 128 in Kimi Linear); an implementation that needs
   one head dim pads v itself (ops.attention's 'cudnn'), so this layer never pads."""
+
   num_heads: int
   kv_lora_rank: int
   qk_nope_head_dim: int
-  qk_rope_head_dim: int = 0           # decoupled dims (query per head, key shared)
-  v_head_dim: int = 0                 # 0: qk_nope_head_dim
-  q_lora_rank: int = 0                # 0: full-rank queries
+  qk_rope_head_dim: int = 0  # decoupled dims (query per head, key shared)
+  v_head_dim: int = 0  # 0: qk_nope_head_dim
+  q_lora_rank: int = 0  # 0: full-rank queries
   rope_theta: float = 10000.0
   impl: str = 'xla'
-  norm_eps: float = 1e-6              # the latent norms' eps
+  norm_eps: float = 1e-6  # the latent norms' eps
   init_std: float = 0.02
   dtype: jnp.dtype = jnp.float32
-  rope: bool = True                   # rotate the decoupled dims; False: keep them unrotated
-  max_logits: bool = True             # return the per-head max logits in training (docs/optimizers.md#qk-clip)
+  rope: bool = True  # rotate the decoupled dims; False: keep them unrotated
+  max_logits: bool = True  # return the per-head max logits in training (docs/optimizers.md#qk-clip)
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, cache=None):
@@ -84,10 +86,19 @@ class MultiHeadLatentAttention(nn.Module):
 
     new_cache = None
     if cache is not None and x_btd.shape[1] == 1:
-      o_bthv, new_cache = self._decode(q_nope_bthk, q_rope_bthk if dr else None, c_btr,
-                                       k_rope_btk if dr else None, w_k_nope, w_v, cache, positions_bt[0, 0], scale)
+      o_bthv, new_cache = self._decode(
+        q_nope_bthk,
+        q_rope_bthk if dr else None,
+        c_btr,
+        k_rope_btk if dr else None,
+        w_k_nope,
+        w_v,
+        cache,
+        positions_bt[0, 0],
+        scale,
+      )
       return jnp.einsum('bthk,hkd->btd', o_bthv, w_o), None, new_cache
-    if cache is not None:   # prefill from an empty cache: write the latents, attend in full form
+    if cache is not None:  # prefill from an empty cache: write the latents, attend in full form
       new_cache = {'latent': _write(cache['latent'], c_btr, 0)}
       if dr:
         new_cache['k_rope'] = _write(cache['k_rope'], k_rope_btk, 0)
@@ -96,14 +107,22 @@ class MultiHeadLatentAttention(nn.Module):
     v_bthv = jnp.einsum('btr,rhk->bthk', c_btr, w_v)
     if dr:
       q_bthk = jnp.concatenate([q_nope_bthk, q_rope_bthk], axis=-1)
-      k_shared = jnp.broadcast_to(k_rope_btk[:, :, None], k_nope_bthk.shape[:3] + (dr,))   # one per head
+      k_shared = jnp.broadcast_to(k_rope_btk[:, :, None], k_nope_bthk.shape[:3] + (dr,))  # one per head
       k_bthk = jnp.concatenate([k_nope_bthk, k_shared], axis=-1)
     else:
       q_bthk, k_bthk = q_nope_bthk, k_nope_bthk
     act = ('act_batch', 'act_length', 'act_heads', None)
     q_bthk, k_bthk, v_bthv = (nn.with_logical_constraint(t, act) for t in (q_bthk, k_bthk, v_bthv))
-    result = attention(q_bthk, k_bthk, v_bthv, causal=True, impl=self.impl, scale=scale,
-                       return_max_logits=self.max_logits, spec=nn.logical_to_mesh_axes(act))
+    result = attention(
+      q_bthk,
+      k_bthk,
+      v_bthv,
+      causal=True,
+      impl=self.impl,
+      scale=scale,
+      return_max_logits=self.max_logits,
+      spec=nn.logical_to_mesh_axes(act),
+    )
     o_bthv, max_logits_h = result if self.max_logits else (result, None)
     return jnp.einsum('bthk,hkd->btd', o_bthv, w_o), max_logits_h, new_cache
 
@@ -111,7 +130,7 @@ class MultiHeadLatentAttention(nn.Module):
     """One token at position `pos` against the cached latents (absorbed, MQA-like form)."""
     latent = _write(cache['latent'], c_btr, pos)
     new_cache = {'latent': latent}
-    q_latent_bthr = jnp.einsum('bthk,rhk->bthr', q_nope_bthk, w_k_nope)                # T = 1
+    q_latent_bthr = jnp.einsum('bthk,rhk->bthr', q_nope_bthk, w_k_nope)  # T = 1
     logits = jnp.einsum('bthr,bsr->bhts', q_latent_bthr, latent, preferred_element_type=jnp.float32)
     if q_rope_bthk is not None:
       rope = _write(cache['k_rope'], k_rope_btk, pos)
@@ -119,7 +138,7 @@ class MultiHeadLatentAttention(nn.Module):
       logits += jnp.einsum('bthk,bsk->bhts', q_rope_bthk, rope, preferred_element_type=jnp.float32)
     allowed = jnp.arange(latent.shape[1]) <= pos
     probs = jax.nn.softmax(jnp.where(allowed, logits * scale, MASKED_LOGIT), axis=-1)
-    o_latent_bthr = jnp.einsum('bhts,bsr->bthr', probs.astype(latent.dtype), latent)   # T = 1
+    o_latent_bthr = jnp.einsum('bhts,bsr->bthr', probs.astype(latent.dtype), latent)  # T = 1
     return jnp.einsum('bthr,rhk->bthk', o_latent_bthr, w_v), new_cache
 
   @staticmethod

@@ -11,6 +11,7 @@ from kimijax.layers.params import weight
 
 class SwiGLU(nn.Module):
   """y = W_out (silu(W_gate x) * (W_up x)); x [B, T, D] -> [B, T, D]."""
+
   hidden: int
   init_std: float
   dtype: jnp.dtype = jnp.float32
@@ -23,6 +24,7 @@ class SwiGLU(nn.Module):
     w_out = weight(self, 'wo', (self.hidden, d), ('mlp', 'embed'))
     # gate and up in one GEMM of twice the output width
     gate_up = jnp.einsum('btd,dsf->btsf', x_btd.astype(self.dtype), jnp.stack([w_gate, w_up], axis=1))
-    h_btf = nn.with_logical_constraint(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1],
-                                       ('act_batch', 'act_length', 'act_mlp'))
+    h_btf = nn.with_logical_constraint(
+      jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], ('act_batch', 'act_length', 'act_mlp')
+    )
     return jnp.einsum('btf,fd->btd', h_btf, w_out)

@@ -41,8 +41,8 @@ from kimijax.layers.params import weight
 from kimijax.ops import moe as moe_ops
 from kimijax.ops.per_shard import spec_axes
 
-MOE_STATE = 'moe_state'     # the variable collection of the balancing biases
-MOE_STATS = 'moe_stats'     # the collection the layer writes its router statistics into
+MOE_STATE = 'moe_state'  # the variable collection of the balancing biases
+MOE_STATS = 'moe_stats'  # the collection the layer writes its router statistics into
 
 
 def _replace(_, value):
@@ -61,6 +61,7 @@ class MoE(nn.Module, kw_only=True):
     init_std: N(0, init_std) for every weight. dtype: the compute dtype. impl: the grouped
       matmul, a key of kimijax.ops.moe.IMPLS.
   """
+
   num_experts: int
   top_k: int
   expert_hidden: int
@@ -79,26 +80,48 @@ class MoE(nn.Module, kw_only=True):
   def __call__(self, x_btd):
     if x_btd.ndim != 3:
       raise ValueError(f'MoE expects x [B, T, D], got shape {tuple(x_btd.shape)}')
-    moe_ops.check_routing(num_experts=self.num_experts, top_k=self.top_k, n_group=self.n_group,
-                          topk_group=self.topk_group, score_func=self.score_func)
+    moe_ops.check_routing(
+      num_experts=self.num_experts,
+      top_k=self.top_k,
+      n_group=self.n_group,
+      topk_group=self.topk_group,
+      score_func=self.score_func,
+    )
     b, t, d = x_btd.shape
     e, f, k = self.num_experts, self.expert_hidden, self.top_k
-    router_de = self.param('router', nn.with_logical_partitioning(nn.initializers.normal(self.init_std),
-                                                                  ('embed', None)), (d, e), jnp.float32)
+    router_de = self.param(
+      'router',
+      nn.with_logical_partitioning(nn.initializers.normal(self.init_std), ('embed', None)),
+      (d, e),
+      jnp.float32,
+    )
     w_gate_edf = weight(self, 'wi_gate', (e, d, f), ('expert', 'embed', 'mlp'))
     w_up_edf = weight(self, 'wi_up', (e, d, f), ('expert', 'embed', 'mlp'))
     w_down_efd = weight(self, 'wo', (e, f, d), ('expert', 'mlp', 'embed'))
     bias_e = self.variable(MOE_STATE, 'bias', jnp.zeros, (e,), jnp.float32).value
 
     x_td = x_btd.reshape(b * t, d)
-    logits_te = jnp.einsum('td,de->te', x_td.astype(jnp.float32), router_de,
-                           precision=jax.lax.Precision.HIGHEST)
-    routing = moe_ops.route(logits_te, bias_e, top_k=k, score_func=self.score_func, n_group=self.n_group,
-                            topk_group=self.topk_group, renormalize=self.renormalize,
-                            scaling_factor=self.scaling_factor)
-    y_td = moe_ops.routed_experts(x_td.astype(self.dtype), routing.weights_tk, routing.experts_tk,
-                                  w_gate_edf, w_up_edf, w_down_efd, impl=self.impl,
-                                  token_axes=_token_axes())
+    logits_te = jnp.einsum('td,de->te', x_td.astype(jnp.float32), router_de, precision=jax.lax.Precision.HIGHEST)
+    routing = moe_ops.route(
+      logits_te,
+      bias_e,
+      top_k=k,
+      score_func=self.score_func,
+      n_group=self.n_group,
+      topk_group=self.topk_group,
+      renormalize=self.renormalize,
+      scaling_factor=self.scaling_factor,
+    )
+    y_td = moe_ops.routed_experts(
+      x_td.astype(self.dtype),
+      routing.weights_tk,
+      routing.experts_tk,
+      w_gate_edf,
+      w_up_edf,
+      w_down_efd,
+      impl=self.impl,
+      token_axes=_token_axes(),
+    )
     y_btd = y_td.reshape(b, t, d)
     if self.num_shared:
       shared = SwiGLU(hidden=f * self.num_shared, init_std=self.init_std, dtype=self.dtype, name='shared')
@@ -106,11 +129,11 @@ class MoE(nn.Module, kw_only=True):
 
     if self.is_mutable_collection(MOE_STATS):
       stats = {
-          'load': moe_ops.expert_load(routing.experts_tk, e),
-          'aux_loss': moe_ops.sequence_balance_loss(routing.scores_te.reshape(b, t, e),
-                                                    routing.experts_tk.reshape(b, t, k),
-                                                    alpha=self.aux_loss_alpha),
-          'router_entropy': moe_ops.router_entropy(routing.scores_te),
+        'load': moe_ops.expert_load(routing.experts_tk, e),
+        'aux_loss': moe_ops.sequence_balance_loss(
+          routing.scores_te.reshape(b, t, e), routing.experts_tk.reshape(b, t, k), alpha=self.aux_loss_alpha
+        ),
+        'router_entropy': moe_ops.router_entropy(routing.scores_te),
       }
       for name, value in stats.items():
         self.sow(MOE_STATS, name, value, init_fn=lambda: 0.0, reduce_fn=_replace)
@@ -151,8 +174,10 @@ def update_moe_state(moe_state, moe_stats, *, rate: float = 1e-3, centred: bool 
       continue
     load = flat_stats.get(path[:-1] + ('load',))
     if load is None:
-      raise ValueError(f'update_moe_state: no load for the bias at {"/".join(path)} in moe_stats '
-                       f'(paths there: {sorted("/".join(p) for p in flat_stats)})')
+      raise ValueError(
+        f'update_moe_state: no load for the bias at {"/".join(path)} in moe_stats '
+        f'(paths there: {sorted("/".join(p) for p in flat_stats)})'
+      )
     new[path] = moe_ops.update_bias(value, load, rate=rate, centred=centred)
   return traverse_util.unflatten_dict(new)
 
@@ -166,8 +191,7 @@ def moe_metrics(moe_state, moe_stats) -> dict:
     if path[-1] != 'load':
       continue
     layer = path[:-1]
-    stats = moe_ops.router_stats(load, flat_state.get(layer + ('bias',)),
-                                 flat_stats.get(layer + ('router_entropy',)))
+    stats = moe_ops.router_stats(load, flat_state.get(layer + ('bias',)), flat_stats.get(layer + ('router_entropy',)))
     if layer + ('aux_loss',) in flat_stats:
       stats['aux_loss'] = flat_stats[layer + ('aux_loss',)]
     out['/'.join(layer)] = stats

@@ -74,17 +74,20 @@ class AttnResQuery(nn.Module):
   """One consumer's parameters: pseudo-query w [D] (zeros) and, with `key_gain`, the key-norm
   gain g [D] (ones). Returns the effective query w * g (the gain folded into the query; see
   kimijax.ops.attnres), or w without the key norm (no norm, so no gain)."""
+
   dim: int
   key_gain: bool = True
 
   @nn.compact
   def __call__(self):
-    w = self.param('attnres_query', nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)),
-                   (self.dim,), jnp.float32)
+    w = self.param(
+      'attnres_query', nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)), (self.dim,), jnp.float32
+    )
     if not self.key_gain:
       return w
-    g = self.param('attnres_key_scale', nn.with_logical_partitioning(nn.initializers.ones, ('norm',)),
-                   (self.dim,), jnp.float32)
+    g = self.param(
+      'attnres_key_scale', nn.with_logical_partitioning(nn.initializers.ones, ('norm',)), (self.dim,), jnp.float32
+    )
     return w * g
 
 
@@ -92,11 +95,12 @@ def consumer_name(consumer: int, num_sublayers: int) -> str:
   """'layer_<i>_mixer' / 'layer_<i>_mlp' for sublayer 2i / 2i+1, 'final' for the aggregator."""
   if consumer == num_sublayers:
     return 'final'
-  return f"layer_{consumer // 2}_{'mlp' if consumer % 2 else 'mixer'}"
+  return f'layer_{consumer // 2}_{"mlp" if consumer % 2 else "mixer"}'
 
 
 class AttnResQueries(nn.Module):
   """Every consumer's AttnResQuery -> [L + 1, D] effective queries (row 0, sublayer 0: zeros)."""
+
   num_sublayers: int
   dim: int
   key_gain: bool = True
@@ -104,14 +108,17 @@ class AttnResQueries(nn.Module):
   @nn.compact
   def __call__(self):
     rows = [jnp.zeros((self.dim,), jnp.float32)]
-    rows += [AttnResQuery(dim=self.dim, key_gain=self.key_gain, name=consumer_name(l, self.num_sublayers))()
-             for l in range(1, self.num_sublayers + 1)]
+    rows += [
+      AttnResQuery(dim=self.dim, key_gain=self.key_gain, name=consumer_name(l, self.num_sublayers))()
+      for l in range(1, self.num_sublayers + 1)
+    ]
     return jnp.stack(rows)
 
 
 @dataclasses.dataclass(frozen=True)
 class StandardResidual:
   """h_{l+1} = h_l + f_l(Norm(h_l)); the state is h [B, T, D] in the residual dtype."""
+
   log: bool = False
 
   def start(self, x_btd):
@@ -128,13 +135,13 @@ class StandardResidual:
 
 @flax.struct.dataclass
 class AttnResState:
-  queries: Any               # [L + 1, D] float32: consumer l's effective query w_l * g_l
-  blocks: tuple[Any, ...]    # b_0 (embedding), then one [B, T, D] sum per completed block
-  partial: Any               # [B, T, D] sum of the current block so far, or None
-  pending: Any               # [B, T, D] the last sublayer's output, still to be added to
-                             # `partial` (by the next read's kernel), or None
-  inter: Any                 # phase 1 of the current block: (S' outputs [B, T, D], lse [S', B, T]),
-                             # or None (no read in this block yet; block 0's first is sublayer 1's)
+  queries: Any  # [L + 1, D] float32: consumer l's effective query w_l * g_l
+  blocks: tuple[Any, ...]  # b_0 (embedding), then one [B, T, D] sum per completed block
+  partial: Any  # [B, T, D] sum of the current block so far, or None
+  pending: Any  # [B, T, D] the last sublayer's output, still to be added to
+  # `partial` (by the next read's kernel), or None
+  inter: Any  # phase 1 of the current block: (S' outputs [B, T, D], lse [S', B, T]),
+  # or None (no read in this block yet; block 0's first is sublayer 1's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +155,7 @@ class AttnResidual:
   fewer than a separate add; not under remat, where the pending output would be one more tensor
   in each layer's saved carry). A read that logs statistics (log=True) settles the pending output
   with an XLA add instead: the same sum."""
+
   block_size: int
   num_sublayers: int
   eps: float = 1e-6
@@ -165,10 +173,10 @@ class AttnResidual:
     return {'key_norm': self.key_norm, 'depth_weights': self.depth_weights}
 
   def start(self, x_btd):
-    queries = AttnResQueries(num_sublayers=self.num_sublayers, dim=x_btd.shape[-1], key_gain=self.key_norm,
-                             name='attnres')()
-    return AttnResState(queries=queries, blocks=(_constrain(x_btd),), partial=None, pending=None,
-                        inter=None)
+    queries = AttnResQueries(
+      num_sublayers=self.num_sublayers, dim=x_btd.shape[-1], key_gain=self.key_norm, name='attnres'
+    )()
+    return AttnResState(queries=queries, blocks=(_constrain(x_btd),), partial=None, pending=None, inter=None)
 
   @staticmethod
   def settle(state: AttnResState) -> AttnResState:
@@ -190,14 +198,21 @@ class AttnResidual:
     state = self.settle(state) if pending is None else state.replace(pending=None)
     sources, query_d = self.sources(state), state.queries[consumer]
     w_n = self._mean_weights(sources, query_d) if self.log else None
-    if len(sources) == 1:        # sublayer 0: the embedding alone, weight 1, no parameters
+    if len(sources) == 1:  # sublayer 0: the embedding alone, weight 1, no parameters
       return norm(sources[0]), sources[0], w_n, state
-    start = consumer - consumer % self.block_size      # the block's first consumer
-    spec = nn.logical_to_mesh_axes(ACT_BTD)            # the kernels' layout under a mesh
-    if state.inter is None:      # the block's first read: phase 1 for all its consumers
+    start = consumer - consumer % self.block_size  # the block's first consumer
+    spec = nn.logical_to_mesh_axes(ACT_BTD)  # the kernels' layout under a mesh
+    if state.inter is None:  # the block's first read: phase 1 for all its consumers
       stop = min(start + self.block_size, self.num_sublayers + 1)
-      outs, lse, blocks = phase1(state.blocks, state.queries[start:stop], eps=self.eps,
-                                 impl=self.impl, spec=spec, settings=self.phase1_settings, **self.variant)
+      outs, lse, blocks = phase1(
+        state.blocks,
+        state.queries[start:stop],
+        eps=self.eps,
+        impl=self.impl,
+        spec=spec,
+        settings=self.phase1_settings,
+        **self.variant,
+      )
       # Later blocks take the block sums from phase 1's output: with 'pallas' their gradient
       # is then summed inside its backward kernel.
       state = state.replace(blocks=blocks, inter=(outs, lse))
@@ -207,13 +222,26 @@ class AttnResidual:
       h_btd = _constrain(o_btd)
       return norm(h_btd), h_btd, w_n, state
     # Phase 2 and the pre-norm in one op ('pallas': fused, the merged input never written).
-    x_btd, partial = merge_norm(o_btd, lse_bt, state.partial, query_d, norm.gain(o_btd.shape[-1]),
-                                eps=self.eps, norm_eps=norm.eps, dtype=norm.dtype, addend=pending,
-                                impl=self.impl, spec=spec, settings=self.merge_norm_settings, **self.variant)
+    x_btd, partial = merge_norm(
+      o_btd,
+      lse_bt,
+      state.partial,
+      query_d,
+      norm.gain(o_btd.shape[-1]),
+      eps=self.eps,
+      norm_eps=norm.eps,
+      dtype=norm.dtype,
+      addend=pending,
+      impl=self.impl,
+      spec=spec,
+      settings=self.merge_norm_settings,
+      **self.variant,
+    )
     h_btd = None
-    if self.log:                 # for the statistics only: training does not change with logging
-      h_btd = jax.lax.stop_gradient(_constrain(
-          merge_partial(o_btd, lse_bt, state.partial, query_d, eps=self.eps, **self.variant)))
+    if self.log:  # for the statistics only: training does not change with logging
+      h_btd = jax.lax.stop_gradient(
+        _constrain(merge_partial(o_btd, lse_bt, state.partial, query_d, eps=self.eps, **self.variant))
+      )
     # The next partial sum takes p from merge_norm ('pallas' then adds its gradient in-kernel).
     return _constrain(x_btd), h_btd, w_n, state.replace(partial=partial)
 
@@ -222,13 +250,12 @@ class AttnResidual:
     sigmoid weights a row need not sum to 1)."""
     if len(sources) == 1:
       return jnp.ones((1,), jnp.float32)
-    alpha_nbt = depth_attention_list(sources, query_d, eps=self.eps, return_weights=True,
-                                     **self.variant)[1]
+    alpha_nbt = depth_attention_list(sources, query_d, eps=self.eps, return_weights=True, **self.variant)[1]
     return jnp.mean(alpha_nbt, axis=tuple(range(1, alpha_nbt.ndim)))
 
   def write(self, state: AttnResState, y_btd, sublayer: int):
     y_btd = _constrain(y_btd.astype(state.blocks[0].dtype))
-    state = self.settle(state)      # a safeguard: the model reads between writes, which settles
+    state = self.settle(state)  # a safeguard: the model reads between writes, which settles
     closes = (sublayer + 1) % self.block_size == 0
     if self.defer_add and state.partial is not None and not closes:
       return state.replace(pending=y_btd)
@@ -262,11 +289,18 @@ def make_residual(cfg: ml_collections.ConfigDict, *, log: bool = False, kernels:
     return StandardResidual(log=log)
   if cfg.residual in ('attnres_full', 'attnres_block'):
     kernels = config_lib.kernel_settings(cfg) if kernels is None else kernels
-    return AttnResidual(block_size=block_size(cfg), num_sublayers=num_sublayers(cfg), eps=cfg.norm_eps,
-                        impl=cfg.attnres_impl, log=log,
-                        defer_add=attnres_ops.IMPLS[cfg.attnres_impl].adds_in_merge and not cfg.remat,
-                        key_norm=cfg.attnres_key_norm, depth_weights=cfg.attnres_depth_weights,
-                        phase1_settings=kernels['attnres_phase1'], merge_norm_settings=kernels['attnres_merge_norm'])
+    return AttnResidual(
+      block_size=block_size(cfg),
+      num_sublayers=num_sublayers(cfg),
+      eps=cfg.norm_eps,
+      impl=cfg.attnres_impl,
+      log=log,
+      defer_add=attnres_ops.IMPLS[cfg.attnres_impl].adds_in_merge and not cfg.remat,
+      key_norm=cfg.attnres_key_norm,
+      depth_weights=cfg.attnres_depth_weights,
+      phase1_settings=kernels['attnres_phase1'],
+      merge_norm_settings=kernels['attnres_merge_norm'],
+    )
   raise ValueError(f'model.residual={cfg.residual!r} is unknown')
 
 

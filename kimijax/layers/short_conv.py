@@ -14,20 +14,24 @@ class ShortConv(nn.Module):
   """Depthwise causal conv of [B, T, H, D] over T, no bias; taps [width, H, D] float32, then
   `activation` (a name of kimijax.ops.short_conv.ACTIVATIONS), in one op so that a rematerialised
   caller recomputes both. The input is cast to `dtype`. Returns (y, new prefix [B, width-1, H, D])."""
+
   width: int = 4
   dtype: jnp.dtype = jnp.float32
   activation: str = 'none'
-  impl: str = 'xla'              # kimijax.ops.short_conv.IMPLS
-  settings: Any = None           # the kernels' settings of an impl that has them (None: the defaults)
+  impl: str = 'xla'  # kimijax.ops.short_conv.IMPLS
+  settings: Any = None  # the kernels' settings of an impl that has them (None: the defaults)
 
   @nn.compact
   def __call__(self, x_bthd, prefix=None):
-    bound = self.width ** -0.5     # uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = width
+    bound = self.width**-0.5  # uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = width
 
     def init(key, shape, dtype):
       return nn.initializers.uniform(2 * bound)(key, shape, dtype) - bound
 
-    w = self.param('kernel', nn.with_logical_partitioning(init, ('conv_width', 'heads', 'head_dim')),
-                   (self.width,) + x_bthd.shape[2:], jnp.float32)
-    return short_conv(x_bthd.astype(self.dtype), w, self.activation, prefix, impl=self.impl,
-                      settings=self.settings)
+    w = self.param(
+      'kernel',
+      nn.with_logical_partitioning(init, ('conv_width', 'heads', 'head_dim')),
+      (self.width,) + x_bthd.shape[2:],
+      jnp.float32,
+    )
+    return short_conv(x_bthd.astype(self.dtype), w, self.activation, prefix, impl=self.impl, settings=self.settings)

@@ -8,7 +8,8 @@
                over q and k (max_logits_kernel)
     'tokamax'  tokamax's Mosaic GPU flash attention (NVIDIA GPU, bf16/fp16; forward and backward
                on Hopper), GQA and an unequal value dim natively; its forward keeps the per-row
-               max of the scaled, masked logits, so the max logits cost nothing extra (experiments/results/bench_attention.md)
+               max of the scaled, masked logits, so the max logits cost nothing extra
+               (experiments/results/bench_attention.md)
     'gpu'      per call, the faster of the two GPU implementations on an H200 (the GPU configs'
                choice): 'tokamax' when max logits are wanted or the value dim differs from the
                query/key dim, 'cudnn' otherwise (experiments/results/bench_attention.md)
@@ -27,7 +28,7 @@ import dataclasses
 import functools
 import math
 import types
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,15 +41,17 @@ MASKED_LOGIT = -1e30  # finite: a fully masked row gives uniform weights instead
 
 def _check_shapes(q, k, v):
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f'attention expects q [B, T, H, D], k [B, S, Hkv, D] and v [B, S, Hkv, Dv]; '
-                     f'got q {q.shape}, k {k.shape}, v {v.shape}')
+    raise ValueError(
+      f'attention expects q [B, T, H, D], k [B, S, Hkv, D] and v [B, S, Hkv, Dv]; '
+      f'got q {q.shape}, k {k.shape}, v {v.shape}'
+    )
   b, _, h, d = q.shape
   if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f'attention: k {k.shape} must be [B={b}, S, Hkv, D={d}] and v {v.shape} '
-                     f'[B={b}, S, Hkv, Dv]')
+    raise ValueError(f'attention: k {k.shape} must be [B={b}, S, Hkv, D={d}] and v {v.shape} [B={b}, S, Hkv, Dv]')
   if h % k.shape[2]:
-    raise ValueError(f'attention: key/value heads {k.shape[2]} must divide query heads {h}; got '
-                     f'q {q.shape}, k {k.shape}')
+    raise ValueError(
+      f'attention: key/value heads {k.shape[2]} must divide query heads {h}; got q {q.shape}, k {k.shape}'
+    )
 
 
 def _causal_mask(t: int, s: int) -> jax.Array:
@@ -79,8 +82,7 @@ def _xla_attention(q, k, v, causal, scale, return_max_logits, spec):
   if mask is not None:
     logits = jnp.where(mask, logits, MASKED_LOGIT)
   probs = jax.nn.softmax(logits, axis=-1)
-  out = jnp.einsum('bkgts,bskd->btkgd', probs.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32).astype(q.dtype)
+  out = jnp.einsum('bkgts,bskd->btkgd', probs.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)
   out = out.reshape(b, t, h, v.shape[-1])
   if not return_max_logits:
     return out, None
@@ -95,7 +97,7 @@ def max_logits_blocked(q, k, *, causal=True, scale=None, block=512):
   """
   b, t, h, d = q.shape
   s = k.shape[1]
-  scale = d ** -0.5 if scale is None else scale
+  scale = d**-0.5 if scale is None else scale
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   block = min(block, t)
   n = -(-t // block)
@@ -138,12 +140,12 @@ def max_logits_kernel(q, k, *, causal=True, scale=None, spec: P | None = None):
   sharded length or feature axis is gathered), each device runs the kernel on its own batch
   rows and heads and the per-head maxima are reduced across the batch shards: q and k are never
   gathered."""
-  from kernels_pallas.attention.max_logits import max_logits as kernel   # imports the Triton lowering
+  from kernels_pallas.attention.max_logits import max_logits as kernel  # imports the Triton lowering
   from kernels_pallas.common import kernels_interpreted
+
   run = lambda q, k: kernel(q, k, causal=causal, scale=scale, interpret=kernels_interpreted())
   rows, per_head, max_over_batch = _kernel_layout(q, k, spec)
-  return run_per_shard(run, (q, k), in_specs=(rows, rows), out_specs=per_head,
-                       across_shards=max_over_batch)
+  return run_per_shard(run, (q, k), in_specs=(rows, rows), out_specs=per_head, across_shards=max_over_batch)
 
 
 def unsupported(impl: str, dtype, platform: str | None = None) -> str | None:
@@ -153,12 +155,16 @@ def unsupported(impl: str, dtype, platform: str | None = None) -> str | None:
   if impl not in IMPLS or not IMPLS[impl].gpu_only:
     return None
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-    return (f"attention impl={impl!r} needs bfloat16 or float16 inputs, got {jnp.dtype(dtype)}; "
-            "set model.compute_dtype='bfloat16' or use impl='xla'")
+    return (
+      f'attention impl={impl!r} needs bfloat16 or float16 inputs, got {jnp.dtype(dtype)}; '
+      "set model.compute_dtype='bfloat16' or use impl='xla'"
+    )
   platform = platform or jax.default_backend()
   if platform != 'gpu':
-    return (f"attention impl={impl!r} needs an NVIDIA GPU, but JAX runs on {platform!r} here; "
-            "use impl='xla' (model.attn_impl='xla') off the GPU")
+    return (
+      f'attention impl={impl!r} needs an NVIDIA GPU, but JAX runs on {platform!r} here; '
+      "use impl='xla' (model.attn_impl='xla') off the GPU"
+    )
   return None
 
 
@@ -172,16 +178,19 @@ def _cudnn_attention(q, k, v, causal, scale, return_max_logits, spec):
   _check_supported('cudnn', q)
   t, s = q.shape[1], k.shape[1]
   dv = v.shape[-1]
-  if dv != q.shape[-1]:   # cuDNN wants one head dim: pad v (MLA's value dim may differ), slice after
+  if dv != q.shape[-1]:  # cuDNN wants one head dim: pad v (MLA's value dim may differ), slice after
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - dv))) if dv < q.shape[-1] else v
     if dv > q.shape[-1]:
-      raise ValueError(f"attention impl='cudnn' needs the value head dim ({dv}) <= the query/key head "
-                       f"dim ({q.shape[-1]}); use impl='xla'")
+      raise ValueError(
+        f"attention impl='cudnn' needs the value head dim ({dv}) <= the query/key head "
+        f"dim ({q.shape[-1]}); use impl='xla'"
+      )
   if causal and t != s:
     # jax's is_causal aligns the mask top-left (query i sees keys <= i); here the queries are the
     # last T of S positions, so pass the bottom-right mask explicitly.
-    out = jax.nn.dot_product_attention(q, k, v, mask=_causal_mask(t, s)[None, None], scale=scale,
-                                       implementation='cudnn')
+    out = jax.nn.dot_product_attention(
+      q, k, v, mask=_causal_mask(t, s)[None, None], scale=scale, implementation='cudnn'
+    )
   else:
     out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation='cudnn')
   out = out[..., :dv]
@@ -190,8 +199,9 @@ def _cudnn_attention(q, k, v, causal, scale, return_max_logits, spec):
   return out, max_logits_kernel(q, k, causal=causal, scale=scale, spec=spec)
 
 
-def flash_attention_tokamax(q, k, v, *, causal=True, scale=None, return_max_logits=False,
-                            spec: P | None = None, op=None):
+def flash_attention_tokamax(
+  q, k, v, *, causal=True, scale=None, return_max_logits=False, spec: P | None = None, op=None
+):
   """(out [B, T, H, Dv], max_logits [H] fp32 or None) by tokamax's flash attention: the one place
   kimijax calls tokamax. q [B, T, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] (GQA: query head h
   reads key/value head h // (H / Hkv), as here); when T < S the queries are the last T positions.
@@ -212,17 +222,20 @@ def flash_attention_tokamax(q, k, v, *, causal=True, scale=None, return_max_logi
   layers call it with the same shapes, so they share one trace and one lowering of the kernel
   (as kernels_pallas/__init__.py explains for the Pallas ops)."""
   from tokamax._src.ops.attention import pallas_mosaic_gpu
+
   op = pallas_mosaic_gpu.PallasMosaicGpuFlashAttention() if op is None else op
-  q, k, v = (jnp.asarray(x) for x in (q, k, v))   # tokamax type-checks for jax arrays
+  q, k, v = (jnp.asarray(x) for x in (q, k, v))  # tokamax type-checks for jax arrays
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  return _tokamax_flash(q, k, v, causal=bool(causal), scale=float(scale),
-                        return_max_logits=bool(return_max_logits), spec=spec, op=op)
+  return _tokamax_flash(
+    q, k, v, causal=bool(causal), scale=float(scale), return_max_logits=bool(return_max_logits), spec=spec, op=op
+  )
 
 
 @functools.partial(jax.jit, static_argnames=('causal', 'scale', 'return_max_logits', 'spec', 'op'))
 def _tokamax_flash(q, k, v, *, causal, scale, return_max_logits, spec, op):
   """flash_attention_tokamax's body (see there)."""
   from tokamax._src.ops.attention import base
+
   # Key j is visible to query row i when j <= i + offset: offset S - T aligns the mask bottom-right
   # (offset 0 is tokamax's plain causal mask, computed in the kernel; otherwise a per-row key end).
   mask = base.CausalMask(offset=k.shape[1] - q.shape[1]) if causal else None
@@ -237,14 +250,12 @@ def _tokamax_flash(q, k, v, *, causal, scale, return_max_logits, spec, op):
   if not return_max_logits:
     return run_per_shard(run, (q, k, v), in_specs=(rows,) * 3, out_specs=rows), None
   across = None if max_over_batch is None else (lambda outs: (outs[0], max_over_batch(outs[1])))
-  return run_per_shard(run, (q, k, v), in_specs=(rows,) * 3, out_specs=(rows, per_head),
-                       across_shards=across)
+  return run_per_shard(run, (q, k, v), in_specs=(rows,) * 3, out_specs=(rows, per_head), across_shards=across)
 
 
 def _tokamax_attention(q, k, v, causal, scale, return_max_logits, spec):
   _check_supported('tokamax', q)
-  return flash_attention_tokamax(q, k, v, causal=causal, scale=scale,
-                                 return_max_logits=return_max_logits, spec=spec)
+  return flash_attention_tokamax(q, k, v, causal=causal, scale=scale, return_max_logits=return_max_logits, spec=spec)
 
 
 def gpu_choice(q, v, return_max_logits) -> str:
@@ -265,20 +276,22 @@ class Implementation:
   """One implementation of attention. attention: (q, k, v, causal, scale, return_max_logits, spec)
   -> (out, max_logits or None). gpu_only: it needs an NVIDIA GPU and bf16 or fp16 inputs
   (`unsupported` says why it cannot run elsewhere)."""
+
   attention: Callable
   gpu_only: bool = False
 
 
-IMPLS = types.MappingProxyType({
+IMPLS = types.MappingProxyType(
+  {
     'xla': Implementation(_xla_attention),
     'cudnn': Implementation(_cudnn_attention, gpu_only=True),
     'tokamax': Implementation(_tokamax_attention, gpu_only=True),
     'gpu': Implementation(_gpu_attention, gpu_only=True),
-})
+  }
+)
 
 
-def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits=False,
-              spec: P | None = None):
+def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits=False, spec: P | None = None):
   """Scaled dot-product attention with GQA.
 
   Args:
@@ -313,11 +326,10 @@ def decode_attention(q, k_cache, v_cache, length, *, scale=None):
   """
   b, t, h, d = q.shape
   s = k_cache.shape[1]
-  scale = d ** -0.5 if scale is None else scale
-  logits = _grouped_logits(q, k_cache, scale)                             # [B, Hkv, G, T, S]
+  scale = d**-0.5 if scale is None else scale
+  logits = _grouped_logits(q, k_cache, scale)  # [B, Hkv, G, T, S]
   query_pos = length - t + jnp.arange(t)
   allowed = query_pos[:, None] >= jnp.arange(s)[None, :]
   probs = jax.nn.softmax(jnp.where(allowed, logits, MASKED_LOGIT), axis=-1)
-  out = jnp.einsum('bkgts,bskd->btkgd', probs.astype(v_cache.dtype), v_cache,
-                   preferred_element_type=jnp.float32)
+  out = jnp.einsum('bkgts,bskd->btkgd', probs.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
   return out.reshape(b, t, h, v_cache.shape[-1]).astype(q.dtype)

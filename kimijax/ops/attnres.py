@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +68,7 @@ from jax.sharding import PartitionSpec as P
 from kimijax.ops.norms import rms_normalise
 from kimijax.ops.per_shard import lead_spec, run_per_shard
 
-
-DEPTH_WEIGHTS = ('softmax', 'sigmoid')    # how the logits over the sources become weights
+DEPTH_WEIGHTS = ('softmax', 'sigmoid')  # how the logits over the sources become weights
 
 
 def _check_variant(key_norm, depth_weights, fn: str) -> None:
@@ -103,9 +102,16 @@ def _weights(logits_n, depth_weights: str):
   return jax.nn.softmax(logits_n, axis=0)
 
 
-def depth_attention_list(sources: Sequence[jax.Array], query, *, eps: float = 1e-6,
-                         key_norm: bool = True, depth_weights: str = 'softmax',
-                         return_weights: bool = False, out_dtype=None):
+def depth_attention_list(
+  sources: Sequence[jax.Array],
+  query,
+  *,
+  eps: float = 1e-6,
+  key_norm: bool = True,
+  depth_weights: str = 'softmax',
+  return_weights: bool = False,
+  out_dtype=None,
+):
   """Depth attention over a sequence of sources.
 
   sources: N >= 1 arrays of one shape [..., D] (e.g. [B, T, D]); query: [D]; key_norm and
@@ -119,8 +125,10 @@ def depth_attention_list(sources: Sequence[jax.Array], query, *, eps: float = 1e
     raise ValueError('depth_attention needs at least one source')
   shape = sources[0].shape
   if any(v.shape != shape for v in sources) or query.shape != shape[-1:]:
-    raise ValueError(f'depth_attention: sources must share one shape [..., D] and query be [D]; got '
-                     f'sources {[v.shape for v in sources]}, query {query.shape}')
+    raise ValueError(
+      f'depth_attention: sources must share one shape [..., D] and query be [D]; got '
+      f'sources {[v.shape for v in sources]}, query {query.shape}'
+    )
   q_d = query.astype(jnp.float32)
   logits_n = jnp.stack([_logit(v, q_d, eps, key_norm) for v in sources])
   alpha_n = _weights(logits_n, depth_weights)
@@ -132,8 +140,7 @@ def depth_attention_list(sources: Sequence[jax.Array], query, *, eps: float = 1e
   return (h, alpha_n) if return_weights else h
 
 
-def depth_attention(sources, query, *, eps: float = 1e-6, key_norm: bool = True,
-                    depth_weights: str = 'softmax'):
+def depth_attention(sources, query, *, eps: float = 1e-6, key_norm: bool = True, depth_weights: str = 'softmax'):
   """sources [N, B, T, D] (any [N, ..., D]), query [D] -> h [B, T, D] in the sources' dtype.
 
   Defaults (docs/attention_residuals.md): alpha_i = softmax over N of query . rms_normalise(sources[i]) (float32,
@@ -143,62 +150,87 @@ def depth_attention(sources, query, *, eps: float = 1e-6, key_norm: bool = True,
   """
   if sources.ndim < 2:
     raise ValueError(f'depth_attention expects sources [N, ..., D]; got shape {sources.shape}')
-  return depth_attention_list([sources[i] for i in range(sources.shape[0])], query, eps=eps,
-                              key_norm=key_norm, depth_weights=depth_weights)
+  return depth_attention_list(
+    [sources[i] for i in range(sources.shape[0])], query, eps=eps, key_norm=key_norm, depth_weights=depth_weights
+  )
 
 
 def _phase1_xla(sources, queries, eps, spec, key_norm, depth_weights, settings):
   del spec, settings
   q_sd = queries.astype(jnp.float32)
-  logits = jnp.stack([_logits(v, q_sd, eps, key_norm) for v in sources])       # [n, S, ...]
+  logits = jnp.stack([_logits(v, q_sd, eps, key_norm) for v in sources])  # [n, S, ...]
   lse = jax.nn.logsumexp(logits, axis=0)
   alpha = jax.nn.sigmoid(logits) if depth_weights == 'sigmoid' else jnp.exp(logits - lse)
   # All S outputs as one [..., S, D] array: one fusion reads each source once for all of them.
-  o_all = sum(jnp.moveaxis(alpha[i], 0, -1)[..., None] * v.astype(jnp.float32)[..., None, :]
-              for i, v in enumerate(sources)).astype(sources[0].dtype)
+  o_all = sum(
+    jnp.moveaxis(alpha[i], 0, -1)[..., None] * v.astype(jnp.float32)[..., None, :] for i, v in enumerate(sources)
+  ).astype(sources[0].dtype)
   return tuple(o_all[..., j, :] for j in range(q_sd.shape[0])), lse, sources
 
 
 def _phase1_pallas(sources, queries, eps, spec, key_norm, depth_weights, settings):
-  del key_norm, depth_weights     # the default only (phase1 checks): the kernels' maths
-  from kernels_pallas.attnres.phase1 import phase1 as kernel   # imports the Triton lowering
+  del key_norm, depth_weights  # the default only (phase1 checks): the kernels' maths
+  from kernels_pallas.attnres.phase1 import phase1 as kernel  # imports the Triton lowering
   from kernels_pallas.common import kernels_interpreted
+
   run = lambda vs, q: kernel(vs, q, eps=eps, settings=settings, interpret=kernels_interpreted())
   lead = lead_spec(spec, sources[0].ndim)
-  return run_per_shard(run, (sources, queries), in_specs=((P(*lead, None),) * len(sources), P()),
-                       out_specs=((P(*lead, None),) * queries.shape[0], P(None, *lead),
-                                  (P(*lead, None),) * len(sources)))
+  return run_per_shard(
+    run,
+    (sources, queries),
+    in_specs=((P(*lead, None),) * len(sources), P()),
+    out_specs=((P(*lead, None),) * queries.shape[0], P(None, *lead), (P(*lead, None),) * len(sources)),
+  )
 
 
-def _merge_norm_xla(o, lse, partial, query, scale, eps, norm_eps, dtype, addend, spec, key_norm,
-                    depth_weights, settings):
+def _merge_norm_xla(
+  o, lse, partial, query, scale, eps, norm_eps, dtype, addend, spec, key_norm, depth_weights, settings
+):
   del spec, settings
   partial = partial if addend is None else partial + addend
   h = merge_partial(o, lse, partial, query, eps=eps, key_norm=key_norm, depth_weights=depth_weights)
   return (rms_normalise(h, norm_eps) * scale).astype(dtype), partial
 
 
-def _merge_norm_pallas(o, lse, partial, query, scale, eps, norm_eps, dtype, addend, spec, key_norm,
-                       depth_weights, settings):
-  del key_norm, depth_weights     # the default only (merge_norm checks): the kernels' maths
+def _merge_norm_pallas(
+  o, lse, partial, query, scale, eps, norm_eps, dtype, addend, spec, key_norm, depth_weights, settings
+):
+  del key_norm, depth_weights  # the default only (merge_norm checks): the kernels' maths
   from kernels_pallas.attnres.merge_norm import merge_norm as kernel
   from kernels_pallas.common import kernels_interpreted
-  run = lambda o, lse, p, y, q, g: kernel(o, lse, p, q, g, eps=eps, norm_eps=norm_eps, dtype=dtype,
-                                          addend=y, settings=settings, interpret=kernels_interpreted())
+
+  run = lambda o, lse, p, y, q, g: kernel(
+    o,
+    lse,
+    p,
+    q,
+    g,
+    eps=eps,
+    norm_eps=norm_eps,
+    dtype=dtype,
+    addend=y,
+    settings=settings,
+    interpret=kernels_interpreted(),
+  )
   lead = lead_spec(spec, partial.ndim)
   rows = P(*lead, None)
-  return run_per_shard(run, (o, lse, partial, addend, query, scale),
-                       in_specs=(rows, P(*lead), rows, None if addend is None else rows, P(), P()),
-                       out_specs=(rows, rows))
+  return run_per_shard(
+    run,
+    (o, lse, partial, addend, query, scale),
+    in_specs=(rows, P(*lead), rows, None if addend is None else rows, P(), P()),
+    out_specs=(rows, rows),
+  )
 
 
 def _phase1_settings(text: str):
   from kernels_pallas.attnres.settings import Phase1Settings
+
   return Phase1Settings.from_string(text)
 
 
 def _merge_norm_settings(text: str):
   from kernels_pallas.attnres.settings import MergeNormSettings
+
   return MergeNormSettings.from_string(text)
 
 
@@ -212,6 +244,7 @@ class Implementation:
   else only docs/attention_residuals.md's softmax over RMS-normalised keys (the dispatchers raise for the others).
   parse_phase1_settings, parse_merge_norm_settings: 'key=int/key=int' -> the settings its kernels
   take (None: it has no kernels and ignores the settings argument)."""
+
   phase1: Callable
   merge_norm: Callable
   adds_in_merge: bool
@@ -220,13 +253,20 @@ class Implementation:
   parse_merge_norm_settings: Callable[[str], object] | None = None
 
 
-IMPLS = types.MappingProxyType({
+IMPLS = types.MappingProxyType(
+  {
     'xla': Implementation(_phase1_xla, _merge_norm_xla, adds_in_merge=False, all_variants=True),
     # Fused GPU kernels (kernels_pallas/attnres/), interpreted off the GPU; per shard under a mesh.
-    'pallas': Implementation(_phase1_pallas, _merge_norm_pallas, adds_in_merge=True, all_variants=False,
-                             parse_phase1_settings=_phase1_settings,
-                             parse_merge_norm_settings=_merge_norm_settings),
-})
+    'pallas': Implementation(
+      _phase1_pallas,
+      _merge_norm_pallas,
+      adds_in_merge=True,
+      all_variants=False,
+      parse_phase1_settings=_phase1_settings,
+      parse_merge_norm_settings=_merge_norm_settings,
+    ),
+  }
+)
 
 
 def is_default_variant(key_norm: bool, depth_weights: str) -> bool:
@@ -234,19 +274,29 @@ def is_default_variant(key_norm: bool, depth_weights: str) -> bool:
   return key_norm is True and depth_weights == 'softmax'
 
 
-def _implementation(impl: str, fn: str, key_norm: bool = True,
-                    depth_weights: str = 'softmax') -> Implementation:
+def _implementation(impl: str, fn: str, key_norm: bool = True, depth_weights: str = 'softmax') -> Implementation:
   if impl not in IMPLS:
     raise ValueError(f'attnres {fn}: impl must be one of {tuple(IMPLS)}; got {impl!r}')
   _check_variant(key_norm, depth_weights, f'attnres {fn}')
   if not IMPLS[impl].all_variants and not is_default_variant(key_norm, depth_weights):
-    raise ValueError(f"attnres {fn}: impl={impl!r} implements only key_norm=True, depth_weights='softmax' "
-                     f"(docs/attention_residuals.md); got key_norm={key_norm!r}, depth_weights={depth_weights!r}: use impl='xla'")
+    raise ValueError(
+      f"attnres {fn}: impl={impl!r} implements only key_norm=True, depth_weights='softmax' "
+      f"(docs/attention_residuals.md); got key_norm={key_norm!r}, depth_weights={depth_weights!r}: use impl='xla'"
+    )
   return IMPLS[impl]
 
 
-def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: str = 'xla',
-           spec: P | None = None, key_norm: bool = True, depth_weights: str = 'softmax', settings=None):
+def phase1(
+  sources: Sequence[jax.Array],
+  queries,
+  *,
+  eps: float = 1e-6,
+  impl: str = 'xla',
+  spec: P | None = None,
+  key_norm: bool = True,
+  depth_weights: str = 'softmax',
+  settings=None,
+):
   """Depth attention of S queries over the same n sources, for a block's S consumers at once.
 
   sources: n >= 1 arrays [..., D] of one shape and dtype; queries: [S, D] (effective queries,
@@ -264,20 +314,24 @@ def phase1(sources: Sequence[jax.Array], queries, *, eps: float = 1e-6, impl: st
   """
   sources = tuple(sources)
   shape = sources[0].shape if sources else None
-  if not sources or any(v.shape != shape or v.dtype != sources[0].dtype for v in sources) \
-      or queries.ndim != 2 or queries.shape[1:] != shape[-1:]:
-    raise ValueError(f'attnres phase1: sources must share one shape [..., D] and dtype, queries be '
-                     f'[S, D]; got sources {[(v.shape, str(v.dtype)) for v in sources]}, queries '
-                     f'{queries.shape}')
+  if (
+    not sources
+    or any(v.shape != shape or v.dtype != sources[0].dtype for v in sources)
+    or queries.ndim != 2
+    or queries.shape[1:] != shape[-1:]
+  ):
+    raise ValueError(
+      f'attnres phase1: sources must share one shape [..., D] and dtype, queries be '
+      f'[S, D]; got sources {[(v.shape, str(v.dtype)) for v in sources]}, queries '
+      f'{queries.shape}'
+    )
   implementation = _implementation(impl, 'phase1', key_norm, depth_weights)
   if len(sources) == 1 and depth_weights == 'softmax':
-    return ((sources[0],) * queries.shape[0],
-            _logits(sources[0], queries.astype(jnp.float32), eps, key_norm), sources)
+    return ((sources[0],) * queries.shape[0], _logits(sources[0], queries.astype(jnp.float32), eps, key_norm), sources)
   return implementation.phase1(sources, queries, eps, spec, key_norm, depth_weights, settings)
 
 
-def merge_partial(o, lse, partial, query, *, eps: float = 1e-6, key_norm: bool = True,
-                  depth_weights: str = 'softmax'):
+def merge_partial(o, lse, partial, query, *, eps: float = 1e-6, key_norm: bool = True, depth_weights: str = 'softmax'):
   """Phase 2: one consumer's input from its phase-1 output o [..., D] and lse [...] and its
   block's partial sum p [..., D] with query [D], in p's dtype, computed in float32:
   softmax: sigma o + (1 - sigma) p, sigma = sigmoid(lse - s_p); sigmoid: o + sigmoid(s_p) p
@@ -292,9 +346,23 @@ def merge_partial(o, lse, partial, query, *, eps: float = 1e-6, key_norm: bool =
   return h.astype(partial.dtype)
 
 
-def merge_norm(o, lse, partial, query, scale, *, eps: float = 1e-6, norm_eps: float = 1e-6,
-               dtype=jnp.float32, addend=None, impl: str = 'xla', spec: P | None = None,
-               key_norm: bool = True, depth_weights: str = 'softmax', settings=None):
+def merge_norm(
+  o,
+  lse,
+  partial,
+  query,
+  scale,
+  *,
+  eps: float = 1e-6,
+  norm_eps: float = 1e-6,
+  dtype=jnp.float32,
+  addend=None,
+  impl: str = 'xla',
+  spec: P | None = None,
+  key_norm: bool = True,
+  depth_weights: str = 'softmax',
+  settings=None,
+):
   """Phase 2 and the consumer's pre-norm in one call. o, partial [..., D]; lse [...]; query,
   scale [D] (the pre-norm's gain); addend: None, or a sublayer output [..., D] not yet added to
   the partial sum. Returns (x, p): x = scale * rms_normalise(merge_partial(o, lse, p, query),
@@ -305,4 +373,5 @@ def merge_norm(o, lse, partial, query, scale, *, eps: float = 1e-6, norm_eps: fl
   shard, as phase1 does (the gradients of query and scale summed over shards). settings: as
   phase1's ('pallas': a MergeNormSettings)."""
   return _implementation(impl, 'merge_norm', key_norm, depth_weights).merge_norm(
-      o, lse, partial, query, scale, eps, norm_eps, dtype, addend, spec, key_norm, depth_weights, settings)
+    o, lse, partial, query, scale, eps, norm_eps, dtype, addend, spec, key_norm, depth_weights, settings
+  )

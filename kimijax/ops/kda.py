@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import numbers
 import types
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 # jax.checkpoint_policies.save_only_these_names(SAVED) keeps them and recomputes the rest.
 SAVED = 'kda_saved'
 _EXACT = lax.Precision.HIGHEST
-_SUB = 16   # sub-chunk length inside a chunk (the anchoring unit of the chunk form)
+_SUB = 16  # sub-chunk length inside a chunk (the anchoring unit of the chunk form)
 # Chunks whose intra-chunk part is computed together are grouped so that its largest transient, the
 # [group, B, H, C, 16, K] decay factors, holds about this many float32 (and the backward recomputes
 # one group at a time). On CPU cache-sized groups measured fastest; accelerators want big batches.
@@ -67,18 +67,25 @@ def _check_sequence_inputs(fn, q, k, v, g, beta, initial_state):
     raise ValueError(f'{fn}: q must be [B, T, H, K], got shape {_fmt(q.shape)}')
   b, t, h, dk = q.shape
   if k.shape != q.shape or g.shape != q.shape:
-    raise ValueError(f'{fn}: q, k and g must have the same shape [B, T, H, K]; got q {_fmt(q.shape)}, '
-                     f'k {_fmt(k.shape)}, g {_fmt(g.shape)}')
+    raise ValueError(
+      f'{fn}: q, k and g must have the same shape [B, T, H, K]; got q {_fmt(q.shape)}, '
+      f'k {_fmt(k.shape)}, g {_fmt(g.shape)}'
+    )
   if v.ndim != 4 or v.shape[:3] != (b, t, h):
-    raise ValueError(f'{fn}: v must be [B, T, H, V] with B, T, H = {b}, {t}, {h} as in q '
-                     f'{_fmt(q.shape)}; got v {_fmt(v.shape)}')
+    raise ValueError(
+      f'{fn}: v must be [B, T, H, V] with B, T, H = {b}, {t}, {h} as in q {_fmt(q.shape)}; got v {_fmt(v.shape)}'
+    )
   if beta.shape != (b, t, h):
-    raise ValueError(f'{fn}: beta must be [B, T, H] = {_fmt((b, t, h))} (one scalar per token and '
-                     f'head, after the sigmoid); got beta {_fmt(beta.shape)}')
+    raise ValueError(
+      f'{fn}: beta must be [B, T, H] = {_fmt((b, t, h))} (one scalar per token and '
+      f'head, after the sigmoid); got beta {_fmt(beta.shape)}'
+    )
   dv = v.shape[-1]
   if initial_state is not None and initial_state.shape != (b, h, dk, dv):
-    raise ValueError(f'{fn}: initial_state must be [B, H, K, V] = {_fmt((b, h, dk, dv))} for q '
-                     f'{_fmt(q.shape)} and v {_fmt(v.shape)}; got {_fmt(initial_state.shape)}')
+    raise ValueError(
+      f'{fn}: initial_state must be [B, H, K, V] = {_fmt((b, h, dk, dv))} for q '
+      f'{_fmt(q.shape)} and v {_fmt(v.shape)}; got {_fmt(initial_state.shape)}'
+    )
   if t == 0:
     raise ValueError(f'{fn}: the sequence is empty (T = 0), q {_fmt(q.shape)}')
   return b, t, h, dk, dv
@@ -90,28 +97,34 @@ def _check_step_inputs(q, k, v, g, beta, state):
     raise ValueError(f'kda_step: q must be [B, H, K] (one token), got shape {_fmt(q.shape)}')
   b, h, dk = q.shape
   if k.shape != q.shape or g.shape != q.shape:
-    raise ValueError(f'kda_step: q, k and g must have the same shape [B, H, K]; got q {_fmt(q.shape)}, '
-                     f'k {_fmt(k.shape)}, g {_fmt(g.shape)}')
+    raise ValueError(
+      f'kda_step: q, k and g must have the same shape [B, H, K]; got q {_fmt(q.shape)}, '
+      f'k {_fmt(k.shape)}, g {_fmt(g.shape)}'
+    )
   if v.ndim != 3 or v.shape[:2] != (b, h):
-    raise ValueError(f'kda_step: v must be [B, H, V] with B, H = {b}, {h} as in q {_fmt(q.shape)}; '
-                     f'got v {_fmt(v.shape)}')
+    raise ValueError(
+      f'kda_step: v must be [B, H, V] with B, H = {b}, {h} as in q {_fmt(q.shape)}; got v {_fmt(v.shape)}'
+    )
   if beta.shape != (b, h):
     raise ValueError(f'kda_step: beta must be [B, H] = {_fmt((b, h))}; got beta {_fmt(beta.shape)}')
   if state.shape != (b, h, dk, v.shape[-1]):
-    raise ValueError(f'kda_step: state must be [B, H, K, V] = {_fmt((b, h, dk, v.shape[-1]))}; '
-                     f'got {_fmt(state.shape)}')
+    raise ValueError(f'kda_step: state must be [B, H, K, V] = {_fmt((b, h, dk, v.shape[-1]))}; got {_fmt(state.shape)}')
 
 
 def _check_gate(a_log, dt_bias, lower_bound, h, dk):
   if (a_log is None) != (dt_bias is None):
-    raise ValueError('kda: a_log and dt_bias come together (the decay gate) or not at all; got '
-                     f"{'a_log' if dt_bias is None else 'dt_bias'} alone")
+    raise ValueError(
+      'kda: a_log and dt_bias come together (the decay gate) or not at all; got '
+      f'{"a_log" if dt_bias is None else "dt_bias"} alone'
+    )
   if a_log is None:
     return
   _check_float('kda', a_log=a_log, dt_bias=dt_bias)
   if a_log.shape != (h,) or dt_bias.shape != (h, dk):
-    raise ValueError(f'kda: the gate needs a_log [H] = {_fmt((h,))} and dt_bias [H, K] = {_fmt((h, dk))}; '
-                     f'got a_log {_fmt(a_log.shape)}, dt_bias {_fmt(dt_bias.shape)}')
+    raise ValueError(
+      f'kda: the gate needs a_log [H] = {_fmt((h,))} and dt_bias [H, K] = {_fmt((h, dk))}; '
+      f'got a_log {_fmt(a_log.shape)}, dt_bias {_fmt(dt_bias.shape)}'
+    )
   if not (isinstance(lower_bound, numbers.Real) and lower_bound <= 0):
     raise ValueError(f'kda: gate_lower_bound must be a number <= 0 (0: the unbounded gate), got {lower_bound!r}')
 
@@ -176,7 +189,7 @@ def kda_log_decay(f, a_log, dt_bias, lower_bound=0.0):
 
 
 def _default_scale(scale, dk):
-  return dk ** -0.5 if scale is None else scale
+  return dk**-0.5 if scale is None else scale
 
 
 # ----------------------------------------------------------------------------- recurrence
@@ -203,12 +216,11 @@ def kda_step(q, k, v, g, beta, state, *, scale=None, impl='xla', settings=None):
   implementation = _implementation(impl, 'kda_step')
   q, k, v, g, beta, state = (jnp.asarray(x) for x in (q, k, v, g, beta, state))
   _check_step_inputs(q, k, v, g, beta, state)
-  return implementation.step(q, k, v, g, beta, state, scale=_default_scale(scale, q.shape[-1]),
-                             settings=settings)
+  return implementation.step(q, k, v, g, beta, state, scale=_default_scale(scale, q.shape[-1]), settings=settings)
 
 
 def _xla_step(q, k, v, g, beta, state, *, scale, settings):
-  del settings   # no kernels
+  del settings  # no kernels
   f32 = lambda x: x.astype(jnp.float32)
   o, s = _token_update(f32(state), f32(q), f32(k), f32(v), f32(g), f32(beta), scale)
   return o.astype(v.dtype), s
@@ -234,8 +246,7 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
   scale = _default_scale(scale, dk)
   time_major = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
   xs = tuple(time_major(x) for x in (q, k, v, g, beta))
-  s0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
-        else initial_state.astype(jnp.float32))
+  s0 = jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
   def body(s, x):
     o, s = _token_update(s, *x, scale)
@@ -284,13 +295,13 @@ def _intra_chunk_scores(qs, k, g, sub):
   q4, k4, g4 = split(qs), split(k), split(g)
 
   # diagonal blocks: e[a, s, s', d] = exp(G_{a,s,d} - G_{a,s',d}) for s' <= s, else 0
-  local = jnp.cumsum(g4, axis=-2)                                         # cumulative within sub-chunk
+  local = jnp.cumsum(g4, axis=-2)  # cumulative within sub-chunk
   causal_incl = jnp.arange(sub)[:, None] >= jnp.arange(sub)[None, :]
-  dg = local[..., :, :, None, :] - local[..., :, None, :, :]              # [..., n, S, S, K]
+  dg = local[..., :, :, None, :] - local[..., :, None, :, :]  # [..., n, S, S, K]
   e = jnp.exp(jnp.where(causal_incl[:, :, None], dg, -jnp.inf))
-  ke = k4[..., :, None, :, :] * e                                         # k_{s'} exp(G_s - G_s')
+  ke = k4[..., :, None, :, :] * e  # k_{s'} exp(G_s - G_s')
   # broadcast-and-sum rather than einsum: tiny batched dot_generals are slow on CPU, this fuses
-  qk_diag = jnp.sum(q4[..., :, :, None, :] * ke, axis=-1)                 # [..., n, S, S]
+  qk_diag = jnp.sum(q4[..., :, :, None, :] * ke, axis=-1)  # [..., n, S, S]
   kk_diag = jnp.sum(k4[..., :, :, None, :] * ke, axis=-1) * jnp.tri(sub, k=-1, dtype=k.dtype)  # i < r
   eye_n = jnp.eye(n, dtype=k.dtype)
   place = lambda blocks: (blocks[..., :, :, None, :] * eye_n[:, None, :, None]).reshape(*batch, c, c)
@@ -300,19 +311,21 @@ def _intra_chunk_scores(qs, k, g, sub):
 
   # blocks below the diagonal: split the exponent at p_a, the first row of sub-chunk a.
   # rows: G_r - G_{p_a} = sum of g over (p_a, r]
-  row = jnp.exp(local - local[..., :, :1, :])                             # [..., n, S, K], <= 1
+  row = jnp.exp(local - local[..., :, :1, :])  # [..., n, S, K], <= 1
   # columns i in sub-chunk b < a: G_{p_a} - G_i = (sum over (i, end of b]) + between[a, b], where
   # between[a, b] = (totals of the sub-chunks strictly between b and a) + g_{p_a}
-  after_in_sub = _suffix_sum_exclusive(g4, axis=-2)                       # [..., n, S, K]
-  totals = local[..., :, -1, :]                                           # [..., n, K]
-  strictly_between = ((jnp.arange(n)[None, :, None] < jnp.arange(n)[None, None, :])
-                      & (jnp.arange(n)[None, None, :] < jnp.arange(n)[:, None, None]))   # [a, b, c]
-  between = (jnp.einsum('abc,...cd->...abd', strictly_between.astype(g.dtype), totals, precision=_EXACT)
-             + g4[..., :, None, 0, :])                                    # [..., n(a), n(b), K]
-  col_exp = between[..., :, :, None, :] + after_in_sub[..., None, :, :, :]   # [..., a, b, S, K]
-  earlier = jnp.arange(n)[:, None] > jnp.arange(n)[None, :]               # [a, b]: b < a
+  after_in_sub = _suffix_sum_exclusive(g4, axis=-2)  # [..., n, S, K]
+  totals = local[..., :, -1, :]  # [..., n, K]
+  strictly_between = (jnp.arange(n)[None, :, None] < jnp.arange(n)[None, None, :]) & (
+    jnp.arange(n)[None, None, :] < jnp.arange(n)[:, None, None]
+  )  # [a, b, c]
+  between = (
+    jnp.einsum('abc,...cd->...abd', strictly_between.astype(g.dtype), totals, precision=_EXACT) + g4[..., :, None, 0, :]
+  )  # [..., n(a), n(b), K]
+  col_exp = between[..., :, :, None, :] + after_in_sub[..., None, :, :, :]  # [..., a, b, S, K]
+  earlier = jnp.arange(n)[:, None] > jnp.arange(n)[None, :]  # [a, b]: b < a
   col_exp = jnp.where(earlier[:, :, None, None], col_exp, -jnp.inf).reshape(*batch, n, c, dk)
-  col = k[..., None, :, :] * jnp.exp(col_exp)                             # [..., n, C, K], <= |k|
+  col = k[..., None, :, :] * jnp.exp(col_exp)  # [..., n, C, K], <= |k|
   a_qk = a_qk + jnp.einsum('...asd,...aid->...asi', q4 * row, col).reshape(*batch, c, c)
   a_kk = a_kk + jnp.einsum('...asd,...aid->...asi', k4 * row, col).reshape(*batch, c, c)
   return a_qk, a_kk
@@ -330,18 +343,19 @@ def _unit_lower_inverse(a):
   """
   *batch, c0, _ = a.shape
   c = 1 << (c0 - 1).bit_length()
-  if c != c0:   # [[I + a, 0], [0, I]] has the same leading block in its inverse
+  if c != c0:  # [[I + a, 0], [0, I]] has the same leading block in its inverse
     a = jnp.pad(a, [(0, 0)] * len(batch) + [(0, c - c0), (0, c - c0)])
-  t = jnp.ones((*batch, c, 1, 1), a.dtype)                               # inverses of 1 x 1 blocks
+  t = jnp.ones((*batch, c, 1, 1), a.dtype)  # inverses of 1 x 1 blocks
   m = 1
   while m < c:
     nb = c // (2 * m)
     blocks = a.reshape(*batch, nb, 2 * m, nb, 2 * m)
-    blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)   # [..., nb, 2m, 2m]
+    blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., nb, 2m, 2m]
     t1, t2 = t[..., 0::2, :, :], t[..., 1::2, :, :]
     t21 = -jnp.einsum('...ij,...jk,...kl->...il', t2, blocks[..., m:, :m], t1, precision=_EXACT)
-    t = jnp.concatenate([jnp.concatenate([t1, jnp.zeros_like(t1)], axis=-1),
-                         jnp.concatenate([t21, t2], axis=-1)], axis=-2)   # [..., nb, 2m, 2m]
+    t = jnp.concatenate(
+      [jnp.concatenate([t1, jnp.zeros_like(t1)], axis=-1), jnp.concatenate([t21, t2], axis=-1)], axis=-2
+    )  # [..., nb, 2m, 2m]
     m *= 2
   return t[..., 0, :c0, :c0]
 
@@ -349,7 +363,7 @@ def _unit_lower_inverse(a):
 @_unit_lower_inverse.defjvp
 def _unit_lower_inverse_jvp(primals, tangents):
   t = _unit_lower_inverse(primals[0])
-  da = jnp.tril(tangents[0], -1)   # the function reads only the strictly lower triangle
+  da = jnp.tril(tangents[0], -1)  # the function reads only the strictly lower triangle
   return t, -jnp.einsum('...ij,...jk,...kl->...il', t, da, t, precision=_EXACT)
 
 
@@ -366,28 +380,28 @@ def _chunk_intra(chunk, *, scale, sub):
   """
   q, k, v, g, beta = chunk
   c, dk = k.shape[-2:]
-  gcum = jnp.cumsum(g, axis=-2)                                           # G, non-increasing
+  gcum = jnp.cumsum(g, axis=-2)  # G, non-increasing
   a_qk, a_kk = _intra_chunk_scores(scale * q, k, g, sub)
-  t_inv = _unit_lower_inverse(beta[..., :, None] * a_kk)                 # (I + Diag(beta) A_kk)^-1
+  t_inv = _unit_lower_inverse(beta[..., :, None] * a_kk)  # (I + Diag(beta) A_kk)^-1
   w = jnp.einsum('...ri,...id->...rd', t_inv, (beta[..., None] * jnp.exp(gcum)) * k)
   u = jnp.einsum('...ri,...iv->...rv', t_inv, beta[..., None] * v)
-  to_end = _suffix_sum_exclusive(g, axis=-2)                              # G_C - G, summed directly
-  return dict(qg=scale * q * jnp.exp(gcum), kg=k * jnp.exp(to_end), w=w, u=u, a_qk=a_qk,
-              decay=jnp.exp(gcum[..., -1, :]))
+  to_end = _suffix_sum_exclusive(g, axis=-2)  # G_C - G, summed directly
+  return dict(
+    qg=scale * q * jnp.exp(gcum), kg=k * jnp.exp(to_end), w=w, u=u, a_qk=a_qk, decay=jnp.exp(gcum[..., -1, :])
+  )
 
 
 def _chunk_state_step(s, x):
   """Carry the state [..., K, V] across one chunk and read the chunk's outputs [..., C, V]. The
   state entering the chunk is the residual worth keeping (SAVED): the rest is cheap to recompute."""
   s = checkpoint_name(s, SAVED)
-  v_new = x['u'] - jnp.einsum('...ck,...kv->...cv', x['w'], s)           # U - W S
+  v_new = x['u'] - jnp.einsum('...ck,...kv->...cv', x['w'], s)  # U - W S
   o = jnp.einsum('...ck,...kv->...cv', x['qg'], s) + jnp.einsum('...ci,...iv->...cv', x['a_qk'], v_new)
   s = x['decay'][..., :, None] * s + jnp.einsum('...ck,...cv->...kv', x['kg'], v_new)
   return s, o
 
 
-def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              chunk_size=64):
+def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
   """KDA in the exact chunkwise WY/UT form (docs/kda.md); same arguments and results as kda_recurrent.
 
   T is padded to a multiple of the chunk length with k = v = q = 0, g = 0, beta = 0 (tokens that
@@ -412,7 +426,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
   pad = n * c - t
   sub = _sub_chunk_len(c)
 
-  def chunks(x):   # [B, T, H, *] -> [N, B, H, C, *] float32, zero-padded in time
+  def chunks(x):  # [B, T, H, *] -> [N, B, H, C, *] float32, zero-padded in time
     x = x.astype(jnp.float32)
     x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     x = x.reshape(b, n, c, h, *x.shape[3:])
@@ -426,8 +440,7 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     per_chunk = intra(xs)
   else:
     per_chunk = lax.map(intra, xs, batch_size=group)
-  s0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
-        else initial_state.astype(jnp.float32))
+  s0 = jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
   s_final, o_nbhcv = lax.scan(_chunk_state_step, s0, per_chunk)
   o = jnp.moveaxis(o_nbhcv, (0, 2), (1, 3)).reshape(b, n * c, h, dv)[:, :t]
   return o.astype(v.dtype), (s_final if output_final_state else None)
@@ -438,19 +451,22 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
 def _gated(fn):
   """An implementation of g that takes the gate too, forming the log-decay in XLA first."""
+
   def impl(q, k, v, g, beta, *, gate, **kw):
     return fn(q, k, v, g if gate is None else kda_log_decay(g, *gate), beta, **kw)
+
   return impl
 
 
 def _recurrent_impl(q, k, v, g, beta, *, scale, initial_state, output_final_state, chunk_size, settings):
-  del chunk_size, settings   # the recurrence has no chunks and no kernels
-  return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state)
+  del chunk_size, settings  # the recurrence has no chunks and no kernels
+  return kda_recurrent(
+    q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state
+  )
 
 
 def _chunk_impl(q, k, v, g, beta, *, settings, **kw):
-  del settings   # no kernels
+  del settings  # no kernels
   return kda_chunk(q, k, v, g, beta, **kw)
 
 
@@ -461,23 +477,38 @@ def _fused_impl(q, k, v, g, beta, *, gate, scale, initial_state, output_final_st
   del chunk_size
   from kernels_pallas.common import kernels_interpreted
   from kernels_pallas.kda import kda_pallas
+
   _, _, _, dk, _ = _check_sequence_inputs("kda impl='pallas'", q, k, v, g, beta, initial_state)
   a_log, dt_bias, lower_bound = gate or (None, None, 0.0)
-  o, s_final = kda_pallas(q, k, v, g, beta, initial_state, scale=_default_scale(scale, dk), a_log=a_log,
-                          dt_bias=dt_bias, gate_lower_bound=lower_bound, settings=settings,
-                          interpret=kernels_interpreted())
+  o, s_final = kda_pallas(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state,
+    scale=_default_scale(scale, dk),
+    a_log=a_log,
+    dt_bias=dt_bias,
+    gate_lower_bound=lower_bound,
+    settings=settings,
+    interpret=kernels_interpreted(),
+  )
   return o, (s_final if output_final_state else None)
 
 
 def _fused_step(q, k, v, g, beta, state, *, scale, settings):
   from kernels_pallas.common import kernels_interpreted
   from kernels_pallas.kda import kda_step_pallas
-  return kda_step_pallas(q, k, v, g, beta, state, scale=float(scale), settings=settings,
-                         interpret=kernels_interpreted())
+
+  return kda_step_pallas(
+    q, k, v, g, beta, state, scale=float(scale), settings=settings, interpret=kernels_interpreted()
+  )
 
 
 def _pallas_settings(text: str):
   from kernels_pallas.kda.settings import KdaSettings
+
   return KdaSettings.from_string(text)
 
 
@@ -487,16 +518,19 @@ class Implementation:
   lower_bound) or None; settings) -> (o, state or None). step: kda_step's (keywords scale,
   settings) -> (o, state). parse_settings: 'key=int/key=int' -> the settings its kernels take
   (the `settings` argument; None: it has no kernels and ignores that argument)."""
+
   kda: Callable
   step: Callable
   parse_settings: Callable[[str], object] | None = None
 
 
-IMPLS = types.MappingProxyType({
+IMPLS = types.MappingProxyType(
+  {
     'xla': Implementation(_gated(_chunk_impl), _xla_step),
     'xla_recurrent': Implementation(_gated(_recurrent_impl), _xla_step),
     'pallas': Implementation(_fused_impl, _fused_step, parse_settings=_pallas_settings),
-})
+  }
+)
 
 
 def _implementation(impl: str, fn: str) -> Implementation:
@@ -505,8 +539,23 @@ def _implementation(impl: str, fn: str) -> Implementation:
   return IMPLS[impl]
 
 
-def kda(q, k, v, g, beta, *, impl='xla', scale=None, initial_state=None, output_final_state=False,
-        chunk_size=64, a_log=None, dt_bias=None, gate_lower_bound=0.0, settings=None):
+def kda(
+  q,
+  k,
+  v,
+  g,
+  beta,
+  *,
+  impl='xla',
+  scale=None,
+  initial_state=None,
+  output_final_state=False,
+  chunk_size=64,
+  a_log=None,
+  dt_bias=None,
+  gate_lower_bound=0.0,
+  settings=None,
+):
   """KDA through one dispatch point: impl, a key of IMPLS ('xla' | 'xla_recurrent' | 'pallas').
 
   Same arguments and results as kda_chunk (chunk_size is used by 'xla' alone). With a_log [H]
@@ -521,10 +570,21 @@ def kda(q, k, v, g, beta, *, impl='xla', scale=None, initial_state=None, output_
   q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
   initial_state = None if initial_state is None else jnp.asarray(initial_state)
   gate = None
-  if a_log is not None or dt_bias is not None:   # checked before XLA forms g from them
+  if a_log is not None or dt_bias is not None:  # checked before XLA forms g from them
     _, _, h, dk, _ = _check_sequence_inputs(f'kda impl={impl!r}', q, k, v, g, beta, initial_state)
     a_log, dt_bias = (None if x is None else jnp.asarray(x) for x in (a_log, dt_bias))
     _check_gate(a_log, dt_bias, gate_lower_bound, h, dk)
     gate = (a_log, dt_bias, float(gate_lower_bound))
-  return implementation.kda(q, k, v, g, beta, gate=gate, scale=scale, initial_state=initial_state,
-                            output_final_state=output_final_state, chunk_size=chunk_size, settings=settings)
+  return implementation.kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    gate=gate,
+    scale=scale,
+    initial_state=initial_state,
+    output_final_state=output_final_state,
+    chunk_size=chunk_size,
+    settings=settings,
+  )

@@ -47,15 +47,16 @@ import dataclasses
 import functools
 import math
 import types
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-RENORM_EPS = 1e-20          # added to the chosen scores' sum before dividing (as released)
+RENORM_EPS = 1e-20  # added to the chosen scores' sum before dividing (as released)
 SCORE_FUNCS = ('sigmoid', 'softmax')
-EXPERT_AXIS = 'expert'      # the mesh axis the experts are split over
+EXPERT_AXIS = 'expert'  # the mesh axis the experts are split over
 
 
 def _fmt(shape) -> str:
@@ -65,8 +66,9 @@ def _fmt(shape) -> str:
 # ----------------------------------------------------------------------------- routing
 
 
-def check_routing(*, num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
-                  score_func: str = 'sigmoid', prefix: str = '') -> None:
+def check_routing(
+  *, num_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1, score_func: str = 'sigmoid', prefix: str = ''
+) -> None:
   """Raises a ValueError naming the keys (with `prefix`, e.g. 'model.moe.') of an impossible
   routing: top_k > num_experts, groups that do not divide the experts, topk_group > n_group,
   groups of one expert (a group's score needs two), fewer eligible experts than top_k."""
@@ -83,23 +85,37 @@ def check_routing(*, num_experts: int, top_k: int, n_group: int = 1, topk_group:
     raise ValueError(f'{k("topk_group", topk_group)} must be in [1, {k("n_group", n_group)}]')
   size = num_experts // n_group
   if n_group > 1 and size < 2:
-    raise ValueError(f'{k("n_group", n_group)} leaves {size} expert per group of '
-                     f'{k("num_experts", num_experts)}; a group is scored by its two best experts')
+    raise ValueError(
+      f'{k("n_group", n_group)} leaves {size} expert per group of '
+      f'{k("num_experts", num_experts)}; a group is scored by its two best experts'
+    )
   if top_k > topk_group * size:
-    raise ValueError(f'{k("top_k", top_k)} exceeds the {topk_group * size} experts eligible with '
-                     f'{k("topk_group", topk_group)} of {k("n_group", n_group)} groups of {size}')
+    raise ValueError(
+      f'{k("top_k", top_k)} exceeds the {topk_group * size} experts eligible with '
+      f'{k("topk_group", topk_group)} of {k("n_group", n_group)} groups of {size}'
+    )
 
 
 class Routing(NamedTuple):
   """weights_tk float32 (the mixing weights w), experts_tk int32 (the chosen experts K_t, best
   first by biased score), scores_te float32 (s, unbiased)."""
+
   weights_tk: jax.Array
   experts_tk: jax.Array
   scores_te: jax.Array
 
 
-def route(logits_te, bias_e=None, *, top_k: int, score_func: str = 'sigmoid', n_group: int = 1,
-          topk_group: int = 1, renormalize: bool = True, scaling_factor: float = 1.0) -> Routing:
+def route(
+  logits_te,
+  bias_e=None,
+  *,
+  top_k: int,
+  score_func: str = 'sigmoid',
+  n_group: int = 1,
+  topk_group: int = 1,
+  renormalize: bool = True,
+  scaling_factor: float = 1.0,
+) -> Routing:
   """The released routing (module docstring) of router logits [T, E] (cast to float32) with the
   per-expert bias [E] (float32; None: zeros). Differentiable in the logits through the weights; the
   choice carries no gradient and the bias none at all. Ties go to the lower expert index. Experts
@@ -110,8 +126,7 @@ def route(logits_te, bias_e=None, *, top_k: int, score_func: str = 'sigmoid', n_
   t, e = logits_te.shape
   check_routing(num_experts=e, top_k=top_k, n_group=n_group, topk_group=topk_group, score_func=score_func)
   if bias_e is not None and bias_e.shape != (e,):
-    raise ValueError(f'route: bias must be [E] = [{e}] for logits {_fmt(logits_te.shape)}, got '
-                     f'{_fmt(bias_e.shape)}')
+    raise ValueError(f'route: bias must be [E] = [{e}] for logits {_fmt(logits_te.shape)}, got {_fmt(bias_e.shape)}')
   logits_te = logits_te.astype(jnp.float32)
   scores_te = jax.nn.sigmoid(logits_te) if score_func == 'sigmoid' else jax.nn.softmax(logits_te, axis=-1)
   choice_te = jax.lax.stop_gradient(scores_te)
@@ -138,6 +153,7 @@ class Dispatch(NamedTuple):
   order_m[r] (= token * K + k); inverse_m [M]: the sorted position of each flattened row;
   group_sizes_e [E_local] int32: rows per (local) expert, in order; their sum <= M, and the sorted
   rows past it go to experts on other shards (expert parallelism)."""
+
   order_m: jax.Array
   inverse_m: jax.Array
   group_sizes_e: jax.Array
@@ -151,8 +167,7 @@ def sort_by_expert(experts_tk, num_experts: int, *, first_expert=0) -> Dispatch:
   key_m = jnp.where((local_m >= 0) & (local_m < num_experts), local_m, num_experts)
   order_m = jnp.argsort(key_m, stable=True).astype(jnp.int32)
   m = key_m.shape[0]
-  inverse_m = jnp.zeros((m,), jnp.int32).at[order_m].set(jnp.arange(m, dtype=jnp.int32),
-                                                          unique_indices=True)
+  inverse_m = jnp.zeros((m,), jnp.int32).at[order_m].set(jnp.arange(m, dtype=jnp.int32), unique_indices=True)
   group_sizes_e = jnp.bincount(key_m, length=num_experts + 1)[:num_experts].astype(jnp.int32)
   return Dispatch(order_m, inverse_m, group_sizes_e)
 
@@ -225,7 +240,7 @@ def _xla_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g):
 
 
 def _tokamax_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g):
-  import tokamax   # lazily: only the GPU path needs it
+  import tokamax  # lazily: only the GPU path needs it
 
   def call(lhs, rhs, out_dtype):
     return tokamax.ragged_dot(lhs, rhs, group_sizes_g, preferred_element_type=out_dtype, implementation='mosaic')
@@ -245,19 +260,23 @@ class Implementation:
   lhs's dtype: rows of group g (consecutive, in order) times rhs[g]; rows past the groups' total
   are unspecified (callers mask them). Differentiable in lhs and rhs. gpu_only: needs an NVIDIA GPU.
   dims_multiple: D and F must be multiples of it (1: any)."""
+
   ragged_dot: Callable
   gpu_only: bool
   dims_multiple: int = 1
 
 
-IMPLS = types.MappingProxyType({
+IMPLS = types.MappingProxyType(
+  {
     'xla': Implementation(_xla_ragged_dot, gpu_only=False),
     'tokamax': Implementation(_tokamax_ragged_dot, gpu_only=True, dims_multiple=64),
-})
+  }
+)
 
 
-def unsupported(impl: str, dtype=jnp.bfloat16, d_model: int | None = None, hidden: int | None = None,
-                platform: str | None = None) -> str | None:
+def unsupported(
+  impl: str, dtype=jnp.bfloat16, d_model: int | None = None, hidden: int | None = None, platform: str | None = None
+) -> str | None:
   """Why the grouped matmul `impl` cannot run for inputs of `dtype` with model width d_model and
   expert hidden width `hidden` on `platform` (default: JAX's default backend), or None."""
   if impl not in IMPLS:
@@ -267,8 +286,10 @@ def unsupported(impl: str, dtype=jnp.bfloat16, d_model: int | None = None, hidde
     return f'moe impl={impl!r} needs bfloat16, float16 or float32 inputs, got {jnp.dtype(dtype)}'
   platform = platform or jax.default_backend()
   if spec.gpu_only and platform != 'gpu':
-    return (f"moe impl={impl!r} needs an NVIDIA GPU, but JAX runs on {platform!r} here; use impl='xla' "
-            "(model.moe.impl='xla') off the GPU")
+    return (
+      f"moe impl={impl!r} needs an NVIDIA GPU, but JAX runs on {platform!r} here; use impl='xla' "
+      "(model.moe.impl='xla') off the GPU"
+    )
   for name, size in (('d_model', d_model), ('expert hidden', hidden)):
     if size is not None and size % spec.dims_multiple:
       return f'moe impl={impl!r} needs {name} ({size}) to be a multiple of {spec.dims_multiple}'
@@ -286,8 +307,7 @@ def expert_swiglu(x_md, group_sizes_e, w_gate_edf, w_up_edf, w_down_efd, *, impl
   return ragged_dot(h_mf, w_down_efd.astype(x_md.dtype), group_sizes_e)
 
 
-def _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl,
-                  first_expert=0, all_local=True):
+def _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl, first_expert=0, all_local=True):
   """Dispatch, experts and combine on one device for its experts first_expert .. + E_local - 1."""
   top_k = experts_tk.shape[1]
   dispatch = sort_by_expert(experts_tk, w_gate_edf.shape[0], first_expert=first_expert)
@@ -302,19 +322,29 @@ def _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd
 def _check_experts(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl):
   if impl not in IMPLS:
     raise ValueError(f'routed_experts impl={impl!r} is unknown; allowed: {tuple(IMPLS)}')
-  if x_td.ndim != 2 or weights_tk.ndim != 2 or experts_tk.shape != weights_tk.shape \
-      or weights_tk.shape[0] != x_td.shape[0]:
-    raise ValueError(f'routed_experts expects x [T, D], weights and experts [T, K]; got x '
-                     f'{_fmt(x_td.shape)}, weights {_fmt(weights_tk.shape)}, experts {_fmt(experts_tk.shape)}')
+  if (
+    x_td.ndim != 2
+    or weights_tk.ndim != 2
+    or experts_tk.shape != weights_tk.shape
+    or weights_tk.shape[0] != x_td.shape[0]
+  ):
+    raise ValueError(
+      f'routed_experts expects x [T, D], weights and experts [T, K]; got x '
+      f'{_fmt(x_td.shape)}, weights {_fmt(weights_tk.shape)}, experts {_fmt(experts_tk.shape)}'
+    )
   t, d = x_td.shape
   e, _, f = w_gate_edf.shape if w_gate_edf.ndim == 3 else (0, 0, 0)
   if w_gate_edf.shape != (e, d, f) or w_up_edf.shape != (e, d, f) or w_down_efd.shape != (e, f, d):
-    raise ValueError(f'routed_experts expects w_gate and w_up [E, D={d}, F] and w_down [E, F, D={d}] for x '
-                     f'{_fmt(x_td.shape)}; got w_gate {_fmt(w_gate_edf.shape)}, w_up {_fmt(w_up_edf.shape)}, '
-                     f'w_down {_fmt(w_down_efd.shape)}')
+    raise ValueError(
+      f'routed_experts expects w_gate and w_up [E, D={d}, F] and w_down [E, F, D={d}] for x '
+      f'{_fmt(x_td.shape)}; got w_gate {_fmt(w_gate_edf.shape)}, w_up {_fmt(w_up_edf.shape)}, '
+      f'w_down {_fmt(w_down_efd.shape)}'
+    )
   if weights_tk.shape[1] > e:
-    raise ValueError(f'routed_experts: top-k {weights_tk.shape[1]} (experts [T, K] {_fmt(experts_tk.shape)}) '
-                     f'exceeds the {e} experts of w_gate {_fmt(w_gate_edf.shape)}')
+    raise ValueError(
+      f'routed_experts: top-k {weights_tk.shape[1]} (experts [T, K] {_fmt(experts_tk.shape)}) '
+      f'exceeds the {e} experts of w_gate {_fmt(w_gate_edf.shape)}'
+    )
   if not jnp.issubdtype(experts_tk.dtype, jnp.integer):
     raise ValueError(f'routed_experts: experts must be integer expert ids, got dtype {experts_tk.dtype}')
   problem = unsupported(impl, x_td.dtype, d, f)
@@ -335,8 +365,10 @@ def shard_layout(num_tokens: int, num_experts: int, token_axes=None):
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if not mesh.empty else {}
   expert_axis = EXPERT_AXIS if sizes.get(EXPERT_AXIS, 1) > 1 else None
   if expert_axis and num_experts % sizes[expert_axis]:
-    raise ValueError(f'routed_experts: the {num_experts} experts do not divide over the mesh axis '
-                     f'{expert_axis!r} of size {sizes[expert_axis]}')
+    raise ValueError(
+      f'routed_experts: the {num_experts} experts do not divide over the mesh axis '
+      f'{expert_axis!r} of size {sizes[expert_axis]}'
+    )
   if token_axes is None:
     token_axes = tuple(a for a in sizes if a != 'tensor')
   axes = [a for a in token_axes if sizes.get(a, 1) > 1]
@@ -345,8 +377,17 @@ def shard_layout(num_tokens: int, num_experts: int, token_axes=None):
   return tuple(axes), expert_axis
 
 
-def routed_experts(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, *, impl: str = 'xla',
-                   token_axes: tuple[str, ...] | None = None):
+def routed_experts(
+  x_td,
+  weights_tk,
+  experts_tk,
+  w_gate_edf,
+  w_up_edf,
+  w_down_efd,
+  *,
+  impl: str = 'xla',
+  token_axes: tuple[str, ...] | None = None,
+):
   """The routed experts' output y_td [T, D] float32 (module docstring), dropless.
 
   Args:
@@ -390,11 +431,13 @@ def routed_experts(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_ef
     if expert_axis is None:
       return _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl)
     if gather:
-      x_td, weights_tk, experts_tk = (jax.lax.all_gather(a, expert_axis, axis=0, tiled=True)
-                                      for a in (x_td, weights_tk, experts_tk))
+      x_td, weights_tk, experts_tk = (
+        jax.lax.all_gather(a, expert_axis, axis=0, tiled=True) for a in (x_td, weights_tk, experts_tk)
+      )
     first = jax.lax.axis_index(expert_axis) * w_gate_edf.shape[0]
-    y_td = _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl,
-                         first_expert=first, all_local=False)
+    y_td = _routed_local(
+      x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl, first_expert=first, all_local=False
+    )
     if gather:
       return jax.lax.psum_scatter(y_td, expert_axis, scatter_dimension=0, tiled=True)
     return y_td[None]
@@ -404,9 +447,9 @@ def routed_experts(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_ef
   out = tokens if expert_axis is None or gather else P(expert_axis, _spec_entry(token_axes), None)
   # check_vma=False: the kernels' outputs carry no varying-axes type; every collective here is
   # transposed exactly without it (no psum of a replicated value).
-  y = jax.shard_map(per_shard, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts, experts),
-                    out_specs=out, check_vma=False)(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf,
-                                                     w_down_efd)
+  y = jax.shard_map(
+    per_shard, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts, experts), out_specs=out, check_vma=False
+  )(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd)
   return y if expert_axis is None or gather else jnp.sum(y, axis=0)
 
 
@@ -424,8 +467,7 @@ def update_bias(bias_e, load_e, *, rate: float = 1e-3, centred: bool = False):
   centred=True is Moonlight's form: b_i += rate * (e_i - mean_j e_j), e_i = sign(mean load -
   load_i), which keeps the mean bias fixed. float32 in and out; no gradient."""
   if bias_e.shape != load_e.shape or bias_e.ndim != 1:
-    raise ValueError(f'update_bias: bias and load must both be [E]; got {_fmt(bias_e.shape)} and '
-                     f'{_fmt(load_e.shape)}')
+    raise ValueError(f'update_bias: bias and load must both be [E]; got {_fmt(bias_e.shape)} and {_fmt(load_e.shape)}')
   load_e = jax.lax.stop_gradient(load_e.astype(jnp.float32))
   step_e = jnp.sign(jnp.mean(load_e) - load_e)
   if centred:
@@ -444,8 +486,10 @@ def sequence_balance_loss(scores_bte, experts_btk, *, alpha: float):
   scores_bte float32 [B, T, E], experts_btk [B, T, K]. A balanced sequence gives alpha. 0.0
   when alpha is 0."""
   if scores_bte.ndim != 3 or experts_btk.shape[:2] != scores_bte.shape[:2]:
-    raise ValueError(f'sequence_balance_loss expects scores [B, T, E] and experts [B, T, K]; got '
-                     f'{_fmt(scores_bte.shape)} and {_fmt(experts_btk.shape)}')
+    raise ValueError(
+      f'sequence_balance_loss expects scores [B, T, E] and experts [B, T, K]; got '
+      f'{_fmt(scores_bte.shape)} and {_fmt(experts_btk.shape)}'
+    )
   if not alpha:
     return jnp.zeros((), jnp.float32)
   _, t, e = scores_bte.shape

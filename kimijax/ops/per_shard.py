@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 def lead_spec(spec: P | None, ndim: int) -> tuple:
   """The mesh axes of the leading (token) axes of an array [..., D] laid out as `spec`."""
-  return (tuple(spec or ()) + (None,) * ndim)[:ndim - 1]
+  return (tuple(spec or ()) + (None,) * ndim)[: ndim - 1]
 
 
 def run_per_shard(run, args, in_specs, out_specs, across_shards=None):
@@ -23,8 +23,7 @@ def run_per_shard(run, args, in_specs, out_specs, across_shards=None):
   if mesh.empty or mesh.size == 1:
     return run(*args)
   per_shard = run if across_shards is None else lambda *a: across_shards(run(*a))
-  return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                       check_vma=False)(*args)
+  return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
 def spec_axes(entry) -> tuple[str, ...]:

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-L2_EPS = 1e-6                                 # eps of 'silu_l2''s L2 norm
-ACTIVATIONS = ('none', 'silu', 'silu_l2')     # the activations after the conv, by name
+L2_EPS = 1e-6  # eps of 'silu_l2''s L2 norm
+ACTIVATIONS = ('none', 'silu', 'silu_l2')  # the activations after the conv, by name
 
 
 def l2_normalise(x, eps: float = L2_EPS):
@@ -49,13 +49,13 @@ def causal_depthwise_conv(x, w, prefix=None):
   width, t = w.shape[0], x.shape[1]
   if prefix is None:
     prefix = jnp.zeros((x.shape[0], width - 1) + x.shape[2:], x.dtype)
-  padded = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)          # [B, T+W-1, ...]
-  y = sum(padded[:, j: j + t] * w[j].astype(x.dtype) for j in range(width))
+  padded = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)  # [B, T+W-1, ...]
+  y = sum(padded[:, j : j + t] * w[j].astype(x.dtype) for j in range(width))
   return y, padded[:, t:]
 
 
 def _xla(x, w, activation, prefix, settings):
-  del settings   # no kernels
+  del settings  # no kernels
   y, next_prefix = causal_depthwise_conv(x, w, prefix)
   return activate(y, activation), next_prefix
 
@@ -64,7 +64,7 @@ def _last_inputs(x, width):
   """The last W-1 rows of x (zeros in front when T < W-1): the next prefix."""
   pad = max(width - 1 - x.shape[1], 0)
   x = jnp.pad(x, ((0, 0), (pad, 0)) + ((0, 0),) * (x.ndim - 2)) if pad else x
-  return x[:, x.shape[1] - (width - 1):]
+  return x[:, x.shape[1] - (width - 1) :]
 
 
 def _pallas(x, w, activation, prefix, settings):
@@ -72,12 +72,14 @@ def _pallas(x, w, activation, prefix, settings):
     return _xla(x, w, activation, prefix, settings)
   from kernels_pallas.common import kernels_interpreted
   from kernels_pallas.short_conv import short_conv_pallas
+
   y = short_conv_pallas(x, w, activation, settings=settings, interpret=kernels_interpreted())
   return y, _last_inputs(x, w.shape[0])
 
 
 def _pallas_settings(text: str):
   from kernels_pallas.short_conv.settings import ShortConvSettings
+
   return ShortConvSettings.from_string(text)
 
 
@@ -86,14 +88,17 @@ class Implementation:
   """One implementation of the short conv. short_conv: (x, w, activation, prefix, settings) -> (y,
   next prefix). parse_settings: 'key=int/key=int' -> the settings its kernels take (None: it has
   no kernels and ignores the settings argument)."""
+
   short_conv: Callable
   parse_settings: Callable[[str], object] | None = None
 
 
-IMPLS = types.MappingProxyType({
+IMPLS = types.MappingProxyType(
+  {
     'xla': Implementation(_xla),
     'pallas': Implementation(_pallas, parse_settings=_pallas_settings),
-})
+  }
+)
 
 
 def short_conv(x, w, activation: str = 'none', prefix=None, *, impl: str = 'xla', settings=None):
@@ -104,6 +109,5 @@ def short_conv(x, w, activation: str = 'none', prefix=None, *, impl: str = 'xla'
   if activation not in ACTIVATIONS:
     raise ValueError(f'short_conv: activation={activation!r} is unknown; allowed: {ACTIVATIONS}')
   if x.ndim != 4 or w.ndim != 3 or w.shape[1:] != x.shape[2:]:
-    raise ValueError(f'short_conv: x must be [B, T, H, K] and w [W, H, K]; got x {list(x.shape)}, '
-                     f'w {list(w.shape)}')
+    raise ValueError(f'short_conv: x must be [B, T, H, K] and w [W, H, K]; got x {list(x.shape)}, w {list(w.shape)}')
   return IMPLS[impl].short_conv(x, w, activation, prefix, settings)

@@ -5,5 +5,14 @@ from kimijax.optim.muon import muon, scale_by_muon
 from kimijax.optim.qk_clip import qk_clip
 from kimijax.optim.routing import MatrixView, Routing
 
-__all__ = ['MatrixView', 'Routing', 'describe', 'make_optimizer', 'make_schedule', 'muon',
-           'param_groups', 'qk_clip', 'scale_by_muon']
+__all__ = [
+  'MatrixView',
+  'Routing',
+  'describe',
+  'make_optimizer',
+  'make_schedule',
+  'muon',
+  'param_groups',
+  'qk_clip',
+  'scale_by_muon',
+]

@@ -11,7 +11,8 @@ all but QK-Clip).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,8 @@ def make_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   elif o.schedule == 'wsd':
     decay = max(int(round(o.decay_fraction * steps)), 1)
     after = optax.join_schedules(
-        [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)],
-        [max(rest - decay, 0)])
+      [optax.constant_schedule(peak), optax.linear_schedule(peak, floor, decay)], [max(rest - decay, 0)]
+    )
   elif o.schedule == 'constant':
     after = optax.constant_schedule(peak)
   else:
@@ -58,8 +59,9 @@ def routing(config: ml_collections.ConfigDict) -> Routing | None:
   return None
 
 
-def make_optimizer(config: ml_collections.ConfigDict,
-                   schedule: optax.Schedule | None = None) -> optax.GradientTransformationExtraArgs:
+def make_optimizer(
+  config: ml_collections.ConfigDict, schedule: optax.Schedule | None = None
+) -> optax.GradientTransformationExtraArgs:
   """The chain named by config.optimizer.name, stepping with `schedule` (default
   make_schedule(config); the train step passes the one it also logs)."""
   o = config.optimizer
@@ -68,10 +70,23 @@ def make_optimizer(config: ml_collections.ConfigDict,
   if o.name == 'adamw':
     opts = [optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)]
   elif o.name in ('muon', 'muonclip'):
-    opts = [muon(schedule, momentum=o.momentum, nesterov=o.nesterov, ns_steps=o.ns_steps,
-                 ns_dtype=jnp.dtype(o.ns_dtype), rms_scale=o.rms_scale, weight_decay=o.weight_decay,
-                 adam_b1=o.b1, adam_b2=o.b2, adam_eps=o.eps, per_head=o.muon_per_head, mla_views=o.muon_mla_views,
-                 split_matrices=o.muon_split_matrices)]
+    opts = [
+      muon(
+        schedule,
+        momentum=o.momentum,
+        nesterov=o.nesterov,
+        ns_steps=o.ns_steps,
+        ns_dtype=jnp.dtype(o.ns_dtype),
+        rms_scale=o.rms_scale,
+        weight_decay=o.weight_decay,
+        adam_b1=o.b1,
+        adam_b2=o.b2,
+        adam_eps=o.eps,
+        per_head=o.muon_per_head,
+        mla_views=o.muon_mla_views,
+        split_matrices=o.muon_split_matrices,
+      )
+    ]
     if o.name == 'muonclip':
       opts.append(qk_clip(o.qk_clip_tau))
   else:

@@ -55,7 +55,8 @@ experiments/results/muon_distributed.md has the 2-GPU cost.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +90,7 @@ def _iterate(x_sab: jax.Array, steps: int) -> jax.Array:
   mm = lambda p, q: jnp.matmul(p, q, precision=precision, preferred_element_type=jnp.float32)
   x = x_sab
   for _ in range(steps):
-    gram = mm(x, jnp.swapaxes(x, 1, 2))                              # fp32
+    gram = mm(x, jnp.swapaxes(x, 1, 2))  # fp32
     poly = b * gram + c * mm(gram.astype(dtype), gram.astype(dtype))  # fp32
     x = (a * x.astype(jnp.float32) + mm(poly.astype(dtype), x)).astype(dtype)
   return x
@@ -125,7 +126,7 @@ def _split_over_devices(mats: list[jax.Array], steps: int, mesh) -> list[jax.Arr
   groups: dict[tuple[int, int], list[int]] = {}
   for i, x in enumerate(mats):
     groups.setdefault(tuple(sorted(x.shape[1:])), []).append(i)
-  out: list[jax.Array] = [None] * len(mats)   # type: ignore[list-item]
+  out: list[jax.Array] = [None] * len(mats)  # type: ignore[list-item]
   for indices in groups.values():
     stack = jnp.concatenate([_transpose_if(mats[i], _tall(mats[i])) for i in indices], axis=0)
     total = stack.shape[0]
@@ -135,7 +136,7 @@ def _split_over_devices(mats: list[jax.Array], steps: int, mesh) -> list[jax.Arr
     offset = 0
     for i in indices:
       count = mats[i].shape[0]
-      out[i] = _transpose_if(result[offset:offset + count], _tall(mats[i]))
+      out[i] = _transpose_if(result[offset : offset + count], _tall(mats[i]))
       offset += count
   return out
 
@@ -143,14 +144,23 @@ def _split_over_devices(mats: list[jax.Array], steps: int, mesh) -> list[jax.Arr
 def _fuse(parts: list[jax.Array], names: list[str]) -> jax.Array:
   """[S, A, B_i] column blocks of one matrix -> [S, A, sum B_i]."""
   if len({p.shape[:2] for p in parts}) > 1:
-    raise ValueError('parameters fused into one Muon matrix must have the same stack and row sizes; got '
-                     + ', '.join(f'{n}: {p.shape[0]} x [{p.shape[1]}, {p.shape[2]}]' for n, p in zip(names, parts)))
+    raise ValueError(
+      'parameters fused into one Muon matrix must have the same stack and row sizes; got '
+      + ', '.join(f'{n}: {p.shape[0]} x [{p.shape[1]}, {p.shape[2]}]' for n, p in zip(names, parts))
+    )
   return jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
 
 
-def orthogonalise_all(ns: list[jax.Array], views: list[MatrixView], *, steps: int, dtype,
-                      rms_scale: float, split_matrices: bool = True,
-                      groups: list | None = None) -> list[jax.Array]:
+def orthogonalise_all(
+  ns: list[jax.Array],
+  views: list[MatrixView],
+  *,
+  steps: int,
+  dtype,
+  rms_scale: float,
+  split_matrices: bool = True,
+  groups: list | None = None,
+) -> list[jax.Array]:
   """rms_scale * sqrt(max(A, B)) * NS(N) for every matrix of every parameter-shaped N in `ns`.
 
   groups: one key per entry (None: a matrix of its own). Entries with the same key are column
@@ -176,34 +186,41 @@ def orthogonalise_all(ns: list[jax.Array], views: list[MatrixView], *, steps: in
   for i, key in enumerate(groups or [None] * len(ns)):
     members.setdefault(('own', i) if key is None else ('group', key), []).append(i)
   parts = [view.to_matrices(n) for n, view in zip(ns, views)]
-  fused = [_fuse([parts[i] for i in idx], [str(groups[i]) if groups else str(i) for i in idx])
-           for idx in members.values()]
+  fused = [
+    _fuse([parts[i] for i in idx], [str(groups[i]) if groups else str(i) for i in idx]) for idx in members.values()
+  ]
   mats = [_normalise(x, dtype) for x in fused]
-  mesh = jax.sharding.get_abstract_mesh()   # the one jax.set_mesh made current, if any
+  mesh = jax.sharding.get_abstract_mesh()  # the one jax.set_mesh made current, if any
   if split_matrices and not mesh.empty and mesh.size > 1:
     out = _split_over_devices(mats, steps, mesh)
   else:
     out = [_orthogonalise_normalised(x, steps) for x in mats]
-  directions: list[jax.Array] = [None] * len(ns)   # type: ignore[list-item]
+  directions: list[jax.Array] = [None] * len(ns)  # type: ignore[list-item]
   for o_sab, idx in zip(out, members.values()):
     o_sab = o_sab.astype(jnp.float32) * (rms_scale * math.sqrt(max(o_sab.shape[1:])))
     offset = 0
     for i in idx:
       width = parts[i].shape[2]
-      directions[i] = views[i].from_matrices(o_sab[:, :, offset:offset + width], ns[i].shape)
+      directions[i] = views[i].from_matrices(o_sab[:, :, offset : offset + width], ns[i].shape)
       offset += width
   return directions
 
 
 class ScaleByMuonState(NamedTuple):
-  momentum: Any        # M_t, fp32, one per Muon parameter
+  momentum: Any  # M_t, fp32, one per Muon parameter
 
 
-def scale_by_muon(*, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, ns_dtype=jnp.bfloat16,
-                  rms_scale: float = 0.2,
-                  view_fn: Callable[[tuple[str, ...], tuple[int, ...]], MatrixView] | None = None,
-                  group_fn: Callable[[tuple[str, ...]], Any] | None = None,
-                  split_matrices: bool = True) -> optax.GradientTransformation:
+def scale_by_muon(
+  *,
+  momentum: float = 0.95,
+  nesterov: bool = True,
+  ns_steps: int = 5,
+  ns_dtype=jnp.bfloat16,
+  rms_scale: float = 0.2,
+  view_fn: Callable[[tuple[str, ...], tuple[int, ...]], MatrixView] | None = None,
+  group_fn: Callable[[tuple[str, ...]], Any] | None = None,
+  split_matrices: bool = True,
+) -> optax.GradientTransformation:
   """The Muon direction rms_scale sqrt(max(A, B)) NS5(N) (no lr, no wd, no sign flip).
 
   view_fn(path_names, shape) gives each parameter's MatrixView (default: Routing().view);
@@ -225,8 +242,15 @@ def scale_by_muon(*, momentum: float = 0.95, nesterov: bool = True, ns_steps: in
     paths_ns, treedef = jax.tree_util.tree_flatten_with_path(n_tree)
     views = [view_fn(path_names(path), n.shape) for path, n in paths_ns]
     groups = [group_fn(path_names(path)) for path, _ in paths_ns]
-    out = orthogonalise_all([n for _, n in paths_ns], views, steps=ns_steps, dtype=ns_dtype,
-                            rms_scale=rms_scale, split_matrices=split_matrices, groups=groups)
+    out = orthogonalise_all(
+      [n for _, n in paths_ns],
+      views,
+      steps=ns_steps,
+      dtype=ns_dtype,
+      rms_scale=rms_scale,
+      split_matrices=split_matrices,
+      groups=groups,
+    )
     return jax.tree.unflatten(treedef, out), ScaleByMuonState(new_m)
 
   return optax.GradientTransformation(init, update)
@@ -237,11 +261,24 @@ def adamw_direction(b1: float, b2: float, eps: float) -> optax.GradientTransform
   return optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=jnp.float32)
 
 
-def muon(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.95, nesterov: bool = True,
-         ns_steps: int = 5, ns_dtype=jnp.bfloat16, rms_scale: float = 0.2, weight_decay: float = 0.0,
-         adam_b1: float = 0.9, adam_b2: float = 0.95, adam_eps: float = 1e-8, muon_mask=None,
-         muon_views=None, per_head: bool = False, mla_views: str = 'fused', split_matrices: bool = True
-         ) -> optax.GradientTransformationExtraArgs:
+def muon(
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  momentum: float = 0.95,
+  nesterov: bool = True,
+  ns_steps: int = 5,
+  ns_dtype=jnp.bfloat16,
+  rms_scale: float = 0.2,
+  weight_decay: float = 0.0,
+  adam_b1: float = 0.9,
+  adam_b2: float = 0.95,
+  adam_eps: float = 1e-8,
+  muon_mask=None,
+  muon_views=None,
+  per_head: bool = False,
+  mla_views: str = 'fused',
+  split_matrices: bool = True,
+) -> optax.GradientTransformationExtraArgs:
   """Moonlight's Muon for hidden matrices + AdamW for the rest (module docstring).
 
   Args:
@@ -262,10 +299,22 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, momentum: float = 0.95, neste
   """
   routing = Routing(per_head=per_head, muon_mask=muon_mask, muon_views=muon_views, mla_views=mla_views)
   tail = lambda: (optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(learning_rate))
-  return optax.partition({
-      MUON: optax.chain(scale_by_muon(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                                      ns_dtype=ns_dtype, rms_scale=rms_scale, view_fn=routing.view,
-                                      group_fn=routing.group, split_matrices=split_matrices),
-                        *tail()),
+  return optax.partition(
+    {
+      MUON: optax.chain(
+        scale_by_muon(
+          momentum=momentum,
+          nesterov=nesterov,
+          ns_steps=ns_steps,
+          ns_dtype=ns_dtype,
+          rms_scale=rms_scale,
+          view_fn=routing.view,
+          group_fn=routing.group,
+          split_matrices=split_matrices,
+        ),
+        *tail(),
+      ),
       ADAMW: optax.chain(adamw_direction(adam_b1, adam_b2, adam_eps), *tail()),
-  }, routing.labels)
+    },
+    routing.labels,
+  )

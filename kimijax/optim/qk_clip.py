@@ -27,12 +27,12 @@ NotImplementedError naming its parameters.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-
 
 # (module params, gamma [H] fp32) -> {param name: factor} or None when the rule does not apply.
 ClipRule = Callable[[Mapping[str, Any], jax.Array], 'dict[str, jax.Array] | None']
@@ -67,7 +67,7 @@ ATTENTION_MODULES = ('attention', 'mla')
 
 
 class QKClipState(NamedTuple):
-  heads_clipped: jax.Array    # int32 []: query heads with S_max > tau at the last update
+  heads_clipped: jax.Array  # int32 []: query heads with S_max > tau at the last update
 
 
 def _replace(tree: Mapping, path: tuple[str, ...], value):
@@ -82,8 +82,10 @@ def clip_factors(params, max_logits: Mapping[str, jax.Array], tau: float):
   for layer, s_h in max_logits.items():
     names = [m for m in ATTENTION_MODULES if m in params.get(layer, {})]
     if not names:
-      raise KeyError(f'qk_clip: max_logits has {layer!r} but params has no {layer}/one of '
-                     f'{ATTENTION_MODULES}; layers in params: {sorted(params)}')
+      raise KeyError(
+        f'qk_clip: max_logits has {layer!r} but params has no {layer}/one of '
+        f'{ATTENTION_MODULES}; layers in params: {sorted(params)}'
+      )
     attention_module = names[0]
     module = params[layer][attention_module]
     s_h = jnp.asarray(s_h, jnp.float32)
@@ -95,8 +97,9 @@ def clip_factors(params, max_logits: Mapping[str, jax.Array], tau: float):
         break
     else:
       raise NotImplementedError(
-          f'qk_clip: no clip rule for {layer}/{attention_module} with parameters {sorted(module)}; '
-          'kimijax.optim.qk_clip.CLIP_RULES knows MHA/GQA (query, key) and MLA (q_nope, k_nope, q_rope).')
+        f'qk_clip: no clip rule for {layer}/{attention_module} with parameters {sorted(module)}; '
+        'kimijax.optim.qk_clip.CLIP_RULES knows MHA/GQA (query, key) and MLA (q_nope, k_nope, q_rope).'
+      )
     for name, f in found.items():
       factors[(layer, attention_module, name)] = f
     clipped = clipped + jnp.sum(over, dtype=jnp.int32)
@@ -135,7 +138,7 @@ def _get(tree, path):
 
 def heads_clipped(opt_state) -> jax.Array | None:
   """The QKClipState.heads_clipped inside an optimizer state, or None when there is none."""
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, QKClipState))
-           if isinstance(s, QKClipState)]
+  found = [
+    s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, QKClipState)) if isinstance(s, QKClipState)
+  ]
   return found[0].heads_clipped if found else None
-

@@ -67,16 +67,22 @@ import jax
 MUON, ADAMW = 'muon', 'adamw'
 
 ADAMW_BY_NAME = {
-    'embed': 'embedding',
-    'head': 'output head',
-    'A_log': 'KDA decay rate',
-    'dt_bias': 'KDA gate bias',
+  'embed': 'embedding',
+  'head': 'output head',
+  'A_log': 'KDA decay rate',
+  'dt_bias': 'KDA gate bias',
 }
-_INTO_HEADS = re.compile(r'^(query|key|value|[qkv]_proj|[fg]_b|q_nope|q_rope|k_nope|v)$')   # [in, H, Dh]
-_OUT_OF_HEADS = re.compile(r'^(out|o_proj)$')                         # [H, Dh, out]
+_INTO_HEADS = re.compile(r'^(query|key|value|[qkv]_proj|[fg]_b|q_nope|q_rope|k_nope|v)$')  # [in, H, Dh]
+_OUT_OF_HEADS = re.compile(r'^(out|o_proj)$')  # [H, Dh, out]
 # MLA parameters that are column blocks of one Linear weight in the DeepSeek-V3 layout.
-MLA_FUSED = {'q_nope': 'q_b_proj', 'q_rope': 'q_b_proj', 'kv_down': 'kv_a_proj_with_mqa',
-             'k_rope': 'kv_a_proj_with_mqa', 'k_nope': 'kv_b_proj', 'v': 'kv_b_proj'}
+MLA_FUSED = {
+  'q_nope': 'q_b_proj',
+  'q_rope': 'q_b_proj',
+  'kv_down': 'kv_a_proj_with_mqa',
+  'k_rope': 'kv_a_proj_with_mqa',
+  'k_nope': 'kv_b_proj',
+  'v': 'kv_b_proj',
+}
 MLA_VIEWS = ('fused', 'per_part')
 
 
@@ -87,6 +93,7 @@ class MatrixView:
   Together they must list every axis once. Frozen and not a pytree node, so a tree of views is
   a tree of leaves.
   """
+
   stack: tuple[int, ...]
   rows: tuple[int, ...]
   cols: tuple[int, ...]
@@ -94,8 +101,10 @@ class MatrixView:
   def check(self, shape, where: str = '') -> None:
     axes = self.stack + self.rows + self.cols
     if sorted(axes) != list(range(len(shape))) or not self.rows or not self.cols:
-      raise ValueError(f'MatrixView {self} does not split the {len(shape)} axes of shape {tuple(shape)} '
-                       f'into stack, rows and cols (each axis once, rows and cols non-empty){where}')
+      raise ValueError(
+        f'MatrixView {self} does not split the {len(shape)} axes of shape {tuple(shape)} '
+        f'into stack, rows and cols (each axis once, rows and cols non-empty){where}'
+      )
 
   def sizes(self, shape) -> tuple[int, int, int]:
     """(number of matrices, rows A, cols B)."""
@@ -180,9 +189,9 @@ def _unbox(x):
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-  rule: str                     # 'muon' or 'adamw'
+  rule: str  # 'muon' or 'adamw'
   reason: str
-  view: MatrixView | None       # for 'muon' only
+  view: MatrixView | None  # for 'muon' only
 
 
 class Routing:
@@ -207,8 +216,9 @@ class Routing:
     if muon_views is None or callable(muon_views):
       self._view_override = muon_views
     else:
-      flat = jax.tree_util.tree_flatten_with_path(
-          muon_views, is_leaf=lambda x: x is None or isinstance(x, MatrixView))[0]
+      flat = jax.tree_util.tree_flatten_with_path(muon_views, is_leaf=lambda x: x is None or isinstance(x, MatrixView))[
+        0
+      ]
       table = {path_names(p): v for p, v in flat}
       self._view_override = lambda names, shape: table.get(names)
 
@@ -237,8 +247,9 @@ class Routing:
         if bool(m) != (rule == MUON):
           rule, reason = (MUON if m else ADAMW), 'muon_mask'
         if rule == MUON and len(shape) < 2:
-          raise ValueError(f'muon_mask sends {"/".join(names)} of shape {tuple(shape)} to Muon, which '
-                           'needs a parameter with >= 2 axes')
+          raise ValueError(
+            f'muon_mask sends {"/".join(names)} of shape {tuple(shape)} to Muon, which needs a parameter with >= 2 axes'
+          )
       return Route(rule, reason, self.view(names, shape) if rule == MUON else None)
 
     if mask is None:

@@ -14,7 +14,7 @@ import jax
 import ml_collections
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kimijax.config import ConfigError, MESH_AXES
+from kimijax.config import MESH_AXES, ConfigError
 
 
 def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
@@ -22,25 +22,26 @@ def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[i
   sizes = [mesh_cfg[a] for a in MESH_AXES]
   given = ', '.join(f'mesh.{a}={s}' for a, s in zip(MESH_AXES, sizes))
   if sizes.count(-1) > 1:
-    raise ConfigError(f'at most one mesh axis may be -1 (it takes the devices the others leave); '
-                      f'got {given} for {num_devices} devices')
+    raise ConfigError(
+      f'at most one mesh axis may be -1 (it takes the devices the others leave); got {given} for {num_devices} devices'
+    )
   fixed = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % fixed:
-      raise ConfigError(f'{given}: the fixed axes (product {fixed}) do not divide the '
-                        f'{num_devices} devices')
+      raise ConfigError(f'{given}: the fixed axes (product {fixed}) do not divide the {num_devices} devices')
     sizes[sizes.index(-1)] = num_devices // fixed
   if math.prod(sizes) != num_devices:
-    raise ConfigError(f'mesh.data * mesh.fsdp * mesh.tensor = {math.prod(sizes)} but there are '
-                      f'{num_devices} devices; set one axis to -1 to use all devices')
+    raise ConfigError(
+      f'mesh.data * mesh.fsdp * mesh.tensor = {math.prod(sizes)} but there are '
+      f'{num_devices} devices; set one axis to -1 to use all devices'
+    )
   return tuple(sizes)
 
 
 def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices=None) -> Mesh:
   devices = jax.devices() if devices is None else list(devices)
   shape = mesh_shape(mesh_cfg, len(devices))
-  return jax.make_mesh(shape, MESH_AXES, devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def rules(mesh_cfg: ml_collections.ConfigDict):

@@ -27,15 +27,24 @@ MUST_MATCH = ('model',)
 # Keys inside MUST_MATCH that choose how to compute, not what: a checkpoint restores under any of
 # their values (e.g. trained with cuDNN attention on a GPU, evaluated with 'xla' on a CPU).
 # (model.kernels: the group, every key in it.)
-MAY_DIFFER = ('model.attn_impl', 'model.kda_impl', 'model.short_conv_impl', 'model.kda_recompute_projections',
-              'model.attnres_impl', 'model.remat', 'model.kernels')
+MAY_DIFFER = (
+  'model.attn_impl',
+  'model.kda_impl',
+  'model.short_conv_impl',
+  'model.kda_recompute_projections',
+  'model.attnres_impl',
+  'model.remat',
+  'model.kernels',
+)
 
 
 # Saved values from before a key changed its type or its values were renamed, as the key's value
 # now, and saved keys that were renamed, as the key now: a config.json written then reads as the
 # same config (restore, run folders, --mode=eval).
-LEGACY_VALUES = {'model.kda_recompute_projections': {False: '', True: 'qkv'},
-                 'model.kda_impl': {'chunk': 'xla', 'recurrent': 'xla_recurrent'}}
+LEGACY_VALUES = {
+  'model.kda_recompute_projections': {False: '', True: 'qkv'},
+  'model.kda_impl': {'chunk': 'xla', 'recurrent': 'xla_recurrent'},
+}
 LEGACY_KEYS = {'model.kda_conv_impl': 'model.short_conv_impl'}
 
 
@@ -66,8 +75,9 @@ def config_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[st
   'key: saved -> now'. A key the saved config lacks (added to the schema after it was written)
   matches its default."""
   keys = set(_flatten(json.loads(config.to_json()))) | {LEGACY_KEYS.get(k, k) for k in _flatten(saved)}
-  keys = sorted(k for k in keys if k.split('.')[0] in MUST_MATCH
-                and not any(k == m or k.startswith(m + '.') for m in MAY_DIFFER))
+  keys = sorted(
+    k for k in keys if k.split('.')[0] in MUST_MATCH and not any(k == m or k.startswith(m + '.') for m in MAY_DIFFER)
+  )
   return config_differences(saved, config, keys + list(MUST_MATCH_KEYS))
 
 
@@ -76,8 +86,14 @@ def config_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[st
 MUST_MATCH_KEYS = ('optimizer.name',)
 # Keys that decide the learning-rate schedule: a change on resume is allowed (continuing a run
 # for longer is normal) and reported in one line at start-up.
-SCHEDULE_KEYS = ('train.steps', 'optimizer.schedule', 'optimizer.learning_rate', 'optimizer.warmup_steps',
-                 'optimizer.decay_fraction', 'optimizer.min_lr_ratio')
+SCHEDULE_KEYS = (
+  'train.steps',
+  'optimizer.schedule',
+  'optimizer.learning_rate',
+  'optimizer.warmup_steps',
+  'optimizer.decay_fraction',
+  'optimizer.min_lr_ratio',
+)
 
 
 def config_differences(saved: dict, config: ml_collections.ConfigDict, keys=None) -> list[str]:
@@ -87,16 +103,22 @@ def config_differences(saved: dict, config: ml_collections.ConfigDict, keys=None
   before = {LEGACY_KEYS.get(k, k): _current(LEGACY_KEYS.get(k, k), v) for k, v in _flatten(saved).items()}
   keys = sorted(set(now) | set(before)) if keys is None else keys
   defaults = _flatten(json.loads(base_config().to_json()))
-  return [f'{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}' for k in keys
-          if before.get(k, defaults.get(k)) != now.get(k)]
+  return [
+    f'{k}: {before.get(k, defaults.get(k))!r} -> {now.get(k)!r}'
+    for k in keys
+    if before.get(k, defaults.get(k)) != now.get(k)
+  ]
 
 
 def schedule_changes(saved: dict | None, config: ml_collections.ConfigDict) -> list[str]:
   """One line per SCHEDULE_KEYS difference between a checkpoint's config and `config`."""
   if not saved:
     return []
-  return [f'{d} since the checkpoint (the run continues under the new value; the learning rate '
-          'follows the new schedule from the restored step)' for d in config_differences(saved, config, SCHEDULE_KEYS)]
+  return [
+    f'{d} since the checkpoint (the run continues under the new value; the learning rate '
+    'follows the new schedule from the restored step)'
+    for d in config_differences(saved, config, SCHEDULE_KEYS)
+  ]
 
 
 def _leaf_checksum(x):
@@ -126,55 +148,66 @@ def state_checksums(state) -> dict[str, list[int]]:
   sharding = leaves[0].sharding if leaves else None
   out = NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else None
   sums = jax.device_get(_checksum_fn(out)(state))
-  return {jax.tree_util.keystr(path): [int(v) for v in value]
-          for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]}
+  return {
+    jax.tree_util.keystr(path): [int(v) for v in value] for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]
+  }
 
 
 class Checkpointer:
   def __init__(self, directory: str | pathlib.Path, *, keep: int):
     self.directory = pathlib.Path(directory).absolute()
     self.manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                             enable_async_checkpointing=True),
-        item_names=('state', 'data', 'config', 'checksums'))
-    self.restored_config: dict | None = None   # the config saved with the last restored step
+      self.directory,
+      options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True),
+      item_names=('state', 'data', 'config', 'checksums'),
+    )
+    self.restored_config: dict | None = None  # the config saved with the last restored step
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state, data_state: dict, config: ml_collections.ConfigDict) -> None:
-    self.manager.save(step, args=ocp.args.Composite(
+    self.manager.save(
+      step,
+      args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave(data_state),
         config=ocp.args.JsonSave(json.loads(config.to_json())),
-        checksums=ocp.args.JsonSave(state_checksums(state))))
+        checksums=ocp.args.JsonSave(state_checksums(state)),
+      ),
+    )
 
   def restore(self, step: int, abstract_state, config: ml_collections.ConfigDict):
     """(state laid out as abstract_state's shardings, data-iterator state) of `step`."""
     path = self.directory / str(step)
     untouched = 'it was left untouched: move it away or use another --workdir'
     try:  # orbax raises many exception types for unreadable files
-      meta = self.manager.restore(step, args=ocp.args.Composite(
-          config=ocp.args.JsonRestore(), checksums=ocp.args.JsonRestore()))
+      meta = self.manager.restore(
+        step, args=ocp.args.Composite(config=ocp.args.JsonRestore(), checksums=ocp.args.JsonRestore())
+      )
     except Exception as e:
       raise CheckpointError(f'checkpoint {path} cannot be read ({type(e).__name__}: {e}); {untouched}') from e
     mismatches = config_mismatches(meta.config, config)
     if mismatches:
-      raise CheckpointError(f'checkpoint {path} was written by a different model or optimizer config; '
-                            f'{untouched}. Differences (saved -> now): ' + '; '.join(mismatches))
+      raise CheckpointError(
+        f'checkpoint {path} was written by a different model or optimizer config; '
+        f'{untouched}. Differences (saved -> now): ' + '; '.join(mismatches)
+      )
     self.restored_config = meta.config
     try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+      restored = self.manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+      )
     except Exception as e:
       raise CheckpointError(f'checkpoint {path} cannot be restored ({type(e).__name__}: {e}); {untouched}') from e
     sums = state_checksums(restored.state)
     bad = sorted(k for k in set(sums) | set(meta.checksums) if sums.get(k) != meta.checksums.get(k))
     if bad:
       more = f' and {len(bad) - 5} more' if len(bad) > 5 else ''
-      raise CheckpointError(f'checkpoint {path} is corrupt: the restored arrays {bad[:5]}{more} do not '
-                            f'match the checksums saved with them; {untouched}')
+      raise CheckpointError(
+        f'checkpoint {path} is corrupt: the restored arrays {bad[:5]}{more} do not '
+        f'match the checksums saved with them; {untouched}'
+      )
     return restored.state, restored.data
 
   def wait(self) -> None:
@@ -188,6 +221,7 @@ def load_run_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   """A trained run's DIR/config.json laid over base_config() (keys added since keep their
   defaults), validated, with the mesh made data-parallel over this host's devices."""
   from kimijax.config import validate
+
   path = pathlib.Path(workdir) / 'config.json'
   if not path.exists():
     raise CheckpointError(f'{path} not found: --workdir must be a folder that run.py trained into')
@@ -208,8 +242,9 @@ def restore_latest_params(workdir: str | pathlib.Path, config: ml_collections.Co
   state is read (orbax restores whole items) and checked like a resume."""
   from kimijax.optim import make_optimizer
   from kimijax.train.state import state_shardings
+
   directory = pathlib.Path(workdir) / 'checkpoints'
-  if not directory.is_dir():   # checked first: the checkpoint manager would create the folder
+  if not directory.is_dir():  # checked first: the checkpoint manager would create the folder
     raise CheckpointError(f'no checkpoint in {directory}: the run has not saved one yet')
   checkpointer = Checkpointer(directory, keep=config.train.keep_checkpoints)
   step = checkpointer.latest_step()

@@ -32,7 +32,7 @@ def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None) ->
   if jax.default_backend() != 'gpu':
     config.model.attn_impl = config.model.attnres_impl = 'xla'
   num_batches = num_batches or config.train.eval_batches
-  batches = eval_batches(config, num_batches)      # fails on bad data before the restore
+  batches = eval_batches(config, num_batches)  # fails on bad data before the restore
   # Data-parallel over as many of this host's devices as divide the batch (the run may have
   # trained on another number of devices).
   devices = jax.devices()
@@ -43,9 +43,13 @@ def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None) ->
   sharding = mesh_lib.batch_sharding(mesh, config.mesh)
   eval_step = in_mesh(jax.jit(make_eval_step(model)), mesh, config.mesh)
   batches = [{k: jax.device_put(v, sharding) for k, v in b.items()} for b in batches]
-  result = {'step': step, 'eval_loss': evaluate(eval_step, params, batches), 'eval_batches': num_batches,
-            'tokens': int(sum(float(b['mask'].sum()) for b in batches)),
-            'time': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
+  result = {
+    'step': step,
+    'eval_loss': evaluate(eval_step, params, batches),
+    'eval_batches': num_batches,
+    'tokens': int(sum(float(b['mask'].sum()) for b in batches)),
+    'time': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
+  }
   with (workdir / 'eval.jsonl').open('a') as f:
     f.write(json.dumps(result) + '\n')
   return result

@@ -38,7 +38,9 @@ def abstract_params(config: ml_collections.ConfigDict):
 def _abstract_params(model_json: str):
   """Cached by the model config (a ladder asks once per rung and variant)."""
   import flax.linen as nn
+
   from kimijax.model import Transformer
+
   model = Transformer(ml_collections.ConfigDict(json.loads(model_json)))
   tokens = jnp.zeros((1, 8), jnp.int32)
   return nn.unbox(jax.eval_shape(lambda r: model.init(r, tokens)['params'], jax.random.key(0)))
@@ -64,14 +66,17 @@ def model_flops_per_token(config: ml_collections.ConfigDict, n_params: int) -> f
   n_matmul = n_params if m.tie_embeddings else n_params - m.vocab_size * m.d_model
   dqk, dv = attention_head_dims(m)
   kda_heads, kda_dim = config_lib.kda_dims(m)
-  return (6.0 * n_matmul
-          + kinds.count('A') * 3.0 * seq_len * m.num_heads * (dqk + dv)
-          + kinds.count('K') * 18.0 * kda_heads * kda_dim * kda_dim)
+  return (
+    6.0 * n_matmul
+    + kinds.count('A') * 3.0 * seq_len * m.num_heads * (dqk + dv)
+    + kinds.count('K') * 18.0 * kda_heads * kda_dim * kda_dim
+  )
 
 
 def newton_schulz_flops_per_step(config: ml_collections.ConfigDict, params) -> float:
   """Muon's Newton-Schulz FLOPs of one step over every Muon matrix (0 without Muon)."""
   from kimijax.optim import factory
+
   routing = factory.routing(config)
   if routing is None:
     return 0.0
@@ -80,7 +85,7 @@ def newton_schulz_flops_per_step(config: ml_collections.ConfigDict, params) -> f
     if route.rule == 'muon':
       s, a, b = route.view.sizes(leaf.shape)
       m, n = min(a, b), max(a, b)
-      total += s * config.optimizer.ns_steps * (4.0 * m * m * n + 2.0 * m ** 3)
+      total += s * config.optimizer.ns_steps * (4.0 * m * m * n + 2.0 * m**3)
   return total
 
 

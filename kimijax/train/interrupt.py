@@ -9,7 +9,8 @@
 Inside the block the first SIGINT only sets `requested` (and says so); the loop then finishes
 the step, waits for the pending checkpoint save and raises Interrupted, which run.py turns into a
 message and exit status 130. A second SIGINT raises KeyboardInterrupt at once (the last complete
-checkpoint stays; orbax never exposes a half-written one). Outside the main thread (where signal handlers cannot be set) the
+checkpoint stays; orbax never exposes a half-written one).
+Outside the main thread (where signal handlers cannot be set) the
 block does nothing and SIGINT keeps its usual meaning.
 """
 
@@ -25,8 +26,14 @@ class Interrupted(Exception):
 
   def __init__(self, step: int, checkpoint_step: int | None, checkpoint_dir):
     self.step, self.checkpoint_step, self.checkpoint_dir = step, checkpoint_step, checkpoint_dir
-    last = (f'the last complete checkpoint is step {checkpoint_step} in {checkpoint_dir}; re-run the same '
-            'command to resume from it') if checkpoint_step is not None else 'no checkpoint was written yet'
+    last = (
+      (
+        f'the last complete checkpoint is step {checkpoint_step} in {checkpoint_dir}; re-run the same '
+        'command to resume from it'
+      )
+      if checkpoint_step is not None
+      else 'no checkpoint was written yet'
+    )
     super().__init__(f'interrupted at step {step}; {last}')
 
 
@@ -37,10 +44,13 @@ class StopOnInterrupt:
 
   def _handle(self, signum, frame):
     del signum, frame
-    if self.requested:         # a second Ctrl-C: stop at once, as without this handler
+    if self.requested:  # a second Ctrl-C: stop at once, as without this handler
       raise KeyboardInterrupt
-    print('\nkimijax: Ctrl-C: stopping after this step (and any checkpoint save in progress); '
-          'Ctrl-C again stops at once', file=sys.stderr, flush=True)
+    print(
+      '\nkimijax: Ctrl-C: stopping after this step (and any checkpoint save in progress); Ctrl-C again stops at once',
+      file=sys.stderr,
+      flush=True,
+    )
     self.requested = True
 
   def __enter__(self):

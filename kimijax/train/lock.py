@@ -52,14 +52,15 @@ def _alive(pid: int, ticks: int | None) -> bool:
   except ProcessLookupError:
     return False
   except PermissionError:
-    return True          # someone else's live process
+    return True  # someone else's live process
   now = _start_ticks(pid)
-  return ticks is None or now is None or now == ticks   # same pid, another process: not the holder
+  return ticks is None or now is None or now == ticks  # same pid, another process: not the holder
 
 
 def describe(holder: dict) -> str:
-  return (f"host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started')}"
-          + (f", {holder.get('command')}" if holder.get('command') else ''))
+  return f'host {holder.get("host")}, pid {holder.get("pid")}, started {holder.get("started")}' + (
+    f', {holder.get("command")}' if holder.get('command') else ''
+  )
 
 
 class WorkdirLock:
@@ -69,9 +70,13 @@ class WorkdirLock:
     self.held = False
 
   def _create(self) -> bool:
-    info = {'host': socket.gethostname(), 'pid': os.getpid(), 'ticks': _start_ticks(os.getpid()),
-            'started': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-            'command': self.command}
+    info = {
+      'host': socket.gethostname(),
+      'pid': os.getpid(),
+      'ticks': _start_ticks(os.getpid()),
+      'started': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
+      'command': self.command,
+    }
     try:
       fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
@@ -84,7 +89,7 @@ class WorkdirLock:
     try:
       return json.loads(self.path.read_text())
     except (OSError, ValueError):
-      return {}     # being written right now, or unreadable: treated as held
+      return {}  # being written right now, or unreadable: treated as held
 
   def acquire(self) -> None:
     self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -98,9 +103,9 @@ class WorkdirLock:
         break
       aside = self.path.with_name(f'{LOCK_NAME}.stale.{os.getpid()}')
       try:
-        os.replace(self.path, aside)     # atomic: of several reclaimers only one moves this lock
+        os.replace(self.path, aside)  # atomic: of several reclaimers only one moves this lock
       except FileNotFoundError:
-        continue                         # another process moved it first; try to create again
+        continue  # another process moved it first; try to create again
       try:
         moved = json.loads(aside.read_text())
       except (OSError, ValueError):
@@ -117,10 +122,15 @@ class WorkdirLock:
       aside.unlink(missing_ok=True)
       print(f'kimijax: reclaimed a stale lock on {self.path.parent} ({describe(holder)}; not running)', flush=True)
     holder = self._holder()
-    where = '' if holder.get('host') in (None, socket.gethostname()) else (
-        f'; it is on another host, so it cannot be checked from here: if that run is gone, delete {self.path}')
-    raise WorkdirLockedError(f'workdir {self.path.parent} is in use by another run ({describe(holder)}){where}; '
-                             'wait for it to finish or use another --workdir')
+    where = (
+      ''
+      if holder.get('host') in (None, socket.gethostname())
+      else (f'; it is on another host, so it cannot be checked from here: if that run is gone, delete {self.path}')
+    )
+    raise WorkdirLockedError(
+      f'workdir {self.path.parent} is in use by another run ({describe(holder)}){where}; '
+      'wait for it to finish or use another --workdir'
+    )
 
   def release(self) -> None:
     if self.held:

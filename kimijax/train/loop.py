@@ -17,9 +17,7 @@ from kimijax.model import Transformer, count_params
 from kimijax.ops import attention as attention_ops
 from kimijax.optim import describe as describe_optimizer
 from kimijax.parallel import mesh as mesh_lib
-from kimijax.train import checkpoint as ckpt_lib
-from kimijax.train import lock as lock_lib
-from kimijax.train import metrics as metrics_lib
+from kimijax.train import checkpoint as ckpt_lib, lock as lock_lib, metrics as metrics_lib
 from kimijax.train.interrupt import Interrupted, StopOnInterrupt
 from kimijax.train.step import build_training, computes_max_logits
 
@@ -34,18 +32,18 @@ def _to_global(batch: dict, sharding) -> dict:
 
 def _train_record(step: int, m: dict) -> dict:
   record = {'step': step, 'loss': float(m['loss']), 'lr': float(m['lr']), 'grad_norm': float(m['grad_norm'])}
-  per_layer = {name: float(np.max(v)) for name, v in m.get('max_logits', {}).items()}   # {'layer_<i>': [H]}
+  per_layer = {name: float(np.max(v)) for name, v in m.get('max_logits', {}).items()}  # {'layer_<i>': [H]}
   if per_layer:
     record['max_logit'] = max(per_layer.values())
     record.update({f'max_logit_{name}': value for name, value in per_layer.items()})
-  if 'qk_clip_heads' in m:    # muonclip: query heads whose max logit exceeded tau this step
+  if 'qk_clip_heads' in m:  # muonclip: query heads whose max logit exceeded tau this step
     record['qk_clip_heads'] = int(m['qk_clip_heads'])
   record.update({k: float(v) for k, v in m.items() if k.startswith('update_rms_')})
-  if 'attnres' in m:          # train.log_attnres; see kimijax.model for the meaning of each array
+  if 'attnres' in m:  # train.log_attnres; see kimijax.model for the meaning of each array
     stats = jax.device_get(m['attnres'])
     record['attnres_input_rms'] = [float(x) for x in stats['input_rms']]
     record['attnres_output_rms'] = [float(x) for x in stats['output_rms']]
-    if 'weights' in stats:    # one row per consumer, only the sources it sees (no NaN padding)
+    if 'weights' in stats:  # one row per consumer, only the sources it sees (no NaN padding)
       record['attnres_weights'] = [[float(x) for x in row if not np.isnan(x)] for row in stats['weights']]
   return record
 
@@ -91,10 +89,14 @@ def evaluate_details(eval_step, params, batches: list[dict]) -> dict:
   buckets = position_buckets(len(tok_p))
   by_position = []
   for first, last in buckets:
-    n = tok_p[first:last + 1].sum()
-    by_position.append(float(nll_p[first:last + 1].sum() / n) if n > 0 else None)
-  return {'eval_loss': float(sums['nll']) / count, 'accuracy': float(sums['correct']) / count,
-          'position_buckets': [list(b) for b in buckets], 'loss_by_position': by_position}
+    n = tok_p[first : last + 1].sum()
+    by_position.append(float(nll_p[first : last + 1].sum() / n) if n > 0 else None)
+  return {
+    'eval_loss': float(sums['nll']) / count,
+    'accuracy': float(sums['correct']) / count,
+    'position_buckets': [list(b) for b in buckets],
+    'loss_by_position': by_position,
+  }
 
 
 def evaluate(eval_step, params, batches: list[dict]) -> float:
@@ -132,8 +134,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
   check_attention_impl(config, devices)
   train_loader = make_loader(config, 'train', process_index=pid, process_count=nproc)
   if config.model.vocab_size < train_loader.vocab_size:
-    raise config_lib.ConfigError(f'model.vocab_size={config.model.vocab_size} is smaller than the '
-                                 f'tokenizer vocabulary ({train_loader.vocab_size})')
+    raise config_lib.ConfigError(
+      f'model.vocab_size={config.model.vocab_size} is smaller than the tokenizer vocabulary ({train_loader.vocab_size})'
+    )
   val_local = eval_batches(config, t.eval_batches, process_index=pid, process_count=nproc)
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   lock = lock_lib.WorkdirLock(workdir, ' '.join(sys.argv)) if pid == 0 else None
@@ -152,14 +155,23 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
   tokens_per_step = t.batch_size * t.seq_len
   checkpointer = ckpt_lib.Checkpointer(workdir / 'checkpoints', keep=t.keep_checkpoints)
   start = checkpointer.latest_step()
-  if start is not None and start >= t.steps:   # a re-run of a finished run: report, write nothing
+  if start is not None and start >= t.steps:  # a re-run of a finished run: report, write nothing
     checkpointer.close()
     final_loss, eval_loss = _final_losses(workdir, start)
-    return {'already_finished': True, 'steps': start, 'final_loss': final_loss, 'eval_loss': eval_loss,
-            'tokens': start * tokens_per_step, 'workdir': str(workdir.absolute())}
+    return {
+      'already_finished': True,
+      'steps': start,
+      'final_loss': final_loss,
+      'eval_loss': eval_loss,
+      'tokens': start * tokens_per_step,
+      'workdir': str(workdir.absolute()),
+    }
 
-  run = build_training(config, mesh, Transformer(config.model, log_attnres=config.train.log_attnres,
-                                                 max_logits=computes_max_logits(config)))
+  run = build_training(
+    config,
+    mesh,
+    Transformer(config.model, log_attnres=config.train.log_attnres, max_logits=computes_max_logits(config)),
+  )
   abstract_state, train_step, eval_step = run.abstract_state, run.train_step, run.eval_step
   notices = []
   if start is not None:
@@ -177,9 +189,11 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start if start else None)
   n_params = count_params(state.params)
   if pid == 0:
-    print(f'kimijax: {n_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, '
-          f'{tokens_per_step} tokens/step, {"resuming from step " + str(start) if start else "fresh start"}',
-          flush=True)
+    print(
+      f'kimijax: {n_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, '
+      f'{tokens_per_step} tokens/step, {"resuming from step " + str(start) if start else "fresh start"}',
+      flush=True,
+    )
     print('\n'.join(data_report(config)), flush=True)
     for notice in notices:
       print(f'notice: {notice}', flush=True)
@@ -190,8 +204,10 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
   def check(step: int, metrics: dict) -> None:
     if not bool(metrics['finite']):
       checkpointer.wait()
-      raise NonFiniteError(f'loss or gradients became NaN/Inf at step {step}; stopped. The last good '
-                           f'checkpoint is step {checkpointer.latest_step()} in {checkpointer.directory}')
+      raise NonFiniteError(
+        f'loss or gradients became NaN/Inf at step {step}; stopped. The last good '
+        f'checkpoint is step {checkpointer.latest_step()} in {checkpointer.directory}'
+      )
 
   # On MQAR the masked targets are the queried values, so the accuracy is the recall accuracy.
   accuracy_key = 'eval_recall_accuracy' if config.data.source == 'mqar' else 'eval_accuracy'
@@ -206,15 +222,15 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
         break
       state, metrics = train_step(state, _to_global(next(train_loader), batch_sharding))
       if pending is not None:
-        check(*pending)             # one step behind, so the host does not stall the device
+        check(*pending)  # one step behind, so the host does not stall the device
       pending = (step, metrics)
-      if interval_start is None:    # the first step includes compilation: time from after it
+      if interval_start is None:  # the first step includes compilation: time from after it
         check(*pending)
         interval_start = time.time()
       else:
         interval_steps += 1
       last = step == t.steps
-      if step % t.log_every == 0 or last or step == 1:   # step 1: the first loss (~ln vocab)
+      if step % t.log_every == 0 or last or step == 1:  # step 1: the first loss (~ln vocab)
         check(*pending)
         record = _train_record(step, metrics)
         now = time.time()
@@ -227,9 +243,16 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
       if step % t.eval_every == 0 or last:
         details = evaluate_details(eval_step, state.params, val_batches)
         eval_loss = details['eval_loss']
-        writer.write({'step': step, 'eval_loss': eval_loss, accuracy_key: details['accuracy'],
-                      'eval_position_buckets': details['position_buckets'],
-                      'eval_loss_by_position': details['loss_by_position'], 'tokens': step * tokens_per_step})
+        writer.write(
+          {
+            'step': step,
+            'eval_loss': eval_loss,
+            accuracy_key: details['accuracy'],
+            'eval_position_buckets': details['position_buckets'],
+            'eval_loss_by_position': details['loss_by_position'],
+            'tokens': step * tokens_per_step,
+          }
+        )
         if pid == 0:
           bar.write(f'step {step}: eval loss {eval_loss:.4f}')
       if step % t.checkpoint_every == 0 or last:
@@ -248,9 +271,15 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
     raise Interrupted(stopped_at, latest, checkpointer.directory)
   checkpointer.close()
 
-  summary = {'params': n_params, 'steps': t.steps, 'tokens': t.steps * tokens_per_step,
-             'seconds': time.time() - started, 'final_loss': last_loss, 'eval_loss': eval_loss,
-             'workdir': str(workdir.absolute())}
+  summary = {
+    'params': n_params,
+    'steps': t.steps,
+    'tokens': t.steps * tokens_per_step,
+    'seconds': time.time() - started,
+    'final_loss': last_loss,
+    'eval_loss': eval_loss,
+    'workdir': str(workdir.absolute()),
+  }
   if pid == 0 and t.plot and (workdir / 'metrics.jsonl').exists():
     summary['plot'] = str(metrics_lib.plot_loss_curve(workdir, run_title(workdir, n_params, summary['tokens'])))
     summary['plot_by_position'] = str(metrics_lib.plot_loss_by_position(workdir))

@@ -22,10 +22,12 @@ class MetricsWriter:
     if resume_step is not None:
       self._drop_after(resume_step)
     from tensorboardX import SummaryWriter
+
     # purge_step: TensorBoard drops the interrupted run's events after the restored step, as
     # _drop_after does for metrics.jsonl, so no step appears twice.
-    self._tb = SummaryWriter(str(pathlib.Path(workdir) / 'tensorboard'),
-                             purge_step=resume_step + 1 if resume_step is not None else None)
+    self._tb = SummaryWriter(
+      str(pathlib.Path(workdir) / 'tensorboard'), purge_step=resume_step + 1 if resume_step is not None else None
+    )
 
   def _drop_after(self, step: int) -> None:
     """On resume, drop lines logged after the restored step by the interrupted run, so the
@@ -45,7 +47,7 @@ class MetricsWriter:
     for key, value in record.items():
       if key != 'step' and isinstance(value, (int, float)):
         self._tb.add_scalar(key, value, record['step'])
-      elif key == 'eval_loss_by_position':    # one scalar per bucket, named by its positions
+      elif key == 'eval_loss_by_position':  # one scalar per bucket, named by its positions
         for (first, last), loss in zip(record['eval_position_buckets'], value):
           if loss is not None:
             self._tb.add_scalar(f'eval_loss_by_position/{first:06d}-{last:06d}', loss, record['step'])
@@ -63,8 +65,10 @@ def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
 def plot_loss_curve(workdir: str | pathlib.Path, title: str | None = None) -> pathlib.Path:
   """DIR/loss.png: train loss and eval loss against step, under `title`."""
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   records = read_metrics(workdir)
   train = [(r['step'], r['loss']) for r in records if 'loss' in r]
   evals = [(r['step'], r['eval_loss']) for r in records if 'eval_loss' in r]
@@ -89,13 +93,18 @@ def plot_loss_by_position(workdir: str | pathlib.Path) -> pathlib.Path:
   """DIR/loss_by_position.png: eval loss against token position (log axis, one point per bucket
   at its last position), one line per eval step, later steps darker."""
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   evals = [r for r in read_metrics(workdir) if 'eval_loss_by_position' in r]
   fig, ax = plt.subplots(figsize=(7, 4))
   for i, r in enumerate(evals):
-    points = [(last + 1, loss) for (_, last), loss in zip(r['eval_position_buckets'], r['eval_loss_by_position'])
-              if loss is not None]
+    points = [
+      (last + 1, loss)
+      for (_, last), loss in zip(r['eval_position_buckets'], r['eval_loss_by_position'])
+      if loss is not None
+    ]
     if points:
       shade = plt.cm.viridis(0.15 + 0.8 * i / max(len(evals) - 1, 1))
       ax.plot(*zip(*points), 'o-', ms=3, color=shade, label=f'step {r["step"]}')

@@ -19,16 +19,17 @@ from kimijax.parallel import mesh as mesh_lib
 
 @flax.struct.dataclass
 class TrainState:
-  step: jax.Array          # int32 scalar: optimizer steps taken
-  params: Any              # float32 parameter pytree
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any  # float32 parameter pytree
   opt_state: Any
 
 
 def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, seq_len: int):
   def init(rng):
     tokens_bt = jnp.zeros((1, seq_len), jnp.int32)
-    params = model.init(rng, tokens_bt)['params']   # boxed with logical axis names
+    params = model.init(rng, tokens_bt)['params']  # boxed with logical axis names
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
   return init
 
 
@@ -39,23 +40,24 @@ def state_shardings(model, optimizer, config: ml_collections.ConfigDict, mesh: M
   logical = nn.get_partition_spec(boxed)
   shardings = mesh_lib.logical_shardings(logical, mesh, config.mesh)
   _check_divisible(nn.unbox(boxed.params), logical.params, shardings.params)
-  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          nn.unbox(boxed), shardings)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings)
   return abstract, shardings
 
 
 def _check_divisible(params, logical_specs, shardings) -> None:
   """Every sharded parameter dimension must divide evenly over its mesh axes."""
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  for (path, value), names, sharding in zip(flat, jax.tree.leaves(logical_specs, is_leaf=_is_spec),
-                                            jax.tree.leaves(shardings)):
+  for (path, value), names, sharding in zip(
+    flat, jax.tree.leaves(logical_specs, is_leaf=_is_spec), jax.tree.leaves(shardings)
+  ):
     for dim, name, axes in zip(value.shape, names, sharding.spec):
       axes = (axes,) if isinstance(axes, str) else (axes or ())
       ways = math.prod(sharding.mesh.shape[a] for a in axes)
       if dim % ways:
         raise ConfigError(
-            f'parameter {jax.tree_util.keystr(path)} has dimension {name!r} of size {dim}, which does '
-            f'not divide over mesh axes {axes} ({ways} ways); change the model size or mesh.* / mesh.rules')
+          f'parameter {jax.tree_util.keystr(path)} has dimension {name!r} of size {dim}, which does '
+          f'not divide over mesh axes {axes} ({ways} ways); change the model size or mesh.* / mesh.rules'
+        )
 
 
 def _is_spec(x) -> bool:
@@ -65,7 +67,7 @@ def _is_spec(x) -> bool:
 def _has_cpu_backend() -> bool:
   try:
     return bool(jax.devices('cpu'))
-  except RuntimeError:      # JAX_PLATFORMS names only the accelerator
+  except RuntimeError:  # JAX_PLATFORMS names only the accelerator
     return False
 
 
@@ -73,8 +75,9 @@ def _has_cpu_backend() -> bool:
 HOST_INIT_MAX_BYTES = 16 * 2**30
 
 
-def init_state(model, optimizer, config: ml_collections.ConfigDict, abstract: TrainState, *,
-               on_host: bool | None = None) -> TrainState:
+def init_state(
+  model, optimizer, config: ml_collections.ConfigDict, abstract: TrainState, *, on_host: bool | None = None
+) -> TrainState:
   """Fresh state from config.seed in the layout of `abstract` (state_shardings' first result).
 
   on_host True: the initialisers run on the host CPU and the state is then copied to its shards;
@@ -89,8 +92,12 @@ def init_state(model, optimizer, config: ml_collections.ConfigDict, abstract: Tr
   shardings = jax.tree.map(lambda a: a.sharding, abstract)
   if on_host is None:
     nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
-    on_host = (jax.process_count() == 1 and jax.default_backend() != 'cpu' and _has_cpu_backend()
-               and nbytes <= HOST_INIT_MAX_BYTES)
+    on_host = (
+      jax.process_count() == 1
+      and jax.default_backend() != 'cpu'
+      and _has_cpu_backend()
+      and nbytes <= HOST_INIT_MAX_BYTES
+    )
   key = jax.random.key(config.seed)
   build = lambda rng: nn.unbox(init(rng))
   if not on_host:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -12,10 +13,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from kimijax import optim
-from kimijax.optim.qk_clip import heads_clipped
-from kimijax.parallel import mesh as mesh_lib
 from kimijax.model import Transformer
 from kimijax.optim import make_optimizer, make_schedule
+from kimijax.optim.qk_clip import heads_clipped
+from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.state import TrainState, init_state, state_shardings
 
 
@@ -32,6 +33,7 @@ def make_loss_fn(model: nn.Module):
     nll = token_nll(logits_btv, batch['targets'])
     loss = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
     return loss, aux
+
   return loss_fn
 
 
@@ -51,8 +53,7 @@ def computes_max_logits(config: ml_collections.ConfigDict) -> bool:
   return bool(config.train.log_max_logits) or config.optimizer.name == 'muonclip'
 
 
-def make_train_step(model, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    param_groups=None):
+def make_train_step(model, optimizer: optax.GradientTransformation, schedule: optax.Schedule, param_groups=None):
   """(state, batch) -> (state, metrics). A step whose loss or gradients are not finite leaves the
   state unchanged and reports finite=False; the loop stops on it.
 
@@ -68,10 +69,8 @@ def make_train_step(model, optimizer: optax.GradientTransformation, schedule: op
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params,
-                                          max_logits=aux.get('max_logits'))
-    new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                     opt_state=opt_state)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params, max_logits=aux.get('max_logits'))
+    new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
     new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
     metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step), 'finite': finite}
     if 'max_logits' in aux:
@@ -81,7 +80,7 @@ def make_train_step(model, optimizer: optax.GradientTransformation, schedule: op
     clipped = heads_clipped(opt_state)
     if clipped is not None:
       metrics['qk_clip_heads'] = clipped
-    if 'attnres' in aux:        # Transformer(..., log_attnres=True): per-sublayer depth statistics
+    if 'attnres' in aux:  # Transformer(..., log_attnres=True): per-sublayer depth statistics
       metrics['attnres'] = aux['attnres']
     return new, metrics
 
@@ -95,13 +94,20 @@ def make_eval_step(model):
   Nothing here reads max logits, so a Transformer evaluates without computing them."""
   if isinstance(model, Transformer):
     model = model.clone(max_logits=False)
+
   def eval_step(params, batch):
     logits_btv, _ = model.apply({'params': params}, batch['inputs'])
     targets, mask = batch['targets'], batch['mask'].astype(jnp.float32)
     nll = token_nll(logits_btv, targets) * mask
     hit = (jnp.argmax(logits_btv, axis=-1) == targets).astype(jnp.float32) * mask
-    return {'nll': jnp.sum(nll), 'tokens': jnp.sum(mask), 'correct': jnp.sum(hit),
-            'nll_by_position': jnp.sum(nll, axis=0), 'tokens_by_position': jnp.sum(mask, axis=0)}
+    return {
+      'nll': jnp.sum(nll),
+      'tokens': jnp.sum(mask),
+      'correct': jnp.sum(hit),
+      'nll_by_position': jnp.sum(nll, axis=0),
+      'tokens_by_position': jnp.sum(mask, axis=0),
+    }
+
   return eval_step
 
 
@@ -112,6 +118,7 @@ def in_mesh(fn, mesh: Mesh, mesh_cfg: ml_collections.ConfigDict):
   def wrapped(*args):
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
       return fn(*args)
+
   return wrapped
 
 
@@ -119,23 +126,26 @@ def jit_steps(model, optimizer, schedule, config, mesh, state_shardings):
   """The train and eval steps jitted with explicit in/out shardings; the train state is donated."""
   batch_sh = mesh_lib.batch_sharding(mesh, config.mesh)
   rep = mesh_lib.replicated(mesh)
-  train = jax.jit(make_train_step(model, optimizer, schedule, optim.param_groups(config)),
-                  in_shardings=(state_shardings, batch_sh), out_shardings=(state_shardings, rep),
-                  donate_argnums=0)
-  evaluate = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sh),
-                     out_shardings=rep)
+  train = jax.jit(
+    make_train_step(model, optimizer, schedule, optim.param_groups(config)),
+    in_shardings=(state_shardings, batch_sh),
+    out_shardings=(state_shardings, rep),
+    donate_argnums=0,
+  )
+  evaluate = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sh), out_shardings=rep)
   return in_mesh(train, mesh, config.mesh), in_mesh(evaluate, mesh, config.mesh)
 
 
 class Training(NamedTuple):
   """Everything a run needs besides data: built once from the config and the mesh."""
+
   model: nn.Module
   optimizer: optax.GradientTransformation
   schedule: optax.Schedule
-  abstract_state: TrainState       # shapes, dtypes and shardings, for restoring checkpoints
-  shardings: TrainState            # NamedSharding per leaf
-  train_step: Callable             # (state, batch) -> (state, metrics), jitted, state donated
-  eval_step: Callable              # (params, batch) -> {'nll', 'tokens', 'correct', ...} sums, jitted
+  abstract_state: TrainState  # shapes, dtypes and shardings, for restoring checkpoints
+  shardings: TrainState  # NamedSharding per leaf
+  train_step: Callable  # (state, batch) -> (state, metrics), jitted, state donated
+  eval_step: Callable  # (params, batch) -> {'nll', 'tokens', 'correct', ...} sums, jitted
   batch_sharding: NamedSharding
 
   def init_state(self, config: ml_collections.ConfigDict) -> TrainState:
@@ -148,11 +158,21 @@ def build_training(config: ml_collections.ConfigDict, mesh: Mesh, model: nn.Modu
   if model is None:
     model = Transformer(config.model, max_logits=computes_max_logits(config))
   if config.optimizer.name == 'muonclip' and not getattr(model, 'max_logits', True):
-    raise ValueError("optimizer.name='muonclip' needs the model's max logits (QK-Clip); build it with "
-                     'Transformer(..., max_logits=True)')
+    raise ValueError(
+      "optimizer.name='muonclip' needs the model's max logits (QK-Clip); build it with "
+      'Transformer(..., max_logits=True)'
+    )
   schedule = make_schedule(config)
   optimizer = make_optimizer(config, schedule)
   abstract_state, shardings = state_shardings(model, optimizer, config, mesh)
   train_step, eval_step = jit_steps(model, optimizer, schedule, config, mesh, shardings)
-  return Training(model, optimizer, schedule, abstract_state, shardings, train_step, eval_step,
-                  mesh_lib.batch_sharding(mesh, config.mesh))
+  return Training(
+    model,
+    optimizer,
+    schedule,
+    abstract_state,
+    shardings,
+    train_step,
+    eval_step,
+    mesh_lib.batch_sharding(mesh, config.mesh),
+  )

@@ -9,9 +9,19 @@ import numpy as np
 import pytest
 
 from kimijax.data import (
-    EOS_ID, PAD_ID, ByteTokenizer, DataError, default_data_config,
-    eval_batches, make_loader, mqar_batch, pack_documents, split_files,
-    stdlib_documents, stdlib_files)
+  EOS_ID,
+  PAD_ID,
+  ByteTokenizer,
+  DataError,
+  default_data_config,
+  eval_batches,
+  make_loader,
+  mqar_batch,
+  pack_documents,
+  split_files,
+  stdlib_documents,
+  stdlib_files,
+)
 
 
 def make_config(batch_size=4, seq_len=8, seed=0, **data):
@@ -46,8 +56,7 @@ def assert_batches_equal(a, b):
 @pytest.fixture
 def corpus(tmp_path):
   """Folder of 12 small text files (+ hidden ones that must be ignored)."""
-  files = {f'd{i % 3}/f{i:02d}.txt': bytes(f'file {i}: ' + 'xyz' * (40 + 5 * i), 'utf-8')
-           for i in range(12)}
+  files = {f'd{i % 3}/f{i:02d}.txt': bytes(f'file {i}: ' + 'xyz' * (40 + 5 * i), 'utf-8') for i in range(12)}
   files['.hidden'] = b'HIDDEN'
   files['.git/config'] = b'HIDDEN'
   return write_files(tmp_path / 'corpus', files)
@@ -101,8 +110,7 @@ def test_stdlib_corpus_exists_with_both_splits():
   assert all(f.suffix == '.py' for f in files)
   root = pathlib.Path(sysconfig.get_paths()['stdlib'])
   for f in files:
-    assert not {'site-packages', '__pycache__', 'test', 'tests'} & set(
-        f.relative_to(root).parts)
+    assert not {'site-packages', '__pycache__', 'test', 'tests'} & set(f.relative_to(root).parts)
   assert any(f.name == 'functools.py' for f in files)
   train, val = stdlib_documents('train', 0.05), stdlib_documents('validation', 0.05)
   assert len(train) > len(val) > 0
@@ -119,8 +127,7 @@ def test_pack_documents():
 def test_single_file_windows_by_hand(tmp_path):
   path = tmp_path / 'one.txt'
   path.write_bytes(b'0123456789')  # val_fraction 0.2 -> train '01234567', val '89'
-  cfg = make_config(batch_size=4, seq_len=2, source='text', path=str(path),
-                    val_fraction=0.2)
+  cfg = make_config(batch_size=4, seq_len=2, source='text', path=str(path), val_fraction=0.2)
   # Train stream: 0 1 2 3 4 5 6 7 EOS -> 4 windows of 3 tokens, stride 2.
   d = [ord(c) for c in '01234567'] + [EOS_ID]
   windows = sorted([d[0:3], d[2:5], d[4:7], d[6:9]])
@@ -134,38 +141,34 @@ def test_single_file_windows_by_hand(tmp_path):
     assert sorted(got.tolist()) == windows
     np.testing.assert_array_equal(batch['targets'][:, :-1], batch['inputs'][:, 1:])
   # Validation stream: 8 9 EOS -> one window, repeated.
-  val = eval_batches(make_config(batch_size=1, seq_len=2, source='text',
-                                 path=str(path), val_fraction=0.2), 3)
+  val = eval_batches(make_config(batch_size=1, seq_len=2, source='text', path=str(path), val_fraction=0.2), 3)
   for batch in val:
     assert batch['inputs'].tolist() == [[ord('8'), ord('9')]]
     assert batch['targets'].tolist() == [[ord('9'), EOS_ID]]
 
 
 def test_folder_validation_windows_by_hand(corpus):
-  cfg = make_config(batch_size=2, seq_len=5, source='text', path=str(corpus),
-                    val_fraction=0.3)
+  cfg = make_config(batch_size=2, seq_len=5, source='text', path=str(corpus), val_fraction=0.3)
   all_files = sorted(p for p in corpus.rglob('*.txt'))
   val_files = split_files(all_files, corpus, 'validation', 0.3)
   stream = []
   for f in val_files:  # sorted by relative path, EOS after each document
     stream += list(f.read_bytes()) + [EOS_ID]
   n = (len(stream) - 1) // 5
-  windows = [stream[i * 5:i * 5 + 6] for i in range(n)]
+  windows = [stream[i * 5 : i * 5 + 6] for i in range(n)]
   batches = eval_batches(cfg, 2 * n)  # wraps around the split twice over
   rows = [np.concatenate([b['inputs'], b['targets'][:, -1:]], 1) for b in batches]
   rows = np.concatenate(rows).tolist()
-  assert rows == (windows * 4)[:4 * n]
+  assert rows == (windows * 4)[: 4 * n]
   assert EOS_ID in stream and b'HIDDEN' not in bytes(x for x in stream if x < 256)
   assert_batches_equal(batches, eval_batches(cfg, 2 * n))  # same every call
 
 
 def test_train_split_excludes_validation_files(corpus):
-  cfg = make_config(batch_size=2, seq_len=4, source='text', path=str(corpus),
-                    val_fraction=0.3)
+  cfg = make_config(batch_size=2, seq_len=4, source='text', path=str(corpus), val_fraction=0.3)
   val_files = split_files(sorted(corpus.rglob('*.txt')), corpus, 'validation', 0.3)
   loader = make_loader(cfg, 'train')
-  seen = b''.join(bytes(x for x in b['inputs'].ravel() if x < 256)
-                  for b in take(loader, 40))
+  seen = b''.join(bytes(x for x in b['inputs'].ravel() if x < 256) for b in take(loader, 40))
   for f in val_files:
     assert f.read_bytes()[:9] not in seen  # the 'file N: ' header is unique
 
@@ -175,8 +178,7 @@ def test_train_split_excludes_validation_files(corpus):
 
 @pytest.mark.parametrize('source', ['text', 'mqar', 'stdlib'])
 def test_two_processes_see_the_one_process_batch(corpus, source):
-  cfg = make_config(batch_size=4, seq_len=64, source=source, path=str(corpus),
-                    mqar_num_pairs=4)
+  cfg = make_config(batch_size=4, seq_len=64, source=source, path=str(corpus), mqar_num_pairs=4)
   one = take(make_loader(cfg, 'train'), 12)
   p0 = take(make_loader(cfg, 'train', process_index=0, process_count=2), 12)
   p1 = take(make_loader(cfg, 'train', process_index=1, process_count=2), 12)
@@ -194,8 +196,7 @@ def test_two_processes_see_the_one_process_batch(corpus, source):
 
 @pytest.mark.parametrize('source', ['text', 'mqar'])
 def test_get_state_set_state_resumes(corpus, source):
-  cfg = make_config(batch_size=4, seq_len=64, source=source, path=str(corpus),
-                    mqar_num_pairs=2)
+  cfg = make_config(batch_size=4, seq_len=64, source=source, path=str(corpus), mqar_num_pairs=2)
   reference = take(make_loader(cfg, 'train'), 30)
   if source == 'text':  # the 120 rows span several epochs
     assert make_loader(cfg, 'train').num_sequences < 40
@@ -214,8 +215,7 @@ def test_seed_changes_train_order_not_validation(corpus):
   a = take(make_loader(make_config(seed=0, **base), 'train'), 3)
   b = take(make_loader(make_config(seed=1, **base), 'train'), 3)
   assert any((x['inputs'] != y['inputs']).any() for x, y in zip(a, b))
-  assert_batches_equal(eval_batches(make_config(seed=0, **base), 3),
-                       eval_batches(make_config(seed=1, **base), 3))
+  assert_batches_equal(eval_batches(make_config(seed=0, **base), 3), eval_batches(make_config(seed=1, **base), 3))
 
 
 # ---------------------------------------------------------------- MQAR
@@ -223,12 +223,12 @@ def test_seed_changes_train_order_not_validation(corpus):
 
 def check_mqar_row(inputs, targets, mask, num_pairs):
   """Independent recomputation of the MQAR labels of one row."""
-  keys = inputs[0:2 * num_pairs:2].tolist()
-  values = inputs[1:2 * num_pairs:2].tolist()
+  keys = inputs[0 : 2 * num_pairs : 2].tolist()
+  values = inputs[1 : 2 * num_pairs : 2].tolist()
   assert len(set(keys)) == num_pairs
   assert max(keys) < min(values) and max(values) < 256  # disjoint ranges
   pair = dict(zip(keys, values))
-  assert not mask[:2 * num_pairs].any()
+  assert not mask[: 2 * num_pairs].any()
   queried = []
   for t in range(2 * num_pairs, len(inputs)):
     if inputs[t] in pair and (t - 2 * num_pairs) % 2 == 0:
@@ -283,22 +283,23 @@ def _raises(match_keys, fn, *args, **kwargs):
 def test_errors(tmp_path, corpus):
   _raises(['data.source', 'mqar'], make_loader, make_config(source='tfds'), 'train')
   _raises(['data.path'], make_loader, make_config(source='text', path=''), 'train')
-  _raises(['data.path', 'nope'], make_loader,
-          make_config(source='text', path=str(tmp_path / 'nope')), 'train')
+  _raises(['data.path', 'nope'], make_loader, make_config(source='text', path=str(tmp_path / 'nope')), 'train')
   (tmp_path / 'empty').mkdir()
-  _raises(['data.path'], make_loader,
-          make_config(source='text', path=str(tmp_path / 'empty')), 'train')
+  _raises(['data.path'], make_loader, make_config(source='text', path=str(tmp_path / 'empty')), 'train')
   write_files(tmp_path / 'zeros', {'a.txt': b'', 'b.txt': b''})
-  _raises(['data.path'], make_loader,
-          make_config(source='text', path=str(tmp_path / 'zeros')), 'train')
-  _raises(['train.batch_size', 'train.seq_len', 'sequences'], make_loader,
-          make_config(batch_size=64, seq_len=512, source='text', path=str(corpus)),
-          'train')
-  _raises(['train.batch_size'], make_loader, make_config(batch_size=3), 'train',
-          process_index=0, process_count=2)
-  _raises(['data.mqar_num_pairs', 'train.seq_len'], make_loader,
-          make_config(seq_len=30, source='mqar', mqar_num_pairs=8), 'train')
-  _raises(['data.mqar_num_pairs'], make_loader,
-          make_config(seq_len=4096, source='mqar', mqar_num_pairs=200), 'train')
-  _raises(['data.val_fraction'], make_loader,
-          make_config(source='text', path=str(corpus), val_fraction=0.0), 'train')
+  _raises(['data.path'], make_loader, make_config(source='text', path=str(tmp_path / 'zeros')), 'train')
+  _raises(
+    ['train.batch_size', 'train.seq_len', 'sequences'],
+    make_loader,
+    make_config(batch_size=64, seq_len=512, source='text', path=str(corpus)),
+    'train',
+  )
+  _raises(['train.batch_size'], make_loader, make_config(batch_size=3), 'train', process_index=0, process_count=2)
+  _raises(
+    ['data.mqar_num_pairs', 'train.seq_len'],
+    make_loader,
+    make_config(seq_len=30, source='mqar', mqar_num_pairs=8),
+    'train',
+  )
+  _raises(['data.mqar_num_pairs'], make_loader, make_config(seq_len=4096, source='mqar', mqar_num_pairs=200), 'train')
+  _raises(['data.val_fraction'], make_loader, make_config(source='text', path=str(corpus), val_fraction=0.0), 'train')

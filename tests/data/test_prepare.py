@@ -10,10 +10,10 @@ import subprocess
 import sys
 import time
 
+import data_helpers
 import numpy as np
 import pytest
 
-import data_helpers
 from kimijax.data import DataError, load_tokenizer
 from kimijax.data.prepare import prepare
 from kimijax.data.shards import ShardSplit, read_manifest, verify_split
@@ -73,19 +73,20 @@ def test_shards_hold_the_in_memory_tokens(kind, docs, tmp_path, bpe_json, tiktok
     assert (expected[offsets[1:] - 1] == tok.eos_id).all()
     verify_split(str(tmp_path / 'out'), split)
   assert m['dtype'] == 'uint16' and m['tokenizer']['fingerprint'] == tok.fingerprint
-  assert len(m['splits']['train']['shards']) > 3           # several units
+  assert len(m['splits']['train']['shards']) > 3  # several units
   assert m['text_bytes'] == sum(len(d.encode()) for d in docs)
   assert [pathlib.Path(s['path']).name for s in m['sources']] == sorted(
-      p.name for p in inputs.rglob('*') if p.is_file() and p.name not in ('image.bin', '.hidden.txt'))
+    p.name for p in inputs.rglob('*') if p.is_file() and p.name not in ('image.bin', '.hidden.txt')
+  )
   assert [pathlib.Path(p).name for p in m['skipped_files']] == ['image.bin']
 
 
 def test_split_and_tokens_do_not_depend_on_file_order_or_names(docs, tmp_path):
   a = data_helpers.write_inputs(tmp_path / 'a', docs)
   shuffled = [docs[i] for i in np.random.default_rng(1).permutation(len(docs))]
-  b = data_helpers.write_inputs(tmp_path / 'b', shuffled)            # other files, other order
+  b = data_helpers.write_inputs(tmp_path / 'b', shuffled)  # other files, other order
   run([a], tmp_path / 'out_a')
-  run([b / 'txt', b / 'd.parquet', b / '*.jsonl*'], tmp_path / 'out_b')   # other --input order too
+  run([b / 'txt', b / 'd.parquet', b / '*.jsonl*'], tmp_path / 'out_b')  # other --input order too
   for split in ('train', 'validation'):
     got = {}
     for name in ('a', 'b'):
@@ -115,11 +116,21 @@ def test_finished_output_is_left_alone_and_other_inputs_refused(docs, tmp_path):
 
 def test_resume_after_sigkill_is_exact(docs, tmp_path, bpe_json):
   inputs = data_helpers.write_inputs(tmp_path / 'in', docs * 3)
-  args = [sys.executable, '-m', 'kimijax.data.prepare', f'--input={inputs}', f'--tokenizer=hf:{bpe_json}',
-          f'--val_fraction={VAL}', '--unit_mb=0.005', '--workers=1', '--no_progress']
+  args = [
+    sys.executable,
+    '-m',
+    'kimijax.data.prepare',
+    f'--input={inputs}',
+    f'--tokenizer=hf:{bpe_json}',
+    f'--val_fraction={VAL}',
+    '--unit_mb=0.005',
+    '--workers=1',
+    '--no_progress',
+  ]
   env = {**os.environ, 'PYTHONPATH': str(REPO)}
-  killed = subprocess.Popen(args + [f'--output={tmp_path / "killed"}'], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  killed = subprocess.Popen(
+    args + [f'--output={tmp_path / "killed"}'], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+  )
   units = tmp_path / 'killed' / 'units'
   deadline = time.time() + 60
   while time.time() < deadline and len(list(units.glob('*.json'))) < 3:
@@ -128,8 +139,9 @@ def test_resume_after_sigkill_is_exact(docs, tmp_path, bpe_json):
   killed.wait()
   committed = len(list(units.glob('*.json')))
   assert committed >= 3 and not (tmp_path / 'killed' / 'manifest.json').exists()
-  resumed = subprocess.run(args + [f'--output={tmp_path / "killed"}'], cwd=REPO, env=env, capture_output=True,
-                           text=True, timeout=120)
+  resumed = subprocess.run(
+    args + [f'--output={tmp_path / "killed"}'], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+  )
   assert resumed.returncode == 0, resumed.stderr
   assert f'resuming: {committed} of' in resumed.stdout
   fresh = run([inputs], tmp_path / 'fresh', tokenizer=f'hf:{bpe_json}', unit_mb=0.005)
@@ -182,6 +194,7 @@ def test_bad_input_is_one_line_before_any_tokenization(tmp_path):
   fails(['no non-empty documents'], [tmp_path / 'j'])
   import pyarrow as pa
   import pyarrow.parquet as pq
+
   (tmp_path / 'p').mkdir()
   pq.write_table(pa.table({'content': ['a', 'b']}), tmp_path / 'p' / 'x.parquet')
   fails([str(tmp_path / 'p' / 'x.parquet'), "no column 'text'", "['content']"], [tmp_path / 'p'])
@@ -203,7 +216,8 @@ def test_command_line(tmp_path):
   env = {**os.environ, 'PYTHONPATH': str(REPO)}
   bad = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
   assert bad.returncode == 2 and bad.stderr.count('\n') == 1 and "no field 'text'" in bad.stderr
-  good = subprocess.run(cmd + ['--text_field=body', '--no_progress'], cwd=REPO, env=env, capture_output=True,
-                        text=True, timeout=60)
+  good = subprocess.run(
+    cmd + ['--text_field=body', '--no_progress'], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+  )
   assert good.returncode == 0, good.stderr
   assert json.loads((tmp_path / 'o' / 'manifest.json').read_text())['text_field'] == 'body'

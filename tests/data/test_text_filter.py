@@ -17,8 +17,14 @@ PYC = b'\xcb\r\r\n' + bytes(12) + b'\xe3\x00\x00\x00' + bytes(40)
 
 def _folder(tmp_path: pathlib.Path) -> dict[str, bytes]:
   files = {f'src/mod_{i}.py': f'def f_{i}(x):\n  return x * {i}  # caf\u00e9\n'.encode() * (i + 1) for i in range(8)}
-  files.update({'img/a.png': PNG, 'img/b.png': PNG, 'src/__pycache__/mod_0.cpython-312.pyc': PYC,
-                'notes.txt': 'plain text \u2014 with a dash\n'.encode()})
+  files.update(
+    {
+      'img/a.png': PNG,
+      'img/b.png': PNG,
+      'src/__pycache__/mod_0.cpython-312.pyc': PYC,
+      'notes.txt': 'plain text \u2014 with a dash\n'.encode(),
+    }
+  )
   for name, data in files.items():
     (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / name).write_bytes(data)
@@ -26,8 +32,13 @@ def _folder(tmp_path: pathlib.Path) -> dict[str, bytes]:
 
 
 def test_sniffing_tells_text_from_binary(tmp_path):
-  for name, data, want in [('a.txt', 'h\u00e9llo'.encode(), True), ('b.png', PNG, False), ('c.pyc', PYC, False),
-                           ('d.bin', b'\xff\xfe\xfa' * 10, False), ('e.txt', b'x' * 8191 + '\u00e9'.encode(), True)]:
+  for name, data, want in [
+    ('a.txt', 'h\u00e9llo'.encode(), True),
+    ('b.png', PNG, False),
+    ('c.pyc', PYC, False),
+    ('d.bin', b'\xff\xfe\xfa' * 10, False),
+    ('e.txt', b'x' * 8191 + '\u00e9'.encode(), True),
+  ]:
     (tmp_path / name).write_bytes(data)
     assert is_text_file(tmp_path / name) is want, name
 
@@ -45,7 +56,13 @@ def test_report_counts_files_and_bytes_per_split_and_the_skipped_kinds(tmp_path)
   text_paths = sorted(tmp_path / n for n in files if not n.endswith(('.png', '.pyc')))
   for split, line in zip(('train', 'validation'), lines[1:3]):
     chosen = split_files(text_paths, tmp_path, split, 0.2)
-    assert line.split() == [split, f'{len(chosen):,}', 'files', f'{sum(len(files[p.relative_to(tmp_path).as_posix()]) for p in chosen):,}', 'bytes']
+    assert line.split() == [
+      split,
+      f'{len(chosen):,}',
+      'files',
+      f'{sum(len(files[p.relative_to(tmp_path).as_posix()]) for p in chosen):,}',
+      'bytes',
+    ]
   assert 'skipped 3 files that are not text (2 .png, 1 .pyc)' in lines[3]
 
 
@@ -53,7 +70,9 @@ def test_nothing_but_binary_files_is_an_error_naming_the_kinds(tmp_path):
   for i in range(3):
     (tmp_path / f'{i}.png').write_bytes(PNG)
   (tmp_path / 'x.pyc').write_bytes(PYC)
-  with pytest.raises(DataError, match=r'has no text files: all 4 non-empty files are not UTF-8 text \(3 \.png, 1 \.pyc\)'):
+  with pytest.raises(
+    DataError, match=r'has no text files: all 4 non-empty files are not UTF-8 text \(3 \.png, 1 \.pyc\)'
+  ):
     text_documents(str(tmp_path), 'train', 0.1)
 
 

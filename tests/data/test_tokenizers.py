@@ -5,11 +5,11 @@ and name the file of a tokenizer that does not parse."""
 import json
 import shutil
 
+import data_helpers
 import ml_collections
 import numpy as np
 import pytest
 
-import data_helpers
 from kimijax.data import DataError, load_tokenizer, model_vocab_size
 from kimijax.data.tokenizer import ByteTokenizer, config_vocab_size
 
@@ -25,7 +25,7 @@ def raises_one_line(match, fn, *args):
 
 
 def round_trip_texts():
-  return data_helpers.documents() + data_helpers.stdlib_texts(15, start=80)   # the last: unseen in training
+  return data_helpers.documents() + data_helpers.stdlib_texts(15, start=80)  # the last: unseen in training
 
 
 def test_byte_tokenizer_unchanged():
@@ -48,8 +48,8 @@ def test_round_trip_and_no_eos_inside_documents(kind, bpe_json, tiktoken_path):
     assert not np.isin(ids, [tok.eos_id, tok.pad_id]).any()
     assert ids.min() >= 0 and ids.max() < tok.vocab_size
     total_ids, total_bytes = total_ids + len(ids), total_bytes + len(text.encode())
-  assert total_ids < 0.6 * total_bytes           # a BPE: merges happen
-  assert tok.decode(np.array([tok.eos_id, *tok.encode('ab'), tok.pad_id])) == 'ab'   # specials dropped
+  assert total_ids < 0.6 * total_bytes  # a BPE: merges happen
+  assert tok.decode(np.array([tok.eos_id, *tok.encode('ab'), tok.pad_id])) == 'ab'  # specials dropped
   assert tok.decode(tok.encode(b'bytes \xff')) == 'bytes \ufffd'
 
 
@@ -70,7 +70,9 @@ def test_tiktoken_default_preset(tiktoken_path):
 def test_tiktoken_long_documents_encode_as_a_whole(tiktoken_path):
   """Pieces cut at newlines give the ids of encoding the whole text (tiktoken itself is the reference)."""
   import tiktoken
+
   from kimijax.data import tokenizer_tiktoken as tt
+
   tok = load_tokenizer(f'tiktoken:{tiktoken_path}')
   ranks = tt.read_ranks(tiktoken_path, 'test')
   reference = tiktoken.Encoding('ref', pat_str=tt.PRESETS['default'][0], mergeable_ranks=ranks, special_tokens={})
@@ -85,11 +87,20 @@ def test_tiktoken_long_documents_encode_as_a_whole(tiktoken_path):
 def test_tiktoken_kimi_preset_from_sidecar(tiktoken_path, tmp_path):
   n = len(tiktoken_path.read_text().splitlines())
   shutil.copy(tiktoken_path, tmp_path / 'tiktoken.model')
-  (tmp_path / 'tokenizer_config.json').write_text(json.dumps({
-      'auto_map': {'AutoTokenizer': ['tokenization_kimi.TikTokenTokenizer', None]},
-      'added_tokens_decoder': {str(n): {'content': '[BOS]'}, str(n + 1): {'content': '[EOS]'},
-                               str(n + 4): {'content': '<|im_end|>'}},
-      'bos_token': '[BOS]', 'eos_token': '[EOS]'}))
+  (tmp_path / 'tokenizer_config.json').write_text(
+    json.dumps(
+      {
+        'auto_map': {'AutoTokenizer': ['tokenization_kimi.TikTokenTokenizer', None]},
+        'added_tokens_decoder': {
+          str(n): {'content': '[BOS]'},
+          str(n + 1): {'content': '[EOS]'},
+          str(n + 4): {'content': '<|im_end|>'},
+        },
+        'bos_token': '[BOS]',
+        'eos_token': '[EOS]',
+      }
+    )
+  )
   tok = load_tokenizer(f'tiktoken:{tmp_path / "tiktoken.model"}')
   assert tok.preset == 'kimi'
   assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (n + 258, n, n + 1, n + 1)
@@ -114,10 +125,12 @@ def test_fingerprints(bpe_json, tiktoken_path, tmp_path):
   copy = tmp_path / 'elsewhere' / 'bpe.tiktoken'
   copy.parent.mkdir()
   shutil.copy(tiktoken_path, copy)
-  prints = [load_tokenizer(s).fingerprint for s in
-            ('byte', f'hf:{bpe_json}', f'tiktoken:{tiktoken_path}', f'tiktoken:{tiktoken_path}#r50k_base')]
+  prints = [
+    load_tokenizer(s).fingerprint
+    for s in ('byte', f'hf:{bpe_json}', f'tiktoken:{tiktoken_path}', f'tiktoken:{tiktoken_path}#r50k_base')
+  ]
   assert len(set(prints)) == 4
-  assert load_tokenizer(f'tiktoken:{copy}').fingerprint == prints[2]     # the bytes, not the path
+  assert load_tokenizer(f'tiktoken:{copy}').fingerprint == prints[2]  # the bytes, not the path
 
 
 def test_model_vocab_size():
@@ -126,19 +139,21 @@ def test_model_vocab_size():
   assert model_vocab_size(0, 163_842) == 163_968
   assert model_vocab_size(258, 258) == 258
   assert model_vocab_size(32768, 258) == 32768
-  raises_one_line(['model.vocab_size=1000', '1025', "data.tokenizer='hf:x'", '1152'],
-                  model_vocab_size, 1000, 1025, 'hf:x')
+  raises_one_line(
+    ['model.vocab_size=1000', '1025', "data.tokenizer='hf:x'", '1152'], model_vocab_size, 1000, 1025, 'hf:x'
+  )
   config = data_helpers.make_config(source='mqar', tokenizer='hf:/nonexistent')
   config.model = ml_collections.ConfigDict({'vocab_size': 0})
-  assert config_vocab_size(config) == 384        # MQAR's ids are bytes whatever data.tokenizer says
+  assert config_vocab_size(config) == 384  # MQAR's ids are bytes whatever data.tokenizer says
 
 
 def test_bad_tokenizer_files(tmp_path, bpe_json):
   raises_one_line(["data.tokenizer='sp:x'"], load_tokenizer, 'sp:x')
   raises_one_line(['does not exist'], load_tokenizer, f'hf:{tmp_path / "none.json"}')
   (tmp_path / 'bad.json').write_text('{"not": "a tokenizer"')
-  raises_one_line([str(tmp_path / 'bad.json'), 'not a tokenizers tokenizer.json'], load_tokenizer,
-                  f'hf:{tmp_path / "bad.json"}')
+  raises_one_line(
+    [str(tmp_path / 'bad.json'), 'not a tokenizers tokenizer.json'], load_tokenizer, f'hf:{tmp_path / "bad.json"}'
+  )
   (tmp_path / 'bad.tiktoken').write_text('IQ== 0\nnot-base64! 1\n')
   raises_one_line([f'{tmp_path / "bad.tiktoken"}:2'], load_tokenizer, f'tiktoken:{tmp_path / "bad.tiktoken"}')
   (tmp_path / 'empty.tiktoken').write_text('\n')
@@ -158,6 +173,7 @@ def test_bad_tokenizer_files(tmp_path, bpe_json):
 
 def test_bpe_training_is_deterministic():
   from kimijax.data import bpe_train
+
   texts = data_helpers.stdlib_texts(6, start=100)
   a = bpe_train.train_bpe(texts, 700).to_str()
   assert a == bpe_train.train_bpe(texts, 700).to_str()

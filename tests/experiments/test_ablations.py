@@ -5,8 +5,15 @@ AttnRes file's arms are the paper table's, the two ablated switches included."""
 
 import pytest
 
-from experiments.ablations import (attention_residuals, common, kimi_linear_table1, long_context,
-                                   mqar_recall, muon_update_rms, qk_clip)
+from experiments.ablations import (
+  attention_residuals,
+  common,
+  kimi_linear_table1,
+  long_context,
+  mqar_recall,
+  muon_update_rms,
+  qk_clip,
+)
 from experiments.sweep import run_config
 from kimijax.config import validate
 
@@ -31,6 +38,7 @@ def _what_it_trains(config) -> str:
   """The config without the keys that choose only how to compute (kimijax.train.checkpoint.MAY_DIFFER),
   as comparable text: two arms with the same text are the same experiment."""
   from kimijax.train.checkpoint import MAY_DIFFER
+
   d = config.to_dict()
   for key in MAY_DIFFER:
     *groups, name = key.split('.')
@@ -41,13 +49,16 @@ def _what_it_trains(config) -> str:
   return repr(sorted((k, repr(v)) for k, v in d.items()))
 
 
-CASES = [(kimi_linear_table1, kimi_linear_table1.ARMS, kimi_linear_table1.CLAIMS),
-         (attention_residuals, attention_residuals.ARMS, attention_residuals.CLAIMS),
-         (muon_update_rms, muon_update_rms.ARMS, muon_update_rms.CLAIMS),
-         (qk_clip, qk_clip.ARMS, qk_clip.CLAIMS), (long_context, long_context.ARMS, long_context.CLAIMS)]
+CASES = [
+  (kimi_linear_table1, kimi_linear_table1.ARMS, kimi_linear_table1.CLAIMS),
+  (attention_residuals, attention_residuals.ARMS, attention_residuals.CLAIMS),
+  (muon_update_rms, muon_update_rms.ARMS, muon_update_rms.CLAIMS),
+  (qk_clip, qk_clip.ARMS, qk_clip.CLAIMS),
+  (long_context, long_context.ARMS, long_context.CLAIMS),
+]
 
 
-@pytest.mark.parametrize('scale', ['cpu', 'gpu'], ids=['cpu_scale', 'h200_scale'])   # an id 'gpu' would mark it GPU-only
+@pytest.mark.parametrize('scale', ['cpu', 'gpu'], ids=['cpu_scale', 'h200_scale'])  # an id 'gpu' would mark it GPU-only
 def test_every_arm_is_a_valid_config_and_every_claim_names_arms(scale):
   cases = CASES + [(mqar_recall, mqar_recall.arms(scale), mqar_recall.claims(scale))]
   for module, arms, claims in cases:
@@ -74,15 +85,22 @@ def test_attention_residuals_runs_every_arm_of_the_paper_table(scale):
   assert all(a.runnable and a.published for a in arms.values())
   base = validate(attention_residuals.base(scale))
   model = {name: run_config(base, arm.overrides, 0).model for name, arm in arms.items()}
-  for name, want in (('full', (True, 'softmax')), ('no_key_norm', (False, 'softmax')),
-                     ('sigmoid', (True, 'sigmoid'))):
+  for name, want in (('full', (True, 'softmax')), ('no_key_norm', (False, 'softmax')), ('sigmoid', (True, 'sigmoid'))):
     m = model[name]
     assert (m.residual, m.attnres_impl) == ('attnres_full', 'xla'), name
     assert (m.attnres_key_norm, m.attnres_depth_weights) == want, name
   for s in (2, 4, 8, 16):
     m = model[f'block{s}']
-    assert (m.residual, m.attnres_block_size, m.attnres_key_norm, m.attnres_depth_weights) == \
-        ('attnres_block', s, True, 'softmax')
+    assert (m.residual, m.attnres_block_size, m.attnres_key_norm, m.attnres_depth_weights) == (
+      'attnres_block',
+      s,
+      True,
+      'softmax',
+    )
   claims = {(c.a, c.relation, c.b) for c in attention_residuals.CLAIMS}
-  assert {('full', '<', 'no_key_norm'), ('full', '<', 'sigmoid'), ('no_key_norm', '<', 'standard'),
-          ('sigmoid', '<', 'standard')} <= claims
+  assert {
+    ('full', '<', 'no_key_norm'),
+    ('full', '<', 'sigmoid'),
+    ('no_key_norm', '<', 'standard'),
+    ('sigmoid', '<', 'standard'),
+  } <= claims

@@ -10,12 +10,18 @@ from experiments.bench import bench_attention
 
 def test_tiny_shapes_give_one_row_per_implementation_and_max_logit_setting():
   got = list(bench_attention.rows(['2x16x16x2x1x8x8', '2x1x16x2x2x8x8'], ['xla', 'tokamax'], repeats=1, warmup=1))
-  assert [r[1:3] for r in got] == [['xla', 'no'], ['xla', 'yes'], ['tokamax', 'no'], ['tokamax', 'yes'],
-                                   ['xla (decode_attention)', '-'], ['tokamax', '-']]
+  assert [r[1:3] for r in got] == [
+    ['xla', 'no'],
+    ['xla', 'yes'],
+    ['tokamax', 'no'],
+    ['tokamax', 'yes'],
+    ['xla (decode_attention)', '-'],
+    ['tokamax', '-'],
+  ]
   timed = r'\d+\.\d\d \(\d+\.\d\d\)'
   for row in got[:2]:
     assert re.fullmatch(timed + r', .* TFLOP/s', row[3]) and re.fullmatch(timed, row[4]), row
-  assert re.fullmatch(timed + r', .* TFLOP/s', got[4][3]) and got[4][4] == '-'      # decoding: forward only
+  assert re.fullmatch(timed + r', .* TFLOP/s', got[4][3]) and got[4][4] == '-'  # decoding: forward only
   assert all(cell.startswith('n/a: needs bfloat16') for row in got if row[1] == 'tokamax' for cell in row[3:])
 
 

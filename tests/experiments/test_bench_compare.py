@@ -12,8 +12,10 @@ import pytest
 from experiments.bench import bench_compare
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY = ('--config.train.batch_size=8 --config.train.seq_len=32 --config.model.d_model=32 '
-        '--config.model.num_layers=1 --config.model.num_heads=2 --config.model.mlp_dim=64')
+TINY = (
+  '--config.train.batch_size=8 --config.train.seq_len=32 --config.model.d_model=32 '
+  '--config.model.num_layers=1 --config.model.num_heads=2 --config.model.mlp_dim=64'
+)
 
 
 def test_run_order_alternates_which_setup_goes_first():
@@ -23,15 +25,25 @@ def test_run_order_alternates_which_setup_goes_first():
 
 def compare(tmp_path, other, rounds=1, *extra):
   out = tmp_path / 'compare.json'
-  cmd = [sys.executable, '-m', 'experiments.bench.bench_compare', f'--rounds={rounds}',
-         '--steps=1', '--warmup=1', f'--cache_dir={tmp_path / "cache"}', f'--json_out={out}',
-         f'--base=--config=configs/default.py {TINY}', f'--other={other} {TINY}', *extra]
+  cmd = [
+    sys.executable,
+    '-m',
+    'experiments.bench.bench_compare',
+    f'--rounds={rounds}',
+    '--steps=1',
+    '--warmup=1',
+    f'--cache_dir={tmp_path / "cache"}',
+    f'--json_out={out}',
+    f'--base=--config=configs/default.py {TINY}',
+    f'--other={other} {TINY}',
+    *extra,
+  ]
   return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600), out
 
 
 def test_a_time_budget_starts_no_run_that_would_end_past_it():
   assert bench_compare.fits_budget(100.0, None, None) and bench_compare.fits_budget(100.0, 30.0, None)
-  assert bench_compare.fits_budget(500.0, None, 10.0)            # a setup's first run always runs
+  assert bench_compare.fits_budget(500.0, None, 10.0)  # a setup's first run always runs
   assert bench_compare.fits_budget(70.0, 30.0, 100.0) and not bench_compare.fits_budget(70.1, 30.0, 100.0)
 
 
@@ -53,8 +65,8 @@ def test_compares_two_setups_on_one_device(tmp_path):
   times = {s: [r['step_ms'] for r in runs if r['setup'] == s] for s in ('base', 'other')}
   want = statistics.median(times['other']) / statistics.median(times['base']) - 1
   assert abs(report['summary']['overhead'] - want) < 1e-12
-  assert f"**{want:+.1%}**" in proc.stdout and proc.stdout.count('\n| ') == 5   # header + 4 runs
-  assert any((tmp_path / 'cache').iterdir())                     # the runs shared a compile cache
+  assert f'**{want:+.1%}**' in proc.stdout and proc.stdout.count('\n| ') == 5  # header + 4 runs
+  assert any((tmp_path / 'cache').iterdir())  # the runs shared a compile cache
 
 
 def test_a_failing_setup_is_one_error_with_its_command(tmp_path):

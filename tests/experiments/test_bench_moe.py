@@ -11,8 +11,9 @@ TIMED = r'\d+\.\d\d \(\d+\.\d\d\)'
 
 
 def test_tiny_shapes_time_the_layer_against_the_dense_swiglu():
-  rows = list(bench_moe.layer_rows(['4x2x16'], ['xla', 'tokamax'], tokens=64, d_model=16, shared=1,
-                                   repeats=1, warmup=1))
+  rows = list(
+    bench_moe.layer_rows(['4x2x16'], ['xla', 'tokamax'], tokens=64, d_model=16, shared=1, repeats=1, warmup=1)
+  )
   assert [r[1] for r in rows] == ['xla', 'tokamax']
   xla, tokamax = rows
   assert xla[0] == '4x2x16 (E=4, K=2, F=16, shared=1)'
@@ -25,8 +26,14 @@ def test_tiny_shapes_time_the_layer_against_the_dense_swiglu():
 
 def test_tiny_shapes_time_the_parts():
   rows = list(bench_moe.part_rows(['4x2x16'], ['xla', 'tokamax'], tokens=64, d_model=16, repeats=1, warmup=1))
-  assert [(r[1], r[2]) for r in rows] == [('route', '-'), ('sort', '-'), ('permute', '-'), ('grouped swiglu', 'xla'),
-                                          ('grouped swiglu', 'tokamax'), ('combine', '-')]
+  assert [(r[1], r[2]) for r in rows] == [
+    ('route', '-'),
+    ('sort', '-'),
+    ('permute', '-'),
+    ('grouped swiglu', 'xla'),
+    ('grouped swiglu', 'tokamax'),
+    ('combine', '-'),
+  ]
   by_part = {(r[1], r[2]): r for r in rows}
   assert re.fullmatch(TIMED, by_part[('sort', '-')][3]) and by_part[('sort', '-')][4] == '-'
   for part in (('permute', '-'), ('combine', '-')):

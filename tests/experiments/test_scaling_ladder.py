@@ -43,7 +43,7 @@ def test_ladder_runs_every_rung_reports_and_resumes(tmp_path, capsys):
   assert (tmp_path / 'rope' / 'd8' / 'checkpoints').exists()
   assert not any((tmp_path / v / r / 'checkpoints').exists() for v, r in (('rope', 'd16'), ('nope', 'd8')))
   assert 'rung 4 of 4' in out and 'ETA' in out and 'finished earlier, reused' in out
-  assert (tmp_path / 'rope' / 'd8' / 'done.json').stat().st_mtime == mtime   # reused, not retrained
+  assert (tmp_path / 'rope' / 'd8' / 'done.json').stat().st_mtime == mtime  # reused, not retrained
   done = json.loads((tmp_path / 'rope' / 'd8' / 'done.json').read_text())
   assert done['hardware'] == runs.hardware() and done['train_split_tokens'] > 0
   assert data['finished_rungs'] == 4
@@ -64,7 +64,7 @@ def test_ladder_runs_every_rung_reports_and_resumes(tmp_path, capsys):
     fit = saved['fits'][variant]['power_law']
     assert fit['alpha'] == pytest.approx(-slope, rel=1e-6, abs=1e-9)
     assert fit['A'] == pytest.approx(np.exp(intercept), rel=1e-6)
-    assert 'with_offset' not in saved['fits'][variant]     # 2 rungs: the pure power law only
+    assert 'with_offset' not in saved['fits'][variant]  # 2 rungs: the pure power law only
   assert set(saved['multipliers']) == {'nope'}
   md = (tmp_path / 'ladder.md').read_text()
   assert '4 of 4 rungs finished' in md and 'Compute multiplier' in md
@@ -77,8 +77,9 @@ def fake_finished_run(run_dir, config, eval_loss, hardware, split_tokens):
   steps = config.train.steps
   lines = [{'step': steps, 'loss': eval_loss + 0.1, 'tokens_per_sec': 1e6}, {'step': steps, 'eval_loss': eval_loss}]
   (run_dir / 'metrics.jsonl').write_text(''.join(json.dumps(l) + '\n' for l in lines))
-  (run_dir / 'done.json').write_text(json.dumps({'wall_seconds': 10.0, 'hardware': hardware,
-                                                  'train_split_tokens': split_tokens}))
+  (run_dir / 'done.json').write_text(
+    json.dumps({'wall_seconds': 10.0, 'hardware': hardware, 'train_split_tokens': split_tokens})
+  )
 
 
 def test_report_only_states_where_the_rungs_ran_and_their_epochs(tmp_path):
@@ -86,15 +87,15 @@ def test_report_only_states_where_the_rungs_ran_and_their_epochs(tmp_path):
   rungs it finds, and takes each rung's hardware and training-split size from its done.json."""
   ladder = tiny_ladder()
   planned = scaling_ladder.plan(ladder, tmp_path)
-  losses = {('rope', 'd8'): 3.0, ('rope', 'd16'): 2.5, ('nope', 'd8'): 3.1}     # nope d16 unfinished
+  losses = {('rope', 'd8'): 3.0, ('rope', 'd16'): 2.5, ('nope', 'd8'): 3.1}  # nope d16 unfinished
   for r in planned:
     if (r['variant'], r['rung']['name']) in losses:
-      fake_finished_run(r['run_dir'], r['config'], losses[r['variant'], r['rung']['name']], 'GPU X x 1', 10 ** 9)
+      fake_finished_run(r['run_dir'], r['config'], losses[r['variant'], r['rung']['name']], 'GPU X x 1', 10**9)
   data = scaling_ladder.run_ladder(ladder, tmp_path, report_only=True, devices=ONE)
   assert data['finished_rungs'] == 3 and not (tmp_path / 'nope' / 'd16').exists()
   rows = {(r['variant'], r['rung']): r for r in data['rungs']}
   assert rows['rope', 'd16']['hardware'] == 'GPU X x 1'
-  assert rows['rope', 'd16']['epochs'] == pytest.approx(rows['rope', 'd16']['tokens'] / 10 ** 9)
+  assert rows['rope', 'd16']['epochs'] == pytest.approx(rows['rope', 'd16']['tokens'] / 10**9)
   # Two rungs of the baseline: its power law is the line through them.
   c = [rows['rope', n]['flops'] / ladder_fit.PFLOPS_DAY for n in ('d8', 'd16')]
   alpha = -np.log(2.5 / 3.0) / np.log(c[1] / c[0])
@@ -112,7 +113,7 @@ def test_ladder_refuses_unknown_variant_and_folder_of_another_config(tmp_path):
   (run_dir / 'config.json').write_text(json.dumps({'seed': 123}))
   with pytest.raises(runs.WorkflowError, match='holds a run of another config'):
     scaling_ladder.plan(ladder, tmp_path)
-  assert (run_dir / 'config.json').read_text() == json.dumps({'seed': 123})    # left as it was
+  assert (run_dir / 'config.json').read_text() == json.dumps({'seed': 123})  # left as it was
 
 
 def test_a_run_from_before_a_config_key_existed_is_the_same_run(tmp_path):
@@ -133,6 +134,7 @@ def test_a_run_saved_under_a_former_key_name_is_the_same_run(tmp_path):
   the same config (run folders and --mode=eval), and a different value under it is refused naming
   the key as it is now."""
   from kimijax.train.checkpoint import load_run_config
+
   config = tiny_ladder().base
   saved = runs.config_json(config)
   del saved['model']['short_conv_impl']
@@ -147,7 +149,9 @@ def test_a_run_saved_under_a_former_key_name_is_the_same_run(tmp_path):
     runs.check_folder(tmp_path, config)
 
 
-@pytest.mark.parametrize('name', ['smoke', 'gpu', 'gpu_attnres', 'gpu_hybrid'], ids=lambda n: f'ladder_{n}')   # an id 'gpu' would mark it GPU-only
+@pytest.mark.parametrize(
+  'name', ['smoke', 'gpu', 'gpu_attnres', 'gpu_hybrid'], ids=lambda n: f'ladder_{n}'
+)  # an id 'gpu' would mark it GPU-only
 def test_every_named_ladder_plans_by_its_rule(tmp_path, name):
   """Every rung of every ladder is a valid config (GPU ones too, counted on the CPU), tokens are
   tokens_per_param x the baseline's parameters, and the rule ties width, depth and heads."""
@@ -170,6 +174,7 @@ def test_a_run_saved_before_a_key_changed_type_reads_as_the_same_config(tmp_path
   """model.kda_recompute_projections was a bool before it named the projections: a saved False
   is '' and True is 'qkv', for run folders and for loading a run's config (--mode=eval)."""
   from kimijax.train.checkpoint import load_run_config
+
   config = tiny_ladder().base
   for legacy, now in ((False, ''), (True, 'qkv')):
     saved = runs.config_json(config)

@@ -8,15 +8,27 @@ import statistics
 
 import jax
 import pytest
-
-from experiments import runs, sweep
 from tiny_config import make_config
 
+from experiments import runs, sweep
+
 ONE = jax.devices()[:1]
-TINY_MQAR = {'model.d_model': 32, 'model.num_layers': 1, 'model.num_heads': 2, 'model.mlp_dim': 64,
-             'train.seq_len': 32, 'train.batch_size': 4, 'train.eval_batches': 1, 'train.plot': False,
-             'train.log_every': 1, 'train.steps': 4, 'train.eval_every': 2, 'train.checkpoint_every': 2,
-             'data.source': 'mqar', 'data.mqar_num_pairs': 4}
+TINY_MQAR = {
+  'model.d_model': 32,
+  'model.num_layers': 1,
+  'model.num_heads': 2,
+  'model.mlp_dim': 64,
+  'train.seq_len': 32,
+  'train.batch_size': 4,
+  'train.eval_batches': 1,
+  'train.plot': False,
+  'train.log_every': 1,
+  'train.steps': 4,
+  'train.eval_every': 2,
+  'train.checkpoint_every': 2,
+  'data.source': 'mqar',
+  'data.mqar_num_pairs': 4,
+}
 
 
 def eval_records(run_dir):
@@ -77,11 +89,12 @@ def test_bad_sweeps_are_refused_before_training(tmp_path):
   config = make_config(TINY_MQAR)
   with pytest.raises(runs.WorkflowError, match="unknown config key 'optimizer.lr'"):
     sweep.parse_axes(['optimizer.lr=1,2'], config)
-  with pytest.raises(runs.WorkflowError, match="train.steps is of type int"):
+  with pytest.raises(runs.WorkflowError, match='train.steps is of type int'):
     sweep.parse_axes(['train.steps=10,ten'], config)
   with pytest.raises(runs.WorkflowError, match='expected KEY=V1,V2'):
     sweep.parse_axes(['optimizer.name'], config)
   from kimijax.config import ConfigError
+
   with pytest.raises(ConfigError, match='optimizer.name'):
     sweep.plan(config, sweep.named(sweep.parse_axes(['optimizer.name=adamw,sgd'], config)), 1, tmp_path)
   assert not (tmp_path / 'runs').exists()

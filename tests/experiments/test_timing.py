@@ -6,7 +6,7 @@ from experiments.bench import timing
 
 
 def test_queued_ms_waits_once_for_the_last_of_the_queued_calls(monkeypatch):
-  clock = iter([10.0, 10.6])                 # perf_counter at the start and after the final wait
+  clock = iter([10.0, 10.6])  # perf_counter at the start and after the final wait
   monkeypatch.setattr(timing.time, 'perf_counter', lambda: next(clock))
   issued, waited = [], []
 
@@ -16,7 +16,7 @@ def test_queued_ms_waits_once_for_the_last_of_the_queued_calls(monkeypatch):
 
   ms = timing.queued_ms(fn, repeats=3, warmup=2, sync=waited.append)
   assert issued == [0, 1, 2, 3, 4]
-  assert waited == [0, 1, 4]                 # each warm-up call, then only the last queued one
+  assert waited == [0, 1, 4]  # each warm-up call, then only the last queued one
   assert ms == pytest.approx(600.0 / 3)
 
 

@@ -4,7 +4,6 @@ through the op, tests/ops/test_attnres.py."""
 
 import jax.numpy as jnp
 import pytest
-
 from helpers import random_block, random_merge
 
 
@@ -13,6 +12,7 @@ def test_kernel_settings_are_checked():
   tile under 16; a feature chunk is a power of two whatever the target."""
   from kernels_pallas.attnres.settings import MergeNormSettings, Phase1Settings
   from kernels_pallas.common import feature_chunk, parse_settings
+
   with pytest.raises(ValueError, match="unknown keys \\['bt_grad'\\]"):
     Phase1Settings().replace(bt_grad=32)
   with pytest.raises(ValueError, match='rows_grads and bt_logits .* >= 16; got 8 and 64'):
@@ -28,12 +28,14 @@ def test_kernel_settings_are_checked():
   # The kernels take their family's settings object, nothing else (a dict is not read as one).
   from kernels_pallas.attnres.merge_norm import merge_norm as merge_kernel
   from kernels_pallas.attnres.phase1 import phase1 as kernel
+
   sources, _, queries = random_block(n=2, s=2, b=1, t=8, d=32)
   with pytest.raises(TypeError, match='settings must be a Phase1Settings'):
     kernel([jnp.asarray(v) for v in sources], jnp.asarray(queries), settings={'bt': 32}, interpret=True)
   with pytest.raises(TypeError, match='settings must be a MergeNormSettings'):
-    merge_kernel(*random_merge((1, 8, 32)), eps=1e-6, norm_eps=1e-6, dtype=jnp.float32, settings=Phase1Settings(),
-                 interpret=True)
+    merge_kernel(
+      *random_merge((1, 8, 32)), eps=1e-6, norm_eps=1e-6, dtype=jnp.float32, settings=Phase1Settings(), interpret=True
+    )
 
 
 @pytest.mark.parametrize('dtype,n,s', [(jnp.bfloat16, 9, 6), (jnp.float32, 1, 16), (jnp.bfloat16, 3, 1)])
@@ -43,9 +45,8 @@ def test_pallas_kernels_lower_to_triton_for_an_h200(dtype, n, s):
   for an H200 on this machine: the Triton lowering rejects what it cannot express (a shape that is
   not a power of two, an op without a Triton rule) before any GPU time is spent."""
   from experiments.tools.triton_report import attnres_block, lower_for_h200
+
   fn, args = attnres_block(n, s, 4096, 1024, dtype)
   module = lower_for_h200(fn, *args)
-  for name in ('phase1_logits', 'phase1_combine', 'phase1_vdo', 'phase1_grads', 'merge_norm',
-               'merge_norm_bwd'):
+  for name in ('phase1_logits', 'phase1_combine', 'phase1_vdo', 'phase1_grads', 'merge_norm', 'merge_norm_bwd'):
     assert f'"attnres_{name}"' in module, name
-

@@ -20,11 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_rmse
 
 from kernels_pallas.kda.settings import KdaSettings
 from kimijax.ops import kda as kda_lib
-
-from helpers import rel_rmse
 
 NAMES = ('q', 'k', 'v', 'g', 'beta', 'initial_state')
 
@@ -35,28 +34,37 @@ def _inputs(seed, b, t, h, dk, dv, *, g_min=-1.0, spikes=False, dtype=jnp.float3
   q, k = unit(rng.normal(size=(b, t, h, dk))), unit(rng.normal(size=(b, t, h, dk)))
   v = rng.normal(size=(b, t, h, dv))
   g = rng.uniform(g_min, 0.0, size=(b, t, h, dk))
-  if spikes:   # 10% of the entries -1000: a channel reset, exp of which underflows to 0
+  if spikes:  # 10% of the entries -1000: a channel reset, exp of which underflows to 0
     g = np.where(rng.uniform(size=g.shape) < 0.1, -1000.0, g)
   beta = rng.uniform(0.0, 1.0, size=(b, t, h))
   s0 = rng.normal(size=(b, h, dk, dv))
   cast = lambda x, d: jnp.asarray(x, jnp.float32).astype(d)
-  return (cast(q, dtype), cast(k, dtype), cast(v, dtype), cast(g, jnp.float32), cast(beta, dtype),
-          cast(s0, jnp.float32))
+  return (
+    cast(q, dtype),
+    cast(k, dtype),
+    cast(v, dtype),
+    cast(g, jnp.float32),
+    cast(beta, dtype),
+    cast(s0, jnp.float32),
+  )
 
 
 def _value_and_grads(fn, args, w_o, w_s):
   """(loss, (o, s)) and the gradients in every argument of a fixed linear functional of
   (o, s) = fn(*args)."""
+
   def loss(*a):
     o, s = fn(*a)
     return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s), (o, s)
+
   return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
 
 
 def _kda(impl, settings=None):
   """(q, k, v, g, beta, s0) -> (o, final state) under impl (its kernels under settings)."""
-  return lambda q, k, v, g, beta, s0: kda_lib.kda(q, k, v, g, beta, impl=impl, initial_state=s0,
-                                                  output_final_state=True, settings=settings)
+  return lambda q, k, v, g, beta, s0: kda_lib.kda(
+    q, k, v, g, beta, impl=impl, initial_state=s0, output_final_state=True, settings=settings
+  )
 
 
 def _compare(args, reference, tol_out, tol_grad, seed=0, settings=None):
@@ -87,11 +95,12 @@ def test_interpreted_diagonal_blocks_by_matmul_and_pairwise():
   blocks as matmuls (exp(G_p - G_j) up to e^58 here), steeper ones pairwise (a reset; a steady
   -4.2 per token): all in one call, against the recurrence."""
   from kernels_pallas.kda.blocks import DIAG_MATMUL_RANGE, SUB
+
   q, k, v, g, beta, s0 = _inputs(5, 1, 112, 2, 32, 16)
   g = np.array(g)
-  g[:, 40, :, 3] = -1000.0                 # chunk 0, sub-chunk 2: a reset
-  g[:, 64:80] = -4.2                       # chunk 1, sub-chunk 0: drop 63
-  g[:, 80:96] = -3.9                       # chunk 1, sub-chunk 1: drop 58.5, matmul with big factors
+  g[:, 40, :, 3] = -1000.0  # chunk 0, sub-chunk 2: a reset
+  g[:, 64:80] = -4.2  # chunk 1, sub-chunk 0: drop 63
+  g[:, 80:96] = -3.9  # chunk 1, sub-chunk 1: drop 58.5, matmul with big factors
   blocks = g.reshape(1, -1, SUB, 2, 32)
   drop = (np.cumsum(blocks, axis=2)[:, :, 0] - np.cumsum(blocks, axis=2)[:, :, -1]).max(axis=(0, 2, 3))
   assert (drop < DIAG_MATMUL_RANGE).sum() >= 4 and (drop >= DIAG_MATMUL_RANGE).sum() == 2, drop
@@ -105,9 +114,9 @@ def test_interpreted_short_sequence_uses_one_small_chunk():
   token, so that no sub-chunk is steep (its G drops by at most 45): the call takes the scores
   kernels' variants without the pairwise diagonal inputs (KdaSettings.flat_branch)."""
   from kernels_pallas.kda import blocks, op
+
   args = _inputs(1, 2, 20, 1, 64, 64, g_min=-3.0)
-  gc = op.chunk_cumsum(jnp.pad(args[3], [(0, 0), (0, 12), (0, 0), (0, 0)]), 32, settings=KdaSettings(),
-                       interpret=True)
+  gc = op.chunk_cumsum(jnp.pad(args[3], [(0, 0), (0, 12), (0, 0), (0, 0)]), 32, settings=KdaSettings(), interpret=True)
   assert not blocks.any_steep(gc) and KdaSettings().flat_branch
   _compare(args, 'xla_recurrent', 1e-4, 1e-4)
 
@@ -125,7 +134,7 @@ def test_interpreted_few_programs_match_recurrence():
   """Few state-pass programs (programs_few above this call's count): the value block halves from
   32 to 16 and the backward pipelines; three chunks (the last a tail), two value blocks: output,
   final state and all six gradients against the recurrence."""
-  settings = KdaSettings(programs_few=10 ** 6, value_block=32)
+  settings = KdaSettings(programs_few=10**6, value_block=32)
   assert settings.state_value_block(1, 2, 32) == 16
   _compare(_inputs(0, 1, 150, 2, 32, 32, spikes=True), 'xla_recurrent', 1e-4, 1e-4, settings=settings)
 
@@ -137,6 +146,7 @@ def test_unit_lower_inverse_matches_float64_inverse(case):
   float64 inverse of I + N over a 64-row chunk: N from unit keys and beta as the kernels form it,
   and the all-ones strictly lower N, whose inverse grows as 2^(i - j - 1)."""
   from kernels_pallas.kda import blocks
+
   sub = blocks.SUB
   rng = np.random.default_rng(0)
   if case == 'keys':
@@ -147,12 +157,20 @@ def test_unit_lower_inverse_matches_float64_inverse(case):
     n = np.tril(np.ones((64, 64)), -1)
   want = np.linalg.inv(np.eye(64) + n)
   nb = 64 // sub
-  t = blocks.inverse_blocks([[jnp.asarray(n[a * sub:(a + 1) * sub, b * sub:(b + 1) * sub], jnp.float32)
-                              if b <= a else None for b in range(nb)] for a in range(nb)], nb)
+  t = blocks.inverse_blocks(
+    [
+      [
+        jnp.asarray(n[a * sub : (a + 1) * sub, b * sub : (b + 1) * sub], jnp.float32) if b <= a else None
+        for b in range(nb)
+      ]
+      for a in range(nb)
+    ],
+    nb,
+  )
   got = np.zeros((64, 64))
   for a in range(nb):
     for b in range(a + 1):
-      got[a * sub:(a + 1) * sub, b * sub:(b + 1) * sub] = np.asarray(t[a][b])
+      got[a * sub : (a + 1) * sub, b * sub : (b + 1) * sub] = np.asarray(t[a][b])
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
@@ -198,14 +216,22 @@ def test_two_settings_coexist_in_one_process():
   The other setting takes paths the defaults do not at this size (two feature slices of scores_bwd
   and of the cumulative sums, one head per token-parallel program, the scores kernels' per-sub-chunk
   path without the flat branch, value blocks of 16)."""
-  other = KdaSettings(features_bwd=16, features_cumsum=16, features_reverse_cumsum=16, heads_diag=1,
-                      heads_diag_bwd=1, value_block=16, flat_branch=0)
+  other = KdaSettings(
+    features_bwd=16,
+    features_cumsum=16,
+    features_reverse_cumsum=16,
+    heads_diag=1,
+    heads_diag_bwd=1,
+    value_block=16,
+    flat_branch=0,
+  )
   args = _inputs(2, 1, 40, 2, 32, 32, spikes=True)
   want = kda_lib.kda_recurrent(*args[:5], initial_state=args[5], output_final_state=True)
 
   def both(*a):
-    run = lambda settings: kda_lib.kda(*a[:5], impl='pallas', initial_state=a[5], output_final_state=True,
-                                       settings=settings)
+    run = lambda settings: kda_lib.kda(
+      *a[:5], impl='pallas', initial_state=a[5], output_final_state=True, settings=settings
+    )
     return run(None), run(other)
 
   for got in jax.jit(both)(*args) + (_kda('pallas')(*args),):
@@ -220,12 +246,14 @@ def test_interpreted_op_traces_once_in_a_fresh_process():
   trace: jit's trace context is complete before the first trace (kernels_pallas/common.py
   imports the Pallas module that the interpreter would import during it). A fresh interpreter,
   since any earlier interpreted call in this one would already have imported it."""
-  code = ('import jax, jax.numpy as jnp\n'
-          'from kimijax.ops.kda import kda\n'
-          'x = jnp.ones((1, 16, 1, 16)); g = jnp.full((1, 16, 1, 16), -0.1)\n'
-          "f = jax.jit(lambda x, g: kda(x, x, x, g, jnp.ones((1, 16, 1)), impl='pallas')[0])\n"
-          'f(x, g).block_until_ready(); f(x, g).block_until_ready()\n'
-          'print(f._cache_size())\n')
+  code = (
+    'import jax, jax.numpy as jnp\n'
+    'from kimijax.ops.kda import kda\n'
+    'x = jnp.ones((1, 16, 1, 16)); g = jnp.full((1, 16, 1, 16), -0.1)\n'
+    "f = jax.jit(lambda x, g: kda(x, x, x, g, jnp.ones((1, 16, 1)), impl='pallas')[0])\n"
+    'f(x, g).block_until_ready(); f(x, g).block_until_ready()\n'
+    'print(f._cache_size())\n'
+  )
   root = pathlib.Path(__file__).resolve().parents[2]
   env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(root))
   proc = subprocess.run([sys.executable, '-c', code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
@@ -236,8 +264,7 @@ def test_interpreted_op_traces_once_in_a_fresh_process():
 GATE_NAMES = NAMES[:3] + ('f', 'beta', 'initial_state', 'a_log', 'dt_bias')
 
 
-def _compare_gated(shape, dtype, lower_bound, reference, tol_out, tol_grad, f_std=2.0, bias_mean=-2.0,
-                   settings=None):
+def _compare_gated(shape, dtype, lower_bound, reference, tol_out, tol_grad, f_std=2.0, bias_mean=-2.0, settings=None):
   """kda(f, a_log=, dt_bias=) under 'pallas' (the gate inside the cumulative-sum kernels) against
   `reference`(q, k, v, f, beta, s0, a_log, dt_bias) -> (o, s): output, final state and all eight
   gradients (tol_grad: one bound, or {name: bound} over a default of 1e-2). f ~ N(0, f_std),
@@ -254,8 +281,20 @@ def _compare_gated(shape, dtype, lower_bound, reference, tol_out, tol_grad, f_st
   w_s = jnp.asarray(rng.normal(size=s0.shape), jnp.float32)
 
   def fused(q, k, v, f, beta, s0, a_log, dt_bias):
-    return kda_lib.kda(q, k, v, f, beta, impl='pallas', initial_state=s0, output_final_state=True,
-                       a_log=a_log, dt_bias=dt_bias, gate_lower_bound=lower_bound, settings=settings)
+    return kda_lib.kda(
+      q,
+      k,
+      v,
+      f,
+      beta,
+      impl='pallas',
+      initial_state=s0,
+      output_final_state=True,
+      a_log=a_log,
+      dt_bias=dt_bias,
+      gate_lower_bound=lower_bound,
+      settings=settings,
+    )
 
   args = (q, k, v, f, beta, s0, a_log, dt_bias)
   (_, (o, s)), grads = _value_and_grads(fused, args, w_o, w_s)
@@ -287,16 +326,26 @@ def test_a_model_lowers_each_kernel_once_however_many_layers_call_it():
   share one jitted op (kernels_pallas/__init__.py), and the KDA and conv kernels are among them."""
   from configs.default import get_config
   from experiments.tools.lowering_report import kernel_counts, lower_gradient
+
   modules = {}
   for layers in (1, 3):
     cfg = get_config().model
-    cfg.update(d_model=32, num_heads=2, num_layers=layers, mlp_dim=64, layer_pattern='K', kda_impl='pallas',
-               short_conv_impl='pallas', attn_impl='xla')
+    cfg.update(
+      d_model=32,
+      num_heads=2,
+      num_layers=layers,
+      mlp_dim=64,
+      layer_pattern='K',
+      kda_impl='pallas',
+      short_conv_impl='pallas',
+      attn_impl='xla',
+    )
     modules[layers] = lower_gradient(cfg, 64)[1]
   calls = {n: m.count('xla.gpu.triton') for n, m in modules.items()}
   assert calls[1] == calls[3] >= 10, calls
-  assert {'kda_scores_bwd', 'kda_gated_cumsum', 'short_conv_fwd'} <= set(kernel_counts(modules[3])), \
-      sorted(kernel_counts(modules[3]))
+  assert {'kda_scores_bwd', 'kda_gated_cumsum', 'short_conv_fwd'} <= set(kernel_counts(modules[3])), sorted(
+    kernel_counts(modules[3])
+  )
 
 
 # ----------------------------------------------------------------------------- GPU, compiled
@@ -325,14 +374,15 @@ def test_gpu_bf16_fused_gate_matches_float32():
   (1.02e-2 at (8, 4096, 16, 128); the XLA chunk form in bf16 keeps its intermediates in float32 and
   gets 9.6e-4), so it is bounded at 2e-2 and every other gradient at 1e-2
   (experiments/tools/kda_accuracy.py prints them all)."""
+
   def reference(*args):
     q, k, v, f, beta, s0, a_log, dt_bias = (x.astype(jnp.float32) for x in args)
     with jax.default_matmul_precision('highest'):
-      return kda_lib.kda(q, k, v, f, beta, impl='xla', initial_state=s0, output_final_state=True,
-                         a_log=a_log, dt_bias=dt_bias)
+      return kda_lib.kda(
+        q, k, v, f, beta, impl='xla', initial_state=s0, output_final_state=True, a_log=a_log, dt_bias=dt_bias
+      )
 
-  _compare_gated((2, 1000, 4, 128), jnp.bfloat16, 0.0, reference, 5e-3, {'a_log': 2e-2}, f_std=0.5,
-                 bias_mean=-4.5)
+  _compare_gated((2, 1000, 4, 128), jnp.bfloat16, 0.0, reference, 5e-3, {'a_log': 2e-2}, f_std=0.5, bias_mean=-4.5)
 
 
 @pytest.mark.long
@@ -349,9 +399,19 @@ def test_hybrid_training_with_pallas_follows_chunk():
   losses = {}
   for impl in ('xla', 'pallas'):
     c = config_lib.base_config()
-    c.model.update(d_model=64, num_layers=2, num_heads=2, mlp_dim=128, layer_pattern='KA',
-                   attention_kind='mla', position='nope', compute_dtype='float32', kda_impl=impl,
-                   vocab_size=64, mla_kv_lora_rank=16)
+    c.model.update(
+      d_model=64,
+      num_layers=2,
+      num_heads=2,
+      mlp_dim=128,
+      layer_pattern='KA',
+      attention_kind='mla',
+      position='nope',
+      compute_dtype='float32',
+      kda_impl=impl,
+      vocab_size=64,
+      mla_kv_lora_rank=16,
+    )
     config_lib.validate(c)
     model = Transformer(c.model)
     params = nn.unbox(model.init(jax.random.key(0), tokens[:, :-1])['params'])
@@ -372,7 +432,7 @@ def test_hybrid_training_with_pallas_follows_chunk():
       params, state, loss = step(params, state)
       curve.append(float(loss))
     losses[impl] = np.array(curve)
-  assert losses['xla'][-1] < losses['xla'][0] - 1.0          # it trains
+  assert losses['xla'][-1] < losses['xla'][0] - 1.0  # it trains
   np.testing.assert_allclose(losses['pallas'], losses['xla'], rtol=1e-2)
 
 
@@ -383,28 +443,42 @@ def test_kernels_lower_to_triton_for_an_h200(dtype, d):
   machine: what Triton cannot express fails here, not in device time."""
   from experiments.tools.triton_report import lower_for_h200
   from kernels_pallas.kda import kda_pallas, kda_step_pallas
+
   spec = jax.ShapeDtypeStruct
   b, t, h = 2, 200, 4
   x = spec((b, t, h, d), dtype)
   f32 = lambda *shape: spec(shape, jnp.float32)
 
   def loss(q, k, v, g, beta, s0):
-    o, s = kda_pallas(q, k, v, g, beta, s0, scale=d ** -0.5)
+    o, s = kda_pallas(q, k, v, g, beta, s0, scale=d**-0.5)
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
-  module = lower_for_h200(jax.grad(loss, argnums=tuple(range(6))), x, x, x, f32(b, t, h, d), f32(b, t, h),
-                          f32(b, h, d, d))
-  for name in ('kda_chunk_cumsum', 'kda_diag_fwd', 'kda_scores_fwd', 'kda_wy_inverse', 'kda_wy_apply', 'kda_state_fwd', 'kda_state_bwd', 'kda_chunk_cotangents', 'kda_wy_bwd',
-               'kda_diag_bwd', 'kda_scores_bwd'):
+  module = lower_for_h200(
+    jax.grad(loss, argnums=tuple(range(6))), x, x, x, f32(b, t, h, d), f32(b, t, h), f32(b, h, d, d)
+  )
+  for name in (
+    'kda_chunk_cumsum',
+    'kda_diag_fwd',
+    'kda_scores_fwd',
+    'kda_wy_inverse',
+    'kda_wy_apply',
+    'kda_state_fwd',
+    'kda_state_bwd',
+    'kda_chunk_cotangents',
+    'kda_wy_bwd',
+    'kda_diag_bwd',
+    'kda_scores_bwd',
+  ):
     assert name in module, name
 
-  def gated_loss(q, k, v, f, beta, s0, a_log, dt_bias):   # the gate in the kernels, T padded
-    o, s = kda_pallas(q, k, v, f, beta, s0, scale=d ** -0.5, a_log=a_log, dt_bias=dt_bias)
+  def gated_loss(q, k, v, f, beta, s0, a_log, dt_bias):  # the gate in the kernels, T padded
+    o, s = kda_pallas(q, k, v, f, beta, s0, scale=d**-0.5, a_log=a_log, dt_bias=dt_bias)
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
-  module = lower_for_h200(jax.grad(gated_loss, argnums=tuple(range(8))), x, x, x, x, f32(b, t, h),
-                          f32(b, h, d, d), f32(h), f32(h, d))
+  module = lower_for_h200(
+    jax.grad(gated_loss, argnums=tuple(range(8))), x, x, x, x, f32(b, t, h), f32(b, h, d, d), f32(h), f32(h, d)
+  )
   assert 'kda_gated_cumsum' in module and 'kda_gated_reverse_cumsum' in module
   tok = spec((b, h, d), dtype)
-  step = lambda *a: kda_step_pallas(*a, scale=d ** -0.5)
+  step = lambda *a: kda_step_pallas(*a, scale=d**-0.5)
   assert 'kda_step' in lower_for_h200(step, tok, tok, tok, f32(b, h, d), f32(b, h), f32(b, h, d, d))

@@ -7,12 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_rmse, short_conv_grads, short_conv_inputs
+from oracles import np_short_conv
 
 from kernels_pallas.short_conv.settings import ShortConvSettings
 from kimijax.ops import short_conv as sc
-
-from helpers import rel_rmse, short_conv_grads, short_conv_inputs
-from oracles import np_short_conv
 
 
 def test_settings_are_frozen_values_parsed_from_the_flags_form():
@@ -34,8 +33,9 @@ def test_pallas_under_other_tiles_and_short_sequences():
     y, prefix = sc.short_conv(x, w, 'silu_l2', impl='pallas', settings=settings)
     np.testing.assert_allclose(y, np_short_conv(x, w, 'silu_l2'), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(prefix, sc.short_conv(x, w, 'silu_l2', impl='xla')[1])
-    for got, want in zip(short_conv_grads('pallas', 'silu_l2', x, w, dy, settings),
-                         short_conv_grads('xla', 'silu_l2', x, w, dy)):
+    for got, want in zip(
+      short_conv_grads('pallas', 'silu_l2', x, w, dy, settings), short_conv_grads('xla', 'silu_l2', x, w, dy)
+    ):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
@@ -46,8 +46,9 @@ def test_pallas_dz_over_several_row_tiles_per_program():
   assert settings.dz_layout(128) == (16, 2)
   args = short_conv_inputs(6, 1, 100, 2, 16)
   for activation in ('silu', 'silu_l2'):
-    for got, want in zip(short_conv_grads('pallas', activation, *args, settings),
-                         short_conv_grads('xla', activation, *args)):
+    for got, want in zip(
+      short_conv_grads('pallas', activation, *args, settings), short_conv_grads('xla', activation, *args)
+    ):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
@@ -55,6 +56,7 @@ def test_kernels_lower_to_triton_for_an_h200():
   """The three kernels of a training step go through the Pallas Triton lowering for an H200 here."""
   from experiments.tools.triton_report import lower_for_h200
   from kernels_pallas.short_conv import short_conv_pallas
+
   x = jax.ShapeDtypeStruct((2, 100, 4, 128), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((4, 4, 128), jnp.float32)
   loss = lambda x, w: jnp.sum(short_conv_pallas(x, w, 'silu_l2').astype(jnp.float32))

@@ -9,20 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracles import np_kda_layer, np_rmsnorm, np_silu
 
 from kimijax.config import ConfigError, base_config, validate
 from kimijax.layers.kda import KimiDeltaAttention
 from kimijax.model import make_mixer
 
-from oracles import np_kda_layer, np_rmsnorm, np_silu
-
 B, T, D, H, K = 2, 13, 24, 3, 8
 
 
 CASES = {
-    'default': dict(short_conv=True, output_gate='sigmoid', gate_lower_bound=0.0),
-    'swish_noconv_bounded': dict(short_conv=False, output_gate='swish', gate_lower_bound=-5.0),
-    'no_gate': dict(short_conv=True, output_gate='none', gate_lower_bound=0.0),
+  'default': dict(short_conv=True, output_gate='sigmoid', gate_lower_bound=0.0),
+  'swish_noconv_bounded': dict(short_conv=False, output_gate='swish', gate_lower_bound=-5.0),
+  'no_gate': dict(short_conv=True, output_gate='none', gate_lower_bound=0.0),
 }
 
 
@@ -37,8 +36,13 @@ def _setup(case, impl='xla', head_dim=K, short_conv_impl='xla'):
 def test_layer_matches_numpy(case):
   layer, params, x = _setup(case)
   y, max_logits, cache = layer.apply({'params': params}, x)
-  ref = np_kda_layer(params, np.asarray(x, np.float64), short_conv=case['short_conv'],
-                     output_gate=case['output_gate'], lower_bound=case['gate_lower_bound'])
+  ref = np_kda_layer(
+    params,
+    np.asarray(x, np.float64),
+    short_conv=case['short_conv'],
+    output_gate=case['output_gate'],
+    lower_bound=case['gate_lower_bound'],
+  )
   assert max_logits is None and cache is None
   np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 
@@ -46,10 +50,8 @@ def test_layer_matches_numpy(case):
 def test_layer_with_the_fused_conv_kernels_matches_numpy():
   """short_conv_impl='pallas' (K = 16, the kernels' smallest head dim) against the NumPy layer."""
   layer, params, x = _setup(CASES['default'], head_dim=16, short_conv_impl='pallas')
-  ref = np_kda_layer(params, np.asarray(x, np.float64), short_conv=True, output_gate='sigmoid',
-                     lower_bound=0.0)
-  np.testing.assert_allclose(layer.apply({'params': params}, x)[0], ref, rtol=1e-4,
-                             atol=1e-5 * np.abs(ref).max())
+  ref = np_kda_layer(params, np.asarray(x, np.float64), short_conv=True, output_gate='sigmoid', lower_bound=0.0)
+  np.testing.assert_allclose(layer.apply({'params': params}, x)[0], ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.mark.long
@@ -61,15 +63,16 @@ def test_layer_with_the_fused_conv_kernels_has_the_plain_convs_gradients():
   grads = [jax.grad(lambda p, m=m: jnp.sum(m.apply({'params': p}, x)[0] ** 2))(params) for m in (layer, plain)]
   for path, got in jax.tree_util.tree_leaves_with_path(grads[0]):
     want = functools.reduce(lambda tree, key: tree[key.key], path, grads[1])
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()),
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()), err_msg=jax.tree_util.keystr(path)
+    )
 
 
 def test_parameter_initialisation():
   _, params, _ = _setup(CASES['default'])
   a = np.exp(np.asarray(params['A_log']))
   assert params['A_log'].shape == (H,) and np.all((a >= 1) & (a <= 16))
-  dt = np.log1p(np.exp(np.asarray(params['dt_bias'], np.float64)))      # softplus(dt_bias) = dt
+  dt = np.log1p(np.exp(np.asarray(params['dt_bias'], np.float64)))  # softplus(dt_bias) = dt
   assert params['dt_bias'].shape == (H, K) and np.all((dt >= 1e-3 * 0.999) & (dt <= 1e-1 * 1.001))
 
 
@@ -82,11 +85,10 @@ def test_prefill_then_decode_equals_parallel(case):
   y, _, cache = layer.apply({'params': params}, x[:, :prompt], None, cache)
   outs = [y]
   for t in range(prompt, T):
-    y, _, cache = layer.apply({'params': params}, x[:, t:t + 1], None, cache)
+    y, _, cache = layer.apply({'params': params}, x[:, t : t + 1], None, cache)
     outs.append(y)
   assert cache['state'].dtype == jnp.float32 and cache['state'].shape == (B, H, K, K)
-  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), y_full, rtol=1e-4,
-                             atol=1e-5 * float(jnp.abs(y_full).max()))
+  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), y_full, rtol=1e-4, atol=1e-5 * float(jnp.abs(y_full).max()))
 
 
 @pytest.mark.parametrize('recompute', ['', 'qk', 'qkv'], ids=['keep_projections', 'recompute_qk', 'recompute_qkv'])
@@ -100,16 +102,14 @@ def test_backward_keeps_only_matmul_outputs_and_the_named_residuals(case, recomp
   recomputed: keeping the op's inputs and the projections took 26 bytes per token and channel at
   K = 128, their float32 intermediates 99."""
   bsz, t, h, k, c = 2, 256, 4, 32, 64
-  layer = KimiDeltaAttention(h, k, impl='pallas', dtype=jnp.bfloat16, recompute_projections=recompute,
-                             **CASES[case])
+  layer = KimiDeltaAttention(h, k, impl='pallas', dtype=jnp.bfloat16, recompute_projections=recompute, **CASES[case])
   x = jnp.zeros((bsz, t, h * k), jnp.bfloat16)
   params = jax.eval_shape(layer.init, jax.random.key(0), x)
   loss = lambda p, x: jnp.sum(layer.apply(p, x)[0].astype(jnp.float32))
   residuals = jax.eval_shape(lambda p, x: jax.vjp(loss, p, x)[1], params, x)
   kept = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(residuals))
   per_token = 2 * (5 - len(recompute)) * h * k + 2 * 2 * h * c + 2 * 2 * k + 4 * 2 * h
-  assert kept <= per_token * bsz * t + 4 * sum(
-      a.size for a in jax.tree_util.tree_leaves(params)), kept / (bsz * t)
+  assert kept <= per_token * bsz * t + 4 * sum(a.size for a in jax.tree_util.tree_leaves(params)), kept / (bsz * t)
 
 
 @pytest.mark.parametrize('recompute', ['v', 'qkv'])
@@ -138,16 +138,24 @@ def np_kda_layer_no_conv_no_gate(p, x, *, eps):
     s = s * np.exp(g[:, t])[..., None]
     pred = np.einsum('bhkv,bhk->bhv', s, k[:, t])
     s = s + np.einsum('bhk,bhv->bhkv', k[:, t], beta[:, t, :, None] * (v[:, t] - pred))
-    o[:, t] = np.einsum('bhkv,bhk->bhv', s, q[:, t] * dk ** -0.5)
+    o[:, t] = np.einsum('bhkv,bhk->bhv', s, q[:, t] * dk**-0.5)
   o = np_rmsnorm(o, p['o_norm'], eps)
   return np.einsum('bthk,hkd->btd', o, p['o_proj'])
 
 
 def test_kda_output_norm_eps_comes_from_the_config():
-  eps = 0.05     # large enough to change the output visibly against the old fixed 1e-5
+  eps = 0.05  # large enough to change the output visibly against the old fixed 1e-5
   c = base_config()
-  c.model.update(d_model=32, num_heads=4, init_std=0.3, compute_dtype='float32', kda_output_norm_eps=eps,
-                 kda_short_conv=False, kda_output_gate='none', kda_impl='xla_recurrent')
+  c.model.update(
+    d_model=32,
+    num_heads=4,
+    init_std=0.3,
+    compute_dtype='float32',
+    kda_output_norm_eps=eps,
+    kda_short_conv=False,
+    kda_output_gate='none',
+    kda_impl='xla_recurrent',
+  )
   mixer = make_mixer(validate(c).model, 'K', jnp.float32)
   x = jax.random.normal(jax.random.key(3), (B, 9, 32))
   params = nn.unbox(mixer.init(jax.random.key(0), x, None)['params'])

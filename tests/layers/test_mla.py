@@ -8,19 +8,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracles import np_mla, np_rmsnorm
 
 from kimijax.config import ConfigError, base_config, validate
 from kimijax.layers.mla import MultiHeadLatentAttention
 from kimijax.model import make_mixer
 
-from oracles import np_mla, np_rmsnorm
-
 B, T, D, H = 2, 11, 32, 4
 
 
 CASES = {
-    'nope': dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0, v_head_dim=8, q_lora_rank=0),
-    'rope_qlora_dv': dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=10),
+  'nope': dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=0, v_head_dim=8, q_lora_rank=0),
+  'rope_qlora_dv': dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=10),
 }
 
 
@@ -30,6 +29,7 @@ def _layer_and_params(cfg):
   pos = jnp.broadcast_to(jnp.arange(T), (B, T))
   params = jax.tree.map(lambda a: a, layer.init(jax.random.key(0), x, pos)['params'])
   from flax import linen as nn
+
   return layer, nn.unbox(params), x, pos
 
 
@@ -48,17 +48,15 @@ def test_prefill_then_decode_equals_parallel(cfg):
   layer, params, x, pos = _layer_and_params(cfg)
   y_full, _, _ = layer.apply({'params': params}, x, pos)
   prompt, max_len = 5, T + 3
-  cache = MultiHeadLatentAttention.init_cache(B, max_len, cfg['kv_lora_rank'], cfg['qk_rope_head_dim'],
-                                              jnp.float32)
+  cache = MultiHeadLatentAttention.init_cache(B, max_len, cfg['kv_lora_rank'], cfg['qk_rope_head_dim'], jnp.float32)
   y, _, cache = layer.apply({'params': params}, x[:, :prompt], pos[:, :prompt], cache)
   outs = [y]
   for t in range(prompt, T):
-    y, max_logits, cache = layer.apply({'params': params}, x[:, t:t + 1], pos[:, t:t + 1], cache)
+    y, max_logits, cache = layer.apply({'params': params}, x[:, t : t + 1], pos[:, t : t + 1], cache)
     assert max_logits is None
     outs.append(y)
   assert cache['latent'].shape == (B, max_len, cfg['kv_lora_rank'])
-  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), y_full, rtol=1e-4,
-                             atol=1e-5 * float(jnp.abs(y_full).max()))
+  np.testing.assert_allclose(jnp.concatenate(outs, axis=1), y_full, rtol=1e-4, atol=1e-5 * float(jnp.abs(y_full).max()))
 
 
 # ----------------------------------------------------------------------------- Kimi Linear's MLA convention
@@ -100,8 +98,15 @@ def test_mla_decoupled_dims_without_rotation_match_kimi_linear():
   """mla_rope=False keeps the decoupled dims and does not rotate them, with real positions; the
   latent norm uses model.mla_latent_norm_eps, not model.norm_eps."""
   dn, dr, eps = 8, 4, 1e-2
-  cfg = _model_config(attention_kind='mla', mla_kv_lora_rank=12, mla_qk_nope_head_dim=dn,
-                      mla_qk_rope_head_dim=dr, mla_rope=False, mla_latent_norm_eps=eps, norm_eps=1e-6)
+  cfg = _model_config(
+    attention_kind='mla',
+    mla_kv_lora_rank=12,
+    mla_qk_nope_head_dim=dn,
+    mla_qk_rope_head_dim=dr,
+    mla_rope=False,
+    mla_latent_norm_eps=eps,
+    norm_eps=1e-6,
+  )
   mixer = make_mixer(cfg, 'A', jnp.float32)
   x = jax.random.normal(jax.random.key(1), (B, T_KL, D))
   pos = jnp.broadcast_to(jnp.arange(T_KL) + 100, (B, T_KL))
@@ -110,15 +115,25 @@ def test_mla_decoupled_dims_without_rotation_match_kimi_linear():
   y, _, _ = mixer.apply({'params': params}, x, pos)
   ref = np_kimi_linear_mla(params, np.asarray(x, np.float64), dn=dn, dr=dr, eps=eps)
   np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-  rotated = make_mixer(_model_config(attention_kind='mla', mla_kv_lora_rank=12, mla_qk_nope_head_dim=dn,
-                                     mla_qk_rope_head_dim=dr, mla_latent_norm_eps=eps), 'A', jnp.float32)
+  rotated = make_mixer(
+    _model_config(
+      attention_kind='mla',
+      mla_kv_lora_rank=12,
+      mla_qk_nope_head_dim=dn,
+      mla_qk_rope_head_dim=dr,
+      mla_latent_norm_eps=eps,
+    ),
+    'A',
+    jnp.float32,
+  )
   y_rot, _, _ = rotated.apply({'params': params}, x, pos)
-  assert np.abs(np.asarray(y_rot) - ref).max() > 1e-3 * np.abs(ref).max()   # mla_rope=True does rotate
+  assert np.abs(np.asarray(y_rot) - ref).max() > 1e-3 * np.abs(ref).max()  # mla_rope=True does rotate
 
 
 def test_mla_without_rotation_decodes_like_its_parallel_form():
-  cfg = _model_config(attention_kind='mla', mla_kv_lora_rank=12, mla_qk_nope_head_dim=8,
-                      mla_qk_rope_head_dim=4, mla_rope=False)
+  cfg = _model_config(
+    attention_kind='mla', mla_kv_lora_rank=12, mla_qk_nope_head_dim=8, mla_qk_rope_head_dim=4, mla_rope=False
+  )
   mixer = make_mixer(cfg, 'A', jnp.float32)
   x = jax.random.normal(jax.random.key(2), (B, T_KL, D))
   pos = jnp.broadcast_to(jnp.arange(T_KL), (B, T_KL))
@@ -128,17 +143,18 @@ def test_mla_without_rotation_decodes_like_its_parallel_form():
   y, _, cache = mixer.apply({'params': params}, x[:, :4], pos[:, :4], cache)
   outs = [y]
   for t in range(4, T_KL):
-    y, _, cache = mixer.apply({'params': params}, x[:, t:t + 1], pos[:, t:t + 1], cache)
+    y, _, cache = mixer.apply({'params': params}, x[:, t : t + 1], pos[:, t : t + 1], cache)
     outs.append(y)
   np.testing.assert_allclose(jnp.concatenate(outs, 1), y_full, rtol=1e-4, atol=1e-5 * float(jnp.abs(y_full).max()))
 
 
 def test_kimi_linear_small_follows_the_released_mla_convention():
   from configs.kimi_linear_small import get_config
+
   m = get_config().model
   assert m.mla_qk_rope_head_dim > 0 and m.mla_rope is False
   assert m.mla_latent_norm_eps == 1e-6 and m.kda_output_norm_eps == m.norm_eps
-  old = get_config('nope0').model       # the former 0-dim form stays available
+  old = get_config('nope0').model  # the former 0-dim form stays available
   assert old.mla_qk_rope_head_dim == 0 and old.kda_output_norm_eps == 1e-5
   assert get_config('rope').model.mla_rope is True
 

@@ -9,29 +9,49 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from oracles_moe import np_moe_layer, np_route
 
 from kimijax.layers.mlp import SwiGLU
 from kimijax.layers.moe import MOE_STATE, MOE_STATS, MoE, moe_aux_loss, moe_metrics, update_moe_state
 
-from oracles_moe import np_moe_layer, np_route
-
 B, T, D, F = 2, 8, 16, 8
 
 CASES = {
-    # DeepSeek-V3's routing at small scale: groups, selection bias, renormalised and scaled
-    # weights, shared experts and the sequence-wise balance loss.
-    'sigmoid_groups_shared': dict(num_experts=8, top_k=3, n_group=4, topk_group=2, num_shared=2,
-                                  score_func='sigmoid', renormalize=True, scaling_factor=2.446,
-                                  aux_loss_alpha=0.05),
-    'softmax_plain': dict(num_experts=6, top_k=2, num_shared=0, score_func='softmax',
-                          renormalize=False, scaling_factor=1.0, aux_loss_alpha=0.0),
+  # DeepSeek-V3's routing at small scale: groups, selection bias, renormalised and scaled
+  # weights, shared experts and the sequence-wise balance loss.
+  'sigmoid_groups_shared': dict(
+    num_experts=8,
+    top_k=3,
+    n_group=4,
+    topk_group=2,
+    num_shared=2,
+    score_func='sigmoid',
+    renormalize=True,
+    scaling_factor=2.446,
+    aux_loss_alpha=0.05,
+  ),
+  'softmax_plain': dict(
+    num_experts=6,
+    top_k=2,
+    num_shared=0,
+    score_func='softmax',
+    renormalize=False,
+    scaling_factor=1.0,
+    aux_loss_alpha=0.0,
+  ),
 }
 
 
 def _oracle_cfg(kw):
-  return dict(top_k=kw['top_k'], score_func=kw['score_func'], n_group=kw.get('n_group', 1),
-              topk_group=kw.get('topk_group', 1), renormalize=kw['renormalize'],
-              scaling=kw['scaling_factor'], alpha=kw['aux_loss_alpha'])
+  return dict(
+    top_k=kw['top_k'],
+    score_func=kw['score_func'],
+    n_group=kw.get('n_group', 1),
+    topk_group=kw.get('topk_group', 1),
+    renormalize=kw['renormalize'],
+    scaling=kw['scaling_factor'],
+    alpha=kw['aux_loss_alpha'],
+  )
 
 
 def random_variables(layer, x, seed, std=0.3):
@@ -68,16 +88,22 @@ def assert_close(got, want, tol, what=''):
 @pytest.mark.parametrize('kw', CASES.values(), ids=CASES.keys())
 def test_layer_matches_float64_oracle(kw):
   layer, params, moe_state, x, dy = _setup(kw)
-  (loss, (y, stats)), (g_params, g_x) = jax.jit(jax.value_and_grad(
-      lambda p, x: _loss(layer, p, moe_state, x, dy), argnums=(0, 1), has_aux=True))(params, x)
+  (loss, (y, stats)), (g_params, g_x) = jax.jit(
+    jax.value_and_grad(lambda p, x: _loss(layer, p, moe_state, x, dy), argnums=(0, 1), has_aux=True)
+  )(params, x)
   ref_y, ref_aux, (experts, weights, _, margin), ref_g = np_moe_layer(
-      np.asarray(x), jax.tree.map(np.asarray, params), np.asarray(moe_state['bias']), _oracle_cfg(kw),
-      np.asarray(dy))
+    np.asarray(x), jax.tree.map(np.asarray, params), np.asarray(moe_state['bias']), _oracle_cfg(kw), np.asarray(dy)
+  )
   assert margin > 1e-4, f'near-tie in the routing ({margin:.2g}): pick another seed'
   # The bias must change some token's choice, or the test would not see where it acts.
-  plain, *_ = np_route(np.asarray(x).reshape(B * T, D) @ np.asarray(params['router'], np.float64), None,
-                       top_k=kw['top_k'], score_func=kw['score_func'], n_group=kw.get('n_group', 1),
-                       topk_group=kw.get('topk_group', 1))
+  plain, *_ = np_route(
+    np.asarray(x).reshape(B * T, D) @ np.asarray(params['router'], np.float64),
+    None,
+    top_k=kw['top_k'],
+    score_func=kw['score_func'],
+    n_group=kw.get('n_group', 1),
+    topk_group=kw.get('topk_group', 1),
+  )
   assert np.any(np.sort(plain, -1) != np.sort(experts, -1)), 'the bias should change some choice'
   assert_close(y, ref_y, 2e-6, 'y')
   assert_close(stats['aux_loss'], ref_aux, 1e-5, 'aux_loss')
@@ -88,7 +114,8 @@ def test_layer_matches_float64_oracle(kw):
     assert_close(g, flat_ref[path], 1e-5, jax.tree_util.keystr(path))
   assert_close(g_x, ref_g['x'], 1e-5, 'x')
   assert set(flat_ref) == {p for p, _ in jax.tree_util.tree_leaves_with_path(g_params)} | {
-      (jax.tree_util.DictKey('x'),)}
+    (jax.tree_util.DictKey('x'),)
+  }
 
 
 def test_bias_chooses_but_does_not_weigh():
@@ -97,7 +124,8 @@ def test_bias_chooses_but_does_not_weigh():
   layer, params, _, x, _ = _setup(kw)
   bias = jnp.zeros((8,)).at[5].set(100.0)
   y, mut = jax.jit(lambda v, x: layer.apply(v, x, mutable=[MOE_STATS]))(
-      {'params': params, MOE_STATE: {'bias': bias}}, x)
+    {'params': params, MOE_STATE: {'bias': bias}}, x
+  )
   assert float(mut[MOE_STATS]['load'][5]) == B * T
   ref_y, *_ = np_moe_layer(np.asarray(x), jax.tree.map(np.asarray, params), np.asarray(bias), _oracle_cfg(kw))
   assert_close(y, ref_y, 2e-6, 'y')
@@ -123,8 +151,14 @@ def test_apply_without_the_bias_fails():
 
 # ----------------------------------------------------------------------------- sharded == one device
 
-RULES = (('act_batch', ('data', 'fsdp', 'expert')), ('act_length', None), ('act_mlp', 'tensor'),
-         ('embed', 'fsdp'), ('mlp', 'tensor'), ('expert', 'expert'))
+RULES = (
+  ('act_batch', ('data', 'fsdp', 'expert')),
+  ('act_length', None),
+  ('act_mlp', 'tensor'),
+  ('embed', 'fsdp'),
+  ('mlp', 'tensor'),
+  ('expert', 'expert'),
+)
 
 
 MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
@@ -171,7 +205,8 @@ def test_step_helpers_on_a_two_layer_model():
   state = variables[MOE_STATE]
   assert jax.tree.map(jnp.shape, state) == {'layer_0': {'bias': (4,)}, 'layer_1': {'bias': (6,)}}
   _, mut = jax.jit(lambda v, x: model.apply(v, x, mutable=[MOE_STATS]))(
-      {'params': variables['params'], MOE_STATE: state}, x)
+    {'params': variables['params'], MOE_STATE: state}, x
+  )
   stats = mut[MOE_STATS]
   assert float(moe_aux_loss(stats)) == pytest.approx(float(stats['layer_0']['aux_loss'] + stats['layer_1']['aux_loss']))
   assert float(moe_aux_loss({})) == 0.0

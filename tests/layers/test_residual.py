@@ -14,22 +14,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import (
+  RTOL,
+  STEPS,
+  B,
+  T,
+  cross_entropy,
+  init_params,
+  random_tokens,
+  rel_err,
+  sharding_config,
+  tiny_model_config,
+  train_steps,
+)
+from oracles import np_attnres_forward
 
 from kimijax import config as config_lib
 from kimijax.layers import residual as residual_lib
 from kimijax.layers.norms import RMSNorm
 from kimijax.model import Transformer
 
-from helpers import (B, RTOL, STEPS, T, cross_entropy, init_params, random_tokens, rel_err,
-                     sharding_config, tiny_model_config, train_steps)
-from oracles import np_attnres_forward
-
 
 @pytest.fixture(autouse=True)
 def _float32_matmuls_in_full():
   with jax.default_matmul_precision('highest'):
     yield
-
 
 
 # ----------------------------------------------------------------------------- the model
@@ -50,11 +59,17 @@ def forward(cfg, params, tokens, log=False):
   return _FORWARDS[key]({'params': params}, tokens)
 
 
-@pytest.mark.parametrize('residual,block,impl,remat', [
-    ('attnres_full', 4, 'xla', False), ('attnres_block', 3, 'xla', False),
-    ('attnres_block', 2, 'xla', False), ('attnres_block', 3, 'pallas', False),
+@pytest.mark.parametrize(
+  'residual,block,impl,remat',
+  [
+    ('attnres_full', 4, 'xla', False),
+    ('attnres_block', 3, 'xla', False),
+    ('attnres_block', 2, 'xla', False),
+    ('attnres_block', 3, 'pallas', False),
     ('attnres_block', 2, 'pallas', True),
-    pytest.param('attnres_full', 4, 'pallas', False, marks=pytest.mark.long)])   # ~50 s
+    pytest.param('attnres_full', 4, 'pallas', False, marks=pytest.mark.long),
+  ],
+)  # ~50 s
 def test_forward_matches_numpy_reference(residual, block, impl, remat):
   """Random non-zero pseudo-queries and key gains (init_params draws every leaf), 2 layers;
   block 3 does not divide the 4 sublayers (last block of 1), block 2 does; phase 1 by XLA or by
@@ -81,8 +96,8 @@ def test_forward_matches_numpy_reference(residual, block, impl, remat):
   width = max(len(w) for w in ref_w)
   assert st['weights'].shape == (2 * cfg.num_layers + 1, width)
   for row, ref in zip(np.asarray(st['weights']), ref_w):
-    np.testing.assert_allclose(row[:len(ref)], ref, rtol=1e-5, atol=1e-6)
-    assert np.all(np.isnan(row[len(ref):]))
+    np.testing.assert_allclose(row[: len(ref)], ref, rtol=1e-5, atol=1e-6)
+    assert np.all(np.isnan(row[len(ref) :]))
   assert max(np.max(np.abs(r - 1 / len(r))) for r in ref_w) > 1e-2, 'weights should not be uniform'
   np.testing.assert_allclose(st['input_rms'], ref_in, rtol=1e-5)
   np.testing.assert_allclose(st['output_rms'], ref_out, rtol=1e-5)
@@ -93,8 +108,9 @@ def test_forward_matches_numpy_reference(residual, block, impl, remat):
 def copy_shared(std_params, attnres_cfg, seed=7):
   """The AttnRes params tree holding std_params' sublayer weights; pseudo-queries zero (their
   initial value) and key gains random (they must not matter while the queries are zero)."""
-  shapes = nn.unbox(jax.eval_shape(Transformer(attnres_cfg).init, jax.random.key(0),
-                                   jnp.zeros((1, T), jnp.int32))['params'])
+  shapes = nn.unbox(
+    jax.eval_shape(Transformer(attnres_cfg).init, jax.random.key(0), jnp.zeros((1, T), jnp.int32))['params']
+  )
   rng = np.random.default_rng(seed)
   flat_std = {jax.tree_util.keystr(k): v for k, v in jax.tree.leaves_with_path(std_params)}
   leaves, treedef = jax.tree.flatten_with_path(shapes)
@@ -138,17 +154,19 @@ def loss_fn(cfg):
 
 
 def attnres_leaves(tree, suffix):
-  return {jax.tree_util.keystr(k): v for k, v in jax.tree.leaves_with_path(tree)
-          if jax.tree_util.keystr(k).endswith(f"['{suffix}']")}
+  return {
+    jax.tree_util.keystr(k): v
+    for k, v in jax.tree.leaves_with_path(tree)
+    if jax.tree_util.keystr(k).endswith(f"['{suffix}']")
+  }
 
 
 @pytest.mark.long
 def test_block_size_one_is_full_and_gradients_reach_every_query():
   full, block1 = cfg_for('attnres_full'), cfg_for('attnres_block', attnres_block_size=1)
-  params = init_params(full)                      # non-zero pseudo-queries
+  params = init_params(full)  # non-zero pseudo-queries
   tokens = random_tokens(full)
-  np.testing.assert_allclose(forward(block1, params, tokens)[0], forward(full, params, tokens)[0],
-                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(forward(block1, params, tokens)[0], forward(full, params, tokens)[0], rtol=1e-6, atol=1e-6)
 
   # From the real initial state (queries 0): every pseudo-query gets a non-zero gradient.
   init = nn.unbox(Transformer(full).init(jax.random.key(0), tokens)['params'])
@@ -188,7 +206,7 @@ def test_block_state_holds_n_plus_one_sources():
   """Traced model with remat: each layer's checkpointed call takes the residual state as its
   carry; count its [B, T, D] inputs (no parameter has that shape) and outputs. Block AttnRes
   carries at most N + 1 sources and the current block's S phase-1 outputs: O(N + S), not O(L)."""
-  layers, s = 4, 3                        # L = 8 sublayers, N = ceil(8 / 3) = 3 blocks
+  layers, s = 4, 3  # L = 8 sublayers, N = ceil(8 / 3) = 3 blocks
   counts = {}
   for residual in ('attnres_block', 'attnres_full', 'standard'):
     cfg = cfg_for(residual, num_layers=layers, attnres_block_size=s, remat=True)
@@ -202,8 +220,9 @@ def test_block_state_holds_n_plus_one_sources():
   # Block: sources 1, 2, 3, 3, 4 (at most N + 1 = 4, not L + 1 = 9); blocks 0, 1 and 2 were
   # entered by layers 0, 1 and 3 (sublayers 1, 3 and 6), so layer 1's and 2's inputs and the
   # output carry 3 phase-1 outputs (in block 0: the embedding, three times).
-  assert counts['attnres_block'] == [expected_carry(2 * i, s, 8) for i in range(layers + 1)] \
-      == [1, 2 + 3, 3 + 3, 3, 4 + 3]
+  assert (
+    counts['attnres_block'] == [expected_carry(2 * i, s, 8) for i in range(layers + 1)] == [1, 2 + 3, 3 + 3, 3, 4 + 3]
+  )
   assert residual_lib.num_sources(cfg_for('attnres_block', num_layers=layers, attnres_block_size=s)) == 4
   # Full: every read is its own block, closed by the next write: sources only.
   assert counts['attnres_full'] == [expected_carry(2 * i, 1, 8) for i in range(layers + 1)] == [1, 3, 5, 7, 9]
@@ -232,11 +251,13 @@ def test_sharded_and_remat_training_match_one_device():
   assert all(np.max(np.abs(v)) > 0 for v in q.values())
   for shape, remat in (((1, 8, 1), False), ((2, 2, 2), True)):
     history, state, _, _ = train_steps(sharded_config(shape, remat), jax.devices())
-    np.testing.assert_allclose([float(h['loss']) for h in history], ref_losses, rtol=RTOL, atol=0,
-                               err_msg=str((shape, remat)))
-    np.testing.assert_allclose([float(h['grad_norm']) for h in history],
-                               [float(h['grad_norm']) for h in ref], rtol=RTOL, atol=0)
-    for name, leaf in attnres_leaves(state.params, 'attnres_query').items():   # replicated
+    np.testing.assert_allclose(
+      [float(h['loss']) for h in history], ref_losses, rtol=RTOL, atol=0, err_msg=str((shape, remat))
+    )
+    np.testing.assert_allclose(
+      [float(h['grad_norm']) for h in history], [float(h['grad_norm']) for h in ref], rtol=RTOL, atol=0
+    )
+    for name, leaf in attnres_leaves(state.params, 'attnres_query').items():  # replicated
       assert all(s.data.shape == leaf.shape for s in leaf.addressable_shards), name
 
 
@@ -248,19 +269,19 @@ def test_attnres_parameters_are_vectors_routed_to_adamw():
   default routing (kimijax.optim.routing) sends them to AdamW while the sublayer matrices of the
   same model still go to Muon (docs/optimizers.md#muon)."""
   from kimijax.optim.routing import ADAMW, MUON, Routing
+
   cfg = cfg_for('attnres_block', attnres_block_size=3)
   boxed = jax.eval_shape(Transformer(cfg).init, jax.random.key(0), jnp.zeros((1, T), jnp.int32))['params']
   specs = nn.get_partition_spec(boxed)
   params = nn.unbox(boxed)
   for suffix in ('attnres_query', 'attnres_key_scale'):
     leaves = attnres_leaves(params, suffix)
-    assert len(leaves) == 2 * cfg.num_layers          # all consumers but sublayer 0
+    assert len(leaves) == 2 * cfg.num_layers  # all consumers but sublayer 0
     assert "['attnres']['layer_0_mixer']" not in ''.join(leaves)
     assert all(v.shape == (cfg.d_model,) for v in leaves.values())
     assert all(tuple(s) == ('norm',) for s in attnres_leaves(specs, suffix).values())
-  extra = sum(v.size for k, v in jax.tree.leaves_with_path(params)
-              if 'attnres' in jax.tree_util.keystr(k))
-  assert extra == 2 * cfg.d_model * 2 * cfg.num_layers     # docs/attention_residuals.md: 2d per consumer
+  extra = sum(v.size for k, v in jax.tree.leaves_with_path(params) if 'attnres' in jax.tree_util.keystr(k))
+  assert extra == 2 * cfg.d_model * 2 * cfg.num_layers  # docs/attention_residuals.md: 2d per consumer
 
   routes = Routing().routes(boxed)
   for suffix in ('attnres_query', 'attnres_key_scale'):
@@ -270,12 +291,19 @@ def test_attnres_parameters_are_vectors_routed_to_adamw():
     assert rules == {MUON}, (suffix, rules)
 
 
-@pytest.mark.parametrize('key,value', [('residual', 'attnres'), ('attnres_block_size', 0),
-                                       ('attnres_block_size', -2), ('attnres_impl', 'triton'),
-                                       ('attnres_impl', 'pallas')])
+@pytest.mark.parametrize(
+  'key,value',
+  [
+    ('residual', 'attnres'),
+    ('attnres_block_size', 0),
+    ('attnres_block_size', -2),
+    ('attnres_impl', 'triton'),
+    ('attnres_impl', 'pallas'),
+  ],
+)
 def test_config_rejects_bad_values(key, value):
   c = config_lib.base_config()
-  c.model.d_model = 40                    # the Pallas kernels need d_model divisible by 16
+  c.model.d_model = 40  # the Pallas kernels need d_model divisible by 16
   c.model.residual = 'attnres_block'
   c.model[key] = value
   with pytest.raises(config_lib.ConfigError, match=f'model.{key}'):
@@ -295,14 +323,26 @@ def test_training_logs_depth_statistics_and_plot_script_draws_them(tmp_path):
   from kimijax.train.metrics import read_metrics
 
   c = get_config()
-  c.model.update(dict(d_model=32, num_layers=2, num_heads=2, mlp_dim=64, residual='attnres_block',
-                      attnres_block_size=3))
-  c.train.update(dict(seq_len=32, batch_size=2, steps=2, log_every=1, eval_every=2, eval_batches=1,
-                      checkpoint_every=2, plot=False, log_attnres=True))
+  c.model.update(
+    dict(d_model=32, num_layers=2, num_heads=2, mlp_dim=64, residual='attnres_block', attnres_block_size=3)
+  )
+  c.train.update(
+    dict(
+      seq_len=32,
+      batch_size=2,
+      steps=2,
+      log_every=1,
+      eval_every=2,
+      eval_batches=1,
+      checkpoint_every=2,
+      plot=False,
+      log_attnres=True,
+    )
+  )
   train(c, tmp_path, devices=jax.devices()[:1])
   records = [r for r in read_metrics(tmp_path) if 'loss' in r]
   assert [r['step'] for r in records] == [1, 2]
-  widths = [sources_after(l, 3) for l in range(5)]            # sources of consumers 0..3, final
+  widths = [sources_after(l, 3) for l in range(5)]  # sources of consumers 0..3, final
   for r in records:
     assert [len(row) for row in r['attnres_weights']] == widths == [1, 2, 2, 2, 3]
     assert all(abs(sum(row) - 1) < 1e-5 for row in r['attnres_weights'])
@@ -315,22 +355,28 @@ def test_training_logs_depth_statistics_and_plot_script_draws_them(tmp_path):
   assert sorted(p.name for p in paths) == ['attnres_rms.png', 'attnres_stats.json', 'attnres_weights_run.png']
   assert all(p.stat().st_size > 5000 for p in paths if p.suffix == '.png')
   saved = json.loads((tmp_path / 'figures' / 'attnres_stats.json').read_text())['run']
-  assert saved['weights'][0] == [1.0, None, None]             # NaN padding saved as null
+  assert saved['weights'][0] == [1.0, None, None]  # NaN padding saved as null
 
 
 # ----------------------------------------------------------------------------- the ablated variants
-# docs/attention_residuals.md's "no key RMSNorm" and "sigmoid" arms (model.attnres_key_norm, model.attnres_depth_weights;
+# docs/attention_residuals.md's "no key RMSNorm" and "sigmoid" arms (model.attnres_key_norm,
+# model.attnres_depth_weights;
 # kimijax.ops.attnres has the maths), XLA only.
 
 
 def variant_cfg(residual, block, key_norm, depth_weights, **overrides):
-  return cfg_for(residual, attnres_block_size=block, attnres_key_norm=key_norm,
-                 attnres_depth_weights=depth_weights, **overrides)
+  return cfg_for(
+    residual, attnres_block_size=block, attnres_key_norm=key_norm, attnres_depth_weights=depth_weights, **overrides
+  )
 
 
-VARIANTS = [('attnres_full', 1, False, 'softmax'), ('attnres_full', 1, True, 'sigmoid'),
-            ('attnres_block', 3, False, 'softmax'), ('attnres_block', 3, True, 'sigmoid'),
-            ('attnres_block', 2, False, 'sigmoid')]
+VARIANTS = [
+  ('attnres_full', 1, False, 'softmax'),
+  ('attnres_full', 1, True, 'sigmoid'),
+  ('attnres_block', 3, False, 'softmax'),
+  ('attnres_block', 3, True, 'sigmoid'),
+  ('attnres_block', 2, False, 'sigmoid'),
+]
 
 
 @pytest.mark.parametrize('residual,block,key_norm,depth_weights', VARIANTS)
@@ -349,8 +395,8 @@ def test_variant_forward_matches_numpy_reference(residual, block, key_norm, dept
   assert rel_err(logits, ref_logits) <= 1e-5
   st = aux['attnres']
   for row, ref in zip(np.asarray(st['weights']), ref_w):
-    np.testing.assert_allclose(row[:len(ref)], ref, rtol=1e-5, atol=1e-6)
-    assert np.all(np.isnan(row[len(ref):]))
+    np.testing.assert_allclose(row[: len(ref)], ref, rtol=1e-5, atol=1e-6)
+    assert np.all(np.isnan(row[len(ref) :]))
   np.testing.assert_allclose(st['input_rms'], ref_in, rtol=1e-5)
   np.testing.assert_allclose(st['output_rms'], ref_out, rtol=1e-5)
 
@@ -361,8 +407,7 @@ def test_variant_forward_matches_numpy_reference(residual, block, key_norm, dept
   assert rel_err(ref_logits, default_logits) > 1e-3
 
 
-@pytest.mark.parametrize('residual,block,key_norm,depth_weights',
-                         [VARIANTS[0], VARIANTS[3], VARIANTS[4]])
+@pytest.mark.parametrize('residual,block,key_norm,depth_weights', [VARIANTS[0], VARIANTS[3], VARIANTS[4]])
 def test_zero_queries_equal_standard_model_in_every_variant(residual, block, key_norm, depth_weights):
   """At zero queries softmax (either key) takes the mean of the sources and sigmoid half their
   sum; every consumer normalises its input, so each variant also starts as the standard model."""
@@ -378,6 +423,7 @@ def test_zero_queries_equal_standard_model_in_every_variant(residual, block, key
 class SublayerStack(nn.Module):
   """A residual strategy driven as the model drives it (start, read, write, the final read), over
   small tanh(Dense) sublayers: the strategy's own graph, cheap to differentiate."""
+
   res: Any
 
   @nn.compact
@@ -415,10 +461,17 @@ def test_variant_gradients_are_finite_and_reach_every_query(block, key_norm, dep
       assert np.max(np.abs(g)) > 0, name
 
 
-@pytest.mark.parametrize('key,value,message', [
+@pytest.mark.parametrize(
+  'key,value,message',
+  [
     ('attnres_key_norm', None, r'model.attnres_key_norm=None is not allowed; allowed values: \[True, False\]'),
-    ('attnres_depth_weights', 'tanh',
-     r"model.attnres_depth_weights='tanh' is not allowed; allowed values: \['softmax', 'sigmoid'\]")])
+    (
+      'attnres_depth_weights',
+      'tanh',
+      r"model.attnres_depth_weights='tanh' is not allowed; allowed values: \['softmax', 'sigmoid'\]",
+    ),
+  ],
+)
 def test_config_rejects_bad_variant_values(key, value, message):
   c = config_lib.base_config()
   c.model.residual = 'attnres_full'
@@ -438,7 +491,8 @@ def test_config_says_the_variants_need_the_xla_path():
       config_lib.validate(c)
       c.model.attnres_impl = 'pallas'
       switch = 'model.attnres_key_norm=False' if not key_norm else "model.attnres_depth_weights='sigmoid'"
-      with pytest.raises(config_lib.ConfigError,
-                         match=f"{re.escape(switch)}.* model.attnres_impl='xla': model.attnres_impl='pallas' "
-                               "implements only"):
+      with pytest.raises(
+        config_lib.ConfigError,
+        match=f"{re.escape(switch)}.* model.attnres_impl='xla': model.attnres_impl='pallas' implements only",
+      ):
         config_lib.validate(c)

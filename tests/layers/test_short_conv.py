@@ -7,12 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import impl_params
+from oracles import np_short_conv
 
 from kimijax.layers.short_conv import ShortConv
 from kimijax.ops import short_conv as sc
-
-from helpers import impl_params
-from oracles import np_short_conv
 
 B, T, H, K = 2, 13, 2, 16
 

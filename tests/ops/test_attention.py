@@ -14,13 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import impl_params
 from jax.sharding import NamedSharding, PartitionSpec as P
+from oracles import ref_attention, ref_attention_grads, ref_expand_kv, ref_max_logits, ref_max_logits_fast
 
 from kimijax.ops import attention as attention_lib
-
-from helpers import impl_params
-from oracles import (ref_attention, ref_attention_grads, ref_expand_kv, ref_max_logits,
-                     ref_max_logits_fast)
 
 # Jitted entry points: one compile per shape is much cheaper on CPU than op-by-op dispatch.
 attention = jax.jit(attention_lib.attention, static_argnames=('causal', 'impl', 'return_max_logits'))
@@ -45,12 +43,12 @@ def make_qkv(seed, b, t, s, h, hkv, d):
 
 # (B, T, S, H, Hkv, D, causal): MHA / GQA / MQA, causal or not, T == S and T < S, odd lengths.
 CASES = [
-    (2, 7, 7, 4, 4, 8, True),     # MHA, causal, odd T == S
-    (2, 9, 9, 6, 2, 8, True),     # GQA (3 query heads per kv head), causal
-    (2, 5, 11, 4, 2, 8, True),    # GQA, causal, T < S: queries are the last 5 of 11
-    (2, 1, 6, 4, 2, 8, True),     # one decode step against a cache
-    (2, 5, 5, 2, 2, 4, False),    # MHA, not causal
-    (1, 3, 10, 4, 1, 6, False),   # MQA, not causal, T < S
+  (2, 7, 7, 4, 4, 8, True),  # MHA, causal, odd T == S
+  (2, 9, 9, 6, 2, 8, True),  # GQA (3 query heads per kv head), causal
+  (2, 5, 11, 4, 2, 8, True),  # GQA, causal, T < S: queries are the last 5 of 11
+  (2, 1, 6, 4, 2, 8, True),  # one decode step against a cache
+  (2, 5, 5, 2, 2, 4, False),  # MHA, not causal
+  (1, 3, 10, 4, 1, 6, False),  # MQA, not causal, T < S
 ]
 CASE_IDS = [f'B{c[0]}T{c[1]}S{c[2]}H{c[3]}kv{c[4]}D{c[5]}{"causal" if c[6] else "full"}' for c in CASES]
 
@@ -158,11 +156,11 @@ def test_max_logits_ignore_the_masked_upper_triangle(t, s):
   """The largest raw logit sits at a masked (query, key) pair; the max must not see it."""
   rng = np.random.default_rng(4)
   q = np.abs(rand(rng, 2, t, 4, 8)) + 0.5
-  q[:, -1] = -q[:, -1]                     # the only query that sees the last key: negative logit
+  q[:, -1] = -q[:, -1]  # the only query that sees the last key: negative logit
   k = 0.1 * rand(rng, 2, s, 2, 8)
-  k[:, -1] = 3.0                           # huge logit with every earlier query, all masked
+  k[:, -1] = 3.0  # huge logit with every earlier query, all masked
   v = rand(rng, 2, s, 2, 8)
-  scale = 8 ** -0.5
+  scale = 8**-0.5
   raw_max = (np.einsum('bthd,bshd->bhts', q.astype(np.float64), ref_expand_kv(k, 4)) * scale).max(axis=(0, 2, 3))
   ref = ref_max_logits(q, k, causal=True)
   assert np.all(raw_max > ref + 1.0)
@@ -198,10 +196,14 @@ def test_gradients_match_reference(b, t, s, h, hkv, d, causal):
 # ----------------------------------------------------------------------------- the max-logit kernel per shard
 
 
-@pytest.mark.parametrize('mesh_shape,axes,spec', [
+@pytest.mark.parametrize(
+  'mesh_shape,axes,spec',
+  [
     ((4, 2), ('data', 'fsdp'), P(('data', 'fsdp'), None, None, None)),
     ((2, 2, 2), ('data', 'fsdp', 'tensor'), P(('data', 'fsdp'), None, 'tensor', None)),
-], ids=['data4_fsdp2', 'data2_fsdp2_tensor2'])
+  ],
+  ids=['data4_fsdp2', 'data2_fsdp2_tensor2'],
+)
 def test_max_logit_kernel_runs_per_shard_under_a_mesh(mesh_shape, axes, spec):
   """On the 8 fake devices, q and k sharded over the batch (and the heads over 'tensor') as the
   attention layers lay them out: the fused kernel (interpreted) runs on each device's shard,
@@ -219,11 +221,11 @@ def test_max_logit_kernel_runs_per_shard_under_a_mesh(mesh_shape, axes, spec):
     lowered = run.lower(q_sh, k_sh)
   np.testing.assert_allclose(got, ref_max_logits_fast(q, k, True), rtol=1e-5, atol=1e-5)
   local_b, local_h = b // (mesh.shape['data'] * mesh.shape['fsdp']), h // mesh.shape.get('tensor', 1)
-  body = lowered.as_text()[lowered.as_text().index('sdy.manual_computation'):]
+  body = lowered.as_text()[lowered.as_text().index('sdy.manual_computation') :]
   assert re.search(rf'\(%arg\d+: tensor<{local_b}x{t}x{local_h}x{d}xf32>', body), 'q should arrive per shard'
   compiled = lowered.compile().as_text()
   assert 'all-gather' not in compiled and 'all-to-all' not in compiled
-  assert 'all-reduce' in compiled           # the max across the batch shards
+  assert 'all-reduce' in compiled  # the max across the batch shards
 
 
 # ----------------------------------------------------------------------------- max_logits_blocked
@@ -255,13 +257,16 @@ def test_max_logits_blocked_ignores_padding_rows_with_negative_logits():
 Q, KV = (2, 5, 4, 8), (2, 5, 2, 8)
 
 
-@pytest.mark.parametrize('q_shape,k_shape,v_shape,named', [
-    (Q[:3], KV, KV, 'qkv'),                        # q not 4-D
-    (Q, (2, 5, 2, 6), (2, 5, 2, 6), 'kv'),         # head dim of k differs from q's
-    (Q, KV, (2, 6, 2, 8), 'kv'),                   # k and v lengths differ
-    (Q, (3, 5, 2, 8), (3, 5, 2, 8), 'kv'),         # batch differs
-    (Q, (2, 5, 3, 8), (2, 5, 3, 8), 'qk'),         # kv heads do not divide query heads
-])
+@pytest.mark.parametrize(
+  'q_shape,k_shape,v_shape,named',
+  [
+    (Q[:3], KV, KV, 'qkv'),  # q not 4-D
+    (Q, (2, 5, 2, 6), (2, 5, 2, 6), 'kv'),  # head dim of k differs from q's
+    (Q, KV, (2, 6, 2, 8), 'kv'),  # k and v lengths differ
+    (Q, (3, 5, 2, 8), (3, 5, 2, 8), 'kv'),  # batch differs
+    (Q, (2, 5, 3, 8), (2, 5, 3, 8), 'qk'),  # kv heads do not divide query heads
+  ],
+)
 def test_shape_errors_name_the_shapes(q_shape, k_shape, v_shape, named):
   q, k, v = (jnp.zeros(sh, jnp.float32) for sh in (q_shape, k_shape, v_shape))
   with pytest.raises(ValueError) as err:
@@ -291,8 +296,10 @@ def test_cudnn_rejects_float32():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('t,s,hkv,causal', [(256, 256, 8, True), (255, 255, 2, True), (78, 256, 2, True),
-                                            (77, 256, 2, True), (77, 256, 2, False)])
+@pytest.mark.parametrize(
+  't,s,hkv,causal',
+  [(256, 256, 8, True), (255, 255, 2, True), (78, 256, 2, True), (77, 256, 2, True), (77, 256, 2, False)],
+)
 def test_cudnn_bf16_matches_reference(t, s, hkv, causal):
   """T < S (the last T of S positions) needs the bottom-right causal mask passed explicitly."""
   b, h, d = 2, 8, 64

@@ -19,17 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import rel_rmse
 from jax.sharding import NamedSharding, PartitionSpec as P
+from oracles import ref_attention, ref_attention_grads, ref_max_logits_fast
 
 from kimijax import config as config_lib
 from kimijax.ops import attention as attention_lib
 
-from helpers import rel_rmse
-from oracles import ref_attention, ref_attention_grads, ref_max_logits_fast
-
 
 def tokamax_modules():
   from tokamax._src.ops.attention import base, pallas_mosaic_gpu
+
   return base, pallas_mosaic_gpu
 
 
@@ -73,6 +73,7 @@ def test_causal_offset_s_minus_t_is_the_bottom_right_mask(t, s):
   (queries are the last T of S positions); the Mosaic kernels get offset 0 as their in-kernel
   causal mask and any other offset as a per-row key end i + offset + 1."""
   from tokamax._src.ops.attention import pallas_mosaic_gpu_common as common
+
   base, _ = tokamax_modules()
   mask = base.Mask(causal_mask=base.CausalMask(offset=s - t))
   np.testing.assert_array_equal(np.asarray(mask.as_array(t, s))[0], np.asarray(attention_lib._causal_mask(t, s)))
@@ -92,8 +93,9 @@ def test_residuals_are_the_row_max_and_row_sum_in_natural_units(highest_precisio
   base, _ = tokamax_modules()
   b, t, s, h, hkv, d, scale = 2, 5, 9, 4, 2, 8, 0.3
   q, k, v = (jnp.asarray(x) for x in make_qkv(1, b, t, s, h, hkv, d, d))
-  _, (m, l) = base.DotProductAttention()(q, k, v, logits_scale=scale, mask=base.CausalMask(offset=s - t),
-                                         return_residuals=True)
+  _, (m, l) = base.DotProductAttention()(
+    q, k, v, logits_scale=scale, mask=base.CausalMask(offset=s - t), return_residuals=True
+  )
   assert m.shape == l.shape == (b, h, t) and m.dtype == jnp.float32
   kh = np.repeat(np.asarray(k, np.float64), h // hkv, axis=2)
   logits = scale * np.einsum('bthd,bshd->bhts', np.asarray(q, np.float64), kh)
@@ -109,6 +111,7 @@ def test_the_hopper_kernel_writes_its_row_max_in_natural_units():
   below check the numbers. If this fails after an upgrade, re-derive the transform in
   flash_attention_tokamax and run the gpu tests."""
   from tokamax._src.ops.attention import pallas_mosaic_gpu_kernel_sm90 as sm90
+
   source = inspect.getsource(sm90.flash_attention_kernel)
   assert re.search(r'scale \*= math\.log2\(math\.e\)', source)
   assert re.search(r'm_i = jnp\.maximum\(m_i, s\.max\(axis=1\) \* scale\)', source)
@@ -119,11 +122,11 @@ def test_the_hopper_kernel_writes_its_row_max_in_natural_units():
 
 
 CASES = [  # (B, T, S, H, Hkv, D, Dv, causal)
-    (2, 7, 7, 4, 4, 8, 8, True),      # MHA, causal
-    (2, 9, 9, 6, 2, 8, 8, True),      # GQA, causal
-    (2, 5, 11, 4, 2, 8, 8, True),     # GQA, T < S: the last 5 of 11 positions
-    (2, 6, 6, 4, 4, 12, 8, True),     # MLA-like: value dim below the query/key dim
-    (1, 3, 10, 4, 1, 6, 6, False),    # MQA, not causal, T < S
+  (2, 7, 7, 4, 4, 8, 8, True),  # MHA, causal
+  (2, 9, 9, 6, 2, 8, 8, True),  # GQA, causal
+  (2, 5, 11, 4, 2, 8, 8, True),  # GQA, T < S: the last 5 of 11 positions
+  (2, 6, 6, 4, 4, 12, 8, True),  # MLA-like: value dim below the query/key dim
+  (1, 3, 10, 4, 1, 6, 6, False),  # MQA, not causal, T < S
 ]
 IDS = [f'B{c[0]}T{c[1]}S{c[2]}H{c[3]}kv{c[4]}D{c[5]}v{c[6]}{"causal" if c[7] else "full"}' for c in CASES]
 
@@ -174,7 +177,7 @@ def test_wrapper_runs_per_shard_under_a_mesh(highest_precision):
   np.testing.assert_allclose(out, ref_attention(q, k, v, True)[0], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(max_logits, ref_max_logits_fast(q, k, True), rtol=1e-5, atol=1e-6)
   assert 'all-gather' not in compiled and 'all-to-all' not in compiled
-  assert 'all-reduce' in compiled              # the max across the batch shards
+  assert 'all-reduce' in compiled  # the max across the batch shards
 
 
 def test_wrapper_is_traced_and_lowered_once_for_layers_of_one_shape():
@@ -186,8 +189,7 @@ def test_wrapper_is_traced_and_lowered_once_for_layers_of_one_shape():
 
   def three_layers(q, k, v):
     for _ in range(3):
-      q = attention_lib.flash_attention_tokamax(q, k, v, op=base.DotProductAttention(),
-                                                return_max_logits=True)[0]
+      q = attention_lib.flash_attention_tokamax(q, k, v, op=base.DotProductAttention(), return_max_logits=True)[0]
     return jnp.sum(q)
 
   def calls(fn):
@@ -208,7 +210,9 @@ def test_the_cpu_default_stays_xla_which_runs_anywhere():
   assert attention_lib.unsupported('xla', jnp.float32) is None
 
 
-@pytest.mark.parametrize('dtype,says', [(jnp.float32, 'needs bfloat16 or float16'), (jnp.bfloat16, 'needs an NVIDIA GPU')])
+@pytest.mark.parametrize(
+  'dtype,says', [(jnp.float32, 'needs bfloat16 or float16'), (jnp.bfloat16, 'needs an NVIDIA GPU')]
+)
 def test_tokamax_on_this_cpu_is_one_clear_error_before_compute(dtype, says):
   """Raised while tracing (eval_shape compiles and runs nothing), naming the key and the fix."""
   q = jax.ShapeDtypeStruct((1, 8, 2, 16), dtype)
@@ -220,28 +224,33 @@ def test_tokamax_on_this_cpu_is_one_clear_error_before_compute(dtype, says):
 
 def test_training_with_tokamax_off_the_gpu_stops_before_compute():
   from kimijax.train.loop import check_attention_impl
+
   config = config_lib.base_config()
   config.model.attn_impl = 'tokamax'
   with pytest.raises(config_lib.ConfigError, match="impl='tokamax' needs an NVIDIA GPU"):
     check_attention_impl(config, jax.devices('cpu'))
-  config.model.layer_pattern = 'K'        # no attention layer: the key is unused
+  config.model.layer_pattern = 'K'  # no attention layer: the key is unused
   check_attention_impl(config, jax.devices('cpu'))
 
 
-@pytest.mark.parametrize('max_logits,dv,chosen', [(True, 16, 'tokamax'), (False, 8, 'tokamax'),
-                                                  (False, 16, 'cudnn')])
+@pytest.mark.parametrize('max_logits,dv,chosen', [(True, 16, 'tokamax'), (False, 8, 'tokamax'), (False, 16, 'cudnn')])
 def test_impl_gpu_runs_tokamax_for_max_logits_or_unequal_value_dim_else_cudnn(monkeypatch, max_logits, dv, chosen):
   """impl='gpu' hands the call, arguments unchanged, to the implementation gpu_choice names (the
   two GPU ones are replaced by recorders here: this CPU runs neither)."""
   calls = []
+
   def recorder(name):
     def run(q, k, v, causal, scale, return_max_logits, spec):
       calls.append((name, q.shape, v.shape, causal, scale, return_max_logits))
       return jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype), jnp.zeros(q.shape[2]) if return_max_logits else None
+
     return run
-  implementations = {**attention_lib.IMPLS,
-                     'tokamax': attention_lib.Implementation(recorder('tokamax'), gpu_only=True),
-                     'cudnn': attention_lib.Implementation(recorder('cudnn'), gpu_only=True)}
+
+  implementations = {
+    **attention_lib.IMPLS,
+    'tokamax': attention_lib.Implementation(recorder('tokamax'), gpu_only=True),
+    'cudnn': attention_lib.Implementation(recorder('cudnn'), gpu_only=True),
+  }
   monkeypatch.setattr(attention_lib, 'IMPLS', types.MappingProxyType(implementations))
   monkeypatch.setattr(attention_lib, 'unsupported', lambda impl, dtype, platform=None: None)
   q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
@@ -263,7 +272,7 @@ def bf16_qkv(seed, b, t, s, h, hkv, d, dv, negative=False):
   keys = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(keys[0], (b, t, h, d), jnp.float32)
   k = jax.random.normal(keys[1], (b, s, hkv, d), jnp.float32)
-  if negative:                   # every logit < 0: a max clamped at 0 (or at a fill value) would show
+  if negative:  # every logit < 0: a max clamped at 0 (or at a fill value) would show
     q, k = jnp.abs(q) + 0.1, -jnp.abs(k) - 0.1
   v = jax.random.normal(keys[2], (b, s, hkv, dv), jnp.float32)
   d_out = jax.random.normal(keys[3], (b, t, h, dv), jnp.float32)
@@ -277,14 +286,19 @@ def compare_with_xla(shape, causal=True, negative=False, grads=True):
   q, k, v, d_out = bf16_qkv(0, *shape, negative=negative)
   results = {}
   for impl in ('xla', 'tokamax'):
-    fwd = jax.jit(lambda q, k, v, impl=impl: attention_lib.attention(q, k, v, causal=causal, impl=impl,
-                                                                      return_max_logits=True))
+    fwd = jax.jit(
+      lambda q, k, v, impl=impl: attention_lib.attention(q, k, v, causal=causal, impl=impl, return_max_logits=True)
+    )
     out, max_logits = fwd(q, k, v)
     loss = lambda q, k, v, impl=impl: jnp.sum(
-        attention_lib.attention(q, k, v, causal=causal, impl=impl).astype(jnp.float32) * d_out.astype(jnp.float32))
+      attention_lib.attention(q, k, v, causal=causal, impl=impl).astype(jnp.float32) * d_out.astype(jnp.float32)
+    )
     g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v) if grads else ()
-    results[impl] = (np.asarray(out.astype(jnp.float32)), np.asarray(max_logits),
-                     [np.asarray(x.astype(jnp.float32)) for x in g])
+    results[impl] = (
+      np.asarray(out.astype(jnp.float32)),
+      np.asarray(max_logits),
+      [np.asarray(x.astype(jnp.float32)) for x in g],
+    )
   (out_x, m_x, g_x), (out_t, m_t, g_t) = results['xla'], results['tokamax']
   b, t, _, h, _, _, dv = shape
   assert out_t.shape == out_x.shape == (b, t, h, dv)
@@ -296,12 +310,12 @@ def compare_with_xla(shape, causal=True, negative=False, grads=True):
 
 
 SMALL = [  # (B, T, S, H, Hkv, D, Dv), causal unless noted
-    (2, 256, 256, 8, 8, 64, 64),      # MHA
-    (2, 256, 256, 16, 4, 128, 128),   # GQA 16 / 4
-    (2, 256, 256, 8, 8, 192, 128),    # MLA dims: q/k 192, v 128, unpadded
-    (2, 128, 384, 8, 2, 64, 64),      # T < S: the last 128 of 384 positions
-    (2, 77, 256, 8, 2, 64, 64),       # T < S, T not a multiple of a block
-    (2, 255, 255, 8, 2, 128, 128),    # odd length
+  (2, 256, 256, 8, 8, 64, 64),  # MHA
+  (2, 256, 256, 16, 4, 128, 128),  # GQA 16 / 4
+  (2, 256, 256, 8, 8, 192, 128),  # MLA dims: q/k 192, v 128, unpadded
+  (2, 128, 384, 8, 2, 64, 64),  # T < S: the last 128 of 384 positions
+  (2, 77, 256, 8, 2, 64, 64),  # T < S, T not a multiple of a block
+  (2, 255, 255, 8, 2, 128, 128),  # odd length
 ]
 
 
@@ -333,11 +347,20 @@ def test_gpu_model_trains_the_same_with_tokamax():
   """A small MLA + GQA model's loss, gradients and per-layer max logits, 'tokamax' against 'xla'."""
   from kimijax.model import Transformer
   from kimijax.train.step import make_loss_fn
+
   losses, grads, logits = {}, {}, {}
   for impl in ('xla', 'tokamax'):
     cfg = config_lib.base_config().model
-    cfg.update(d_model=512, num_heads=4, num_kv_heads=2, attention_kind='gqa', num_layers=2, layer_pattern='A',
-               attn_impl=impl, compute_dtype='bfloat16')
+    cfg.update(
+      d_model=512,
+      num_heads=4,
+      num_kv_heads=2,
+      attention_kind='gqa',
+      num_layers=2,
+      layer_pattern='A',
+      attn_impl=impl,
+      compute_dtype='bfloat16',
+    )
     mla = cfg.copy_and_resolve_references()
     mla.update(attention_kind='mla', num_kv_heads=0, mla_qk_rope_head_dim=64, mla_kv_lora_rank=128)
     for name, c in (('gqa', cfg), ('mla', mla)):
@@ -354,5 +377,6 @@ def test_gpu_model_trains_the_same_with_tokamax():
     # Layer 0 sees the same inputs in both programs, so its max logits are exact; deeper layers see
     # inputs that differ by the two implementations' bf16 roundings (a few 1e-3 relative).
     for layer, m in logits[name, 'xla'].items():
-      np.testing.assert_allclose(logits[name, 'tokamax'][layer], m, rtol=1e-5 if layer == 'layer_0' else 1e-2,
-                                 err_msg=f'{name} {layer}')
+      np.testing.assert_allclose(
+        logits[name, 'tokamax'][layer], m, rtol=1e-5 if layer == 'layer_0' else 1e-2, err_msg=f'{name} {layer}'
+      )

@@ -13,22 +13,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import B, T, impl_params, random_block, random_merge, rel_err
+from oracles import np_depth_attention, np_merge_norm, np_rmsnorm
 
 from kimijax.ops import attnres as attnres_ops
-from kimijax.ops.attnres import (depth_attention, depth_attention_list, merge_norm, merge_partial,
-                                 phase1)
-
-from helpers import B, T, impl_params, random_block, random_merge, rel_err
+from kimijax.ops.attnres import depth_attention, depth_attention_list, merge_norm, merge_partial, phase1
 
 IMPLS = impl_params(attnres_ops.IMPLS)
-from oracles import np_depth_attention, np_merge_norm, np_rmsnorm
 
 
 @pytest.fixture(autouse=True)
 def _float32_matmuls_in_full():
   with jax.default_matmul_precision('highest'):
     yield
-
 
 
 # ----------------------------------------------------------------------------- the op
@@ -54,15 +51,15 @@ def test_depth_attention_matches_numpy():
   np.testing.assert_allclose(w, alpha, rtol=1e-5, atol=1e-6)
 
   # Zero query: the plain mean. One source: that source exactly.
-  np.testing.assert_allclose(depth_attention(jnp.asarray(sources), jnp.zeros(d)), sources.mean(0),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(depth_attention(jnp.asarray(sources), jnp.zeros(d)), sources.mean(0), rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(depth_attention(jnp.asarray(sources[:1]), jnp.asarray(query)), sources[0])
 
   # bf16 sources: computed in float32, returned in bf16 (one rounding of the float32 result).
   got16 = depth_attention(jnp.asarray(sources, jnp.bfloat16), jnp.asarray(query))
-  ref16, _ = np_depth_attention(list(np.asarray(jnp.asarray(sources, jnp.bfloat16), np.float64)),
-                                query.astype(np.float64), 1.0, 1e-6)
-  assert got16.dtype == jnp.bfloat16 and rel_err(got16, ref16) <= 2 ** -8
+  ref16, _ = np_depth_attention(
+    list(np.asarray(jnp.asarray(sources, jnp.bfloat16), np.float64)), query.astype(np.float64), 1.0, 1e-6
+  )
+  assert got16.dtype == jnp.bfloat16 and rel_err(got16, ref16) <= 2**-8
 
 
 @pytest.mark.parametrize('impl', IMPLS)
@@ -97,9 +94,12 @@ def phase1_loss(impl, shape, s, seed=3, spec=None, later_use=True):
 
   def loss(sources, queries):
     outs, lse, sources = phase1(sources, queries, impl=impl, spec=spec)
-    return (sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, w_outs)) + jnp.sum(lse * w_lse)
-            + later_use * sum(jnp.sum(v.astype(jnp.float32) * w_src) * (i + 1)
-                              for i, v in enumerate(sources)))
+    return (
+      sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, w_outs))
+      + jnp.sum(lse * w_lse)
+      + later_use * sum(jnp.sum(v.astype(jnp.float32) * w_src) * (i + 1) for i, v in enumerate(sources))
+    )
+
   return loss
 
 
@@ -109,13 +109,14 @@ def test_pallas_phase1_gradients_match_autodiff_of_xla():
   kernel's 128-row programs, whose query-gradient partials are summed) and S = 3."""
   sources, _, queries = random_block(n=4, s=3, b=5, t=60, d=48)
   args = ([jnp.asarray(v) for v in sources], jnp.asarray(queries))
-  for later_use in (True, False):     # without a later use the kernel adds no gradient of it
+  for later_use in (True, False):  # without a later use the kernel adds no gradient of it
     want = jax.grad(phase1_loss('xla', (5, 60, 48), 3, later_use=later_use), argnums=(0, 1))(*args)
     got = jax.grad(phase1_loss('pallas', (5, 60, 48), 3, later_use=later_use), argnums=(0, 1))(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       assert rel_err(g, np.asarray(w, np.float64)) <= 1e-5
   # eps = 0 stays finite: the 300 tokens are padded to 384 inside, with rows that are not zero.
   from kernels_pallas.attnres.phase1 import phase1 as kernel
+
   dq = jax.grad(lambda q: jnp.sum(kernel(args[0], q, eps=0.0, interpret=True)[1]))(args[1])
   assert np.all(np.isfinite(dq))
 
@@ -125,6 +126,7 @@ def test_pallas_phase1_bf16_and_many_queries():
   """bf16 sources give bf16 outputs within one bf16 rounding of the float32 result; more than
   16 queries run in groups of 16, and their gradients too."""
   from kernels_pallas.attnres.phase1 import MAX_QUERIES
+
   s = MAX_QUERIES + 2
   sources, _, queries = random_block(n=2, s=s, b=1, t=8, d=32)
   sources16 = [jnp.asarray(v, jnp.bfloat16) for v in sources]
@@ -132,7 +134,7 @@ def test_pallas_phase1_bf16_and_many_queries():
   want, want_lse, _ = phase1(sources16, jnp.asarray(queries), impl='xla')
   assert len(got) == s and all(o.dtype == jnp.bfloat16 for o in got)
   for o, w in zip(got, want):
-    assert rel_err(o, np.asarray(w.astype(jnp.float32), np.float64)) <= 2 ** -8
+    assert rel_err(o, np.asarray(w.astype(jnp.float32), np.float64)) <= 2**-8
   np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
   args = ([jnp.asarray(v) for v in sources], jnp.asarray(queries))
   want = jax.grad(phase1_loss('xla', (1, 8, 32), s), argnums=(0, 1))(*args)
@@ -144,9 +146,10 @@ def test_pallas_phase1_bf16_and_many_queries():
   args16 = (sources16, jnp.asarray(queries))
   got16 = jax.grad(phase1_loss('pallas', (1, 8, 32), s), argnums=(0, 1))(*args16)
   want16 = jax.grad(phase1_loss('xla', (1, 8, 32), s), argnums=(0, 1))(
-      [v.astype(jnp.float32) for v in sources16], args16[1])
+    [v.astype(jnp.float32) for v in sources16], args16[1]
+  )
   for g, w in zip(jax.tree.leaves(got16), jax.tree.leaves(want16)):
-    assert rel_err(g, np.asarray(w, np.float64)) <= 2 ** -7
+    assert rel_err(g, np.asarray(w, np.float64)) <= 2**-7
   assert all(g.dtype == jnp.bfloat16 for g in got16[0])
 
 
@@ -159,17 +162,18 @@ def merge_norm_loss(fused, shape, spec=None, seed=6, later_use=True, addend=Fals
   added in the backward kernel) or, unfused, by merge_partial and the model's RMSNorm formula.
   addend: a sixth argument y, added to the partial sum first (in the kernel when fused)."""
   from kimijax.layers.norms import rms_normalise
+
   rng = np.random.default_rng(seed)
   w, w_p = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
 
   def loss(o, lse, partial, q, scale, y=None):
     if fused:
-      x, partial = merge_norm(o, lse, partial, q, scale, eps=1e-6, norm_eps=1e-5, addend=y, impl='pallas',
-                              spec=spec)
+      x, partial = merge_norm(o, lse, partial, q, scale, eps=1e-6, norm_eps=1e-5, addend=y, impl='pallas', spec=spec)
     else:
       partial = partial if y is None else partial + y
       x = rms_normalise(merge_partial(o, lse, partial, q, eps=1e-6), 1e-5) * scale
     return jnp.sum(x * w) + (jnp.sum(partial * w_p) if later_use else 0.0)
+
   return loss
 
 
@@ -189,12 +193,12 @@ def test_merge_norm_matches_numpy(impl):
   y = jnp.asarray(np.random.default_rng(8).standard_normal(shape) * 0.3, jnp.float32)
   got, partial = merge_norm(*args, eps=1e-6, norm_eps=1e-5, dtype=jnp.bfloat16, addend=y, impl=impl)
   want = np_merge_norm(*args[:2], np.asarray(args[2]) + np.asarray(y), *args[3:], 1e-6, 1e-5)
-  assert got.dtype == jnp.bfloat16 and rel_err(got, want) <= 2 ** -8
+  assert got.dtype == jnp.bfloat16 and rel_err(got, want) <= 2**-8
   np.testing.assert_array_equal(partial, args[2] + y)
   args16 = random_merge(shape, dtype=jnp.bfloat16)
   got16 = merge_norm(*args16, eps=1e-6, norm_eps=1e-5, dtype=jnp.bfloat16, impl=impl)[0]
   assert got16.dtype == jnp.bfloat16
-  assert rel_err(got16, np_merge_norm(*args16, 1e-6, 1e-5)) <= 2 ** -8
+  assert rel_err(got16, np_merge_norm(*args16, 1e-6, 1e-5)) <= 2**-8
 
 
 def test_pallas_merge_norm_gradients_match_autodiff_of_xla():
@@ -204,7 +208,7 @@ def test_pallas_merge_norm_gradients_match_autodiff_of_xla():
   float32 ones."""
   shape = (5, 60, 48)
   args = random_merge(shape)
-  for later_use in (True, False):     # without a later use the kernel adds no gradient of it
+  for later_use in (True, False):  # without a later use the kernel adds no gradient of it
     grads = jax.grad(merge_norm_loss(True, shape, later_use=later_use), argnums=tuple(range(5)))(*args)
     wants = jax.grad(merge_norm_loss(False, shape, later_use=later_use), argnums=tuple(range(5)))(*args)
     for name, g, w in zip(MERGE_ARGS, grads, wants):
@@ -212,10 +216,9 @@ def test_pallas_merge_norm_gradients_match_autodiff_of_xla():
 
   args16 = random_merge(shape, dtype=jnp.bfloat16)
   grads16 = jax.grad(merge_norm_loss(True, shape), argnums=tuple(range(5)))(*args16)
-  wants16 = jax.grad(merge_norm_loss(False, shape), argnums=tuple(range(5)))(
-      *(a.astype(jnp.float32) for a in args16))
+  wants16 = jax.grad(merge_norm_loss(False, shape), argnums=tuple(range(5)))(*(a.astype(jnp.float32) for a in args16))
   for name, a, g, w in zip(MERGE_ARGS, args16, grads16, wants16):
-    assert g.dtype == a.dtype and rel_err(g, np.asarray(w, np.float64)) <= 2 ** -7, name
+    assert g.dtype == a.dtype and rel_err(g, np.asarray(w, np.float64)) <= 2**-7, name
 
 
 def test_an_unknown_impl_is_one_error_naming_the_allowed_ones():
@@ -236,16 +239,15 @@ def test_merge_norm_adds_the_sublayer_output_in_the_kernel():
   np.testing.assert_array_equal(got_p, want_p)
   assert rel_err(got_x, np.asarray(want_x, np.float64)) <= 1e-6
   for later_use in (True, False):
-    grads = jax.grad(merge_norm_loss(True, shape, later_use=later_use, addend=True),
-                     argnums=tuple(range(6)))(*args, y)
-    wants = jax.grad(merge_norm_loss(False, shape, later_use=later_use, addend=True),
-                     argnums=tuple(range(6)))(*args, y)
+    grads = jax.grad(merge_norm_loss(True, shape, later_use=later_use, addend=True), argnums=tuple(range(6)))(*args, y)
+    wants = jax.grad(merge_norm_loss(False, shape, later_use=later_use, addend=True), argnums=tuple(range(6)))(*args, y)
     for name, g, w in zip(MERGE_ARGS + ('addend',), grads, wants):
       assert rel_err(g, np.asarray(w, np.float64)) <= 1e-5, (name, later_use)
   args16, y16 = random_merge(shape, dtype=jnp.bfloat16), y.astype(jnp.bfloat16)
   got16 = merge_norm(*args16, eps=1e-6, norm_eps=1e-5, dtype=jnp.bfloat16, addend=y16, impl='pallas')
-  want16 = merge_norm(*args16[:2], args16[2] + y16, *args16[3:], eps=1e-6, norm_eps=1e-5,
-                      dtype=jnp.bfloat16, impl='pallas')
+  want16 = merge_norm(
+    *args16[:2], args16[2] + y16, *args16[3:], eps=1e-6, norm_eps=1e-5, dtype=jnp.bfloat16, impl='pallas'
+  )
   for g, w in zip(got16, want16):
     np.testing.assert_array_equal(g, w)
 
@@ -256,28 +258,39 @@ def test_pallas_kernels_under_a_mesh_run_per_shard():
   fused phase 2, with and without an addend (the gradients of the replicated queries and gain
   summed over shards)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
+
   mesh = jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))
   shape, spec = (8, 4, 32), P('data', None, None)
-  shard = lambda a: jax.device_put(a, NamedSharding(mesh, P(*spec[:a.ndim])))
+  shard = lambda a: jax.device_put(a, NamedSharding(mesh, P(*spec[: a.ndim])))
   sources, _, queries = random_block(n=3, s=2, b=8, t=4, d=32)
   merge_args = random_merge(shape)
-  cases = [(phase1_loss('pallas', shape, 2), phase1_loss('pallas', shape, 2, spec=spec),
-            ([jnp.asarray(v) for v in sources], jnp.asarray(queries)), (0, 1)),
-           (merge_norm_loss(True, shape), merge_norm_loss(True, shape, spec=spec),
-            merge_args, tuple(range(5))),
-           (merge_norm_loss(True, shape, addend=True), merge_norm_loss(True, shape, spec=spec, addend=True),
-            merge_args + (merge_args[2] * 0.5,), tuple(range(6)))]
+  cases = [
+    (
+      phase1_loss('pallas', shape, 2),
+      phase1_loss('pallas', shape, 2, spec=spec),
+      ([jnp.asarray(v) for v in sources], jnp.asarray(queries)),
+      (0, 1),
+    ),
+    (merge_norm_loss(True, shape), merge_norm_loss(True, shape, spec=spec), merge_args, tuple(range(5))),
+    (
+      merge_norm_loss(True, shape, addend=True),
+      merge_norm_loss(True, shape, spec=spec, addend=True),
+      merge_args + (merge_args[2] * 0.5,),
+      tuple(range(6)),
+    ),
+  ]
   for loss, sharded_loss, args, argnums in cases:
     want = jax.value_and_grad(loss, argnums=argnums)(*args)
-    sharded = jax.tree.map(lambda a: shard(a) if a.shape[:2] == shape[:2] else a, args)   # not q
+    sharded = jax.tree.map(lambda a: shard(a) if a.shape[:2] == shape[:2] else a, args)  # not q
     run = jax.jit(jax.value_and_grad(sharded_loss, argnums=argnums))
     with jax.set_mesh(mesh):
       got = run(*sharded)
       hlo = run.lower(*sharded).as_text()
     # Inside the shard_map (sdy.manual_computation) the [8, 4, 32] inputs are [1, 4, 32] shards.
-    body = hlo[hlo.index('sdy.manual_computation'):]
-    assert re.search(r'manual_axes=\{"data"\} \(%arg\d+: tensor<1x4x32xf32>', body), \
-        'the kernels should run on per-device shards'
+    body = hlo[hlo.index('sdy.manual_computation') :]
+    assert re.search(r'manual_axes=\{"data"\} \(%arg\d+: tensor<1x4x32xf32>', body), (
+      'the kernels should run on per-device shards'
+    )
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
@@ -285,7 +298,7 @@ def test_pallas_kernels_under_a_mesh_run_per_shard():
 # ----------------------------------------------------------------------------- the ablated variants
 
 
-VARIANTS = [(False, 'softmax'), (True, 'sigmoid'), (False, 'sigmoid')]     # (key_norm, depth_weights)
+VARIANTS = [(False, 'softmax'), (True, 'sigmoid'), (False, 'sigmoid')]  # (key_norm, depth_weights)
 VARIANT_IDS = ['no_key_norm', 'sigmoid', 'no_key_norm+sigmoid']
 
 
@@ -294,8 +307,10 @@ def variant_sources(n=5, d=16, seed=0):
   ones) and a query, float32 NumPy."""
   rng = np.random.default_rng(seed)
   scales = np.array([0.1, 1.0, 3.0, 0.3, 2.0])[:n, None, None, None]
-  return ((rng.standard_normal((n, B, T, d)) * scales).astype(np.float32),
-          (0.3 * rng.standard_normal(d)).astype(np.float32))
+  return (
+    (rng.standard_normal((n, B, T, d)) * scales).astype(np.float32),
+    (0.3 * rng.standard_normal(d)).astype(np.float32),
+  )
 
 
 @pytest.mark.parametrize('key_norm,depth_weights', VARIANTS, ids=VARIANT_IDS)
@@ -322,13 +337,13 @@ def test_depth_attention_variants_match_numpy(key_norm, depth_weights):
   np.testing.assert_allclose(zero, want, rtol=1e-5, atol=1e-6)
 
   got16 = depth_attention(jnp.asarray(sources, jnp.bfloat16), jnp.asarray(query), **variant)
-  ref16, _ = np_depth_attention(list(np.asarray(jnp.asarray(sources, jnp.bfloat16), np.float64)),
-                                query, gain, 1e-6, **variant)
-  assert got16.dtype == jnp.bfloat16 and rel_err(got16, ref16) <= 2 ** -8
+  ref16, _ = np_depth_attention(
+    list(np.asarray(jnp.asarray(sources, jnp.bfloat16), np.float64)), query, gain, 1e-6, **variant
+  )
+  assert got16.dtype == jnp.bfloat16 and rel_err(got16, ref16) <= 2**-8
 
   proj = np.random.default_rng(9).standard_normal((B, T, 16))
-  dq = jax.grad(lambda q: jnp.sum(depth_attention(jnp.asarray(sources), q, **variant) * proj))(
-      jnp.asarray(query))
+  dq = jax.grad(lambda q: jnp.sum(depth_attention(jnp.asarray(sources), q, **variant) * proj))(jnp.asarray(query))
   step, want_dq = 1e-6, np.zeros(16)
   for k in range(16):
     e = np.eye(16)[k] * step
@@ -358,17 +373,30 @@ def test_two_phases_equal_one_attention_in_every_variant(key_norm, depth_weights
     merged = merge_partial(outs[j], lse[j], jnp.asarray(partial), jnp.asarray(q), **variant)
     want, _ = np_depth_attention(sources + [partial], q, gain, 1e-6, **variant)
     assert rel_err(merged, want) <= 1e-5
-    x, p = merge_norm(outs[j], lse[j], jnp.asarray(partial), jnp.asarray(q), jnp.asarray(scale),
-                      eps=1e-6, norm_eps=1e-5, impl='xla', **variant)
+    x, p = merge_norm(
+      outs[j],
+      lse[j],
+      jnp.asarray(partial),
+      jnp.asarray(q),
+      jnp.asarray(scale),
+      eps=1e-6,
+      norm_eps=1e-5,
+      impl='xla',
+      **variant,
+    )
     np.testing.assert_array_equal(p, partial)
     assert rel_err(x, np_rmsnorm(want, scale, 1e-5)) <= 1e-5
 
   def loss(vs, p, qs):
     outs, lse, _ = phase1(vs, qs, **variant)
-    return sum(jnp.sum(merge_norm(o, l, p, q, jnp.asarray(scale), impl='xla', **variant)[0] * (j + 1))
-               for j, (o, l, q) in enumerate(zip(outs, lse, qs)))
-  grads = jax.grad(loss, argnums=(0, 1, 2))([jnp.asarray(v) for v in sources], jnp.asarray(partial),
-                                            jnp.asarray(queries))
+    return sum(
+      jnp.sum(merge_norm(o, l, p, q, jnp.asarray(scale), impl='xla', **variant)[0] * (j + 1))
+      for j, (o, l, q) in enumerate(zip(outs, lse, qs))
+    )
+
+  grads = jax.grad(loss, argnums=(0, 1, 2))(
+    [jnp.asarray(v) for v in sources], jnp.asarray(partial), jnp.asarray(queries)
+  )
   assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
   assert np.max(np.abs(grads[2])) > 0
 
@@ -380,8 +408,11 @@ def test_variant_errors_name_the_argument_and_the_pallas_kernels_refuse_them():
   vs, qs = [jnp.asarray(v) for v in sources], jnp.asarray(queries)
   o, lse, partial, q, scale = random_merge((B, T, 16))
   for variant in (dict(key_norm=False), dict(depth_weights='sigmoid')):
-    with pytest.raises(ValueError, match=r"attnres phase1: impl='pallas' implements only key_norm=True, "
-                                         r"depth_weights='softmax'.*use impl='xla'"):
+    with pytest.raises(
+      ValueError,
+      match=r"attnres phase1: impl='pallas' implements only key_norm=True, "
+      r"depth_weights='softmax'.*use impl='xla'",
+    ):
       phase1(vs, qs, impl='pallas', **variant)
     with pytest.raises(ValueError, match=r"attnres merge_norm: impl='pallas' implements only"):
       merge_norm(o, lse, partial, q, scale, impl='pallas', **variant)

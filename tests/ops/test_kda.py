@@ -17,18 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from kimijax.ops import kda as kda_lib
-
 from helpers import impl_params
 from oracles import ref_kda
+
+from kimijax.ops import kda as kda_lib
 
 # One jitted entry point per function: one compile per shape is much cheaper than op-by-op dispatch.
 recurrent = jax.jit(kda_lib.kda_recurrent, static_argnames=('scale', 'output_final_state'))
 chunk = jax.jit(kda_lib.kda_chunk, static_argnames=('scale', 'output_final_state', 'chunk_size'))
 
 IMPLS = impl_params(kda_lib.IMPLS)
-REFERENCE = 'xla_recurrent'       # the recurrence: what longer sequences' gradients are compared with
+REFERENCE = 'xla_recurrent'  # the recurrence: what longer sequences' gradients are compared with
 # Relative error each implementation keeps against the float64 reference in float32 (the fused
 # kernels round a few more intermediates: their chunk's products, the blockwise inverse).
 TOL = {'xla': 1e-5, 'xla_recurrent': 1e-5, 'pallas': 1e-4}
@@ -37,8 +36,10 @@ TOL = {'xla': 1e-5, 'xla_recurrent': 1e-5, 'pallas': 1e-4}
 @functools.cache
 def kda_fn(impl):
   """kda under impl, jitted; 'xla' with 16-token chunks (the other implementations ignore it)."""
-  return jax.jit(functools.partial(kda_lib.kda, impl=impl, chunk_size=16),
-                 static_argnames=('scale', 'output_final_state', 'gate_lower_bound'))
+  return jax.jit(
+    functools.partial(kda_lib.kda, impl=impl, chunk_size=16),
+    static_argnames=('scale', 'output_final_state', 'gate_lower_bound'),
+  )
 
 
 @functools.cache
@@ -62,9 +63,9 @@ def make_inputs(seed, b, t, h, dk, dv, *, g_min=-1.0, g_mode='uniform', dtype=np
   v = rng.normal(size=(b, t, h, dv))
   if g_mode == 'uniform':
     g = rng.uniform(g_min, 0.0, size=(b, t, h, dk))
-  elif g_mode == 'mixed':   # per channel either no decay (g = 0) or g = g_min
+  elif g_mode == 'mixed':  # per channel either no decay (g = 0) or g = g_min
     g = np.where(rng.uniform(size=(1, 1, h, dk)) < 0.5, 0.0, g_min) * np.ones((b, t, h, dk))
-  else:   # 'spikes': uniform in [g_min, 0] with 10% of the entries -1000 (a channel reset)
+  else:  # 'spikes': uniform in [g_min, 0] with 10% of the entries -1000 (a channel reset)
     g = rng.uniform(g_min, 0.0, size=(b, t, h, dk))
     g = np.where(rng.uniform(size=g.shape) < 0.1, -1000.0, g)
   beta = rng.uniform(0.0, 1.0, size=(b, t, h))
@@ -86,7 +87,7 @@ def test_forward_matches_float64_reference(impl, with_state):
   """T = 37: one chunk of 64 and a tail for the kernels, three chunks of 16 and a tail for 'xla'."""
   q, k, v, g, beta, s0 = make_inputs(0, 2, 37, 2, 16, 32)
   s0 = s0 if with_state else None
-  o_ref, s_ref = ref_kda(q, k, v, g, beta, 16 ** -0.5, s0)
+  o_ref, s_ref = ref_kda(q, k, v, g, beta, 16**-0.5, s0)
   o, s = kda_fn(impl)(q, k, v, g, beta, initial_state=s0, output_final_state=True)
   assert o.shape == o_ref.shape and o.dtype == jnp.float32 and s.dtype == jnp.float32
   assert rel(o, o_ref) < TOL[impl] and rel(s, s_ref) < TOL[impl]
@@ -110,7 +111,7 @@ def test_strong_decay_stays_finite_and_exact(impl, g_mode, tol):
   The kernels form such steep sub-chunks pair by pair (tests/kernels_pallas/test_kda_kernels.py).
   """
   q, k, v, g, beta, s0 = make_inputs(4, 1, 130, 2, 16, 32, g_min=-20.0, g_mode=g_mode)
-  o_ref, s_ref = ref_kda(q, k, v, g, beta, 16 ** -0.5, s0)
+  o_ref, s_ref = ref_kda(q, k, v, g, beta, 16**-0.5, s0)
   tol = max(tol, TOL[impl])
   runs = [functools.partial(chunk, chunk_size=c) for c in (64, 16)] if impl == 'xla' else [kda_fn(impl)]
   o_r, s_r = recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
@@ -128,7 +129,7 @@ def test_step_token_by_token_equals_recurrent(impl, g_mode):
   against the recurrence over the whole sequence and the float64 reference."""
   q, k, v, g, beta, s0 = make_inputs(5, 2, 20, 2, 16, 32, g_mode=g_mode)
   o_r, s_r = recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
-  o_ref, s_ref = ref_kda(q, k, v, g, beta, 16 ** -0.5, s0)
+  o_ref, s_ref = ref_kda(q, k, v, g, beta, 16**-0.5, s0)
   s = jnp.asarray(s0)
   outs = []
   for i in range(q.shape[1]):
@@ -144,7 +145,7 @@ def test_bf16_inputs_give_bf16_output_and_fp32_state(impl):
   q, k, v, g, beta, s0 = make_inputs(6, 1, 40, 2, 16, 16)
   lo = lambda x: jnp.asarray(x, jnp.bfloat16)
   args = (lo(q), lo(k), lo(v), jnp.asarray(g), lo(beta))
-  o_ref, _ = ref_kda(*(np.asarray(jnp.asarray(x, jnp.float32)) for x in args), 16 ** -0.5, s0)
+  o_ref, _ = ref_kda(*(np.asarray(jnp.asarray(x, jnp.float32)) for x in args), 16**-0.5, s0)
   o, s = kda_fn(impl)(*args, initial_state=s0, output_final_state=True)
   assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
   assert rel(o, o_ref) < 1e-2
@@ -152,9 +153,11 @@ def test_bf16_inputs_give_bf16_output_and_fp32_state(impl):
 
 def _loss(fn, w_o, w_s):
   """A fixed random linear functional of the output and the final state."""
+
   def loss(q, k, v, g, beta, s0):
     o, s = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True)
     return jnp.sum(o * w_o) + jnp.sum(s * w_s)
+
   return loss
 
 
@@ -168,11 +171,12 @@ def test_gradients_match_float64_finite_differences(impl):
   args = [np.asarray(x, np.float64) for x in (q, k, v, g, beta, s0)]
 
   def ref_loss(a):
-    o, s = ref_kda(*a[:5], 16 ** -0.5, a[5])
+    o, s = ref_kda(*a[:5], 16**-0.5, a[5])
     return np.sum(o * w_o) + np.sum(s * w_s)
 
   grads = jax.jit(jax.grad(_loss(kda_fn(impl), w_o, w_s), argnums=tuple(range(6))))(
-      *(jnp.asarray(x, jnp.float32) for x in args))
+    *(jnp.asarray(x, jnp.float32) for x in args)
+  )
   eps = 1e-6
   for i, (x, gr) in enumerate(zip(args, grads)):
     fd = np.zeros_like(x)
@@ -193,8 +197,9 @@ def test_gradients_equal_recurrent_with_tail_state_and_resets(impl):
   rng = np.random.default_rng(0)
   w_o, w_s = rng.normal(size=v.shape), rng.normal(size=s0.shape)
   argnums = tuple(range(6))
-  (o, s), (o_r, s_r) = (f(q, k, v, g, beta, initial_state=s0, output_final_state=True)
-                        for f in (kda_fn(impl), recurrent))
+  (o, s), (o_r, s_r) = (
+    f(q, k, v, g, beta, initial_state=s0, output_final_state=True) for f in (kda_fn(impl), recurrent)
+  )
   assert rel(o, o_r) <= 1e-4 and rel(s, s_r) <= 1e-4
   g_rec = jax.jit(jax.grad(_loss(kda_lib.kda_recurrent, w_o, w_s), argnums=argnums))(q, k, v, g, beta, s0)
   got = jax.jit(jax.grad(_loss(kda_fn(impl), w_o, w_s), argnums=argnums))(q, k, v, g, beta, s0)
@@ -218,8 +223,18 @@ def test_gated_call_equals_the_gate_then_the_recurrence(impl, lower_bound):
   w_o, w_s = jnp.asarray(rng.normal(size=v.shape), jnp.float32), jnp.asarray(rng.normal(size=s0.shape), jnp.float32)
 
   def gated(q, k, v, f, beta, s0, a_log, dt_bias):
-    return kda_fn(impl)(q, k, v, f, beta, initial_state=s0, output_final_state=True, a_log=a_log,
-                        dt_bias=dt_bias, gate_lower_bound=lower_bound)
+    return kda_fn(impl)(
+      q,
+      k,
+      v,
+      f,
+      beta,
+      initial_state=s0,
+      output_final_state=True,
+      a_log=a_log,
+      dt_bias=dt_bias,
+      gate_lower_bound=lower_bound,
+    )
 
   def reference(q, k, v, f, beta, s0, a_log, dt_bias):
     x = f + dt_bias
@@ -231,6 +246,7 @@ def test_gated_call_equals_the_gate_then_the_recurrence(impl, lower_bound):
     def loss(*a):
       o, s = fn(*a)
       return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s), (o, s)
+
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
 
   args = (q, k, v, f, beta, s0, a_log, dt_bias)
@@ -270,8 +286,7 @@ def test_chunk_gradients_equal_recurrent(t, chunk_size, g_min):
   rng = np.random.default_rng(11)
   w_o, w_s = rng.normal(size=v.shape), rng.normal(size=s0.shape)
   argnums = tuple(range(6))
-  g_rec = jax.jit(jax.grad(_loss(kda_lib.kda_recurrent, w_o, w_s), argnums=argnums))(
-      q, k, v, g, beta, s0)
+  g_rec = jax.jit(jax.grad(_loss(kda_lib.kda_recurrent, w_o, w_s), argnums=argnums))(q, k, v, g, beta, s0)
   chunk_fn = functools.partial(kda_lib.kda_chunk, chunk_size=chunk_size)
   g_chk = jax.jit(jax.grad(_loss(chunk_fn, w_o, w_s), argnums=argnums))(q, k, v, g, beta, s0)
   for name, a, b in zip(('q', 'k', 'v', 'g', 'beta', 'initial_state'), g_chk, g_rec):
@@ -287,8 +302,7 @@ def _grad_temp_bytes(fn, t, h, d):
   spec = jax.ShapeDtypeStruct
   x = spec((1, t, h, d), jnp.float32)
   loss = lambda q, k, v, g, beta: jnp.sum(fn(q, k, v, g, beta)[0])
-  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(
-      x, x, x, x, spec((1, t, h), jnp.float32)).compile()
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(x, x, x, x, spec((1, t, h), jnp.float32)).compile()
   return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -299,8 +313,8 @@ def test_chunk_backward_memory_is_not_per_token_states():
   per_token_state = d * d * 4
   rec_4k, rec_8k = (_grad_temp_bytes(kda_lib.kda_recurrent, t, h, d) for t in (4096, 8192))
   chunk_4k, chunk_8k = (_grad_temp_bytes(kda_lib.kda_chunk, t, h, d) for t in (4096, 8192))
-  assert (rec_8k - rec_4k) / (4096 * h) >= per_token_state               # the check can see it
-  assert (chunk_8k - chunk_4k) / (4096 * h) < 0.25 * per_token_state      # measured ~0.14
+  assert (rec_8k - rec_4k) / (4096 * h) >= per_token_state  # the check can see it
+  assert (chunk_8k - chunk_4k) / (4096 * h) < 0.25 * per_token_state  # measured ~0.14
   assert chunk_8k < 0.25 * 8192 * h * per_token_state
 
 
@@ -313,13 +327,16 @@ def _good(t=8, dk=4, dv=6):
 
 
 @pytest.mark.parametrize('fn', [kda_lib.kda_recurrent, kda_lib.kda_chunk])
-@pytest.mark.parametrize('field,shape,match', [
+@pytest.mark.parametrize(
+  'field,shape,match',
+  [
     ('q', (2, 8, 3), r'q must be \[B, T, H, K\], got shape \[2, 8, 3\]'),
     ('k', (2, 8, 3, 5), r'q, k and g must have the same shape .* k \[2, 8, 3, 5\]'),
     ('g', (2, 8, 2, 4), r'q, k and g must have the same shape .* g \[2, 8, 2, 4\]'),
     ('v', (2, 7, 3, 6), r'v must be \[B, T, H, V\] with B, T, H = 2, 8, 3 .* got v \[2, 7, 3, 6\]'),
     ('beta', (2, 8, 3, 1), r'beta must be \[B, T, H\] = \[2, 8, 3\].* got beta \[2, 8, 3, 1\]'),
-])
+  ],
+)
 def test_shape_errors_name_the_shapes(fn, field, shape, match):
   args, _ = _good()
   args[field] = np.zeros(shape, np.float32)
@@ -365,7 +382,7 @@ def test_dispatch_errors():
 
 def test_pallas_rejects_head_dims_the_kernels_cannot_tile():
   q, k, v, g, beta, _ = make_inputs(2, 1, 16, 1, 24, 16)
-  with pytest.raises(ValueError, match=r"K = 24 must be a power of two >= 16"):
+  with pytest.raises(ValueError, match=r'K = 24 must be a power of two >= 16'):
     kda_lib.kda(q, k, v, g, beta, impl='pallas')
 
 
@@ -379,7 +396,7 @@ def test_log_decay_gate_matches_float64_formula(lower_bound):
   f, a_log, dt_bias = (np.float32(x) for x in (f, a_log, dt_bias))
   x = f.astype(np.float64) + dt_bias
   a = np.exp(a_log.astype(np.float64))[:, None]
-  arg = a * x if lower_bound else x            # the argument of the exp that sets g's size
+  arg = a * x if lower_bound else x  # the argument of the exp that sets g's size
   want = lower_bound * np.exp(-np.logaddexp(0.0, -arg)) if lower_bound else -a * np.logaddexp(0.0, x)
   got = kda_lib.kda_log_decay(jnp.asarray(f), jnp.asarray(a_log), jnp.asarray(dt_bias), lower_bound)
   assert got.dtype == jnp.float32 and np.all(np.asarray(got) <= 0)
@@ -393,8 +410,9 @@ def test_gate_errors_name_the_arrays():
   h, dk = args['q'].shape[2], args['q'].shape[3]
   with pytest.raises(ValueError, match=r'a_log and dt_bias come together .* got a_log alone'):
     kda_lib.kda(**args, a_log=jnp.zeros(h))
-  with pytest.raises(ValueError, match=r'dt_bias \[H, K\] = \[%d, %d\]; got a_log \[%d\], dt_bias \[%d\]'
-                     % (h, dk, h, dk)):
+  with pytest.raises(
+    ValueError, match=r'dt_bias \[H, K\] = \[%d, %d\]; got a_log \[%d\], dt_bias \[%d\]' % (h, dk, h, dk)
+  ):
     kda_lib.kda(**args, a_log=jnp.zeros(h), dt_bias=jnp.zeros(dk))
   with pytest.raises(ValueError, match=r'gate_lower_bound must be a number <= 0'):
     kda_lib.kda(**args, a_log=jnp.zeros(h), dt_bias=jnp.zeros((h, dk)), gate_lower_bound=2.0)

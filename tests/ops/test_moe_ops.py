@@ -9,10 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from oracles_moe import np_route, np_routed_experts, np_sequence_balance_loss
 
 from kimijax.ops import moe
-
-from oracles_moe import np_route, np_routed_experts, np_sequence_balance_loss
 
 
 def rel_max(got, want):
@@ -22,7 +21,7 @@ def rel_max(got, want):
 
 def rel_rmse(got, want):
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return np.sqrt(np.mean((got - want) ** 2) / max(np.mean(want ** 2), 1e-30))
+  return np.sqrt(np.mean((got - want) ** 2) / max(np.mean(want**2), 1e-30))
 
 
 def _normal(rng, *shape, scale=1.0):
@@ -32,10 +31,9 @@ def _normal(rng, *shape, scale=1.0):
 # ----------------------------------------------------------------------------- routing
 
 ROUTINGS = {
-    'sigmoid_groups': dict(top_k=4, score_func='sigmoid', n_group=4, topk_group=2, renormalize=True, scaling=2.5),
-    'sigmoid_plain': dict(top_k=8, score_func='sigmoid', n_group=1, topk_group=1, renormalize=True, scaling=2.827),
-    'softmax_unnormalised': dict(top_k=3, score_func='softmax', n_group=2, topk_group=1, renormalize=False,
-                                 scaling=1.0),
+  'sigmoid_groups': dict(top_k=4, score_func='sigmoid', n_group=4, topk_group=2, renormalize=True, scaling=2.5),
+  'sigmoid_plain': dict(top_k=8, score_func='sigmoid', n_group=1, topk_group=1, renormalize=True, scaling=2.827),
+  'softmax_unnormalised': dict(top_k=3, score_func='softmax', n_group=2, topk_group=1, renormalize=False, scaling=1.0),
 }
 
 
@@ -44,9 +42,18 @@ def test_route_matches_the_released_routing(cfg):
   rng = np.random.default_rng(0)
   t, e = 96, 16
   logits, bias = _normal(rng, t, e, scale=2.0), _normal(rng, e, scale=0.3)
-  got = jax.jit(lambda l, b: moe.route(l, b, top_k=cfg['top_k'], score_func=cfg['score_func'],
-                                       n_group=cfg['n_group'], topk_group=cfg['topk_group'],
-                                       renormalize=cfg['renormalize'], scaling_factor=cfg['scaling']))(logits, bias)
+  got = jax.jit(
+    lambda l, b: moe.route(
+      l,
+      b,
+      top_k=cfg['top_k'],
+      score_func=cfg['score_func'],
+      n_group=cfg['n_group'],
+      topk_group=cfg['topk_group'],
+      renormalize=cfg['renormalize'],
+      scaling_factor=cfg['scaling'],
+    )
+  )(logits, bias)
   experts, weights, scores, margin = np_route(np.asarray(logits), np.asarray(bias), **cfg)
   assert margin > 1e-4, f'near-tie in the routing ({margin:.2g}): pick another seed'
   np.testing.assert_array_equal(got.experts_tk, experts)
@@ -55,7 +62,7 @@ def test_route_matches_the_released_routing(cfg):
   np.testing.assert_allclose(got.scores_te, scores, rtol=2e-6, atol=1e-7)
   if cfg['renormalize']:
     np.testing.assert_allclose(np.sum(got.weights_tk, -1), cfg['scaling'], rtol=1e-6)
-  if cfg['n_group'] > 1:   # every token's experts lie in topk_group groups
+  if cfg['n_group'] > 1:  # every token's experts lie in topk_group groups
     size = e // cfg['n_group']
     assert max(len(set(row // size)) for row in np.asarray(got.experts_tk)) <= cfg['topk_group']
 
@@ -72,17 +79,24 @@ def test_route_bias_chooses_only():
   assert not np.any(g)
 
 
-@pytest.mark.parametrize('kwargs,match', [
+@pytest.mark.parametrize(
+  'kwargs,match',
+  [
     (dict(num_experts=8, top_k=9), r'model\.moe\.top_k=9 exceeds model\.moe\.num_experts=8'),
-    (dict(num_experts=8, top_k=2, n_group=3),
-     r'model\.moe\.n_group=3 must be >= 1 and divide model\.moe\.num_experts=8'),
-    (dict(num_experts=8, top_k=2, n_group=4, topk_group=5),
-     r'model\.moe\.topk_group=5 must be in \[1, model\.moe\.n_group=4\]'),
+    (
+      dict(num_experts=8, top_k=2, n_group=3),
+      r'model\.moe\.n_group=3 must be >= 1 and divide model\.moe\.num_experts=8',
+    ),
+    (
+      dict(num_experts=8, top_k=2, n_group=4, topk_group=5),
+      r'model\.moe\.topk_group=5 must be in \[1, model\.moe\.n_group=4\]',
+    ),
     (dict(num_experts=8, top_k=2, n_group=8, topk_group=2), r'leaves 1 expert per group'),
     (dict(num_experts=16, top_k=6, n_group=4, topk_group=1), r'model\.moe\.top_k=6 exceeds the 4 experts eligible'),
     (dict(num_experts=8, top_k=2, score_func='relu'), r"model\.moe\.score_func='relu' is unknown"),
     (dict(num_experts=8, top_k=0), r'must be >= 1'),
-])
+  ],
+)
 def test_check_routing_names_the_keys(kwargs, match):
   with pytest.raises(ValueError, match=match):
     moe.check_routing(prefix='model.moe.', **kwargs)
@@ -181,17 +195,18 @@ def test_bias_update_balances_an_imbalanced_router(centred):
   bias, ratios = jax.jit(lambda b: jax.lax.scan(step, b, length=1500))(jnp.zeros(e, jnp.float32))
   assert float(jnp.max(ratios[-50:])) <= 1.05, ratios[-50:]
   assert bias.dtype == jnp.float32
-  assert np.all(np.diff(np.asarray(bias)) > 0)   # the overloaded experts' bias fell the most
+  assert np.all(np.diff(np.asarray(bias)) > 0)  # the overloaded experts' bias fell the most
   if centred:
     assert abs(float(jnp.mean(bias))) < 1e-5
 
 
 def test_update_bias_closed_form():
   bias = jnp.asarray([0.0, 0.5, -0.5, 0.0])
-  load = jnp.asarray([4.0, 1.0, 2.0, 1.0])                 # mean 2: signs -1, +1, 0, +1
+  load = jnp.asarray([4.0, 1.0, 2.0, 1.0])  # mean 2: signs -1, +1, 0, +1
   np.testing.assert_allclose(moe.update_bias(bias, load, rate=0.1), [-0.1, 0.6, -0.5, 0.1], atol=1e-7)
-  np.testing.assert_allclose(moe.update_bias(bias, load, rate=0.1, centred=True),
-                             [-0.125, 0.575, -0.525, 0.075], atol=1e-7)
+  np.testing.assert_allclose(
+    moe.update_bias(bias, load, rate=0.1, centred=True), [-0.125, 0.575, -0.525, 0.075], atol=1e-7
+  )
   with pytest.raises(ValueError, match=r'bias and load must both be \[E\]; got \[4\] and \[3\]'):
     moe.update_bias(bias, load[:3])
 
@@ -211,8 +226,9 @@ def test_sequence_balance_loss():
 
 
 def test_router_stats_and_entropy_closed_forms():
-  stats = moe.router_stats(jnp.asarray([1.0, 1.0, 1.0, 5.0]), jnp.asarray([-0.2, 0.0, 0.1, 0.3]),
-                           entropy=jnp.float32(1.5))
+  stats = moe.router_stats(
+    jnp.asarray([1.0, 1.0, 1.0, 5.0]), jnp.asarray([-0.2, 0.0, 0.1, 0.3]), entropy=jnp.float32(1.5)
+  )
   assert float(stats['load_max_over_mean']) == pytest.approx(2.5)
   assert float(stats['load_cv']) == pytest.approx(np.std([1, 1, 1, 5]) / 2)
   assert float(stats['bias_range']) == pytest.approx(0.5)
@@ -232,8 +248,11 @@ def test_routed_experts_checks_its_inputs():
   wg, wd = jnp.zeros((3, 8, 6)), jnp.zeros((3, 6, 8))
   with pytest.raises(ValueError, match=r"impl='triton' is unknown; allowed: \('xla', 'tokamax'\)"):
     moe.routed_experts(x, w, ex, wg, wg, wd, impl='triton')
-  with pytest.raises(ValueError, match=r'x \[T, D\], weights and experts \[T, K\]; got x \[4, 8\], weights \[4, 2\], '
-                                       r'experts \[4, 3\]'):
+  with pytest.raises(
+    ValueError,
+    match=r'x \[T, D\], weights and experts \[T, K\]; got x \[4, 8\], weights \[4, 2\], '
+    r'experts \[4, 3\]',
+  ):
     moe.routed_experts(x, w, jnp.zeros((4, 3), jnp.int32), wg, wg, wd)
   with pytest.raises(ValueError, match=r'w_gate and w_up \[E, D=8, F\] and w_down \[E, F, D=8\].*w_down \[3, 8, 6\]'):
     moe.routed_experts(x, w, ex, wg, wg, jnp.zeros((3, 8, 6)))
@@ -257,14 +276,18 @@ def test_routed_experts_checks_its_inputs():
 MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
 
 
-@pytest.mark.parametrize('shape,token_axes,t,layout', [
+@pytest.mark.parametrize(
+  'shape,token_axes,t,layout',
+  [
     # tokens not split over 'expert': each device runs its experts, partial sums added
     ((2, 1, 1, 4), ('data',), 32, (('data',), 'expert')),
     # 12 tokens do not split 8 ways: split 2 ways (fsdp) only
     ((1, 2, 1, 4), ('fsdp', 'expert'), 12, (('fsdp',), 'expert')),
     # no expert axis: each device its tokens and all experts (default token axes: all but tensor)
     ((4, 1, 2, 1), None, 32, (('data',), None)),
-], ids=['data2xexpert4_tokens_over_data', 'fsdp2xexpert4_uneven', 'data4xtensor2'])
+  ],
+  ids=['data2xexpert4_tokens_over_data', 'fsdp2xexpert4_uneven', 'data4xtensor2'],
+)
 def test_sharded_op_matches_one_device(shape, token_axes, t, layout):
   """The layer test (tests/layers/test_moe_layer.py) covers tokens split over 'expert' (all-gather /
   reduce-scatter); these are the other layouts. Outputs and gradients of every input, float32."""
@@ -283,8 +306,7 @@ def test_sharded_op_matches_one_device(shape, token_axes, t, layout):
   with jax.set_mesh(mesh):
     assert moe.shard_layout(t, e, token_axes) == layout
     experts = NamedSharding(mesh, P('expert'))
-    got = step(jax.device_put(x, NamedSharding(mesh, P(layout[0]))), logits,
-               *(jax.device_put(w, experts) for w in ws))
+    got = step(jax.device_put(x, NamedSharding(mesh, P(layout[0]))), logits, *(jax.device_put(w, experts) for w in ws))
   assert rel_max(got[0], ref[0]) <= 1e-5
   for g, r, name in zip(got[1], ref[1], ('x', 'logits', 'w_gate', 'w_up', 'w_down')):
     assert rel_max(g, r) <= 1e-5, name
@@ -316,12 +338,13 @@ def test_tokamax_matches_lax_ragged_dot(dtype):
   r = moe.route(logits, bias, top_k=k, scaling_factor=2.446)
   counts = np.bincount(np.asarray(r.experts_tk).reshape(-1), minlength=e)
   assert counts[3] == counts[7] == 0 and np.all(np.delete(counts, [3, 7]) > 0)
-  ws = tuple(w * d ** -0.5 * 2 for w in _expert_weights(rng, e, d, f))
+  ws = tuple(w * d**-0.5 * 2 for w in _expert_weights(rng, e, d, f))
 
   def run(impl):
     def loss(x, w, wg, wu, wd):
       y = moe.routed_experts(x.astype(dtype), w, r.experts_tk, *(a.astype(dtype) for a in (wg, wu, wd)), impl=impl)
       return jnp.sum(y * dy), y
+
     (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, r.weights_tk, *ws)
     return y, grads
 
@@ -332,7 +355,7 @@ def test_tokamax_matches_lax_ragged_dot(dtype):
   assert rel_rmse(y, ref_y) <= (1e-4 if dtype == jnp.float32 else 5e-3)
   for got, want, name in zip(g, ref_g, ('x', 'weights', 'w_gate', 'w_up', 'w_down')):
     assert rel_rmse(got, want) <= 1e-2, name
-  for got in g[2:]:   # the experts that received no token get exactly no gradient
+  for got in g[2:]:  # the experts that received no token get exactly no gradient
     assert not np.any(np.asarray(got)[[3, 7]])
 
 
@@ -340,7 +363,9 @@ def test_tokamax_matches_lax_ragged_dot(dtype):
 def test_tokamax_layer_forward_backward_bf16():
   """The MoE layer in bf16 with impl='tokamax' against impl='xla' (same params)."""
   import flax.linen as nn
+
   from kimijax.layers.moe import MOE_STATE, MoE
+
   kw = dict(num_experts=16, top_k=4, expert_hidden=128, num_shared=1, scaling_factor=2.446, dtype=jnp.bfloat16)
   x = jnp.asarray(np.random.default_rng(7).standard_normal((4, 128, 256)), jnp.float32)
   variables = nn.unbox(MoE(**kw).init(jax.random.key(0), x))

@@ -4,15 +4,13 @@ docs/kda.md's conv and activations, forward and gradients (central finite differ
 against the XLA form's autodiff at a longer, tiled shape. The kernels' own settings and lowering:
 tests/kernels_pallas/test_short_conv_kernels.py."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from kimijax.ops import short_conv as sc
-
 from helpers import impl_params, short_conv_grads, short_conv_inputs
 from oracles import np_short_conv
+
+from kimijax.ops import short_conv as sc
 
 IMPLS = impl_params(sc.IMPLS)
 REFERENCE = 'xla'
@@ -66,11 +64,11 @@ def test_a_prefix_continues_the_sequence(impl):
 
 def test_bad_arguments_name_what_is_wrong():
   x, w, _ = short_conv_inputs(4, 1, 8, 2, 24)
-  with pytest.raises(ValueError, match=r"K = 24 must be a power of two >= 16"):
+  with pytest.raises(ValueError, match=r'K = 24 must be a power of two >= 16'):
     sc.short_conv(x, w, 'silu', impl='pallas')
   with pytest.raises(ValueError, match=r"activation='gelu' is unknown"):
     sc.short_conv(x, w, 'gelu')
   with pytest.raises(ValueError, match=r"impl='cuda' is unknown"):
     sc.short_conv(x, w, impl='cuda')
-  with pytest.raises(ValueError, match=r"w \[W, H, K\]; got x \[1, 8, 2, 24\], w \[4, 3, 24\]"):
+  with pytest.raises(ValueError, match=r'w \[W, H, K\]; got x \[1, 8, 2, 24\], w \[4, 3, 24\]'):
     sc.short_conv(x, jnp.zeros((4, 3, 24)))

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracles import NpAdamW, NpMuon, np_ns5
 
 from kimijax import config as config_lib
 from kimijax.config import ConfigError
@@ -21,8 +22,6 @@ from kimijax.optim.muon import ScaleByMuonState, newton_schulz
 from kimijax.optim.routing import MatrixView, Routing
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.state import init_state, state_shardings
-
-from oracles import NpAdamW, NpMuon, np_ns5
 
 RTOL = 1e-5
 
@@ -43,36 +42,46 @@ def run_optimizer(opt, params, grads_seq):
 
 
 def random_tree(shapes, rng, scale=1.0):
-  return jax.tree.map(lambda s: jnp.asarray(scale * rng.standard_normal(s), jnp.float32), shapes,
-                      is_leaf=lambda s: isinstance(s, tuple))
+  return jax.tree.map(
+    lambda s: jnp.asarray(scale * rng.standard_normal(s), jnp.float32), shapes, is_leaf=lambda s: isinstance(s, tuple)
+  )
 
 
 SHAPES = {
-    'embed': (40, 24),                        # -> adamw (embedding)
-    'final_norm': {'scale': (24,)},           # -> adamw (1-D)
-    'layer_0': {
-        'mlp': {'wide': (16, 48), 'tall': (40, 12)},   # 2-D -> muon, one matrix each
-        'attention': {'query': (24, 4, 6),             # -> muon, [24, 4*6]
-                      'out': (4, 6, 24)},              # -> muon, [4*6, 24]
-        'bias': (12,),                                 # -> adamw
-    },
+  'embed': (40, 24),  # -> adamw (embedding)
+  'final_norm': {'scale': (24,)},  # -> adamw (1-D)
+  'layer_0': {
+    'mlp': {'wide': (16, 48), 'tall': (40, 12)},  # 2-D -> muon, one matrix each
+    'attention': {
+      'query': (24, 4, 6),  # -> muon, [24, 4*6]
+      'out': (4, 6, 24),
+    },  # -> muon, [4*6, 24]
+    'bias': (12,),  # -> adamw
+  },
 }
 # How each Muon parameter looks as a matrix under the default view.
-FUSED = {('layer_0', 'mlp', 'wide'): lambda w: w, ('layer_0', 'mlp', 'tall'): lambda w: w,
-         ('layer_0', 'attention', 'query'): lambda w: w.reshape(24, 24),
-         ('layer_0', 'attention', 'out'): lambda w: w.reshape(24, 24)}
+FUSED = {
+  ('layer_0', 'mlp', 'wide'): lambda w: w,
+  ('layer_0', 'mlp', 'tall'): lambda w: w,
+  ('layer_0', 'attention', 'query'): lambda w: w.reshape(24, 24),
+  ('layer_0', 'attention', 'out'): lambda w: w.reshape(24, 24),
+}
 
 
 def leaves_by_path(tree):
   from kimijax.optim.routing import path_names
+
   return {path_names(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 # ----------------------------------------------------------------------------- numerics
 
 
-@pytest.mark.parametrize('nesterov,wd,scheduled', [(True, 0.1, True), (False, 0.0, False), (True, 0.0, False)],
-                         ids=['nesterov-wd-schedule', 'plain', 'nesterov'])
+@pytest.mark.parametrize(
+  'nesterov,wd,scheduled',
+  [(True, 0.1, True), (False, 0.0, False), (True, 0.0, False)],
+  ids=['nesterov-wd-schedule', 'plain', 'nesterov'],
+)
 def test_matches_numpy_moonlight_and_adamw(nesterov, wd, scheduled):
   steps, peak = 6, 0.02
   schedule = (lambda count: peak * (count + 1) / steps) if scheduled else peak
@@ -119,16 +128,23 @@ def test_per_head_stacks_are_orthogonalised_one_by_one():
   shapes = {'attention': {'query': (20, 3, 8), 'out': (3, 8, 20)}, 'experts': (3, 10, 14), 'conv4d': (2, 6, 5, 4)}
   params = random_tree(shapes, rng, 0.1)
   grads_seq = [random_tree(shapes, rng) for _ in range(3)]
-  views = {'attention': {'query': None, 'out': None}, 'experts': None,
-           'conv4d': MatrixView(stack=(2,), rows=(0, 3), cols=(1,))}      # 5 matrices [2*4, 6]
-  opt = muon(0.01, per_head=True, ns_dtype=jnp.float32, muon_views=views, muon_mask=jax.tree.map(lambda _: True, params))
+  views = {
+    'attention': {'query': None, 'out': None},
+    'experts': None,
+    'conv4d': MatrixView(stack=(2,), rows=(0, 3), cols=(1,)),
+  }  # 5 matrices [2*4, 6]
+  opt = muon(
+    0.01, per_head=True, ns_dtype=jnp.float32, muon_views=views, muon_mask=jax.tree.map(lambda _: True, params)
+  )
   got = leaves_by_path(run_optimizer(opt, params, grads_seq))
   init, grads = leaves_by_path(params), [leaves_by_path(g) for g in grads_seq]
 
-  slicers = {('attention', 'query'): (3, lambda w, i: w[:, i, :]),
-             ('attention', 'out'): (3, lambda w, i: w[i]),
-             ('experts',): (3, lambda w, i: w[i]),
-             ('conv4d',): (5, lambda w, i: w[:, :, i, :].transpose(0, 2, 1).reshape(8, 6))}
+  slicers = {
+    ('attention', 'query'): (3, lambda w, i: w[:, i, :]),
+    ('attention', 'out'): (3, lambda w, i: w[i]),
+    ('experts',): (3, lambda w, i: w[i]),
+    ('conv4d',): (5, lambda w, i: w[:, :, i, :].transpose(0, 2, 1).reshape(8, 6)),
+  }
   for path, (count, take) in slicers.items():
     w0 = np.asarray(init[path], np.float64)
     for i in range(count):
@@ -196,13 +212,27 @@ def test_default_routing_of_kda_mla_and_attnres_names():
   AttnRes pseudo-queries and norm gains go to AdamW; projections to Muon with fused head views."""
   S = jax.ShapeDtypeStruct
   f32 = jnp.float32
-  params = {'layer_0': {'kda': {
-      'A_log': S((4,), f32), 'dt_bias': S((4, 16), f32), 'q_proj': S((64, 4, 16), f32),
-      'o_proj': S((4, 16, 64), f32), 'f_a': S((64, 16), f32), 'f_b': S((16, 4, 16), f32),
-      'q_conv': {'kernel': S((4, 4, 16), f32)}, 'o_norm': S((16,), f32)},
-      'mla': {'q_nope': S((64, 4, 16), f32), 'k_rope': S((64, 8), f32), 'v': S((32, 4, 16), f32),
-              'kv_norm': {'scale': S((32,), f32)}}},
-      'attnres': {'layer_0_mlp': {'attnres_query': S((64,), f32)}}}
+  params = {
+    'layer_0': {
+      'kda': {
+        'A_log': S((4,), f32),
+        'dt_bias': S((4, 16), f32),
+        'q_proj': S((64, 4, 16), f32),
+        'o_proj': S((4, 16, 64), f32),
+        'f_a': S((64, 16), f32),
+        'f_b': S((16, 4, 16), f32),
+        'q_conv': {'kernel': S((4, 4, 16), f32)},
+        'o_norm': S((16,), f32),
+      },
+      'mla': {
+        'q_nope': S((64, 4, 16), f32),
+        'k_rope': S((64, 8), f32),
+        'v': S((32, 4, 16), f32),
+        'kv_norm': {'scale': S((32,), f32)},
+      },
+    },
+    'attnres': {'layer_0_mlp': {'attnres_query': S((64,), f32)}},
+  }
   routes = leaves_by_path(Routing().routes(params))
   rule = {p: r.rule for p, r in routes.items()}
   for name in ('A_log', 'dt_bias', 'o_norm'):
@@ -210,8 +240,12 @@ def test_default_routing_of_kda_mla_and_attnres_names():
   assert rule[('layer_0', 'kda', 'q_conv', 'kernel')] == 'adamw'
   assert rule[('layer_0', 'mla', 'kv_norm', 'scale')] == 'adamw'
   assert rule[('attnres', 'layer_0_mlp', 'attnres_query')] == 'adamw'
-  sizes = {p: r.view.sizes(params_shape) for p, r in routes.items() if r.rule == 'muon'
-           for params_shape in [leaves_by_path(params)[p].shape]}
+  sizes = {
+    p: r.view.sizes(params_shape)
+    for p, r in routes.items()
+    if r.rule == 'muon'
+    for params_shape in [leaves_by_path(params)[p].shape]
+  }
   assert sizes[('layer_0', 'kda', 'q_proj')] == (1, 64, 64)
   assert sizes[('layer_0', 'kda', 'o_proj')] == (1, 64, 64)
   assert sizes[('layer_0', 'kda', 'f_b')] == (1, 16, 64)
@@ -238,8 +272,16 @@ def test_config_names_optimizers():
 
 def sharded_config(shape):
   c = config_lib.base_config()
-  c.model.update(d_model=64, num_heads=8, num_kv_heads=4, attention_kind='gqa', vocab_size=256,
-                 num_layers=2, mlp_dim=96, compute_dtype='float32')
+  c.model.update(
+    d_model=64,
+    num_heads=8,
+    num_kv_heads=4,
+    attention_kind='gqa',
+    vocab_size=256,
+    num_layers=2,
+    mlp_dim=96,
+    compute_dtype='float32',
+  )
   c.train.grad_clip = 0.0
   c.train.seq_len = 8
   c.optimizer.update(name='muon', ns_dtype='float32', schedule='constant', warmup_steps=0, learning_rate=1e-2)
@@ -258,10 +300,15 @@ def muon_updates(config, devices, grads_seq):
   state = init_state(model, opt, config, abstract)
   grads_sh = [jax.device_put(grads, sh.params) for grads in grads_seq]
   with jax.set_mesh(mesh):
-    update = jax.jit(lambda g, s, p: opt.update(g, s, p, max_logits={}),
-                     in_shardings=(sh.params, sh.opt_state, sh.params),
-                     out_shardings=(sh.params, sh.opt_state)).lower(grads_sh[0], state.opt_state,
-                                                                    state.params).compile()
+    update = (
+      jax.jit(
+        lambda g, s, p: opt.update(g, s, p, max_logits={}),
+        in_shardings=(sh.params, sh.opt_state, sh.params),
+        out_shardings=(sh.params, sh.opt_state),
+      )
+      .lower(grads_sh[0], state.opt_state, state.params)
+      .compile()
+    )
   apply = jax.jit(lambda p, u: jax.tree.map(jnp.add, p, u), out_shardings=sh.params)
   params, opt_state, out = state.params, state.opt_state, []
   for g in grads_sh:
@@ -279,11 +326,17 @@ def test_sharded_muon_update_equals_one_device(split_matrices):
   state is sharded like the parameters."""
   rng = np.random.default_rng(3)
   ref_cfg = sharded_config((1, 1, 1))
-  abstract = model_params(**{k: ref_cfg.model[k] for k in ('d_model', 'num_heads', 'num_kv_heads',
-                                                          'attention_kind', 'vocab_size', 'num_layers', 'mlp_dim')})
+  abstract = model_params(
+    **{
+      k: ref_cfg.model[k]
+      for k in ('d_model', 'num_heads', 'num_kv_heads', 'attention_kind', 'vocab_size', 'num_layers', 'mlp_dim')
+    }
+  )
   shapes = jax.tree.map(lambda x: x.shape, nn.unbox(abstract))
-  grads_seq = [jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), shapes,
-                            is_leaf=lambda s: isinstance(s, tuple)) for _ in range(3)]
+  grads_seq = [
+    jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), shapes, is_leaf=lambda s: isinstance(s, tuple))
+    for _ in range(3)
+  ]
   ref_updates, *_ = muon_updates(ref_cfg, jax.devices()[:1], grads_seq)
 
   for shape in ((1, 2, 4), (2, 2, 2)):
@@ -308,9 +361,12 @@ def test_sharded_muon_update_equals_one_device(split_matrices):
         assert s == param_sh[names], (names, s, param_sh[names])
         checked += 1
     rules = [r.rule for r in jax.tree.leaves(Routing().routes(abstract))]
-    assert checked == rules.count('muon') + 2 * rules.count('adamw')   # momentum; Adam mu and nu
-    momentum = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByMuonState))
-                if isinstance(s, ScaleByMuonState)][0].momentum
+    assert checked == rules.count('muon') + 2 * rules.count('adamw')  # momentum; Adam mu and nu
+    momentum = [
+      s
+      for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByMuonState))
+      if isinstance(s, ScaleByMuonState)
+    ][0].momentum
     m_q = momentum['layer_0']['attention']['query']
     assert {x.data.shape for x in m_q.addressable_shards} == {x.data.shape for x in q.addressable_shards}
     assert m_q.addressable_shards[0].data.size < q.size

@@ -1,9 +1,9 @@
 """Muon against published conventions: Moonlight's bf16 Newton-Schulz (PyTorch arithmetic,
 emulated in NumPy), float64 iterations, and the DeepSeek-V3 fused MLA matrices."""
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import jax.numpy as jnp
 import pytest
 
 from kimijax.optim.muon import NS_COEFFS, newton_schulz
@@ -72,6 +72,7 @@ def test_bf16_newton_schulz_is_at_least_as_accurate_as_moonlight(shape):
 def test_bf16_newton_schulz_coefficients_are_not_rounded():
   """The jaxpr of the bf16 iteration holds the float32 coefficients, not bf16-rounded ones."""
   import jax
+
   jaxpr = str(jax.make_jaxpr(lambda x: newton_schulz(x, 1, jnp.bfloat16))(jnp.ones((1, 4, 8))))
   assert '3.4375' not in jaxpr and '4.78125' not in jaxpr
 
@@ -79,18 +80,27 @@ def test_bf16_newton_schulz_coefficients_are_not_rounded():
 # ----------------------------------------------------------------------------- MLA matrices
 
 H, DN, DR, DV, R, QIN, D = 4, 16, 8, 12, 24, 40, 48
-MLA_SHAPES = {'q_nope': (QIN, H, DN), 'q_rope': (QIN, H, DR), 'kv_down': (D, R), 'k_rope': (D, DR),
-              'k_nope': (R, H, DN), 'v': (R, H, DV), 'out': (H, DV, D)}
+MLA_SHAPES = {
+  'q_nope': (QIN, H, DN),
+  'q_rope': (QIN, H, DR),
+  'kv_down': (D, R),
+  'k_rope': (D, DR),
+  'k_nope': (R, H, DN),
+  'v': (R, H, DV),
+  'out': (H, DV, D),
+}
 
 
 def to_deepseek(p):
   """kimijax's MLA parts -> DeepSeek-V3's Linear weights as [in, out] matrices, with DeepSeek's
   column order: per head [nope, rope] (q_b_proj) and [k_nope, v] (kv_b_proj); [latent, rope] for
   kv_a_proj_with_mqa."""
-  return {'q_b_proj': np.concatenate([p['q_nope'], p['q_rope']], -1).reshape(QIN, -1),
-          'kv_a_proj_with_mqa': np.concatenate([p['kv_down'], p['k_rope']], -1),
-          'kv_b_proj': np.concatenate([p['k_nope'], p['v']], -1).reshape(R, -1),
-          'o_proj': p['out'].reshape(H * DV, D)}
+  return {
+    'q_b_proj': np.concatenate([p['q_nope'], p['q_rope']], -1).reshape(QIN, -1),
+    'kv_a_proj_with_mqa': np.concatenate([p['kv_down'], p['k_rope']], -1),
+    'kv_b_proj': np.concatenate([p['k_nope'], p['v']], -1).reshape(R, -1),
+    'o_proj': p['out'].reshape(H * DV, D),
+  }
 
 
 def np_muon_step(w, m, g, lr, *, mu=0.95, wd=0.1):
@@ -102,7 +112,9 @@ def np_muon_step(w, m, g, lr, *, mu=0.95, wd=0.1):
 
 def _muon_run(params, grads_seq, lr, **kwargs):
   import jax
+
   from kimijax.optim import muon
+
   opt = muon(lr, weight_decay=0.1, ns_dtype=jnp.float32, **kwargs)
   p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
   state = opt.init(p)
@@ -156,7 +168,9 @@ def test_muon_on_mla_per_part_option():
 
 def test_routing_table_shows_fused_and_per_part_views():
   import jax
+
   from kimijax.optim.routing import Routing
+
   shapes = {'mla': {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in MLA_SHAPES.items()}}
   fused = Routing().table(shapes)
   assert f'[{R}, {H}*{DN}+{H}*{DV}]' in fused and 'kv_b_proj = k_nope + v' in fused
@@ -170,7 +184,9 @@ def test_adamw_side_is_plain_adamw_with_nesterov_on():
   optax.adamw(nesterov=True) would make it: 4 steps against a float64 AdamW transcription."""
   import jax
   import optax
+
   from kimijax.optim import muon
+
   rng = np.random.default_rng(6)
   w0 = rng.standard_normal((7,)).astype(np.float32)
   grads = [rng.standard_normal((7,)).astype(np.float32) for _ in range(4)]
@@ -188,16 +204,17 @@ def test_adamw_side_is_plain_adamw_with_nesterov_on():
   for t, g in enumerate(grads, 1):
     g = g.astype(np.float64)
     m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
-    w = w - lr * ((m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps) + wd * w)
+    w = w - lr * ((m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps) + wd * w)
   ours = run(muon(lr, nesterov=True, weight_decay=wd, adam_b1=b1, adam_b2=b2, adam_eps=eps))
   nadam = run(optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd, nesterov=True))
   np.testing.assert_allclose(ours - w0, w - w0, rtol=1e-4, atol=1e-6)
-  assert np.abs(nadam - w).max() > 1e-4          # optax's Nesterov AdamW is another optimizer
+  assert np.abs(nadam - w).max() > 1e-4  # optax's Nesterov AdamW is another optimizer
 
 
 def test_config_key_muon_mla_views_is_validated_and_reaches_the_routing():
   from kimijax.config import ConfigError, base_config, validate
   from kimijax.optim.factory import routing
+
   c = base_config()
   c.optimizer.name = 'muon'
   assert routing(c).mla_views == 'fused'

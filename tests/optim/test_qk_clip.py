@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracles import np_mla, np_projected_max_logits
 
 from configs.default import get_config
 from kimijax import config as config_lib
@@ -22,15 +23,13 @@ from kimijax.optim import qk_clip
 from kimijax.train.loop import train
 from kimijax.train.metrics import read_metrics
 
-from oracles import np_mla, np_projected_max_logits
-
 B, T = 2, 12
 
 VARIANTS = {
-    # heads whose query weights are scaled up, per layer
-    'mha': (dict(num_heads=4, num_kv_heads=0, attention_kind='mha'), {'layer_0': [0, 2], 'layer_1': [3]}),
-    # groups of 2 query heads per KV head: group 0 both heads, group 2 one of two, layer 1 group 3
-    'gqa': (dict(num_heads=8, num_kv_heads=4, attention_kind='gqa'), {'layer_0': [0, 1, 4], 'layer_1': [7]}),
+  # heads whose query weights are scaled up, per layer
+  'mha': (dict(num_heads=4, num_kv_heads=0, attention_kind='mha'), {'layer_0': [0, 2], 'layer_1': [3]}),
+  # groups of 2 query heads per KV head: group 0 both heads, group 2 one of two, layer 1 group 3
+  'gqa': (dict(num_heads=8, num_kv_heads=4, attention_kind='gqa'), {'layer_0': [0, 1, 4], 'layer_1': [7]}),
 }
 
 
@@ -38,8 +37,9 @@ VARIANTS = {
 def test_clipped_heads_reach_tau_and_others_are_untouched(variant):
   model_kw, boost = VARIANTS[variant]
   c = config_lib.base_config()
-  c.model.update(d_model=64, num_layers=2, vocab_size=256, mlp_dim=64, compute_dtype='float32',
-                 init_std=0.3, **model_kw)
+  c.model.update(
+    d_model=64, num_layers=2, vocab_size=256, mlp_dim=64, compute_dtype='float32', init_std=0.3, **model_kw
+  )
   model = Transformer(config_lib.validate(c).model)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 256, (B, T)), jnp.int32)
@@ -54,8 +54,10 @@ def test_clipped_heads_reach_tau_and_others_are_untouched(variant):
   (_, aux), inter = model.apply({'params': new}, tokens, capture_intermediates=True, mutable=['intermediates'])
   inputs = {l: inter['intermediates'][l]['mixer_norm']['__call__'][0] for l in boost}
   s_model = {l: np.asarray(v) for l, v in aux['max_logits'].items()}
-  s_before = {l: np_projected_max_logits(inputs[l], new[l]['attention']['query'], new[l]['attention']['key']) for l in boost}
-  for l in boost:   # the NumPy recomputation reproduces the model's own max logits
+  s_before = {
+    l: np_projected_max_logits(inputs[l], new[l]['attention']['query'], new[l]['attention']['key']) for l in boost
+  }
+  for l in boost:  # the NumPy recomputation reproduces the model's own max logits
     np.testing.assert_allclose(s_before[l], s_model[l], rtol=1e-5)
   boosted = {l: np.isin(np.arange(len(s_before[l])), heads) for l, heads in boost.items()}
   tau = 1.5 * max(s_before[l][~boosted[l]].max() for l in boost)
@@ -76,15 +78,17 @@ def test_clipped_heads_reach_tau_and_others_are_untouched(variant):
     group_max = s_before[l].reshape(hkv, g).max(axis=1)
     for grp in range(hkv):
       heads = slice(grp * g, (grp + 1) * g)
-      if group_max[grp] > tau:     # clipped: the group's top head at tau, every head scaled by gamma
+      if group_max[grp] > tau:  # clipped: the group's top head at tau, every head scaled by gamma
         gamma = tau / group_max[grp]
         np.testing.assert_allclose(s_after[heads].max(), tau, rtol=1e-4)
         np.testing.assert_allclose(s_after[heads], gamma * s_before[l][heads], rtol=1e-4)
-      else:                        # untouched: weights and updates bit for bit
-        np.testing.assert_array_equal(new_updates[l]['attention']['query'][:, heads],
-                                      updates[l]['attention']['query'][:, heads])
-        np.testing.assert_array_equal(new_updates[l]['attention']['key'][:, grp],
-                                      updates[l]['attention']['key'][:, grp])
+      else:  # untouched: weights and updates bit for bit
+        np.testing.assert_array_equal(
+          new_updates[l]['attention']['query'][:, heads], updates[l]['attention']['query'][:, heads]
+        )
+        np.testing.assert_array_equal(
+          new_updates[l]['attention']['key'][:, grp], updates[l]['attention']['key'][:, grp]
+        )
         np.testing.assert_array_equal(s_after[heads], s_before[l][heads])
   # Everything but query and key passes through untouched.
   for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(new_updates), jax.tree.leaves(updates)):
@@ -96,6 +100,7 @@ def test_mla_clip_reaches_tau_and_leaves_shared_rope_key_untouched():
   """MLA (docs/optimizers.md#qk-clip): q_nope, k_nope by sqrt(gamma), q_rope by gamma, k_rope untouched; the
   recomputed (float64, tests/layers/test_mla.py's transcription) max logit of a clipped head is tau."""
   from kimijax.layers.mla import MultiHeadLatentAttention
+
   cfg = dict(kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, q_lora_rank=10)
   layer = MultiHeadLatentAttention(4, init_std=0.3, **cfg)
   x = jax.random.normal(jax.random.key(1), (B, T, 32))
@@ -106,13 +111,14 @@ def test_mla_clip_reaches_tau_and_leaves_shared_rope_key_untouched():
   params['q_rope'][:, [0, 2]] *= 20.0
   _, s_max, _ = layer.apply({'params': params}, x, pos)
   s_max = np.asarray(s_max)
-  tau = float(np.sort(s_max)[1]) + 1e-3       # two heads above tau, two at or below
+  tau = float(np.sort(s_max)[1]) + 1e-3  # two heads above tau, two at or below
   over = s_max > tau
   assert over.sum() == 2
   tree = {'layer_0': {'mla': params}}
   zeros = jax.tree.map(np.zeros_like, tree)
-  new_updates, state = qk_clip(tau).update(zeros, qk_clip(tau).init(tree), tree,
-                                           max_logits={'layer_0': jnp.asarray(s_max)})
+  new_updates, state = qk_clip(tau).update(
+    zeros, qk_clip(tau).init(tree), tree, max_logits={'layer_0': jnp.asarray(s_max)}
+  )
   clipped = jax.tree.map(lambda p, u: np.asarray(p) + np.asarray(u), tree, new_updates)['layer_0']['mla']
   _, s_after = np_mla(clipped, np.asarray(x, np.float64), np.asarray(pos, np.float64), cfg)
   np.testing.assert_allclose(s_after[over], tau, rtol=1e-4)
@@ -120,7 +126,7 @@ def test_mla_clip_reaches_tau_and_leaves_shared_rope_key_untouched():
   assert int(state.heads_clipped) == 2
   for name in ('k_rope', 'kv_down', 'v', 'out', 'q_down'):
     np.testing.assert_array_equal(clipped[name], params[name])
-  for name in ('q_nope', 'k_nope', 'q_rope'):   # unclipped heads bit for bit
+  for name in ('q_nope', 'k_nope', 'q_rope'):  # unclipped heads bit for bit
     np.testing.assert_array_equal(clipped[name][:, ~over], params[name][:, ~over])
 
 
@@ -134,11 +140,20 @@ def test_unknown_attention_layout_is_an_error():
 def run(tmp_path, name, tau, steps=30):
   c = get_config()
   c.model.update(d_model=64, num_layers=2, num_heads=2, mlp_dim=128)
-  c.train.update(seq_len=64, batch_size=4, eval_batches=1, plot=False, log_every=1, steps=steps,
-                 eval_every=1000, checkpoint_every=1000)
+  c.train.update(
+    seq_len=64,
+    batch_size=4,
+    eval_batches=1,
+    plot=False,
+    log_every=1,
+    steps=steps,
+    eval_every=1000,
+    checkpoint_every=1000,
+  )
   # A constant lr high enough that Muon pushes the max logits up by ~10% a step.
-  c.optimizer.update(name=name, learning_rate=0.05, schedule='constant', warmup_steps=0,
-                     qk_clip_tau=tau, ns_dtype='float32')
+  c.optimizer.update(
+    name=name, learning_rate=0.05, schedule='constant', warmup_steps=0, qk_clip_tau=tau, ns_dtype='float32'
+  )
   train(c, tmp_path / name, devices=jax.devices()[:1])
   return [r for r in read_metrics(tmp_path / name) if 'loss' in r]
 
@@ -150,13 +165,13 @@ def test_muonclip_holds_max_logit_near_tau(tmp_path):
   tau = 4.0
   plain = run(tmp_path, 'muon', tau)
   clipped = run(tmp_path, 'muonclip', tau)
-  assert max(r['max_logit'] for r in plain) > 2.5 * tau          # without the clip the logits run away
+  assert max(r['max_logit'] for r in plain) > 2.5 * tau  # without the clip the logits run away
   assert all('qk_clip_heads' not in r for r in plain)
   assert all(r['update_rms_muon'] > 0 and r['update_rms_adamw'] > 0 for r in plain + clipped)
   clip_steps = [i for i, r in enumerate(clipped) if r['qk_clip_heads'] > 0]
   assert len(clip_steps) >= 5, [r['max_logit'] for r in clipped]
   for i, r in enumerate(clipped):
-    assert (r['qk_clip_heads'] > 0) == (r['max_logit'] > tau), r   # a head is clipped iff it is over tau
+    assert (r['qk_clip_heads'] > 0) == (r['max_logit'] > tau), r  # a head is clipped iff it is over tau
     assert r['max_logit'] < 1.5 * tau, (i, r['max_logit'])
   for i in clip_steps[:-1] if clip_steps[-1] == len(clipped) - 1 else clip_steps:
     assert 0.7 * tau < clipped[i + 1]['max_logit'] < 1.5 * tau, (i, clipped[i + 1]['max_logit'])
@@ -166,13 +181,23 @@ def sharded_run(shape, devices, batches):
   """Losses, clipped-head counts and final params of real MuonClip train steps on a mesh."""
   from kimijax.parallel import mesh as mesh_lib
   from kimijax.train.step import build_training
+
   c = config_lib.base_config()
-  c.model.update(d_model=64, num_heads=8, num_kv_heads=4, attention_kind='gqa', vocab_size=256,
-                 num_layers=2, mlp_dim=64, compute_dtype='float32')
+  c.model.update(
+    d_model=64,
+    num_heads=8,
+    num_kv_heads=4,
+    attention_kind='gqa',
+    vocab_size=256,
+    num_layers=2,
+    mlp_dim=64,
+    compute_dtype='float32',
+  )
   c.train.update(batch_size=8, seq_len=16, steps=3)
   # tau far below the initial logits: every head is clipped at the first step.
-  c.optimizer.update(name='muonclip', ns_dtype='float32', qk_clip_tau=1e-3, schedule='constant',
-                     warmup_steps=0, learning_rate=1e-2)
+  c.optimizer.update(
+    name='muonclip', ns_dtype='float32', qk_clip_tau=1e-3, schedule='constant', warmup_steps=0, learning_rate=1e-2
+  )
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = shape
   config = config_lib.validate(c)
   mesh = mesh_lib.make_mesh(config.mesh, devices)

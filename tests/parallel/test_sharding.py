@@ -12,6 +12,7 @@ import math
 import jax
 import numpy as np
 import pytest
+from helpers import BATCH, RTOL, SEQ, STEPS, sharding_config, train_steps
 
 from kimijax import config as config_lib
 from kimijax.config import ConfigError
@@ -19,8 +20,6 @@ from kimijax.model import Transformer
 from kimijax.optim import make_optimizer
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.state import state_shardings
-
-from helpers import BATCH, RTOL, SEQ, STEPS, sharding_config, train_steps
 
 # Sizes of (data, fsdp, tensor).
 DP8, FSDP8, DP2_FSDP2_TP2, DP2_TP4 = (8, 1, 1), (1, 8, 1), (2, 2, 2), (2, 1, 4)
@@ -90,14 +89,18 @@ def check_param_sharding(state, shape):
   assert mus and all(shard_shapes(m) == shard_shapes(q) for m in mus)
 
 
-@pytest.mark.parametrize('variant,shape', [
+@pytest.mark.parametrize(
+  'variant,shape',
+  [
     ('mha', DP8),
     ('mha', FSDP8),
     ('mha', DP2_FSDP2_TP2),
-    pytest.param('mha', DP2_TP4, marks=pytest.mark.long),   # ~25 s; gqa-2x1x4 covers tensor = 4
-    pytest.param('gqa', DP2_FSDP2_TP2, marks=pytest.mark.long),   # ~45 s; gqa-2x1x4 covers GQA
+    pytest.param('mha', DP2_TP4, marks=pytest.mark.long),  # ~25 s; gqa-2x1x4 covers tensor = 4
+    pytest.param('gqa', DP2_FSDP2_TP2, marks=pytest.mark.long),  # ~45 s; gqa-2x1x4 covers GQA
     ('gqa', DP2_TP4),
-], ids=lambda x: x if isinstance(x, str) else 'x'.join(map(str, x)))
+  ],
+  ids=lambda x: x if isinstance(x, str) else 'x'.join(map(str, x)),
+)
 def test_sharded_training_matches_one_device(variant, shape):
   assert len(jax.devices()) == 8, 'tests/conftest.py should give 8 fake CPU devices'
   ref_history, ref_params = reference(variant)
@@ -116,15 +119,14 @@ def test_sharded_training_matches_one_device(variant, shape):
   assert all(bool(h['finite']) for h in history)
   assert len(set(ref_losses)) == STEPS, f'the loss should change every step: {ref_losses}'
   np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=0)
-  np.testing.assert_allclose([float(h['grad_norm']) for h in history],
-                             [float(h['grad_norm']) for h in ref_history], rtol=RTOL, atol=0)
+  np.testing.assert_allclose(
+    [float(h['grad_norm']) for h in history], [float(h['grad_norm']) for h in ref_history], rtol=RTOL, atol=0
+  )
   # The parameters after 3 steps agree too (the last loss only sees 2 updates). AdamW normalises
   # each update, so an entry whose gradient is ~0 may move by a different fraction of one step
   # (lr = 1e-2) under a different summation order; hence an absolute tolerance of lr / 10.
-  for (path, ref), got in zip(jax.tree_util.tree_leaves_with_path(ref_params),
-                              jax.tree.leaves(state.params)):
-    np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=1e-3,
-                               err_msg=jax.tree_util.keystr(path))
+  for (path, ref), got in zip(jax.tree_util.tree_leaves_with_path(ref_params), jax.tree.leaves(state.params)):
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=1e-3, err_msg=jax.tree_util.keystr(path))
 
 
 def test_fsdp8_shards_embed_rows_one_eighth():
@@ -134,7 +136,7 @@ def test_fsdp8_shards_embed_rows_one_eighth():
   model = Transformer(config.model)
   optimizer = make_optimizer(config)
   abstract, shardings = state_shardings(model, optimizer, config, mesh)
-  w = abstract.params['layer_0']['mlp']['wi_up']        # ('embed', 'mlp')
+  w = abstract.params['layer_0']['mlp']['wi_up']  # ('embed', 'mlp')
   assert w.sharding.spec[0] == 'fsdp'
   assert w.sharding.shard_shape(w.shape) == (w.shape[0] // 8, w.shape[1])
   assert math.prod(w.sharding.shard_shape(w.shape)) * 8 == math.prod(w.shape)
@@ -152,13 +154,16 @@ def test_mesh_shape_resolves_minus_one():
   assert mesh_lib.mesh_shape(mesh_cfg(-1, 1, 1), 1) == (1, 1, 1)
 
 
-@pytest.mark.parametrize('sizes,num_devices,names', [
-    ((2, 2, 1), 8, ('mesh.data', 'mesh.fsdp', 'mesh.tensor')),     # product 4 != 8 devices
-    ((4, 4, 1), 8, ('mesh.data', 'mesh.fsdp', 'mesh.tensor')),     # product 16 != 8 devices
-    ((-1, -1, 1), 8, ('mesh.data', 'mesh.fsdp')),                   # two -1s
+@pytest.mark.parametrize(
+  'sizes,num_devices,names',
+  [
+    ((2, 2, 1), 8, ('mesh.data', 'mesh.fsdp', 'mesh.tensor')),  # product 4 != 8 devices
+    ((4, 4, 1), 8, ('mesh.data', 'mesh.fsdp', 'mesh.tensor')),  # product 16 != 8 devices
+    ((-1, -1, 1), 8, ('mesh.data', 'mesh.fsdp')),  # two -1s
     ((-1, 1, -1), 8, ('mesh.data', 'mesh.tensor')),
-    ((-1, 3, 1), 8, ('mesh.fsdp',)),                                # 3 does not divide 8
-])
+    ((-1, 3, 1), 8, ('mesh.fsdp',)),  # 3 does not divide 8
+  ],
+)
 def test_mesh_shape_errors_name_keys(sizes, num_devices, names):
   with pytest.raises(ConfigError) as e:
     mesh_lib.mesh_shape(mesh_cfg(*sizes), num_devices)

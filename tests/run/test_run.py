@@ -13,13 +13,20 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TINY_FLAGS = ['--config.model.d_model=64', '--config.model.num_layers=2', '--config.model.num_heads=2',
-              '--config.model.mlp_dim=128', '--config.train.seq_len=64', '--config.train.batch_size=4',
-              '--config.train.eval_batches=1', '--config.train.plot=False']
+TINY_FLAGS = [
+  '--config.model.d_model=64',
+  '--config.model.num_layers=2',
+  '--config.model.num_heads=2',
+  '--config.model.mlp_dim=128',
+  '--config.train.seq_len=64',
+  '--config.train.batch_size=4',
+  '--config.train.eval_batches=1',
+  '--config.train.plot=False',
+]
 
 
 def _env():
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}   # one CPU device
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device
   env['JAX_PLATFORMS'] = 'cpu'
   return env
 
@@ -39,36 +46,69 @@ def _cases(tmp: pathlib.Path) -> dict:
   run = [sys.executable, str(ROOT / 'run.py')]
   gen = run + ['--mode=generate', f'--workdir={no_run}']
   return {
-      'missing config file': (run + ['--config=configs/no_such.py', f'--workdir={tmp}/w1'],
-                              "config file 'configs/no_such.py' not found"),
-      'unknown variant': (run + ['--config=configs/default.py:gqa2', f'--workdir={tmp}/w2'],
-                          "unknown variant 'gqa2'; allowed: 'gqa', 'nope'"),
-      'workdir is a file': (run + ['--config=configs/default.py', f'--workdir={a_file}'] + TINY_FLAGS,
-                            f'--workdir {a_file} exists and is not a folder'),
-      'max_new_tokens': (gen + ['--max_new_tokens=0'], '--max_new_tokens=0 must be positive'),
-      'top_k': (gen + ['--top_k=-1'], '--top_k=-1 must be >= 0'),
-      'num_samples': (gen + ['--num_samples=0'], '--num_samples=0 must be positive'),
-      'temperature': (gen + ['--temperature=-0.5'], '--temperature=-0.5 must be >= 0'),
-      'prompt not utf-8': (gen + [os.fsdecode(b'--prompt=abc\xff\xfe')], '--prompt is not valid UTF-8'),
-      'generate without a run': (gen, 'config.json not found'),
-      'eval without a run': (run + ['--mode=eval', f'--workdir={no_run}'], 'config.json not found'),
-      'plot_attnres on a non-run': ([sys.executable, str(ROOT / 'experiments/tools/plot_attnres.py'), f'--workdir={no_run}'],
-                                    f'--workdir={no_run}: {no_run}/config.json not found'),
-      'nan stop': (run + ['--config=configs/default.py', f'--workdir={tmp}/nan'] + TINY_FLAGS
-                   + ['--config.optimizer.learning_rate=1e6', '--config.train.grad_clip=0.0',
-                      '--config.optimizer.warmup_steps=0', '--config.train.steps=30', '--config.train.eval_every=1000'],
-                   'NonFiniteError: loss or gradients became NaN/Inf at step'),
-      'tokamax off the gpu': (run + ['--config=configs/default.py', f'--workdir={tmp}/tk'] + TINY_FLAGS
-                              + ['--config.model.attn_impl=tokamax', '--config.model.compute_dtype=bfloat16'],
-                              "ConfigError: attention impl='tokamax' needs an NVIDIA GPU"),
-      'kda kernels head dim': (run + ['--config=configs/default.py', f'--workdir={tmp}/kh'] + TINY_FLAGS
-                               + ['--config.model.layer_pattern=KA', '--config.model.kda_head_dim=24',
-                                  '--config.model.short_conv_impl=pallas'],
-                               "ConfigError: model.short_conv_impl='pallas' needs the KDA head dim"),
-      'peers never come': (run + ['--config=configs/default.py', f'--workdir={tmp}/mp', '--num_processes=2',
-                                  '--process_id=0', f'--coordinator_address=127.0.0.1:{_free_port()}',
-                                  '--peer_timeout_s=3'] + TINY_FLAGS,
-                           'process 0 of 2 could not join the others'),
+    'missing config file': (
+      run + ['--config=configs/no_such.py', f'--workdir={tmp}/w1'],
+      "config file 'configs/no_such.py' not found",
+    ),
+    'unknown variant': (
+      run + ['--config=configs/default.py:gqa2', f'--workdir={tmp}/w2'],
+      "unknown variant 'gqa2'; allowed: 'gqa', 'nope'",
+    ),
+    'workdir is a file': (
+      run + ['--config=configs/default.py', f'--workdir={a_file}'] + TINY_FLAGS,
+      f'--workdir {a_file} exists and is not a folder',
+    ),
+    'max_new_tokens': (gen + ['--max_new_tokens=0'], '--max_new_tokens=0 must be positive'),
+    'top_k': (gen + ['--top_k=-1'], '--top_k=-1 must be >= 0'),
+    'num_samples': (gen + ['--num_samples=0'], '--num_samples=0 must be positive'),
+    'temperature': (gen + ['--temperature=-0.5'], '--temperature=-0.5 must be >= 0'),
+    'prompt not utf-8': (gen + [os.fsdecode(b'--prompt=abc\xff\xfe')], '--prompt is not valid UTF-8'),
+    'generate without a run': (gen, 'config.json not found'),
+    'eval without a run': (run + ['--mode=eval', f'--workdir={no_run}'], 'config.json not found'),
+    'plot_attnres on a non-run': (
+      [sys.executable, str(ROOT / 'experiments/tools/plot_attnres.py'), f'--workdir={no_run}'],
+      f'--workdir={no_run}: {no_run}/config.json not found',
+    ),
+    'nan stop': (
+      run
+      + ['--config=configs/default.py', f'--workdir={tmp}/nan']
+      + TINY_FLAGS
+      + [
+        '--config.optimizer.learning_rate=1e6',
+        '--config.train.grad_clip=0.0',
+        '--config.optimizer.warmup_steps=0',
+        '--config.train.steps=30',
+        '--config.train.eval_every=1000',
+      ],
+      'NonFiniteError: loss or gradients became NaN/Inf at step',
+    ),
+    'tokamax off the gpu': (
+      run
+      + ['--config=configs/default.py', f'--workdir={tmp}/tk']
+      + TINY_FLAGS
+      + ['--config.model.attn_impl=tokamax', '--config.model.compute_dtype=bfloat16'],
+      "ConfigError: attention impl='tokamax' needs an NVIDIA GPU",
+    ),
+    'kda kernels head dim': (
+      run
+      + ['--config=configs/default.py', f'--workdir={tmp}/kh']
+      + TINY_FLAGS
+      + ['--config.model.layer_pattern=KA', '--config.model.kda_head_dim=24', '--config.model.short_conv_impl=pallas'],
+      "ConfigError: model.short_conv_impl='pallas' needs the KDA head dim",
+    ),
+    'peers never come': (
+      run
+      + [
+        '--config=configs/default.py',
+        f'--workdir={tmp}/mp',
+        '--num_processes=2',
+        '--process_id=0',
+        f'--coordinator_address=127.0.0.1:{_free_port()}',
+        '--peer_timeout_s=3',
+      ]
+      + TINY_FLAGS,
+      'process 0 of 2 could not join the others',
+    ),
   }
 
 
@@ -76,9 +116,12 @@ def _cases(tmp: pathlib.Path) -> dict:
 def results(tmp_path_factory):
   tmp = tmp_path_factory.mktemp('cli')
   cases = _cases(tmp)
-  procs = {name: subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, errors='replace')
-           for name, (argv, _) in cases.items()}
+  procs = {
+    name: subprocess.Popen(
+      argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors='replace'
+    )
+    for name, (argv, _) in cases.items()
+  }
   out = {}
   for name, proc in procs.items():
     stdout, stderr = proc.communicate(timeout=300)
@@ -86,10 +129,23 @@ def results(tmp_path_factory):
   return out
 
 
-CASE_NAMES = ['missing config file', 'unknown variant', 'workdir is a file', 'max_new_tokens', 'top_k',
-              'num_samples', 'temperature', 'prompt not utf-8', 'generate without a run', 'eval without a run',
-              'plot_attnres on a non-run', 'nan stop', 'tokamax off the gpu', 'kda kernels head dim',
-              'peers never come']
+CASE_NAMES = [
+  'missing config file',
+  'unknown variant',
+  'workdir is a file',
+  'max_new_tokens',
+  'top_k',
+  'num_samples',
+  'temperature',
+  'prompt not utf-8',
+  'generate without a run',
+  'eval without a run',
+  'plot_attnres on a non-run',
+  'nan stop',
+  'tokamax off the gpu',
+  'kda kernels head dim',
+  'peers never come',
+]
 
 
 @pytest.mark.parametrize('name', CASE_NAMES)
@@ -107,21 +163,28 @@ def test_waiting_process_says_what_it_waits_for(results):
 
 def test_mode_config_prints_resolved_config_and_parameter_counts():
   """Parameter count of the tiny attention model against its closed form."""
-  proc = subprocess.run([sys.executable, str(ROOT / 'run.py'), '--mode=config', '--config=configs/default.py:gqa']
-                        + TINY_FLAGS, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / 'run.py'), '--mode=config', '--config=configs/default.py:gqa'] + TINY_FLAGS,
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   d, layers, mlp, vocab, heads, kv_heads = 64, 2, 128, 258, 2, 2
   head_dim = d // heads
-  attention = d * d + 2 * d * kv_heads * head_dim + d * d          # q, k, v, out
+  attention = d * d + 2 * d * kv_heads * head_dim + d * d  # q, k, v, out
   want = vocab * d + layers * (attention + 3 * d * mlp + 2 * d) + d
   total = re.search(r'total\s+([\d,]+)', proc.stdout)
   assert total and int(total.group(1).replace(',', '')) == want, proc.stdout[-1500:]
-  assert "attention_kind: gqa" in proc.stdout and 'num_kv_heads: 2' in proc.stdout
+  assert 'attention_kind: gqa' in proc.stdout and 'num_kv_heads: 2' in proc.stdout
 
 
 def _allowed_variants(config_file: pathlib.Path) -> list[str]:
   """The variants a config file accepts (its VARIANTS), which its error for an unknown one lists."""
   import importlib.util
+
   spec = importlib.util.spec_from_file_location(config_file.stem, config_file)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -137,8 +200,10 @@ def test_help_lists_every_variant_of_every_config_file(config_file):
   lines = doc.splitlines()
   first = next((i for i, l in enumerate(lines) if l.strip().startswith(f'configs/{config_file.name}')), None)
   assert first is not None, f'run.py --help does not list configs/{config_file.name}'
-  end = next((i for i in range(first + 1, len(lines))
-              if not lines[i].strip() or lines[i].strip().startswith('configs/')), len(lines))
+  end = next(
+    (i for i in range(first + 1, len(lines)) if not lines[i].strip() or lines[i].strip().startswith('configs/')),
+    len(lines),
+  )
   block = '\n'.join(lines[first:end])
   for variant in _allowed_variants(config_file):
     assert re.search(rf'\b{variant}\b', block), (config_file.name, variant)

@@ -16,17 +16,22 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
+from tiny_config import TINY, make_config
 
 from kimijax.train.checkpoint import CheckpointError
 from kimijax.train.loop import train
 
-from tiny_config import TINY, make_config
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Constant lr after warmup: a cosine schedule is a function of train.steps, so a 4-step run
 # extended to 8 would (by design) follow a different lr curve than a straight 8-step run.
-RESUMABLE = {**TINY, 'optimizer.schedule': 'constant', 'optimizer.warmup_steps': 2,
-             'train.steps': 8, 'train.eval_every': 4, 'train.checkpoint_every': 4}
+RESUMABLE = {
+  **TINY,
+  'optimizer.schedule': 'constant',
+  'optimizer.warmup_steps': 2,
+  'train.steps': 8,
+  'train.eval_every': 4,
+  'train.checkpoint_every': 4,
+}
 
 
 def run_train(overrides, workdir, num_devices=1):
@@ -71,8 +76,11 @@ def complete_steps(ckpt_dir):
   return sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) if ckpt_dir.exists() else []
 
 
-CACHE_OPTIONS = {'jax_compilation_cache_dir': None, 'jax_persistent_cache_min_compile_time_secs': 0.0,
-                 'jax_persistent_cache_min_entry_size_bytes': 0}
+CACHE_OPTIONS = {
+  'jax_compilation_cache_dir': None,
+  'jax_persistent_cache_min_compile_time_secs': 0.0,
+  'jax_persistent_cache_min_entry_size_bytes': 0,
+}
 
 
 @pytest.fixture(scope='module', autouse=True)
@@ -114,7 +122,7 @@ def first_half(tmp_path_factory):
 def test_resume_reproduces_uninterrupted_run(reference, first_half, tmp_path, capsys):
   shutil.copytree(first_half, tmp_path, dirs_exist_ok=True)
   capsys.readouterr()
-  run_train(RESUMABLE, tmp_path)                       # the same command, now to 8 steps
+  run_train(RESUMABLE, tmp_path)  # the same command, now to 8 steps
   assert 'resuming from step 4' in capsys.readouterr().out
 
   assert_continuous(tmp_path, 8)
@@ -131,24 +139,34 @@ def test_resume_reproduces_uninterrupted_run(reference, first_half, tmp_path, ca
   got_state, want_state = saved_arrays(tmp_path, 8), saved_arrays(reference, 8)
   assert got_state.keys() == want_state.keys()
   assert any('params' in k for k in got_state)
-  for key in want_state:                    # params, optimizer moments and step counter
+  for key in want_state:  # params, optimizer moments and step counter
     np.testing.assert_allclose(got_state[key], want_state[key], rtol=1e-6, atol=0, err_msg=key)
 
 
 # ------------------------------------------------------------------ 2. SIGKILL mid-save
 
 
-KILL_FLAGS = {**TINY, 'train.steps': 24, 'train.checkpoint_every': 1, 'train.keep_checkpoints': 3,
-              'train.eval_every': 1000, 'optimizer.warmup_steps': 5}
+KILL_FLAGS = {
+  **TINY,
+  'train.steps': 24,
+  'train.checkpoint_every': 1,
+  'train.keep_checkpoints': 3,
+  'train.eval_every': 1000,
+  'optimizer.warmup_steps': 5,
+}
 
 
 def run_py_command(workdir, flags):
-  return [sys.executable, str(ROOT / 'run.py'), '--config=' + str(ROOT / 'configs/default.py'),
-          f'--workdir={workdir}'] + [f'--config.{k}={v}' for k, v in flags.items()]
+  return [
+    sys.executable,
+    str(ROOT / 'run.py'),
+    '--config=' + str(ROOT / 'configs/default.py'),
+    f'--workdir={workdir}',
+  ] + [f'--config.{k}={v}' for k, v in flags.items()]
 
 
 def subprocess_env(cache_dir):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}   # one CPU device, not 8 fake
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device, not 8 fake
   env['JAX_PLATFORMS'] = 'cpu'
   env.update({name.upper(): str(value) for name, value in CACHE_OPTIONS.items()})
   env['JAX_COMPILATION_CACHE_DIR'] = cache_dir
@@ -186,8 +204,9 @@ def test_sigkill_mid_save_resumes_from_last_complete_checkpoint(tmp_path, compil
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f'resuming from step {k}' in resumed.stdout
 
-  straight = subprocess.run(run_py_command(tmp_path / 'straight', KILL_FLAGS), env=env,
-                            capture_output=True, text=True, timeout=300)
+  straight = subprocess.run(
+    run_py_command(tmp_path / 'straight', KILL_FLAGS), env=env, capture_output=True, text=True, timeout=300
+  )
   assert straight.returncode == 0, straight.stderr[-3000:]
   assert 'fresh start' in straight.stdout
 
@@ -197,7 +216,7 @@ def test_sigkill_mid_save_resumes_from_last_complete_checkpoint(tmp_path, compil
   for step in range(1, steps + 1):
     assert got[step] == pytest.approx(want[step], rel=1e-6, abs=0), step
   print('after resume, checkpoints/ holds', sorted(os.listdir(ckpt)))
-  assert complete_steps(ckpt) == list(range(steps - 2, steps + 1))        # keep_checkpoints=3
+  assert complete_steps(ckpt) == list(range(steps - 2, steps + 1))  # keep_checkpoints=3
   got_state, want_state = saved_arrays(tmp_path / 'run', steps), saved_arrays(tmp_path / 'straight', steps)
   for key in want_state:
     np.testing.assert_allclose(got_state[key], want_state[key], rtol=1e-6, atol=0, err_msg=key)
@@ -207,7 +226,7 @@ def test_sigkill_mid_save_resumes_from_last_complete_checkpoint(tmp_path, compil
 
 
 def test_restore_onto_a_different_mesh(reference, first_half, tmp_path, capsys):
-  shutil.copytree(first_half, tmp_path, dirs_exist_ok=True)    # trained on a 1-device mesh
+  shutil.copytree(first_half, tmp_path, dirs_exist_ok=True)  # trained on a 1-device mesh
   capsys.readouterr()
   sharded = {**RESUMABLE, 'mesh.data': 2, 'mesh.fsdp': 2}
   run_train(sharded, tmp_path, num_devices=4)
@@ -240,7 +259,7 @@ def garble(path):
   """Flips 64 bytes in the middle: the file keeps its size and structure, the values change."""
   data = bytearray(path.read_bytes())
   mid = len(data) // 2
-  data[mid:mid + 64] = bytes(b ^ 0xA5 for b in data[mid:mid + 64])
+  data[mid : mid + 64] = bytes(b ^ 0xA5 for b in data[mid : mid + 64])
   path.write_bytes(bytes(data))
 
 
@@ -253,7 +272,7 @@ def expect_refusal(workdir, overrides, *fragments):
   for fragment in fragments:
     assert fragment in message, message
   assert digest(workdir / 'checkpoints') == before_ckpt
-  assert (workdir / 'metrics.jsonl').read_bytes() == before_metrics   # no step was taken
+  assert (workdir / 'metrics.jsonl').read_bytes() == before_metrics  # no step was taken
   return message
 
 
@@ -262,15 +281,16 @@ def test_corrupt_checkpoint_stops_before_training(reference, tmp_path, damage):
   workdir = tmp_path / 'w'
   shutil.copytree(reference, workdir)
   latest = workdir / 'checkpoints' / '8'
-  damage(largest_file(latest / 'state'))      # the array data of params and optimizer moments
+  damage(largest_file(latest / 'state'))  # the array data of params and optimizer moments
   expect_refusal(workdir, {**RESUMABLE, 'train.steps': 12}, str(latest))
 
 
 def test_mismatched_config_stops_before_training(reference, tmp_path):
   workdir = tmp_path / 'w'
   shutil.copytree(reference, workdir)
-  message = expect_refusal(workdir, {**RESUMABLE, 'train.steps': 12, 'model.d_model': 32},
-                           str(workdir / 'checkpoints' / '8'), 'model.d_model')
+  message = expect_refusal(
+    workdir, {**RESUMABLE, 'train.steps': 12, 'model.d_model': 32}, str(workdir / 'checkpoints' / '8'), 'model.d_model'
+  )
   assert '64' in message and '32' in message
 
 
@@ -283,6 +303,7 @@ def test_generation_loads_a_gpu_run_on_the_cpu(reference, tmp_path):
   checkpoint anyway (implementation keys need not match the checkpoint's config); the params are
   the saved arrays bit for bit and greedy generation gives what the run's own config gives."""
   from kimijax.infer.generate import generate, load_for_generation
+
   workdir = tmp_path / 'w'
   shutil.copytree(reference, workdir)
   saved = json.loads((workdir / 'config.json').read_text())

@@ -40,7 +40,7 @@ def test_an_untied_head_adds_parameters_but_its_embedding_lookup_adds_no_flops()
 def test_mla_head_dims_and_kda_state_products():
   mla = tiny(attention_kind='mla', mla_qk_nope_head_dim=16, mla_qk_rope_head_dim=8)
   assert flops.model_flops_per_token(mla, 0) == L * 3 * T * H * ((16 + 8) + 16)
-  kda = tiny(layer_pattern='K')    # 2 heads of key = value dim 32: 18 H K V per layer
+  kda = tiny(layer_pattern='K')  # 2 heads of key = value dim 32: 18 H K V per layer
   assert flops.model_flops_per_token(kda, 0) == L * 18 * H * 32 * 32
   hybrid = tiny(layer_pattern='KA')
   assert flops.model_flops_per_token(hybrid, 0) == 18 * H * 32 * 32 + 3 * T * H * 64
@@ -50,8 +50,8 @@ def test_muon_newton_schulz_flops_per_step():
   c = tiny()
   c.optimizer.name = 'muon'
   ns = c.optimizer.ns_steps
-  square = ns * (4 * D ** 3 + 2 * D ** 3)               # q, k, v, o as [64, 64] matrices
-  wide = ns * (4 * D * D * F + 2 * D ** 3)              # gate, up [64, 128] and down [128, 64]
+  square = ns * (4 * D**3 + 2 * D**3)  # q, k, v, o as [64, 64] matrices
+  wide = ns * (4 * D * D * F + 2 * D**3)  # gate, up [64, 128] and down [128, 64]
   counted = flops.training_flops_per_step(c)
   assert counted['optimizer'] == pytest.approx(L * (4 * square + 3 * wide), rel=1e-12)
   assert counted['total'] == pytest.approx(counted['model'] + counted['optimizer'], rel=1e-12)

@@ -34,7 +34,7 @@ def test_live_holder_stops_a_second_run_with_host_pid_and_start(tmp_path, live_p
   message = str(info.value)
   for part in (str(tmp_path), socket.gethostname(), f'pid {live_process.pid}', '2026-12-01T09:00:00'):
     assert part in message, (part, message)
-  assert json.loads((tmp_path / LOCK_NAME).read_text())['pid'] == live_process.pid   # left alone
+  assert json.loads((tmp_path / LOCK_NAME).read_text())['pid'] == live_process.pid  # left alone
 
 
 def test_lock_of_a_dead_process_is_reclaimed(tmp_path, capsys):
@@ -45,7 +45,7 @@ def test_lock_of_a_dead_process_is_reclaimed(tmp_path, capsys):
     held = json.loads((tmp_path / LOCK_NAME).read_text())
     assert held['pid'] == os.getpid() and held['host'] == socket.gethostname() and held['started']
     assert lock.held
-  assert not (tmp_path / LOCK_NAME).exists()                        # released at the end
+  assert not (tmp_path / LOCK_NAME).exists()  # released at the end
   assert 'reclaimed a stale lock' in capsys.readouterr().out
   assert not list(tmp_path.glob(f'{LOCK_NAME}.stale.*'))
 
@@ -82,8 +82,10 @@ def test_workdir_that_is_a_file(tmp_path):
 
 def test_train_refuses_a_locked_workdir_before_any_compute(tmp_path, live_process):
   from tiny_config import TINY, make_config
+
   from kimijax.train.loop import train
+
   _write_lock(tmp_path, pid=live_process.pid, ticks=_start_ticks(live_process.pid))
   with pytest.raises(WorkdirLockedError):
     train(make_config({**TINY, 'train.steps': 2}), tmp_path, devices=jax.devices()[:1])
-  assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]   # nothing written
+  assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]  # nothing written

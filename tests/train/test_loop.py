@@ -23,16 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from tiny_config import TINY, make_config
 
 from kimijax.model import Transformer
-from kimijax.train import checkpoint as ckpt_lib
-from kimijax.train import loop as loop_lib
+from kimijax.train import checkpoint as ckpt_lib, loop as loop_lib
 from kimijax.train.checkpoint import CheckpointError
 from kimijax.train.loop import NonFiniteError, evaluate_details, position_buckets, train
 from kimijax.train.metrics import read_metrics as read_metrics_lib
 from kimijax.train.step import make_eval_step
-
-from tiny_config import TINY, make_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -42,12 +40,15 @@ def read_metrics(workdir):
 
 
 def run_py(workdir, flags, **kwargs):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}   # one CPU device, not 8 fake
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device, not 8 fake
   env['JAX_PLATFORMS'] = 'cpu'
-  command = [sys.executable, str(ROOT / 'run.py'), '--config=' + str(ROOT / 'configs/default.py'),
-             f'--workdir={workdir}'] + [f'--config.{k}={v}' for k, v in flags.items()]
-  return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          **kwargs)
+  command = [
+    sys.executable,
+    str(ROOT / 'run.py'),
+    '--config=' + str(ROOT / 'configs/default.py'),
+    f'--workdir={workdir}',
+  ] + [f'--config.{k}={v}' for k, v in flags.items()]
+  return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
 # ------------------------------------------------------------------- (a) NaN / Inf stops
@@ -56,9 +57,17 @@ def run_py(workdir, flags, **kwargs):
 def test_nonfinite_loss_stops_with_step_and_keeps_last_good_checkpoint(tmp_path):
   # Adam moves every weight by ~lr per step: with lr 1e6 and no clipping the logits overflow
   # float32 within a few steps.
-  config = make_config({**TINY, 'optimizer.learning_rate': 1e6, 'train.grad_clip': 0.0,
-                        'optimizer.warmup_steps': 0, 'train.steps': 30, 'train.checkpoint_every': 1,
-                        'train.eval_every': 1000})
+  config = make_config(
+    {
+      **TINY,
+      'optimizer.learning_rate': 1e6,
+      'train.grad_clip': 0.0,
+      'optimizer.warmup_steps': 0,
+      'train.steps': 30,
+      'train.checkpoint_every': 1,
+      'train.eval_every': 1000,
+    }
+  )
   with pytest.raises(NonFiniteError) as info:
     train(config, tmp_path, devices=jax.devices()[:1])
   match = re.search(r'step (\d+)', str(info.value))
@@ -67,12 +76,12 @@ def test_nonfinite_loss_stops_with_step_and_keeps_last_good_checkpoint(tmp_path)
   assert 1 < bad < 30
 
   logged = [r for r in read_metrics(tmp_path) if 'loss' in r]
-  assert [r['step'] for r in logged] == list(range(1, bad))       # nothing logged from step `bad` on
+  assert [r['step'] for r in logged] == list(range(1, bad))  # nothing logged from step `bad` on
   assert all(math.isfinite(r['loss']) and math.isfinite(r['grad_norm']) for r in logged)
 
   steps = sorted(int(n) for n in os.listdir(tmp_path / 'checkpoints') if n.isdigit())
-  assert steps and steps[-1] == bad - 1                            # the last good step, nothing later
-  assert f'step {bad - 1}' in str(info.value)                      # ... and the message says which
+  assert steps and steps[-1] == bad - 1  # the last good step, nothing later
+  assert f'step {bad - 1}' in str(info.value)  # ... and the message says which
   with ocp.StandardCheckpointer() as reader:
     saved = reader.restore((tmp_path / 'checkpoints' / str(bad - 1) / 'state').absolute())
   leaves = jax.tree.leaves(saved['params'])
@@ -84,10 +93,18 @@ def test_nonfinite_loss_stops_with_step_and_keeps_last_good_checkpoint(tmp_path)
 # ------------------------------------------------- (b, c, d) one run.py run: metrics and files
 
 
-METRICS_RUN = {**TINY, 'model.init_std': 0.002, 'train.steps': 6, 'train.eval_every': 3,
-               'train.checkpoint_every': 3, 'train.plot': True, 'optimizer.schedule': 'cosine',
-               'optimizer.warmup_steps': 2, 'optimizer.learning_rate': 3e-3,
-               'optimizer.min_lr_ratio': 0.1}
+METRICS_RUN = {
+  **TINY,
+  'model.init_std': 0.002,
+  'train.steps': 6,
+  'train.eval_every': 3,
+  'train.checkpoint_every': 3,
+  'train.plot': True,
+  'optimizer.schedule': 'cosine',
+  'optimizer.warmup_steps': 2,
+  'optimizer.learning_rate': 3e-3,
+  'optimizer.min_lr_ratio': 0.1,
+}
 
 
 @pytest.fixture(scope='module')
@@ -105,7 +122,7 @@ def test_first_loss_is_log_vocab_size(metrics_run):
   # about d_model * init_std^2 / init_std = 0.13), so the predicted distribution is uniform.
   first = read_metrics(metrics_run)[0]
   assert first['step'] == 1
-  assert first['loss'] == pytest.approx(math.log(258), abs=0.05)   # ln 258 = 5.553
+  assert first['loss'] == pytest.approx(math.log(258), abs=0.05)  # ln 258 = 5.553
 
 
 def expected_lr(step, peak, warmup, total, min_ratio):
@@ -134,8 +151,8 @@ def test_metrics_lines(metrics_run):
     assert r['max_logit'] == max(r[k] for k in layer_keys)
     want = expected_lr(r['step'], 3e-3, 2, steps, 0.1)
     assert r['lr'] == pytest.approx(want, rel=1e-5, abs=1e-9), r['step']
-  assert all(r['tokens_per_sec'] > 0 for r in train_lines[1:])     # the first step includes compiling
-  assert [r['lr'] for r in train_lines[:3]] == pytest.approx([0.0, 1.5e-3, 3e-3])   # warmup, then peak
+  assert all(r['tokens_per_sec'] > 0 for r in train_lines[1:])  # the first step includes compiling
+  assert [r['lr'] for r in train_lines[:3]] == pytest.approx([0.0, 1.5e-3, 3e-3])  # warmup, then peak
   for r in eval_lines:
     assert math.isfinite(r['eval_loss']) and 0 < r['eval_loss'] < 6
     assert r['tokens'] == r['step'] * batch * seq
@@ -155,8 +172,14 @@ def test_loss_plot_and_tensorboard_events(metrics_run):
 # ------------------------------------------------------------------- a run's life, in-process train()
 
 
-RUN = {**TINY, 'train.steps': 3, 'train.log_every': 10, 'train.eval_every': 10, 'train.checkpoint_every': 1,
-       'train.plot': True}
+RUN = {
+  **TINY,
+  'train.steps': 3,
+  'train.log_every': 10,
+  'train.eval_every': 10,
+  'train.checkpoint_every': 1,
+  'train.plot': True,
+}
 
 
 def _train(config, workdir):
@@ -166,11 +189,12 @@ def _train(config, workdir):
 def _event_records(path: pathlib.Path):
   """The Event protos of one TensorBoard event file (TFRecord framing: length, crc, data, crc)."""
   from tensorboardX.proto import event_pb2
+
   data, events, offset = path.read_bytes(), [], 0
   while offset < len(data):
-    (length,) = struct.unpack('<Q', data[offset:offset + 8])
+    (length,) = struct.unpack('<Q', data[offset : offset + 8])
     event = event_pb2.Event()
-    event.ParseFromString(data[offset + 12: offset + 12 + length])
+    event.ParseFromString(data[offset + 12 : offset + 12 + length])
     events.append(event)
     offset += 12 + length + 4
   return events
@@ -191,7 +215,7 @@ def finished_run(tmp_path_factory):
 
 def test_step_one_is_logged(finished_run):
   workdir, _, _ = finished_run
-  assert [r['step'] for r in read_metrics_lib(workdir) if 'loss' in r] == [1, 3]   # log_every 10: 1 and the last
+  assert [r['step'] for r in read_metrics_lib(workdir) if 'loss' in r] == [1, 3]  # log_every 10: 1 and the last
 
 
 def test_loss_plot_title_names_run_params_tokens(finished_run):
@@ -201,6 +225,7 @@ def test_loss_plot_title_names_run_params_tokens(finished_run):
 
 def test_eval_mode_reproduces_the_final_eval_loss(finished_run):
   from kimijax.train.evaluate import evaluate_run
+
   workdir, summary, _ = finished_run
   result = evaluate_run(workdir)
   assert result['step'] == 3
@@ -230,6 +255,7 @@ def test_resume_under_another_optimizer_names_the_key(finished_run, tmp_path):
 def test_longer_resume_says_so_and_purges_replayed_tensorboard_steps(finished_run, capsys):
   workdir, _, _ = finished_run
   from tensorboardX import SummaryWriter
+
   # As if an interrupted run had logged step 4. Event files are named by the second they are
   # opened in and read in name order: the wait puts the resumed run's file after this one.
   with SummaryWriter(str(workdir / 'tensorboard'), filename_suffix='.interrupted') as stale:
@@ -243,9 +269,10 @@ def test_longer_resume_says_so_and_purges_replayed_tensorboard_steps(finished_ru
   new = sorted(set((workdir / 'tensorboard').iterdir()) - before)
   assert len(new) == 1
   starts = [e.step for e in _event_records(new[0]) if e.HasField('session_log')]
-  assert starts == [4]          # TensorBoard drops earlier files' events from step 4 on
+  assert starts == [4]  # TensorBoard drops earlier files' events from step 4 on
   # ... and TensorBoard's own reader (requirements.txt installs it) sees each step once.
   from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
   events = EventAccumulator(str(workdir / 'tensorboard'))
   events.Reload()
   losses = events.Scalars('loss')
@@ -256,6 +283,7 @@ def test_loading_a_run_without_checkpoints_creates_nothing(tmp_path):
   config = make_config(RUN)
   (tmp_path / 'config.json').write_text(config.to_json())
   from kimijax.infer.generate import load_for_generation
+
   with pytest.raises(CheckpointError, match='no checkpoint in'):
     load_for_generation(tmp_path)
   assert not (tmp_path / 'checkpoints').exists()
@@ -265,14 +293,14 @@ def test_schedule_changes_lists_each_changed_key():
   saved = json.loads(make_config(RUN).to_json())
   now = make_config({**RUN, 'train.steps': 9, 'optimizer.schedule': 'wsd'})
   lines = ckpt_lib.schedule_changes(saved, now)
-  assert [l.split(' since')[0] for l in lines] == ["train.steps: 3 -> 9", "optimizer.schedule: 'cosine' -> 'wsd'"]
+  assert [l.split(' since')[0] for l in lines] == ['train.steps: 3 -> 9', "optimizer.schedule: 'cosine' -> 'wsd'"]
 
 
 # ------------------------------------------------------------------- eval details
 
 
 def test_position_buckets_double_and_cover_every_position_once():
-  assert position_buckets(16) == [(0, 0), (1, 2), (3, 6), (7, 15)]   # 1, 2-3, 4-7, 8-16 tokens seen
+  assert position_buckets(16) == [(0, 0), (1, 2), (3, 6), (7, 15)]  # 1, 2-3, 4-7, 8-16 tokens seen
   for t in (1, 5, 64, 100, 4096):
     buckets = position_buckets(t)
     assert buckets[0][0] == 0 and buckets[-1][1] == t - 1
@@ -283,9 +311,14 @@ def test_eval_sums_match_numpy_per_position_and_accuracy():
   config = make_config({**TINY, 'train.seq_len': 16})
   model = Transformer(config.model)
   rng = np.random.default_rng(0)
-  batches = [{'inputs': rng.integers(0, 256, (3, 16)).astype(np.int32),
-              'targets': rng.integers(0, 256, (3, 16)).astype(np.int32),
-              'mask': (rng.random((3, 16)) < 0.7).astype(np.float32)} for _ in range(2)]
+  batches = [
+    {
+      'inputs': rng.integers(0, 256, (3, 16)).astype(np.int32),
+      'targets': rng.integers(0, 256, (3, 16)).astype(np.int32),
+      'mask': (rng.random((3, 16)) < 0.7).astype(np.float32),
+    }
+    for _ in range(2)
+  ]
   params = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))['params']
   details = evaluate_details(jax.jit(make_eval_step(model)), params, batches)
 

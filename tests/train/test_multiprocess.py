@@ -20,8 +20,8 @@ import time
 import jax
 import numpy as np
 import pytest
-
 from helpers import eval_losses, run_py_args, tiny_run_overrides, train_losses
+
 from kimijax import config as config_lib
 from kimijax.model import Transformer
 from kimijax.optim import make_optimizer
@@ -33,7 +33,7 @@ from kimijax.train.state import state_shardings
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 RTOL = 1e-5
-FIRST, TOTAL = 5, 7   # the 2-process run stops at FIRST, then resumes to TOTAL
+FIRST, TOTAL = 5, 7  # the 2-process run stops at FIRST, then resumes to TOTAL
 
 OVERRIDES = tiny_run_overrides(FIRST)
 
@@ -41,9 +41,11 @@ OVERRIDES = tiny_run_overrides(FIRST)
 def free_port() -> int:
   try:
     import portpicker
+
     return portpicker.pick_unused_port()
   except ImportError:
     import socket
+
     with socket.socket() as s:
       s.bind(('127.0.0.1', 0))
       return s.getsockname()[1]
@@ -65,9 +67,17 @@ def command(workdir, steps, *extra):
 def distributed(workdir, steps, *extra, num_processes=2):
   """One command per process of a run joined through a fresh coordinator port."""
   address = f'127.0.0.1:{free_port()}'
-  return [command(workdir, steps, *extra, f'--coordinator_address={address}',
-                  f'--num_processes={num_processes}', f'--process_id={i}')
-          for i in range(num_processes)]
+  return [
+    command(
+      workdir,
+      steps,
+      *extra,
+      f'--coordinator_address={address}',
+      f'--num_processes={num_processes}',
+      f'--process_id={i}',
+    )
+    for i in range(num_processes)
+  ]
 
 
 def run_all(commands, logdir: pathlib.Path, name: str) -> list[str]:
@@ -78,9 +88,10 @@ def run_all(commands, logdir: pathlib.Path, name: str) -> list[str]:
   for i, cmd in enumerate(commands):
     out, err = logdir / f'{name}{i}.out', logdir / f'{name}{i}.err'
     logs.append((out, err))
-    with out.open('w') as out_f, err.open('w') as err_f:   # the child keeps its own copies
-      procs.append(subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=out_f, stderr=err_f,
-                                    stdin=subprocess.DEVNULL))
+    with out.open('w') as out_f, err.open('w') as err_f:  # the child keeps its own copies
+      procs.append(
+        subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=out_f, stderr=err_f, stdin=subprocess.DEVNULL)
+      )
   deadline = time.monotonic() + TIMEOUT_S
   failure = None
   try:
@@ -93,7 +104,7 @@ def run_all(commands, logdir: pathlib.Path, name: str) -> list[str]:
         time.sleep(0.2)
     if failure is None and any(p.returncode != 0 for p in procs):
       failure = 'a process failed'
-  finally:   # never leave a child behind (failure, timeout or an interrupted test)
+  finally:  # never leave a child behind (failure, timeout or an interrupted test)
     for p in procs:
       if p.poll() is None:
         p.kill()
@@ -101,8 +112,10 @@ def run_all(commands, logdir: pathlib.Path, name: str) -> list[str]:
   if failure is not None:
     report = []
     for i, (p, (_, err)) in enumerate(zip(procs, logs)):
-      report.append(f'--- {name}{i}: {" ".join(commands[i])}\n--- exit code {p.returncode}, stderr tail:\n'
-                    + err.read_text()[-4000:])
+      report.append(
+        f'--- {name}{i}: {" ".join(commands[i])}\n--- exit code {p.returncode}, stderr tail:\n'
+        + err.read_text()[-4000:]
+      )
     pytest.fail(f'{name}: {failure}\n' + '\n'.join(report), pytrace=False)
   return [out.read_text() for out, _ in logs]
 
@@ -147,7 +160,8 @@ def test_two_processes_match_one_process(tmp_path):
   assert re.search(r"mesh \{'data': 2, 'fsdp': 1, 'tensor': 1\}", outs[1]), outs[1]
   # Process 1 prints only its own line on joining the others (every process says what it waits for).
   assert [l for l in outs[2].splitlines() if l.startswith('kimijax:')] == [
-      l for l in outs[2].splitlines() if l.startswith('kimijax: process 1 of 2 waiting up to')]
+    l for l in outs[2].splitlines() if l.startswith('kimijax: process 1 of 2 waiting up to')
+  ]
   assert sorted(train_losses(two)) == list(range(1, FIRST + 1))
   assert (two / 'checkpoints' / str(FIRST)).is_dir()
 
@@ -155,20 +169,19 @@ def test_two_processes_match_one_process(tmp_path):
   # run uses fsdp=2 instead of data=2, so the parameters are split across the two processes:
   # the replicated checkpoint is resharded on restore, and the final checkpoint holds half of
   # every 'embed'-axis parameter from each process.
-  outs = run_all(distributed(two, TOTAL, '--config.mesh.data=1', '--config.mesh.fsdp=2'),
-                 tmp_path / 'logs', 'resume')
+  outs = run_all(distributed(two, TOTAL, '--config.mesh.data=1', '--config.mesh.fsdp=2'), tmp_path / 'logs', 'resume')
   assert f'resuming from step {FIRST}' in outs[0], outs[0]
   assert re.search(r"mesh \{'data': 1, 'fsdp': 2, 'tensor': 1\}", outs[0]), outs[0]
 
   ref, got = train_losses(one), train_losses(two)
   assert sorted(ref) == sorted(got) == list(range(1, TOTAL + 1))
   assert len(set(ref.values())) == TOTAL, f'the loss should change every step: {ref}'
-  np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)],
-                             rtol=RTOL, atol=0)
+  np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=RTOL, atol=0)
   ref_eval, got_eval = eval_losses(one), eval_losses(two)
   assert sorted(ref_eval) == sorted(got_eval) == [FIRST, TOTAL]
-  np.testing.assert_allclose([got_eval[s] for s in (FIRST, TOTAL)],
-                             [ref_eval[s] for s in (FIRST, TOTAL)], rtol=RTOL, atol=0)
+  np.testing.assert_allclose(
+    [got_eval[s] for s in (FIRST, TOTAL)], [ref_eval[s] for s in (FIRST, TOTAL)], rtol=RTOL, atol=0
+  )
 
   # The checkpoint both processes wrote together restores (on one device) to the parameters of
   # the one-process run, with the same data-iterator position. AdamW normalises updates, so an
@@ -207,7 +220,8 @@ def test_resume_across_process_counts(tmp_path):
   np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)], rtol=RTOL, atol=0)
   ref_eval, got_eval = eval_losses(one), eval_losses(mixed)
   assert sorted(ref_eval) == [FIRST, TOTAL] and sorted(got_eval) == [first, FIRST, TOTAL]
-  np.testing.assert_allclose([got_eval[s] for s in (FIRST, TOTAL)], [ref_eval[s] for s in (FIRST, TOTAL)],
-                             rtol=RTOL, atol=0)
+  np.testing.assert_allclose(
+    [got_eval[s] for s in (FIRST, TOTAL)], [ref_eval[s] for s in (FIRST, TOTAL)], rtol=RTOL, atol=0
+  )
   # The data iterator continued where each run stopped: the final checkpoints agree on it.
   assert restore(mixed, TOTAL)[1] == restore(one, TOTAL)[1]

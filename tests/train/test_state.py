@@ -6,13 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_config import TINY, make_config
 
 from kernels_pallas import common
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.state import init_state
 from kimijax.train.step import build_training
-
-from tiny_config import TINY, make_config
 
 
 def test_host_init_gives_the_sharded_init_state_in_its_layout():
@@ -24,7 +23,7 @@ def test_host_init_gives_the_sharded_init_state_in_its_layout():
   on_host = init_state(run.model, run.optimizer, config, abstract, on_host=True)
   flat = jax.tree_util.tree_flatten_with_path(on_host)[0]
   assert len(flat) == len(jax.tree.leaves(on_mesh)) > 10
-  assert any(len(set(a.sharding.spec) - {None}) for _, a in flat)   # some leaves really are sharded
+  assert any(len(set(a.sharding.spec) - {None}) for _, a in flat)  # some leaves really are sharded
   for (path, a), b, want in zip(flat, jax.tree.leaves(on_mesh), jax.tree.leaves(abstract)):
     name = jax.tree_util.keystr(path)
     assert a.sharding == b.sharding == want.sharding, name
@@ -37,8 +36,9 @@ def test_host_init_never_lowers_the_forwards_gpu_kernels(monkeypatch):
   GPU host the initialisers compile for the CPU although the forward's kernels could not. Here the
   Pallas kernels lower as on a GPU (through Triton), which the CPU cannot: the forward fails to
   compile for it, and the host init must not."""
-  config = make_config({**TINY, 'model.layer_pattern': 'KA', 'model.kda_impl': 'pallas',
-                        'model.short_conv_impl': 'pallas'})
+  config = make_config(
+    {**TINY, 'model.layer_pattern': 'KA', 'model.kda_impl': 'pallas', 'model.short_conv_impl': 'pallas'}
+  )
   run = build_training(config, mesh_lib.make_mesh(config.mesh))
   monkeypatch.setattr(common, 'kernels_interpreted', lambda: False)
   state = init_state(run.model, run.optimizer, config, run.abstract_state, on_host=True)

@@ -47,21 +47,31 @@ def trace_steps(config):
   """(metrics of the train step, eval step's outputs) as shapes, for build_training's model;
   nothing compiles."""
   import flax.linen as nn
+
   mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
   run = build_training(config, mesh)
   t = config.train
-  batch = {'inputs': jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32),
-           'targets': jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32),
-           'mask': jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.float32)}
+  batch = {
+    'inputs': jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32),
+    'targets': jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32),
+    'mask': jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.float32),
+  }
   train_step = make_train_step(run.model, run.optimizer, run.schedule)
   with jax.set_mesh(mesh), nn.logical_axis_rules(mesh_lib.rules(config.mesh)):
     _, metrics = jax.eval_shape(train_step, run.abstract_state, batch)
     return metrics, jax.eval_shape(make_eval_step(run.model), run.abstract_state.params, batch)
 
 
-@pytest.mark.parametrize('log,optimizer,want', [(True, 'adamw', True), (False, 'adamw', False),
-                                                (False, 'muon', False), (False, 'muonclip', True),
-                                                (True, 'muonclip', True)])
+@pytest.mark.parametrize(
+  'log,optimizer,want',
+  [
+    (True, 'adamw', True),
+    (False, 'adamw', False),
+    (False, 'muon', False),
+    (False, 'muonclip', True),
+    (True, 'muonclip', True),
+  ],
+)
 def test_max_logits_are_computed_for_the_log_or_for_qk_clip(log, optimizer, want):
   assert computes_max_logits(tiny(optimizer=optimizer, log=log)) is want
 
@@ -70,7 +80,7 @@ def test_max_logits_are_computed_for_the_log_or_for_qk_clip(log, optimizer, want
 def test_with_logging_and_qk_clip_off_no_max_logit_work_runs(kind, monkeypatch):
   with spy_on_attention(monkeypatch) as asked:
     metrics, _ = trace_steps(tiny(kind, log=False))
-  assert asked and not any(asked)                 # forward (train and eval): never asked for them
+  assert asked and not any(asked)  # forward (train and eval): never asked for them
   assert 'max_logits' not in metrics
   record = _train_record(1, {**{k: np.float32(0) for k in ('loss', 'lr', 'grad_norm')}})
   assert not any(key.startswith('max_logit') for key in record)
@@ -80,11 +90,16 @@ def test_with_logging_and_qk_clip_off_no_max_logit_work_runs(kind, monkeypatch):
 def test_with_logging_or_qk_clip_on_they_are_computed_and_reported(optimizer, log, monkeypatch):
   with spy_on_attention(monkeypatch) as asked:
     metrics, _ = trace_steps(tiny(optimizer=optimizer, log=log))
-  assert asked == [True] * 4 + [False] * 2        # each layer at init and in the train step; none in eval
+  assert asked == [True] * 4 + [False] * 2  # each layer at init and in the train step; none in eval
   assert sorted(metrics['max_logits']) == ['layer_0', 'layer_1']
   assert all(m.shape == (2,) for m in metrics['max_logits'].values())
-  record = _train_record(1, {**{k: np.float32(0) for k in ('loss', 'lr', 'grad_norm')},
-                             'max_logits': {'layer_0': np.array([1.0, 3.0]), 'layer_1': np.array([2.0, 0.5])}})
+  record = _train_record(
+    1,
+    {
+      **{k: np.float32(0) for k in ('loss', 'lr', 'grad_norm')},
+      'max_logits': {'layer_0': np.array([1.0, 3.0]), 'layer_1': np.array([2.0, 0.5])},
+    },
+  )
   assert record['max_logit'] == 3.0 and record['max_logit_layer_1'] == 2.0
 
 
