@@ -248,7 +248,7 @@ MOE = {'model.mlp_kind': 'moe'}
     ({'model.moe.impl': 'tokamax', 'model.moe.expert_hidden': 96}, "model.moe.impl='tokamax' needs expert hidden (96)"),
     ({'model.moe.impl': 'tokamax', 'model.d_model': 96, 'model.num_heads': 3}, 'needs d_model (96) to be a multiple'),
     ({'model.moe.score_func': 'relu'}, "model.moe.score_func='relu' is not allowed"),
-    ({'model.moe.impl': 'megablox'}, "model.moe.impl='megablox' is not allowed; allowed values: ['xla', 'tokamax']"),
+    ({'model.moe.impl': 'megablox'}, "model.moe.impl='megablox' is not allowed; allowed values: ['xla', 'xla_blocked'"),
     ({'mesh.expert': -1}, 'mesh.expert=-1 must be positive'),
     ({'mesh.rules': (('expert', 'experts'),)}, "names mesh axis 'experts'"),
   ],
