@@ -13,8 +13,11 @@ Config files and their variants (--config=FILE:VARIANT, several as FILE:a,b; eac
                                   swish_gate, no_conv (KDA ablations), rope (rotate MLA's decoupled
                                   dims), nope0 (MLA without decoupled dims, the config's former form)
     configs/bench_350m.py         hybrid (3 KDA : 1 attention), kda_keep, remat, xla, cudnn, tokamax (attn_impl),
-                                  mla (Kimi Linear's MLA dims), attnres_full, attnres_block, attnres_xla
-    configs/ladder.py             smoke, gpu, gpu_attnres, gpu_hybrid (ladders, for
+                                  mla (Kimi Linear's MLA dims), attnres_full, attnres_block, attnres_xla,
+                                  moe (Mixture-of-Experts MLPs of the same active width)
+    configs/moonlight_small.py    MLA + MoE as Moonlight: gpu (one H200), adamw, balance_loss
+    configs/kimi_linear_moe.py    3:1 KDA:MLA + MoE as Kimi Linear: gpu (one H200), muon
+    configs/ladder.py             smoke, gpu, gpu_attnres, gpu_hybrid, gpu_moe (ladders, for
                                   experiments/scaling_ladder.py)
 
 Re-running the same training command resumes from DIR/checkpoints (and does nothing once the run

@@ -16,7 +16,12 @@ Variants (combine with commas, e.g. :hybrid,mla,cudnn):
           :mla (the attention layers as Kimi Linear's MLA: kv rank 512, 128 no-position + 64
           unrotated decoupled q/k dims, 128 value dims), :attnres_full,
           :attnres_block (8 blocks of 6 of the 48 sublayers, with the Pallas kernels),
-          :attnres_xla (AttnRes in plain XLA, whatever the other variants say).
+          :attnres_xla (AttnRes in plain XLA, whatever the other variants say),
+          :moe (Mixture-of-Experts MLPs after a dense first layer: 64 routed experts of hidden
+          256, top-8, + 3 shared, so that a token's 11 experts are the dense SwiGLU's 2816 wide:
+          343M active parameters with the routers against the dense 342M, of 1.36B in all;
+          tokamax's grouped matmul; MFU on active FLOPs; add :remat if the step does not fit;
+          see experiments/results/moe.md).
 """
 
 from kimijax import configs_common
@@ -62,4 +67,10 @@ VARIANTS = {
   # 2 * 24 sublayers / 6 = 8 blocks
   'attnres_block': lambda c: c.model.update(residual='attnres_block', attnres_block_size=6, attnres_impl='pallas'),
   'attnres_xla': lambda c: c.model.update(attnres_impl='xla'),
+  'moe': lambda c: _moe(c.model),
 }
+
+
+def _moe(m):
+  m.mlp_kind = 'moe'
+  m.moe.update(num_experts=64, top_k=8, num_shared=3, expert_hidden=256, first_dense_layers=1)

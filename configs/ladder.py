@@ -16,11 +16,23 @@ Ladders (the file's variants, one at a time; each with its expected result and i
   gpu_hybrid   the gpu rungs x {all attention, 3:1 KDA:attention}, KDA on the fused Pallas kernels;
                depth 4 * ceil(d / 256) so that every rung holds whole 'KKKA' groups; about 20 min
                on one H200 (experiments/results/ladder_hybrid.md)
+  gpu_moe      the gpu rungs x {dense, moe}, both with Muon: every MLP a Mixture-of-Experts of 16
+               routed experts, top-2, + 1 shared, expert hidden d (so a token's 3 experts are as
+               wide as the dense SwiGLU's 3 d), sigmoid routing renormalised and scaled by 2.446
+               (the released factor), the bias update at 1e-3, no balance loss, tokamax's grouped
+               matmul; dense = gpu's muon rungs (copy runs/ladder_gpu/muon to DIR/dense to reuse
+               them); about 15 min of rung wall time for the moe arm on one H200 (an estimate, not
+               yet measured; the report is published with --publish=experiments/results/ladder_moe)
 
 Rule for every ladder: width d sets the rest. Depth = d / 64 layers (smoke: d / 16), heads = d / 64
 (head dim 64; smoke: 16), SwiGLU width 3 d, byte vocabulary 258 (tied embeddings). Tokens per
-rung = tokens_per_param x N, with N the baseline variant's total parameter count, so every variant
-of a rung sees the same tokens; steps = ceil(tokens / (batch x seq_len)). Learning rate per rung:
+rung = tokens_per_param x N, with N the baseline variant's active parameter count (its total
+for a dense model), so every variant of a rung sees the same tokens; steps = ceil(tokens /
+(batch x seq_len)). MoE (gpu_moe): rungs are matched on active parameters (the active
+non-embedding parameters of the two arms of a rung differ only by the routers' 16 d per layer,
+< 0.2%), tokens are per active parameter, and compute is counted on active parameters
+(kimijax/train/flops.py), so the multiplier is MoE's at equal active compute; the moe arm's MLPs
+hold 17 / 3 = 5.7x their active parameters. Learning rate per rung:
 lr(d) = lr_256 * sqrt(256 / d) (lr_256 = 3e-3, the CPU default's tuned lr at d = 256), warmup 5%
 of the steps, cosine to 10%. Muon uses the same lr (Moonlight's update-RMS matching,
 docs/optimizers.md#muon). Batch per rung is in its entry. Nothing here is tuned per variant.
@@ -100,7 +112,32 @@ def _gpu_hybrid(c: ml_collections.ConfigDict) -> None:
   c.baseline = 'attention'
 
 
-VARIANTS = {'smoke': _smoke, 'gpu': _gpu, 'gpu_attnres': _gpu_attnres, 'gpu_hybrid': _gpu_hybrid}
+def _gpu_moe(c: ml_collections.ConfigDict) -> None:
+  _gpu(c)
+  muon = ('optimizer.name', 'muon')
+  c.variants = {
+    'dense': (muon,),
+    'moe': (
+      muon,
+      ('model.mlp_kind', 'moe'),
+      ('model.moe.num_experts', 16),
+      ('model.moe.top_k', 2),
+      ('model.moe.num_shared', 1),
+      ('model.moe.expert_hidden', 0),  # mlp_dim // (top_k + num_shared) = d
+      ('model.moe.first_dense_layers', 0),  # 2-6 layers: a dense first layer would be a third to half of them
+      ('model.moe.scaling_factor', 2.446),
+    ),
+  }
+  c.baseline = 'dense'
+
+
+VARIANTS = {
+  'smoke': _smoke,
+  'gpu': _gpu,
+  'gpu_attnres': _gpu_attnres,
+  'gpu_hybrid': _gpu_hybrid,
+  'gpu_moe': _gpu_moe,
+}
 
 
 def get_config(name: str | None = None) -> ml_collections.ConfigDict:
@@ -114,6 +151,6 @@ def get_config(name: str | None = None) -> ml_collections.ConfigDict:
   c.base.train.plot = True
   c.rule = (
     'depth = d/64, heads = d/64 (smoke: d/16), SwiGLU 3d, byte vocab, tied; tokens = '
-    'tokens_per_param x N(baseline); lr = 3e-3 sqrt(256/d), warmup 5%, cosine to 10%'
+    'tokens_per_param x N(baseline, active); lr = 3e-3 sqrt(256/d), warmup 5%, cosine to 10%'
   )
   return apply_variants(c, VARIANTS, name)

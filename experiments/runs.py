@@ -163,6 +163,7 @@ def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> 
   return {
     'run_dir': str(run_dir),
     'params': step_flops['params'],
+    'active_params': step_flops['active_params'],
     'steps': t.steps,
     'tokens': tokens,
     'flops': step_flops['total'] * t.steps,

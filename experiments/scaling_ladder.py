@@ -86,9 +86,9 @@ def plan(ladder: ml_collections.ConfigDict, workdir: pathlib.Path, variants: lis
         f'--variants: {v!r} is not a variant of ladder {ladder.name!r}; allowed: {list(ladder.variants)}'
       )
   steps_of = {}
-  for rung in ladder.rungs:  # tokens from the baseline's parameter count: the same for all variants
+  for rung in ladder.rungs:  # tokens from the baseline's active parameter count: the same for all variants
     probe = rung_config(ladder, rung, ladder.variants[ladder.baseline])
-    n = flops_lib.count(flops_lib.abstract_params(probe))
+    n = flops_lib.active_count(probe)
     tokens_per_step = rung['batch_size'] * probe.train.seq_len
     steps_of[rung['name']] = max(math.ceil(ladder.tokens_per_param * n / tokens_per_step), 1)
   out = []
@@ -150,6 +150,12 @@ def fits_for(points: list[dict]) -> dict:
   return out
 
 
+def _params_cell(r: dict) -> str:
+  """The rung table's parameter count: total, and the active count where it differs (MoE)."""
+  active = r.get('active_params', r['params'])
+  return f'{r["params"]:,}' + (f' ({active:,} active)' if active != r['params'] else '')
+
+
 def _rung_row(r: dict) -> dict:
   figs = r['figures']
   return {
@@ -164,6 +170,7 @@ def _rung_row(r: dict) -> dict:
       k: figs[k]
       for k in (
         'params',
+        'active_params',
         'tokens',
         'steps',
         'flops',
@@ -232,7 +239,7 @@ def markdown(ladder, rows, analysis, prov, png_name: str, planned: int) -> str:
     wall = '-' if not r['wall_seconds'] else f'{r["wall_seconds"]:.0f}'
     lines.append(
       f'| {r["variant"]} | {r["rung"]} | {r["d_model"]} | {r["num_layers"]} | {r["num_heads"]} | '
-      f'{r["params"]:,} | {r["batch_size"]} | {r["learning_rate"]:.4g} | {r["steps"]} | {r["tokens"]:,} | '
+      f'{_params_cell(r)} | {r["batch_size"]} | {r["learning_rate"]:.4g} | {r["steps"]} | {r["tokens"]:,} | '
       f'{epochs} | {r["flops"]:.3g} | {r["flops"] / ladder_fit.PFLOPS_DAY:.3g} | '
       f'{r["final_eval_loss"]:.4f} | {r["final_train_loss"]:.4f} | {rate} | {wall} |'
     )

@@ -20,7 +20,13 @@ import ml_collections
 
 from kimijax import schema
 from kimijax.data.pipeline import DATA_KEYS
-from kimijax.ops import attention as attention_ops, attnres as attnres_ops, kda as kda_ops, short_conv as short_conv_ops
+from kimijax.ops import (
+  attention as attention_ops,
+  attnres as attnres_ops,
+  kda as kda_ops,
+  moe as moe_ops,
+  short_conv as short_conv_ops,
+)
 from kimijax.schema import NON_NEGATIVE, POSITIVE, ConfigError, Key
 
 # Letters accepted in model.layer_pattern: one letter per mixer sublayer kind.
@@ -30,6 +36,7 @@ ATTN_IMPLS = attention_ops.IMPLS
 KDA_IMPLS = kda_ops.IMPLS
 SHORT_CONV_IMPLS = short_conv_ops.IMPLS
 ATTNRES_IMPLS = attnres_ops.IMPLS
+MOE_IMPLS = moe_ops.IMPLS
 # model.kernels key -> the parser of the settings of the Pallas kernels it overrides ('key=int/key=int'
 # -> a frozen dataclass of kernels_pallas/<op>/settings.py), from the ops' 'pallas' implementations
 KERNEL_SETTINGS = {
@@ -39,15 +46,19 @@ KERNEL_SETTINGS = {
   'attnres_merge_norm': ATTNRES_IMPLS['pallas'].parse_merge_norm_settings,
 }
 DTYPES = ('float32', 'bfloat16')
-MESH_AXES = ('data', 'fsdp', 'tensor')
+MLP_KINDS = ('dense', 'moe')
+# The mesh axes, in the device order of the mesh; 'expert' is in the mesh only when mesh.expert > 1.
+MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
 # model.kda_recompute_projections: the KDA projections recomputed in the backward, in q, k, v order
 RECOMPUTABLE_PROJECTIONS = ('', 'q', 'k', 'v', 'qk', 'qv', 'kv', 'qkv')
 
 # Logical axis name -> mesh axes. Parameters use 'embed', 'heads', 'kv_heads', 'mlp', 'vocab';
 # activations use the 'act_*' names so that e.g. the parameter embedding dim can be fsdp-sharded
-# while the activation's embedding dim is replicated.
+# while the activation's embedding dim is replicated. The batch is split over 'expert' too, so that
+# the devices of an expert group also carry tokens (docs/moe.md#expert-parallelism); rules naming
+# an axis the mesh lacks (mesh.expert = 1) drop it (kimijax/parallel/mesh.py).
 DEFAULT_RULES = (
-  ('act_batch', ('data', 'fsdp')),
+  ('act_batch', ('data', 'fsdp', 'expert')),
   ('act_length', None),
   ('act_embed', None),
   ('act_heads', 'tensor'),
@@ -62,6 +73,7 @@ DEFAULT_RULES = (
   ('norm', None),
   ('conv_width', None),
   ('latent', None),
+  ('expert', 'expert'),
 )
 
 
@@ -114,6 +126,9 @@ SCHEMA = {
       'mha', 'the attention layers (A): multi-head, grouped-query or MLA', allowed=('mha', 'gqa', 'mla')
     ),
     'mlp_dim': Key(768, 'SwiGLU hidden width', bounds=POSITIVE),
+    'mlp_kind': Key(
+      'dense', "each layer's MLP: 'dense' SwiGLU or 'moe' (Mixture-of-Experts, model.moe.*)", allowed=MLP_KINDS
+    ),
     'layer_pattern': Key(
       'A', "letters tiled to num_layers ('KKKA'), or a ratio 'K:A' ('3:1' = 'KKKA')", check=_layer_pattern
     ),
@@ -199,6 +214,30 @@ SCHEMA = {
       1e-6, 'eps of the q and kv latent RMSNorms (1e-6 in Kimi Linear and DeepSeek-V3)', bounds=POSITIVE
     ),
     'mla_v_head_dim': Key(0, '0: the nope head dim', bounds=NON_NEGATIVE),
+    # Mixture-of-Experts MLPs (mlp_kind='moe'; docs/moe.md)
+    'moe': {
+      'num_experts': Key(8, 'routed experts per MoE layer', bounds=POSITIVE),
+      'top_k': Key(2, 'routed experts per token', bounds=POSITIVE),
+      'expert_hidden': Key(
+        0, "each expert's SwiGLU width; 0: mlp_dim // (top_k + num_shared), the dense MLP's width", bounds=NON_NEGATIVE
+      ),
+      'num_shared': Key(1, 'shared experts: one SwiGLU of width expert_hidden * num_shared', bounds=NON_NEGATIVE),
+      'score_func': Key('sigmoid', "router scores: 'sigmoid' as released, or 'softmax'", allowed=moe_ops.SCORE_FUNCS),
+      'renormalize': Key(True, "divide the chosen experts' scores by their sum (as released)"),
+      'scaling_factor': Key(1.0, 'routed scaling factor (2.446 Moonlight, Kimi Linear; 2.827 K2)', bounds=POSITIVE),
+      'n_group': Key(1, 'expert groups for group-limited routing (1: off; DeepSeek-V3: 8)', bounds=POSITIVE),
+      'topk_group': Key(1, 'groups a token may choose from (DeepSeek-V3: 4)', bounds=POSITIVE),
+      'aux_loss_alpha': Key(0.0, 'sequence-wise balance loss weight (0: off; DeepSeek-V3: 1e-4)', bounds=NON_NEGATIVE),
+      'bias_rate': Key(1e-3, 'balancing bias step: b += rate * sign(mean load - load) per step', bounds=NON_NEGATIVE),
+      'bias_centred': Key(False, "Moonlight's centred bias update (keeps the mean bias at 0)"),
+      'impl': Key(
+        'xla',
+        "the grouped matmul: 'xla' (lax.ragged_dot) or 'tokamax' (Mosaic GPU; D and expert hidden multiples of 64)",
+        allowed=MOE_IMPLS,
+      ),
+      'first_dense_layers': Key(1, 'first layers kept dense (as released; DeepSeek-V3: 3)', bounds=NON_NEGATIVE),
+      'dense_hidden': Key(0, 'SwiGLU width of those dense layers; 0: model.mlp_dim', bounds=NON_NEGATIVE),
+    },
     # Settings of the Pallas kernels, 'key=int/key=int' over their defaults ('': the defaults)
     'kernels': {
       'kda': Key('', 'KdaSettings (kernels_pallas/kda/settings.py)', check=_kernel_settings('kda')),
@@ -262,12 +301,14 @@ SCHEMA = {
       "(Moonlight) or 'per_part' (kimijax/optim/routing.py)",
       allowed=('fused', 'per_part'),
     ),
+    'moe_router': Key('muon', "muon: MoE routers [D, E] on 'muon' (Moonlight) or 'adamw'", allowed=('muon', 'adamw')),
   },
   'data': DATA_KEYS,
   'mesh': {
     'data': Key(-1, 'data-parallel size; -1: all devices not used by the other axes', check=_mesh_size),
     'fsdp': Key(1, 'parameter-sharding size (-1: the remaining devices)', check=_mesh_size),
     'tensor': Key(1, 'tensor-parallel size (-1: the remaining devices)', check=_mesh_size),
+    'expert': Key(1, 'expert-parallel size: MoE experts and the batch split over it (docs/moe.md)', bounds=POSITIVE),
     'rules': Key(DEFAULT_RULES, 'logical axis name -> mesh axes (DEFAULT_RULES)', check=_mesh_rules),
   },
 }
@@ -309,7 +350,28 @@ def portable(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if model.kda_impl not in ('xla', 'xla_recurrent'):
     model.kda_impl = 'xla'
   model.short_conv_impl = 'xla'
+  model.moe.impl = 'xla'
   return model
+
+
+def moe_layer(model: ml_collections.ConfigDict, index: int) -> bool:
+  """Whether layer `index` has the MoE MLP (model.mlp_kind='moe', past model.moe.first_dense_layers)."""
+  return model.mlp_kind == 'moe' and index >= model.moe.first_dense_layers
+
+
+def moe_hidden(model: ml_collections.ConfigDict) -> tuple[int, int]:
+  """(expert hidden F, SwiGLU width of the dense layers) with their 0 defaults resolved: F =
+  mlp_dim // (top_k + num_shared), so that a token's routed + shared experts are as wide as the
+  dense MLP, and the dense layers' width mlp_dim."""
+  moe = model.moe
+  return moe.expert_hidden or model.mlp_dim // (moe.top_k + moe.num_shared), moe.dense_hidden or model.mlp_dim
+
+
+def moe_inactive_params(model: ml_collections.ConfigDict) -> int:
+  """Parameters a token does not use: in each MoE layer the num_experts - top_k routed experts it
+  is not sent to, 3 D F each (gate, up, down). 0 for a dense model. Active = total - this."""
+  layers = sum(moe_layer(model, i) for i in range(model.num_layers))
+  return layers * (model.moe.num_experts - model.moe.top_k) * 3 * model.d_model * moe_hidden(model)[0]
 
 
 def kernel_settings(model: ml_collections.ConfigDict) -> dict:
@@ -365,6 +427,39 @@ def _model_rules(m: ml_collections.ConfigDict) -> None:
         f"model.{key}='pallas' needs the KDA head dim (model.kda_head_dim, or d_model // "
         f'num_heads) a power of two >= 16; got {head_dim}'
       )
+  _moe_rules(m)
+
+
+def _moe_rules(m: ml_collections.ConfigDict) -> None:
+  """The rules of model.moe, with model.mlp_kind='moe' only (a dense model ignores the group)."""
+  if m.mlp_kind != 'moe':
+    return
+  moe = m.moe
+  try:
+    moe_ops.check_routing(
+      num_experts=moe.num_experts,
+      top_k=moe.top_k,
+      n_group=moe.n_group,
+      topk_group=moe.topk_group,
+      score_func=moe.score_func,
+      prefix='model.moe.',
+    )
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if not moe.expert_hidden and m.mlp_dim % (moe.top_k + moe.num_shared):
+    raise ConfigError(
+      f'model.moe.expert_hidden=0 takes model.mlp_dim={m.mlp_dim} // (model.moe.top_k={moe.top_k} + '
+      f'model.moe.num_shared={moe.num_shared}), which does not divide; set model.moe.expert_hidden'
+    )
+  if moe.first_dense_layers >= m.num_layers:
+    raise ConfigError(
+      f'model.moe.first_dense_layers={moe.first_dense_layers} leaves no MoE layer of '
+      f"model.num_layers={m.num_layers}; lower it or set model.mlp_kind='dense'"
+    )
+  # The shape limits of the implementation (its platform is checked when training starts).
+  problem = moe_ops.unsupported(moe.impl, m.compute_dtype, m.d_model, moe_hidden(m)[0], platform='gpu')
+  if problem:
+    raise ConfigError(problem.replace(f'moe impl={moe.impl!r}', f'model.moe.impl={moe.impl!r}'))
 
 
 def _data_rules(d: ml_collections.ConfigDict) -> None:

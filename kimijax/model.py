@@ -1,14 +1,22 @@
 """Decoder-only language model: embed -> layers by model.layer_pattern -> final norm -> head.
 
 Each layer is two pre-norm sublayers, a sequence mixer (the pattern letter: 'A' attention) and
-a SwiGLU MLP; sublayer l computes y_l = F_l(Norm_l(h_l)). How h_l is formed from the embedding
-and the earlier outputs is the residual strategy `model.residual` (kimijax/layers/residual.py):
+an MLP, a SwiGLU or, with model.mlp_kind='moe' past model.moe.first_dense_layers, a
+Mixture-of-Experts (kimijax/layers/moe.py, docs/moe.md); sublayer l computes y_l =
+F_l(Norm_l(h_l)). How h_l is formed from the embedding and the earlier outputs is the residual
+strategy `model.residual` (kimijax/layers/residual.py):
 'standard' (h_{l+1} = h_l + y_l), 'attnres_full' or 'attnres_block' (Attention Residuals,
 docs/attention_residuals.md; then a final depth-attention aggregator feeds the final norm).
 
     model = Transformer(config.model)
     params = model.init(rng, tokens_bt)['params']
     logits_btv, aux = model.apply({'params': params}, tokens_bt)
+
+A model with MoE layers also has the variable collection 'moe_state' (the balancing biases, kept
+beside the params by the train state) and every apply passes it:
+`model.apply({'params': params, 'moe_state': moe_state}, tokens_bt)` (`variables(params,
+moe_state)` builds that dict; a dense model has no 'moe_state'). The train step makes 'moe_stats'
+mutable to collect each MoE layer's router statistics (kimijax/layers/moe.py).
 
 `aux['max_logits']` is {'layer_<i>': [H] fp32} for each attention layer: its per-head max
 scaled logit over the batch (docs/optimizers.md#qk-clip), for logging and QK-Clip. With
@@ -39,6 +47,7 @@ from kimijax.layers.attention import SelfAttention
 from kimijax.layers.kda import KimiDeltaAttention
 from kimijax.layers.mla import MultiHeadLatentAttention
 from kimijax.layers.mlp import SwiGLU
+from kimijax.layers.moe import MOE_STATE, MoE
 from kimijax.layers.norms import RMSNorm
 
 
@@ -119,8 +128,33 @@ def make_mixer(
   raise ValueError(f'unknown layer kind {kind!r}')
 
 
+def make_mlp(cfg: ml_collections.ConfigDict, index: int, dtype) -> nn.Module:
+  """The MLP of layer `index`: the MoE layer where config_lib.moe_layer says so, else the dense
+  SwiGLU (of width model.moe.dense_hidden in an MoE model, model.mlp_dim otherwise)."""
+  if not config_lib.moe_layer(cfg, index):
+    hidden = config_lib.moe_hidden(cfg)[1] if cfg.mlp_kind == 'moe' else cfg.mlp_dim
+    return SwiGLU(hidden=hidden, init_std=cfg.init_std, dtype=dtype, name='mlp')
+  moe = cfg.moe
+  return MoE(
+    num_experts=moe.num_experts,
+    top_k=moe.top_k,
+    expert_hidden=config_lib.moe_hidden(cfg)[0],
+    num_shared=moe.num_shared,
+    score_func=moe.score_func,
+    renormalize=moe.renormalize,
+    scaling_factor=moe.scaling_factor,
+    n_group=moe.n_group,
+    topk_group=moe.topk_group,
+    aux_loss_alpha=moe.aux_loss_alpha,
+    init_std=cfg.init_std,
+    dtype=dtype,
+    impl=moe.impl,
+    name='mlp',
+  )
+
+
 class Layer(nn.Module):
-  """Layer `index`: sublayers 2*index (mixer) and 2*index + 1 (SwiGLU MLP). Each reads its input
+  """Layer `index`: sublayers 2*index (mixer) and 2*index + 1 (MLP: SwiGLU or MoE, make_mlp). Each reads its input
   h from the residual state, applies F(Norm(h)) and writes its output back; the strategy
   (model.residual) is all in `residual_lib`, so mixers never see it.
 
@@ -159,7 +193,7 @@ class Layer(nn.Module):
       return y_btd, (max_logits_h, new_cache)
 
     state, (max_logits_h, new_cache) = sublayer(state, 0, 'mixer', run_mixer)
-    mlp = SwiGLU(hidden=cfg.mlp_dim, init_std=cfg.init_std, dtype=dtype, name='mlp')
+    mlp = make_mlp(cfg, self.index, dtype)
     state, _ = sublayer(state, 1, 'mlp', lambda x: (mlp(x), None))
     return state, max_logits_h, (stats if self.log else None), new_cache
 
@@ -246,10 +280,33 @@ def count_params(params) -> int:
   return sum(x.size for x in jax.tree.leaves(params))
 
 
+def variables(params, moe_state=None) -> dict:
+  """The variables of Transformer.apply: {'params': params}, with {'moe_state': moe_state} when the
+  model has MoE layers (moe_state non-empty)."""
+  return {'params': params, MOE_STATE: moe_state} if moe_state else {'params': params}
+
+
+def as_variables(params_or_variables) -> dict:
+  """What evaluation and generation take for a model's weights, as the variables of apply: the
+  params tree alone (a dense model), or a variables dict {'params': ..., 'moe_state': ...} (a
+  model with MoE layers, whose balancing biases choose the experts), returned as it is."""
+  tree = params_or_variables
+  return tree if isinstance(tree, dict) and 'params' in tree else {'params': tree}
+
+
+def inference_variables(params, moe_state=None):
+  """The weights evaluation and generation take (as_variables reads them back): the params tree
+  alone for a dense model, as before, or the variables dict with the MoE biases."""
+  return variables(params, moe_state) if moe_state else params
+
+
 def parameter_counts(cfg: ml_collections.ConfigDict) -> dict[str, int]:
   """{part: parameters} of Transformer(cfg) from shapes alone (nothing is allocated): the
-  embedding, the head, each mixer kind, the MLPs, the norm gains, AttnRes, and 'total'. Traced
-  with the portable implementations (same parameters), so a GPU config counts on any machine."""
+  embedding, the head, each mixer kind, the MLPs, the norm gains, AttnRes, and 'total'. With MoE
+  layers the MLPs split into the dense layers' 'mlp', 'moe router', 'moe routed experts' and
+  'moe shared experts', and 'active' follows 'total': the parameters one token uses (top_k of the
+  routed experts; config_lib.moe_inactive_params). Traced with the portable implementations (same
+  parameters), so a GPU config counts on any machine."""
   cfg = config_lib.portable(cfg)
   shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
   counts: dict[str, int] = {}
@@ -261,10 +318,14 @@ def parameter_counts(cfg: ml_collections.ConfigDict) -> dict[str, int]:
       part = 'norms'  # the sublayers' pre-norms and the final norm
     elif len(names) > 1 and names[1] in ('attention', 'mla', 'kda'):
       part = {'attention': 'attention layers', 'mla': 'mla layers', 'kda': 'kda layers'}[names[1]]
+    elif len(names) > 2 and names[1] == 'mlp' and config_lib.moe_layer(cfg, int(names[0].removeprefix('layer_'))):
+      part = {'router': 'moe router', 'shared': 'moe shared experts'}.get(names[2], 'moe routed experts')
     elif len(names) > 1 and names[1] == 'mlp':
       part = 'mlp'
     else:
       part = 'other'
     counts[part] = counts.get(part, 0) + leaf.size
   counts['total'] = sum(counts.values())
+  if cfg.mlp_kind == 'moe':
+    counts['active'] = counts['total'] - config_lib.moe_inactive_params(cfg)
   return counts

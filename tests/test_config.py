@@ -3,6 +3,7 @@ between keys, and loading a config file by path with variants and overrides."""
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -226,6 +227,45 @@ def test_rules_between_keys(values, message):
 
 def test_the_pallas_kda_rule_applies_only_with_kda_layers():
   validate(_with({'model.layer_pattern': 'A', 'model.kda_head_dim': 24, 'model.kda_impl': 'pallas'}))
+
+
+MOE = {'model.mlp_kind': 'moe'}
+
+
+@pytest.mark.parametrize(
+  'values,message',
+  [
+    ({'model.moe.top_k': 9}, 'model.moe.top_k=9 exceeds model.moe.num_experts=8'),
+    ({'model.moe.n_group': 3}, 'model.moe.n_group=3 must be >= 1 and divide model.moe.num_experts=8'),
+    ({'model.moe.n_group': 2, 'model.moe.topk_group': 3}, 'model.moe.topk_group=3 must be in [1, model.moe.n_group=2]'),
+    ({'model.moe.n_group': 8}, 'model.moe.n_group=8 leaves 1 expert per group'),
+    (
+      {'model.moe.n_group': 4, 'model.moe.top_k': 3},
+      'model.moe.top_k=3 exceeds the 2 experts eligible with model.moe.topk_group=1',
+    ),
+    ({'model.moe.num_shared': 3}, 'model.moe.expert_hidden=0 takes model.mlp_dim=768 // (model.moe.top_k=2 + '),
+    ({'model.moe.first_dense_layers': 4}, 'model.moe.first_dense_layers=4 leaves no MoE layer of model.num_layers=4'),
+    ({'model.moe.impl': 'tokamax', 'model.moe.expert_hidden': 96}, "model.moe.impl='tokamax' needs expert hidden (96)"),
+    ({'model.moe.impl': 'tokamax', 'model.d_model': 96, 'model.num_heads': 3}, 'needs d_model (96) to be a multiple'),
+    ({'model.moe.score_func': 'relu'}, "model.moe.score_func='relu' is not allowed"),
+    ({'model.moe.impl': 'megablox'}, "model.moe.impl='megablox' is not allowed; allowed values: ['xla', 'xla_blocked'"),
+    ({'mesh.expert': -1}, 'mesh.expert=-1 must be positive'),
+    ({'mesh.rules': (('expert', 'experts'),)}, "names mesh axis 'experts'"),
+  ],
+)
+def test_moe_rules_name_the_keys(values, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    validate(_with({**MOE, **values}))
+
+
+def test_moe_keys_are_ignored_by_a_dense_model_and_the_defaults_resolve():
+  validate(_with({'model.moe.top_k': 9, 'model.moe.num_shared': 2}))  # mlp_kind='dense': not read
+  m = validate(_with(MOE)).model
+  assert config_lib.moe_hidden(m) == (768 // 3, 768)  # top-2 + 1 shared as wide as the dense MLP
+  assert [config_lib.moe_layer(m, i) for i in range(4)] == [False, True, True, True]
+  assert config_lib.moe_inactive_params(m) == 3 * (8 - 2) * 3 * 256 * 256
+  assert config_lib.moe_inactive_params(base_config().model) == 0
+  validate(_with({**MOE, 'model.moe.impl': 'tokamax'}))  # shapes fit; the platform is checked at train start
 
 
 # ----------------------------------------------------------------------------- config files

@@ -29,22 +29,23 @@ FLAGS = flags.FLAGS
 
 
 def build(config, pattern: str):
-  """(model, bf16/compute-dtype params, model config) of `config` with layer_pattern = pattern."""
+  """(model, weights, model config) of `config` with layer_pattern = pattern: the params (matrices in
+  the compute dtype), with the MoE biases for a model with MoE layers (kimijax.model.inference_variables)."""
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
 
   from kimijax.config import validate
-  from kimijax.model import Transformer
+  from kimijax.model import Transformer, inference_variables
 
   m = config.model
   m.layer_pattern = pattern
   m.kda_impl = 'xla_recurrent'  # decoding uses kda_step whatever the impl; the scan compiles fastest for init
   validate(config)
   model = Transformer(m)
-  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))['params'])
-  params = jax.tree.map(lambda p: p.astype(m.compute_dtype) if p.ndim > 1 else p, params)
-  return model, params, m
+  variables = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+  params = jax.tree.map(lambda p: p.astype(m.compute_dtype) if p.ndim > 1 else p, variables['params'])
+  return model, inference_variables(params, variables.get('moe_state')), m
 
 
 def bench(model, params, m, context: int, batch: int, steps: int) -> dict:
@@ -52,7 +53,7 @@ def bench(model, params, m, context: int, batch: int, steps: int) -> dict:
   import jax.numpy as jnp
 
   from kimijax.infer.cache import cache_bytes, init_cache
-  from kimijax.model import count_params
+  from kimijax.model import as_variables, count_params
 
   @jax.jit
   def random_cache(key):  # as if L - 1 tokens had been seen; no zero-filled copy first
@@ -65,7 +66,7 @@ def bench(model, params, m, context: int, batch: int, steps: int) -> dict:
 
   @functools.partial(jax.jit, donate_argnames='cache')  # as in kimijax.infer.generate: in place
   def step(params, token, cache):
-    logits, aux = model.apply({'params': params}, token[:, None], jnp.full((batch, 1), context - 1), cache=cache)
+    logits, aux = model.apply(as_variables(params), token[:, None], jnp.full((batch, 1), context - 1), cache=cache)
     return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), aux['cache']
 
   from experiments.bench import timing
@@ -76,7 +77,7 @@ def bench(model, params, m, context: int, batch: int, steps: int) -> dict:
   return {
     'ms_per_token': ms,
     'tokens_per_sec': batch / ms * 1e3,
-    'params_M': count_params(params) / 1e6,
+    'params_M': count_params(as_variables(params)['params']) / 1e6,
     'cache_MiB_per_seq': cache_bytes(cache) / batch / 2**20,
   }
 

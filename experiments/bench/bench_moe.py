@@ -22,7 +22,7 @@ logits and top-k), 'sort' (sort_by_expert), 'permute' (the gather of the T K row
 'grouped swiglu' (expert_swiglu: the two grouped matmuls), 'combine' (inverse permutation and
 weighted sum, float32), forward and forward+backward where there is a gradient. An impl that
 cannot run here, or a cell out of memory, is a cell saying so, not a crash. Prints Markdown.
-Results go to experiments/results/bench_moe.md.
+Results go to experiments/results/moe.md.
 """
 
 import datetime

@@ -8,7 +8,13 @@ mfu, peak_memory_GiB, loss, init_s (creating the train state), first_step_s (the
 compilation or cache load), ...
 (bench_350m on one H200: 392 ms/step, 167k tokens/s, 0.449 MFU; experiments/results/bench_train.md).
 Model FLOPs per token come from kimijax.train.flops (6 N plus
-causal attention, the count the ladders use; Muon's Newton-Schulz is not in MFU). MFU is against
+causal attention, the count the ladders use; Muon's Newton-Schulz is not in MFU). For an MoE model
+N is the active parameter count (active_params_M; the routed experts a token does not use are
+left out), so MFU is on active FLOPs:
+
+    python -m experiments.bench.bench_train --config=configs/bench_350m.py          # dense
+    python -m experiments.bench.bench_train --config=configs/bench_350m.py:moe      # ~350M active MoE
+ MFU is against
 the chip's dense bf16 peak (--peak_tflops; H100/H200 SXM: 989). Attention Residuals' depth
 attention (a few memory-bound [B, T, D] passes per sublayer) is not counted as model FLOPs, so its
 cost shows as a longer step and a lower MFU.
@@ -78,7 +84,7 @@ def main(argv):
   from kimijax.config import config_from_flags, validate
   from kimijax.model import count_params
   from kimijax.parallel import mesh as mesh_lib
-  from kimijax.train.flops import model_flops_per_token
+  from kimijax.train.flops import active_count, model_flops_per_token
   from kimijax.train.step import build_training
 
   try:
@@ -125,6 +131,9 @@ def main(argv):
     'device': jax.devices()[0].device_kind,
     'num_devices': n_dev,
     'params_M': n_params / 1e6,
+    'active_params_M': active_count(config, n_params) / 1e6,
+    'mlp_kind': config.model.mlp_kind,
+    'moe_impl': config.model.moe.impl if config.model.mlp_kind == 'moe' else None,
     'mesh': ' '.join(f'{a}={n}' for a, n in mesh.shape.items()),
     'optimizer': config.optimizer.name,
     'muon_split_matrices': (config.optimizer.muon_split_matrices if config.optimizer.name != 'adamw' else None),

@@ -2,6 +2,11 @@
 
     tokens = generate(model, params, prompt_bt, max_new_tokens=64, temperature=0.8, top_p=0.95)
 
+`params` is the model's params or, for a model with MoE layers, its variables with the balancing
+biases, {'params': ..., 'moe_state': ...} (kimijax.model.inference_variables; load_for_generation
+returns what the run's model needs). The MoE layers route each token as in training: prefill and
+decode steps run them with no cache of their own.
+
 The prompt runs once through the parallel path (the chunked KDA form, flash attention) and fills
 every layer's cache; each new token then costs one decode step, which for KDA layers is O(1) in
 the context length. Prompts in a batch share one length.
@@ -18,9 +23,9 @@ import numpy as np
 
 from kimijax.infer.cache import init_cache
 from kimijax.infer.sampling import sample
-from kimijax.model import Transformer
+from kimijax.model import Transformer, as_variables, inference_variables
 from kimijax.parallel import mesh as mesh_lib
-from kimijax.train.checkpoint import load_run_config, restore_latest_params
+from kimijax.train.checkpoint import load_run_config, restore_latest_state
 
 
 def _step_fns(model: nn.Module):
@@ -28,7 +33,7 @@ def _step_fns(model: nn.Module):
   Both consume (donate) the cache they are given: use the returned one."""
 
   def run(params, tokens_bt, positions_bt, cache):
-    logits, aux = model.apply({'params': params}, tokens_bt, positions_bt, cache=cache)
+    logits, aux = model.apply(as_variables(params), tokens_bt, positions_bt, cache=cache)
     return logits[:, -1], aux['cache']
 
   @functools.partial(jax.jit, donate_argnames='cache')  # the cache is updated in place
@@ -84,11 +89,13 @@ def generate(
 
 def load_for_generation(workdir):
   """(config, model, params) from the latest checkpoint in workdir (its config.json), laid out
-  data-parallel over this host's devices. Off a GPU, GPU-only implementation choices of the run
-  (attn_impl 'cudnn' or 'tokamax', attnres_impl 'pallas') become 'xla', so a GPU run generates on a CPU."""
+  data-parallel over this host's devices; params as generate takes them (with the MoE biases for
+  a model with MoE layers). Off a GPU, GPU-only implementation choices of the run (attn_impl
+  'cudnn' or 'tokamax', attnres_impl 'pallas', moe.impl 'tokamax') become 'xla', so a GPU run
+  generates on a CPU."""
   config = load_run_config(workdir)
   if jax.default_backend() != 'gpu':
-    config.model.attn_impl = config.model.attnres_impl = 'xla'
+    config.model.attn_impl = config.model.attnres_impl = config.model.moe.impl = 'xla'
   model = Transformer(config.model)
-  params, _ = restore_latest_params(workdir, config, model, mesh_lib.make_mesh(config.mesh))
-  return config, model, params
+  state, _ = restore_latest_state(workdir, config, model, mesh_lib.make_mesh(config.mesh))
+  return config, model, inference_variables(state.params, state.moe_state)

@@ -55,7 +55,8 @@ def decay_mask(params):
 def routing(config: ml_collections.ConfigDict) -> Routing | None:
   """The Muon/AdamW routing of config's optimizer (None for plain 'adamw')."""
   if config.optimizer.name in ('muon', 'muonclip'):
-    return Routing(per_head=config.optimizer.muon_per_head, mla_views=config.optimizer.muon_mla_views)
+    o = config.optimizer
+    return Routing(per_head=o.muon_per_head, mla_views=o.muon_mla_views, router=o.moe_router)
   return None
 
 
@@ -85,6 +86,7 @@ def make_optimizer(
         per_head=o.muon_per_head,
         mla_views=o.muon_mla_views,
         split_matrices=o.muon_split_matrices,
+        moe_router=o.moe_router,
       )
     ]
     if o.name == 'muonclip':

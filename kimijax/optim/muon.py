@@ -278,6 +278,7 @@ def muon(
   per_head: bool = False,
   mla_views: str = 'fused',
   split_matrices: bool = True,
+  moe_router: str = 'muon',
 ) -> optax.GradientTransformationExtraArgs:
   """Moonlight's Muon for hidden matrices + AdamW for the rest (module docstring).
 
@@ -296,8 +297,11 @@ def muon(
       'per_part': each on its own (kimijax.optim.routing).
     split_matrices: under a mesh of several devices, each device runs Newton-Schulz on a share
       of the whole matrices (orthogonalise_all); False leaves the layout to XLA.
+    moe_router: the MoE routers' rule, 'muon' (Moonlight) or 'adamw'.
   """
-  routing = Routing(per_head=per_head, muon_mask=muon_mask, muon_views=muon_views, mla_views=mla_views)
+  routing = Routing(
+    per_head=per_head, muon_mask=muon_mask, muon_views=muon_views, mla_views=mla_views, router=moe_router
+  )
   tail = lambda: (optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(learning_rate))
   return optax.partition(
     {

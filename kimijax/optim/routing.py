@@ -16,6 +16,9 @@ gives the same answer for boxed (nn.Partitioned) parameters at init and plain ar
             anything named '*bias', anything under a module whose name contains 'norm';
             short-conv kernels (a path name containing 'conv'): depthwise taps [width, H, Dh]
             are per-channel filters, not a linear map between feature spaces.
+    MoE:    the router [D, E] goes to Muon (as Moonlight trains it; Routing(router='adamw') sends
+            it to AdamW instead); the stacked experts [E, D, F] / [E, F, D] to Muon as E
+            matrices, each orthogonalised and scaled by sqrt(max(D, F)) on its own.
     Muon:   every other parameter with >= 2 axes, with the matrix view
             2-D [in, out]                                 -> one [in, out] matrix
             'query' 'key' 'value' (attention), 'q_proj' 'k_proj' 'v_proj' 'f_b' 'g_b' (KDA),
@@ -84,6 +87,8 @@ MLA_FUSED = {
   'v': 'kv_b_proj',
 }
 MLA_VIEWS = ('fused', 'per_part')
+ROUTER_RULES = (MUON, ADAMW)  # where the MoE routers go (Routing(router=...), optimizer.moe_router)
+_EXPERT_STACKS = ('wi_gate', 'wi_up', 'wo')  # the MoE layer's stacked experts, under its 'mlp'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +168,15 @@ def default_view(names: tuple[str, ...], shape, per_head: bool = False) -> Matri
   return MatrixView(tuple(range(ndim - 2)), (ndim - 2,), (ndim - 1,))
 
 
-def default_route(names: tuple[str, ...], shape) -> tuple[str, str]:
-  """(rule, reason) for a parameter by the default routing."""
+def default_route(names: tuple[str, ...], shape, router: str = MUON) -> tuple[str, str]:
+  """(rule, reason) for a parameter by the default routing (`router`: the MoE routers' rule)."""
   leaf = names[-1] if names else ''
   if len(shape) < 2:
     return ADAMW, f'{len(shape)}-D'
+  if leaf == 'router' and len(shape) == 2:
+    return router, 'MoE router'
+  if leaf in _EXPERT_STACKS and len(shape) == 3 and 'mlp' in names:
+    return MUON, f'MoE experts, {shape[0]} matrices'
   if leaf in ADAMW_BY_NAME:
     return ADAMW, ADAMW_BY_NAME[leaf]
   if leaf == 'bias' or leaf.endswith('_bias'):
@@ -205,11 +214,17 @@ class Routing:
       pytree; True sends a parameter to Muon, False to AdamW, replacing the default rule.
     muon_views: pytree of MatrixView (or None for the default) with the parameters' structure,
       or a callable (path_names, shape) -> MatrixView | None.
+    router: the rule of the MoE routers, 'muon' (Moonlight, the default) or 'adamw'.
   """
 
-  def __init__(self, *, per_head: bool = False, muon_mask=None, muon_views=None, mla_views: str = 'fused'):
+  def __init__(
+    self, *, per_head: bool = False, muon_mask=None, muon_views=None, mla_views: str = 'fused', router: str = MUON
+  ):
     if mla_views not in MLA_VIEWS:
       raise ValueError(f'mla_views={mla_views!r} is not one of {MLA_VIEWS}')
+    if router not in ROUTER_RULES:
+      raise ValueError(f'router={router!r} is not one of {ROUTER_RULES}')
+    self.router = router
     self.per_head = per_head
     self.mla_views = mla_views
     self.muon_mask = muon_mask
@@ -241,7 +256,7 @@ class Routing:
 
     def one(path, leaf, m=None):
       names, shape = path_names(path), _unbox(leaf).shape
-      rule, reason = default_route(names, shape)
+      rule, reason = default_route(names, shape, self.router)
       m = _unbox(m)
       if m is not None:
         if bool(m) != (rule == MUON):

@@ -1,8 +1,10 @@
-"""One device mesh with axes (data, fsdp, tensor), and logical-name -> mesh shardings.
+"""One device mesh with axes (data, fsdp, tensor[, expert]), and logical-name -> mesh shardings.
 
 Parameters and activations carry logical axis names (see kimijax.config.DEFAULT_RULES); the
 rules in `config.mesh.rules` map them onto the mesh, so the same model code runs on one CPU,
-8 fake CPU devices, or many GPUs across hosts.
+8 fake CPU devices, or many GPUs across hosts. The 'expert' axis (expert parallelism, docs/moe.md)
+is in the mesh only when mesh.expert > 1; the rules then drop the axes the mesh lacks, so a model
+without it shards exactly as over (data, fsdp, tensor).
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from kimijax.config import MESH_AXES, ConfigError
 
 
+def mesh_axes(mesh_cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The axes of the mesh: (data, fsdp, tensor), and 'expert' when mesh.expert > 1."""
+  return tuple(a for a in MESH_AXES if a != 'expert' or mesh_cfg.get('expert', 1) != 1)
+
+
 def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
-  """Sizes of (data, fsdp, tensor); a -1 takes the devices the other axes leave."""
-  sizes = [mesh_cfg[a] for a in MESH_AXES]
-  given = ', '.join(f'mesh.{a}={s}' for a, s in zip(MESH_AXES, sizes))
+  """Sizes of mesh_axes(mesh_cfg); a -1 takes the devices the other axes leave."""
+  axes = mesh_axes(mesh_cfg)
+  sizes = [mesh_cfg[a] for a in axes]
+  given = ', '.join(f'mesh.{a}={s}' for a, s in zip(axes, sizes))
   if sizes.count(-1) > 1:
     raise ConfigError(
       f'at most one mesh axis may be -1 (it takes the devices the others leave); got {given} for {num_devices} devices'
@@ -32,7 +40,7 @@ def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[i
     sizes[sizes.index(-1)] = num_devices // fixed
   if math.prod(sizes) != num_devices:
     raise ConfigError(
-      f'mesh.data * mesh.fsdp * mesh.tensor = {math.prod(sizes)} but there are '
+      f'{" * ".join(f"mesh.{a}" for a in axes)} = {math.prod(sizes)} but there are '
       f'{num_devices} devices; set one axis to -1 to use all devices'
     )
   return tuple(sizes)
@@ -40,12 +48,22 @@ def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[i
 
 def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices=None) -> Mesh:
   devices = jax.devices() if devices is None else list(devices)
-  shape = mesh_shape(mesh_cfg, len(devices))
-  return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  shape, axes = mesh_shape(mesh_cfg, len(devices)), mesh_axes(mesh_cfg)
+  return jax.make_mesh(shape, axes, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
 
 
 def rules(mesh_cfg: ml_collections.ConfigDict):
-  return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in mesh_cfg.rules)
+  """mesh.rules with the mesh axes the mesh lacks (mesh_axes) dropped: ('act_batch', ('data',
+  'fsdp', 'expert')) becomes ('act_batch', ('data', 'fsdp')) without an expert axis."""
+  present = set(mesh_axes(mesh_cfg))
+
+  def keep(axes):
+    if axes is None or isinstance(axes, str):
+      return axes if axes is None or axes in present else None
+    kept = tuple(a for a in axes if a in present)
+    return kept or None
+
+  return tuple((name, keep(tuple(axes) if isinstance(axes, list) else axes)) for name, axes in mesh_cfg.rules)
 
 
 def logical_shardings(logical_specs, mesh: Mesh, mesh_cfg: ml_collections.ConfigDict):

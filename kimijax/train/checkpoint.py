@@ -33,6 +33,7 @@ MAY_DIFFER = (
   'model.short_conv_impl',
   'model.kda_recompute_projections',
   'model.attnres_impl',
+  'model.moe.impl',
   'model.remat',
   'model.kernels',
 )
@@ -54,6 +55,31 @@ def _current(key: str, value):
   if legacy is not None and isinstance(value, (bool, str)) and value in legacy:
     return legacy[value]
   return value
+
+
+def _saved_tree(state):
+  """The tree a TrainState is saved as: its fields by name, the MoE biases only when the model has
+  them, so that a dense model's checkpoints are laid out as they were before the field existed
+  (and restore both ways). Other trees are saved as they are."""
+  from kimijax.train.state import TrainState
+
+  if not isinstance(state, TrainState):
+    return state
+  tree = {'step': state.step, 'params': state.params, 'opt_state': state.opt_state}
+  if state.moe_state:
+    tree['moe_state'] = state.moe_state
+  return tree
+
+
+def _state_from(tree, like):
+  """_saved_tree's inverse: a TrainState again when `like` (the abstract state) is one."""
+  from kimijax.train.state import TrainState
+
+  if not isinstance(like, TrainState):
+    return tree
+  return TrainState(
+    step=tree['step'], params=tree['params'], opt_state=tree['opt_state'], moe_state=tree.get('moe_state', {})
+  )
 
 
 class CheckpointError(RuntimeError):
@@ -170,7 +196,7 @@ class Checkpointer:
     self.manager.save(
       step,
       args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
+        state=ocp.args.StandardSave(_saved_tree(state)),
         data=ocp.args.JsonSave(data_state),
         config=ocp.args.JsonSave(json.loads(config.to_json())),
         checksums=ocp.args.JsonSave(state_checksums(state)),
@@ -196,11 +222,15 @@ class Checkpointer:
     self.restored_config = meta.config
     try:
       restored = self.manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(_saved_tree(abstract_state)), data=ocp.args.JsonRestore()
+        ),
       )
     except Exception as e:
       raise CheckpointError(f'checkpoint {path} cannot be restored ({type(e).__name__}: {e}); {untouched}') from e
-    sums = state_checksums(restored.state)
+    state = _state_from(restored.state, abstract_state)
+    sums = state_checksums(state)
     bad = sorted(k for k in set(sums) | set(meta.checksums) if sums.get(k) != meta.checksums.get(k))
     if bad:
       more = f' and {len(bad) - 5} more' if len(bad) > 5 else ''
@@ -208,7 +238,7 @@ class Checkpointer:
         f'checkpoint {path} is corrupt: the restored arrays {bad[:5]}{more} do not '
         f'match the checksums saved with them; {untouched}'
       )
-    return restored.state, restored.data
+    return state, restored.data
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -240,6 +270,14 @@ def load_run_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
 def restore_latest_params(workdir: str | pathlib.Path, config: ml_collections.ConfigDict, model, mesh):
   """(params laid out on `mesh`, step) of the latest checkpoint in DIR/checkpoints; the whole
   state is read (orbax restores whole items) and checked like a resume."""
+  state, step = restore_latest_state(workdir, config, model, mesh)
+  return state.params, step
+
+
+def restore_latest_state(workdir: str | pathlib.Path, config: ml_collections.ConfigDict, model, mesh):
+  """(TrainState laid out on `mesh`, step) of the latest checkpoint in DIR/checkpoints, checked
+  like a resume: evaluation and generation take its params and, for a model with MoE layers, its
+  moe_state (kimijax.model.inference_variables)."""
   from kimijax.optim import make_optimizer
   from kimijax.train.state import state_shardings
 
@@ -253,4 +291,4 @@ def restore_latest_params(workdir: str | pathlib.Path, config: ml_collections.Co
   abstract, _ = state_shardings(model, make_optimizer(config), config, mesh)
   state, _ = checkpointer.restore(step, abstract, config)
   checkpointer.close()
-  return state.params, step
+  return state, step

@@ -17,9 +17,9 @@ import time
 import jax
 
 from kimijax.data import eval_batches
-from kimijax.model import Transformer
+from kimijax.model import Transformer, inference_variables
 from kimijax.parallel import mesh as mesh_lib
-from kimijax.train.checkpoint import load_run_config, restore_latest_params
+from kimijax.train.checkpoint import load_run_config, restore_latest_state
 from kimijax.train.loop import evaluate
 from kimijax.train.step import in_mesh, make_eval_step
 
@@ -30,7 +30,7 @@ def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None) ->
   workdir = pathlib.Path(workdir)
   config = load_run_config(workdir)
   if jax.default_backend() != 'gpu':
-    config.model.attn_impl = config.model.attnres_impl = 'xla'
+    config.model.attn_impl = config.model.attnres_impl = config.model.moe.impl = 'xla'
   num_batches = num_batches or config.train.eval_batches
   batches = eval_batches(config, num_batches)  # fails on bad data before the restore
   # Data-parallel over as many of this host's devices as divide the batch (the run may have
@@ -39,13 +39,13 @@ def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None) ->
   count = max(n for n in range(1, len(devices) + 1) if config.train.batch_size % n == 0)
   mesh = mesh_lib.make_mesh(config.mesh, devices[:count])
   model = Transformer(config.model)
-  params, step = restore_latest_params(workdir, config, model, mesh)
+  state, step = restore_latest_state(workdir, config, model, mesh)
   sharding = mesh_lib.batch_sharding(mesh, config.mesh)
   eval_step = in_mesh(jax.jit(make_eval_step(model)), mesh, config.mesh)
   batches = [{k: jax.device_put(v, sharding) for k, v in b.items()} for b in batches]
   result = {
     'step': step,
-    'eval_loss': evaluate(eval_step, params, batches),
+    'eval_loss': evaluate(eval_step, inference_variables(state.params, state.moe_state), batches),
     'eval_batches': num_batches,
     'tokens': int(sum(float(b['mask'].sum()) for b in batches)),
     'time': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),

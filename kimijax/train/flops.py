@@ -1,8 +1,12 @@
 """Training FLOPs: the one count behind bench_train's MFU, the sweeps' and the ladders' compute axis.
 
 Per token (forward + backward = 3 x forward, a matmul of n weights = 2n FLOPs forward):
-  6 * N_matmul                       N_matmul: all parameters, less the input embedding table when it
-                                     is not tied to the head (a lookup, no matmul). Norm gains and conv
+  6 * N_matmul                       N_matmul: the active parameters, less the input embedding table
+                                     when it is not tied to the head (a lookup, no matmul). Active: all
+                                     parameters, less in each MoE layer the num_experts - top_k routed
+                                     experts a token is not sent to (so the router D x E, top_k routed
+                                     experts and the shared ones count, and dense layers whole; the
+                                     routing's sort and combine are not counted). Norm gains and conv
                                      taps are counted too: they are < 1% at every size here.
   + sum over attention layers of 3 * T * H * (Dqk + Dv)
                                      causal attention, QK^T and PV over on average T/2 keys (T =
@@ -59,10 +63,19 @@ def attention_head_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
   return head_dim, head_dim
 
 
+def active_count(config: ml_collections.ConfigDict, n_params: int | None = None) -> int:
+  """Active parameters of the config's model: its n_params (default: counted from the shapes) less
+  the routed experts a token does not use (config_lib.moe_inactive_params; 0 for a dense model)."""
+  n_params = count(abstract_params(config)) if n_params is None else n_params
+  return n_params - config_lib.moe_inactive_params(config.model)
+
+
 def model_flops_per_token(config: ml_collections.ConfigDict, n_params: int) -> float:
-  """Training FLOPs per token of the model (forward + backward), see the module docstring."""
+  """Training FLOPs per token of the model (forward + backward), see the module docstring.
+  n_params: the model's total parameter count (MoE: the inactive experts are taken off here)."""
   m, seq_len = config.model, config.train.seq_len
   kinds = config_lib.layer_kinds(m)
+  n_params = active_count(config, n_params)
   n_matmul = n_params if m.tie_embeddings else n_params - m.vocab_size * m.d_model
   dqk, dv = attention_head_dims(m)
   kda_heads, kda_dim = config_lib.kda_dims(m)
@@ -90,12 +103,19 @@ def newton_schulz_flops_per_step(config: ml_collections.ConfigDict, params) -> f
 
 
 def training_flops_per_step(config: ml_collections.ConfigDict, params=None) -> dict:
-  """{'params', 'model', 'optimizer', 'total'}: parameter count and FLOPs of one training step of
-  train.batch_size x train.seq_len tokens. `params` (arrays or ShapeDtypeStructs) defaults to the
-  config's model, built abstractly."""
+  """{'params', 'active_params', 'model', 'optimizer', 'total'}: parameter counts (total, and
+  active: equal for a dense model) and FLOPs of one training step of train.batch_size x
+  train.seq_len tokens. `params` (arrays or ShapeDtypeStructs) defaults to the config's model,
+  built abstractly. Muon's Newton-Schulz runs on every expert's matrices, active or not."""
   params = abstract_params(config) if params is None else params
   n_params = count(params)
   tokens = config.train.batch_size * config.train.seq_len
   model = model_flops_per_token(config, n_params) * tokens
   optimizer = newton_schulz_flops_per_step(config, params)
-  return {'params': n_params, 'model': model, 'optimizer': optimizer, 'total': model + optimizer}
+  return {
+    'params': n_params,
+    'active_params': active_count(config, n_params),
+    'model': model,
+    'optimizer': optimizer,
+    'total': model + optimizer,
+  }

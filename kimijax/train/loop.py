@@ -13,8 +13,8 @@ import tqdm
 
 from kimijax import config as config_lib
 from kimijax.data import data_report, eval_batches, make_loader
-from kimijax.model import Transformer, count_params
-from kimijax.ops import attention as attention_ops
+from kimijax.model import Transformer, count_params, inference_variables
+from kimijax.ops import attention as attention_ops, moe as moe_ops
 from kimijax.optim import describe as describe_optimizer
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train import checkpoint as ckpt_lib, lock as lock_lib, metrics as metrics_lib
@@ -39,6 +39,8 @@ def _train_record(step: int, m: dict) -> dict:
   if 'qk_clip_heads' in m:  # muonclip: query heads whose max logit exceeded tau this step
     record['qk_clip_heads'] = int(m['qk_clip_heads'])
   record.update({k: float(v) for k, v in m.items() if k.startswith('update_rms_')})
+  if 'moe' in m:  # MoE layers: loads, router entropy, bias range, balance loss (metrics_lib.MOE_KEYS)
+    record.update(metrics_lib.moe_record(jax.device_get(m['moe']), m['moe_aux_loss']))
   if 'attnres' in m:  # train.log_attnres; see kimijax.model for the meaning of each array
     stats = jax.device_get(m['attnres'])
     record['attnres_input_rms'] = [float(x) for x in stats['input_rms']]
@@ -58,6 +60,18 @@ def check_attention_impl(config: ml_collections.ConfigDict, devices=None) -> Non
   problem = attention_ops.unsupported(config.model.attn_impl, config.model.compute_dtype, platform)
   if problem:
     raise config_lib.ConfigError(problem)
+
+
+def check_moe_impl(config: ml_collections.ConfigDict, devices=None) -> None:
+  """ConfigError naming model.moe.impl when the MoE layers' grouped matmul cannot run on `devices`
+  (default: all), e.g. 'tokamax' off a GPU, before anything compiles."""
+  m = config.model
+  if m.mlp_kind != 'moe':
+    return
+  platform = (devices or jax.devices())[0].platform
+  problem = moe_ops.unsupported(m.moe.impl, m.compute_dtype, m.d_model, config_lib.moe_hidden(m)[0], platform)
+  if problem:
+    raise config_lib.ConfigError(problem.replace(f'moe impl={m.moe.impl!r}', f'model.moe.impl={m.moe.impl!r}'))
 
 
 def position_buckets(seq_len: int) -> list[tuple[int, int]]:
@@ -132,6 +146,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
   # Everything that can fail on bad input is checked before any compile or step.
   lock_lib.check_workdir(workdir)
   check_attention_impl(config, devices)
+  check_moe_impl(config, devices)
   train_loader = make_loader(config, 'train', process_index=pid, process_count=nproc)
   if config.model.vocab_size < train_loader.vocab_size:
     raise config_lib.ConfigError(
@@ -188,9 +203,12 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
   val_batches = [_to_global(b, batch_sharding) for b in val_local]
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start if start else None)
   n_params = count_params(state.params)
+  inactive = config_lib.moe_inactive_params(config.model)  # MoE: routed experts a token does not use
   if pid == 0:
     print(
-      f'kimijax: {n_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, '
+      f'kimijax: {n_params / 1e6:.2f}M parameters'
+      + (f' ({(n_params - inactive) / 1e6:.2f}M active)' if inactive else '')
+      + f', mesh {dict(mesh.shape)}, '
       f'{tokens_per_step} tokens/step, {"resuming from step " + str(start) if start else "fresh start"}',
       flush=True,
     )
@@ -241,7 +259,7 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
         last_loss = record['loss']
         bar.set_postfix(loss=f'{last_loss:.3f}', tok_s=f'{rate:,.0f}', refresh=False)
       if step % t.eval_every == 0 or last:
-        details = evaluate_details(eval_step, state.params, val_batches)
+        details = evaluate_details(eval_step, inference_variables(state.params, state.moe_state), val_batches)
         eval_loss = details['eval_loss']
         writer.write(
           {
@@ -273,6 +291,7 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
 
   summary = {
     'params': n_params,
+    **({'active_params': n_params - inactive} if inactive else {}),
     'steps': t.steps,
     'tokens': t.steps * tokens_per_step,
     'seconds': time.time() - started,

@@ -57,6 +57,33 @@ class MetricsWriter:
       self._tb.close()
 
 
+# metrics.jsonl keys of each MoE layer's statistics (the train step's metrics['moe'][layer]).
+MOE_KEYS = {
+  'load_max_over_mean': 'moe_load_max_mean',  # max / mean of the (token, k) rows per expert; 1 = balanced
+  'load_cv': 'moe_load_cv',  # std / mean of the loads
+  'router_entropy': 'moe_router_entropy',  # mean entropy (nats) of the normalised scores; log E = uniform
+  'bias_range': 'moe_bias_range',  # max - min of the balancing bias after the step
+  'aux_loss': 'moe_aux_loss',  # the layer's sequence-wise balance loss (model.moe.aux_loss_alpha > 0)
+}
+
+
+def moe_record(moe: dict, aux_loss) -> dict:
+  """The metrics.jsonl entries of the MoE layers: per layer '<MOE_KEYS value>_<layer>' (e.g.
+  moe_load_max_mean_layer_3), and over the layers moe_load_max_mean (the largest) and, when the
+  balance loss is on, moe_aux_loss (the sum the loss adds). A balance loss that is off is 0.0
+  and is not written."""
+  on = float(aux_loss) != 0.0
+  record = {'moe_aux_loss': float(aux_loss)} if on else {}
+  worst = 0.0
+  for layer, stats in moe.items():
+    for name, key in MOE_KEYS.items():
+      if name in stats and (name != 'aux_loss' or on):
+        record[f'{key}_{layer}'] = float(stats[name])
+    worst = max(worst, float(stats['load_max_over_mean']))
+  record['moe_load_max_mean'] = worst
+  return record
+
+
 def read_metrics(workdir: str | pathlib.Path) -> list[dict]:
   path = pathlib.Path(workdir) / 'metrics.jsonl'
   return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]

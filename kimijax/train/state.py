@@ -1,4 +1,4 @@
-"""Train state (step, params, optimizer state) created directly in its sharded layout."""
+"""Train state (step, params, optimizer state, MoE balancing biases) created directly in its sharded layout."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import optax
 from jax.sharding import Mesh
 
 from kimijax.config import ConfigError
+from kimijax.layers.moe import MOE_STATE
 from kimijax.parallel import mesh as mesh_lib
 
 
@@ -22,13 +23,23 @@ class TrainState:
   step: jax.Array  # int32 scalar: optimizer steps taken
   params: Any  # float32 parameter pytree
   opt_state: Any
+  # The model's 'moe_state' collection: each MoE layer's balancing bias [E] float32, moved by the
+  # train step after each step (docs/moe.md), outside the optimizer and its weight decay,
+  # replicated, checkpointed with the rest. {} for a model without MoE layers.
+  moe_state: Any = flax.struct.field(default_factory=dict)
 
 
 def _init_fn(model: nn.Module, optimizer: optax.GradientTransformation, seq_len: int):
   def init(rng):
     tokens_bt = jnp.zeros((1, seq_len), jnp.int32)
-    params = model.init(rng, tokens_bt)['params']  # boxed with logical axis names
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+    variables = model.init(rng, tokens_bt)
+    params = variables['params']  # boxed with logical axis names
+    return TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=optimizer.init(params),
+      moe_state=dict(variables.get(MOE_STATE, {})),
+    )
 
   return init
 

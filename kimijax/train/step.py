@@ -13,7 +13,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from kimijax import optim
-from kimijax.model import Transformer
+from kimijax.layers.moe import MOE_STATS, moe_aux_loss, moe_metrics, update_moe_state
+from kimijax.model import Transformer, as_variables, inference_variables, variables
 from kimijax.optim import make_optimizer, make_schedule
 from kimijax.optim.qk_clip import heads_clipped
 from kimijax.parallel import mesh as mesh_lib
@@ -27,11 +28,23 @@ def token_nll(logits_btv, targets_bt):
 
 
 def make_loss_fn(model: nn.Module):
-  def loss_fn(params, batch):
-    logits_btv, aux = model.apply({'params': params}, batch['inputs'])
+  """(params, batch, moe_state=None) -> (loss, aux): the mean token nll over the masked tokens.
+  With MoE layers (a non-empty moe_state, the model's balancing biases) the apply collects their
+  router statistics as aux['moe_stats'], the loss adds their balance losses (0 when
+  model.moe.aux_loss_alpha is 0) and aux['nll'] keeps the nll alone."""
+
+  def loss_fn(params, batch, moe_state=None):
+    if moe_state:
+      (logits_btv, aux), mutated = model.apply(variables(params, moe_state), batch['inputs'], mutable=[MOE_STATS])
+      aux = {**aux, 'moe_stats': mutated[MOE_STATS]}
+    else:
+      logits_btv, aux = model.apply({'params': params}, batch['inputs'])
     mask = batch['mask']
     nll = token_nll(logits_btv, batch['targets'])
     loss = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    if moe_state:
+      aux['nll'] = loss
+      loss = loss + moe_aux_loss(aux['moe_stats'])
     return loss, aux
 
   return loss_fn
@@ -53,9 +66,25 @@ def computes_max_logits(config: ml_collections.ConfigDict) -> bool:
   return bool(config.train.log_max_logits) or config.optimizer.name == 'muonclip'
 
 
-def make_train_step(model, optimizer: optax.GradientTransformation, schedule: optax.Schedule, param_groups=None):
+def make_train_step(
+  model,
+  optimizer: optax.GradientTransformation,
+  schedule: optax.Schedule,
+  param_groups=None,
+  *,
+  bias_rate: float | None = None,
+  bias_centred: bool | None = None,
+):
   """(state, batch) -> (state, metrics). A step whose loss or gradients are not finite leaves the
   state unchanged and reports finite=False; the loop stops on it.
+
+  With MoE layers (state.moe_state non-empty) the loss adds their balance losses and, after the
+  update, each layer's balancing bias moves by kimijax.layers.moe.update_moe_state with that
+  layer's loads over the global batch (`bias_rate`, `bias_centred`; None: the model config's
+  model.moe.bias_rate and bias_centred), inside the same finite guard as the params.
+  metrics['moe'] = {'layer_<i>': {load_max_over_mean, load_cv, router_entropy, bias_min,
+  bias_max, bias_range, aux_loss}} (the bias after the step), metrics['moe_aux_loss'] the total
+  balance loss, and metrics['loss'] the nll alone.
 
   The optimizer gets the forward pass's per-head max logits as `max_logits=` (QK-Clip uses them;
   other transforms ignore them); metrics['max_logits'] holds them when the model computes them
@@ -64,15 +93,29 @@ def make_train_step(model, optimizer: optax.GradientTransformation, schedule: op
   optimizer, `qk_clip_heads` is the number of query heads clipped this step."""
   loss_fn = make_loss_fn(model)
   optimizer = optax.with_extra_args_support(optimizer)
+  moe_cfg = getattr(getattr(model, 'cfg', None), 'moe', None)
+  if bias_rate is None:
+    bias_rate = moe_cfg.bias_rate if moe_cfg is not None else 1e-3
+  if bias_centred is None:
+    bias_centred = bool(moe_cfg.bias_centred) if moe_cfg is not None else False
 
   def train_step(state: TrainState, batch):
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, state.moe_state)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params, max_logits=aux.get('max_logits'))
-    new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+    moe_state = state.moe_state
+    if moe_state:
+      moe_state = update_moe_state(moe_state, aux['moe_stats'], rate=bias_rate, centred=bias_centred)
+    new = TrainState(
+      step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state, moe_state=moe_state
+    )
     new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
-    metrics = {'loss': loss, 'grad_norm': grad_norm, 'lr': schedule(state.step), 'finite': finite}
+    metrics = {'loss': aux.get('nll', loss), 'grad_norm': grad_norm, 'lr': schedule(state.step), 'finite': finite}
+    if moe_state:
+      metrics['moe_aux_loss'] = moe_aux_loss(aux['moe_stats'])
+      layers = moe_metrics(new.moe_state, aux['moe_stats'])  # {'layer_<i>/mlp': {...}}
+      metrics['moe'] = {path.split('/')[0]: stats for path, stats in layers.items()}
     if 'max_logits' in aux:
       metrics['max_logits'] = aux['max_logits']
     if param_groups is not None:
@@ -91,12 +134,14 @@ def make_eval_step(model):
   """(params, batch) -> sums over the batch's masked tokens, float32: 'nll' (token nll), 'tokens',
   'correct' (argmax prediction == target; on MQAR the exact recall of a queried value), and
   'nll_by_position' / 'tokens_by_position' [T] (the same sums per position in the sequence).
-  Nothing here reads max logits, so a Transformer evaluates without computing them."""
+  `params`: the params, or for a model with MoE layers the variables with its biases
+  (kimijax.model.inference_variables). Nothing here reads max logits, so a Transformer evaluates
+  without computing them."""
   if isinstance(model, Transformer):
     model = model.clone(max_logits=False)
 
   def eval_step(params, batch):
-    logits_btv, _ = model.apply({'params': params}, batch['inputs'])
+    logits_btv, _ = model.apply(as_variables(params), batch['inputs'])
     targets, mask = batch['targets'], batch['mask'].astype(jnp.float32)
     nll = token_nll(logits_btv, targets) * mask
     hit = (jnp.argmax(logits_btv, axis=-1) == targets).astype(jnp.float32) * mask
@@ -127,12 +172,20 @@ def jit_steps(model, optimizer, schedule, config, mesh, state_shardings):
   batch_sh = mesh_lib.batch_sharding(mesh, config.mesh)
   rep = mesh_lib.replicated(mesh)
   train = jax.jit(
-    make_train_step(model, optimizer, schedule, optim.param_groups(config)),
+    make_train_step(
+      model,
+      optimizer,
+      schedule,
+      optim.param_groups(config),
+      bias_rate=config.model.moe.bias_rate,
+      bias_centred=config.model.moe.bias_centred,
+    ),
     in_shardings=(state_shardings, batch_sh),
     out_shardings=(state_shardings, rep),
     donate_argnums=0,
   )
-  evaluate = jax.jit(make_eval_step(model), in_shardings=(state_shardings.params, batch_sh), out_shardings=rep)
+  weights_sh = inference_variables(state_shardings.params, state_shardings.moe_state)
+  evaluate = jax.jit(make_eval_step(model), in_shardings=(weights_sh, batch_sh), out_shardings=rep)
   return in_mesh(train, mesh, config.mesh), in_mesh(evaluate, mesh, config.mesh)
 
 
@@ -145,7 +198,7 @@ class Training(NamedTuple):
   abstract_state: TrainState  # shapes, dtypes and shardings, for restoring checkpoints
   shardings: TrainState  # NamedSharding per leaf
   train_step: Callable  # (state, batch) -> (state, metrics), jitted, state donated
-  eval_step: Callable  # (params, batch) -> {'nll', 'tokens', 'correct', ...} sums, jitted
+  eval_step: Callable  # (inference_variables(params, moe_state), batch) -> {'nll', 'tokens', ...} sums, jitted
   batch_sharding: NamedSharding
 
   def init_state(self, config: ml_collections.ConfigDict) -> TrainState:

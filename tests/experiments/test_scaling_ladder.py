@@ -150,7 +150,7 @@ def test_a_run_saved_under_a_former_key_name_is_the_same_run(tmp_path):
 
 
 @pytest.mark.parametrize(
-  'name', ['smoke', 'gpu', 'gpu_attnres', 'gpu_hybrid'], ids=lambda n: f'ladder_{n}'
+  'name', ['smoke', 'gpu', 'gpu_attnres', 'gpu_hybrid', 'gpu_moe'], ids=lambda n: f'ladder_{n}'
 )  # an id 'gpu' would mark it GPU-only
 def test_every_named_ladder_plans_by_its_rule(tmp_path, name):
   """Every rung of every ladder is a valid config (GPU ones too, counted on the CPU), tokens are

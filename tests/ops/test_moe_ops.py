@@ -246,7 +246,7 @@ def test_router_stats_and_entropy_closed_forms():
 def test_routed_experts_checks_its_inputs():
   x, w, ex = jnp.zeros((4, 8)), jnp.zeros((4, 2)), jnp.zeros((4, 2), jnp.int32)
   wg, wd = jnp.zeros((3, 8, 6)), jnp.zeros((3, 6, 8))
-  with pytest.raises(ValueError, match=r"impl='triton' is unknown; allowed: \('xla', 'tokamax'\)"):
+  with pytest.raises(ValueError, match=r"impl='triton' is unknown; allowed: \('xla', 'xla_blocked', 'tokamax'\)"):
     moe.routed_experts(x, w, ex, wg, wg, wd, impl='triton')
   with pytest.raises(
     ValueError,
@@ -266,9 +266,60 @@ def test_routed_experts_checks_its_inputs():
   assert 'multiple of 64' in moe.unsupported('tokamax', jnp.bfloat16, 96, 128, platform='gpu')
   assert moe.unsupported('tokamax', jnp.bfloat16, 1024, 512, platform='gpu') is None
   assert moe.unsupported('xla', jnp.float32, 7, 3) is None
-  assert set(moe.IMPLS) == {'xla', 'tokamax'} and moe.IMPLS['tokamax'].gpu_only and not moe.IMPLS['xla'].gpu_only
+  assert set(moe.IMPLS) == {'xla', 'xla_blocked', 'tokamax'} and moe.IMPLS['tokamax'].gpu_only
+  assert not moe.IMPLS['xla'].gpu_only and not moe.IMPLS['xla_blocked'].gpu_only
   with pytest.raises(TypeError):
     moe.IMPLS['other'] = moe.IMPLS['xla']
+
+
+# ----------------------------------------------------------------------------- xla_blocked
+
+
+@pytest.mark.parametrize(
+  'm,sizes',
+  [(40, (0, 7, 0, 20, 13)), (37, (5, 0, 3, 0)), (64, (64,)), (300, (0,) * 5 + (33, 1, 90, 0, 2, 150, 24))],
+  ids=['empty_groups', 'rows_past_the_groups', 'one_group', 'twelve_groups_b8'],
+)
+def test_blocked_grouped_matmul_matches_float64(m, sizes):
+  """'xla_blocked' (groups padded to whole blocks, one batched matmul) against a float64 loop over
+  the groups: the rows of the groups and the gradients of lhs and rhs (the rows past the groups'
+  total are unspecified and masked out of the loss, as routed_experts masks them)."""
+  rng = np.random.default_rng(11)
+  g, k, n = len(sizes), 8, 6
+  lhs, rhs, dy = _normal(rng, m, k), _normal(rng, g, k, n), _normal(rng, m, n)
+  total = sum(sizes)
+  starts = np.cumsum((0,) + sizes)
+  owner = np.concatenate([np.full(c, i) for i, c in enumerate(sizes)] + [np.full(m - total, -1)]).astype(int)
+  l64, r64, dy64 = (np.asarray(a, np.float64) for a in (lhs, rhs, dy))
+  want = np.zeros((m, n))
+  for i in range(g):
+    want[starts[i] : starts[i + 1]] = l64[starts[i] : starts[i + 1]] @ r64[i]
+  live = (owner >= 0)[:, None]
+  want_dl = np.where(live, np.einsum('mn,mkn->mk', dy64, r64[np.maximum(owner, 0)]), 0)
+  want_dr = np.stack([l64[owner == i].T @ dy64[owner == i] for i in range(g)])
+  blocked = moe.IMPLS['xla_blocked'].ragged_dot
+  sizes_g = jnp.asarray(sizes, jnp.int32)
+  loss = lambda a, b: jnp.sum(jnp.where(live, blocked(a, b, sizes_g), 0) * dy)
+  y = jax.jit(blocked)(lhs, rhs, sizes_g)
+  dl, dr = jax.jit(jax.grad(loss, (0, 1)))(lhs, rhs)
+  assert y.shape == (m, n) and y.dtype == jnp.float32
+  assert rel_max(np.asarray(y)[:total], want[:total]) < 2e-6
+  assert rel_max(dl, want_dl) < 2e-6 and rel_max(dr, want_dr) < 2e-6
+
+
+def test_blocked_routed_experts_match_the_oracle():
+  rng = np.random.default_rng(4)
+  t, d, f, e, k = 24, 8, 6, 6, 2
+  logits, x, dy = _normal(rng, t, e), _normal(rng, t, d), _normal(rng, t, d)
+  r = moe.route(logits, None, top_k=k, scaling_factor=2.0)
+  ws = _expert_weights(rng, e, d, f)
+  loss = lambda x, w, *ws: jnp.sum(moe.routed_experts(x, w, r.experts_tk, *ws, impl='xla_blocked') * dy)
+  y = jax.jit(lambda x, w, *ws: moe.routed_experts(x, w, r.experts_tk, *ws, impl='xla_blocked'))(x, r.weights_tk, *ws)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, r.weights_tk, *ws)
+  ref = np_routed_experts(x, r.weights_tk, np.asarray(r.experts_tk), *ws, np.asarray(dy))
+  assert rel_max(y, ref[0]) < 2e-6
+  for got, want, name in zip(grads, ref[1:], ('x', 'weights', 'w_gate', 'w_up', 'w_down')):
+    assert rel_max(got, want) < 2e-6, name
 
 
 # ----------------------------------------------------------------------------- expert parallelism

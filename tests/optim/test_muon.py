@@ -17,7 +17,7 @@ from oracles import NpAdamW, NpMuon, np_ns5
 from kimijax import config as config_lib
 from kimijax.config import ConfigError
 from kimijax.model import Transformer
-from kimijax.optim import make_optimizer, muon
+from kimijax.optim import describe, make_optimizer, muon
 from kimijax.optim.muon import ScaleByMuonState, newton_schulz
 from kimijax.optim.routing import MatrixView, Routing
 from kimijax.parallel import mesh as mesh_lib
@@ -370,3 +370,58 @@ def test_sharded_muon_update_equals_one_device(split_matrices):
     m_q = momentum['layer_0']['attention']['query']
     assert {x.data.shape for x in m_q.addressable_shards} == {x.data.shape for x in q.addressable_shards}
     assert m_q.addressable_shards[0].data.size < q.size
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+def test_moe_routers_and_expert_stacks():
+  """The MoE layer's parameters: the router [D, E] on Muon as one matrix (Moonlight), or on AdamW
+  with optimizer.moe_router='adamw'; the stacked experts as E matrices each; the routing table
+  says so."""
+  params = model_params(mlp_kind='moe')  # 8 experts of hidden 768 // 3 = 256, layers 1-3
+  routes = leaves_by_path(Routing().routes(params))
+  router = routes[('layer_1', 'mlp', 'router')]
+  assert router.rule == 'muon' and router.reason == 'MoE router' and router.view.sizes((256, 8)) == (1, 256, 8)
+  for name, shape in (('wi_gate', (8, 256, 256)), ('wo', (8, 256, 256))):
+    route = routes[('layer_1', 'mlp', name)]
+    assert route.rule == 'muon' and route.view.sizes(shape) == (8, 256, 256) and 'MoE experts' in route.reason
+  assert routes[('layer_1', 'mlp', 'shared', 'wi_gate')].view.sizes((256, 256)) == (1, 256, 256)
+  assert routes[('layer_0', 'mlp', 'wi_gate')].reason == 'hidden matrix'  # the dense first layer
+  assert leaves_by_path(Routing(router='adamw').routes(params))[('layer_1', 'mlp', 'router')].rule == 'adamw'
+  table = Routing().table(params)
+  assert 'layer_1/mlp/router' in table and 'MoE router' in table and '8 x [256, 256]' in table
+  c = config_lib.base_config()
+  c.optimizer.update(name='muon', moe_router='adamw')
+  c.model.mlp_kind = 'moe'
+  config_lib.validate(c)
+  row = next(r for r in describe(c, params).splitlines() if r.startswith('layer_1/mlp/router'))
+  assert row.split()[3:5] == ['adamw', '-'], row
+
+
+def test_each_expert_is_orthogonalised_and_scaled_on_its_own():
+  """Muon on stacked experts [E, A, B] equals Moonlight's update of each expert matrix alone
+  (NS5 of that matrix, scaled by 0.2 sqrt(max(A, B)) of that matrix), for the up-projections
+  [E, D, F] and the down-projections [E, F, D]; the router [D, E] is one matrix."""
+  e, d, f, steps, lr = 4, 24, 40, 3, 0.02
+  shapes = {'layer_1': {'mlp': {'router': (d, e), 'wi_gate': (e, d, f), 'wo': (e, f, d)}}}
+  rng = np.random.default_rng(3)
+  params = random_tree(shapes, rng, 0.1)
+  grads_seq = [random_tree(shapes, rng) for _ in range(steps)]
+  for t in grads_seq:  # experts of very different gradient scales: a shared normalisation would mix them
+    mlp = t['layer_1']['mlp']
+    for name in ('wi_gate', 'wo'):
+      mlp[name] = mlp[name] * jnp.asarray([1.0, 10.0, 0.1, 3.0])[:, None, None]
+  got = run_optimizer(muon(lr, ns_dtype=jnp.float32), params, grads_seq)['layer_1']['mlp']
+  w0 = jax.tree.map(lambda x: np.asarray(x, np.float64), params)['layer_1']['mlp']
+  grads = [g['layer_1']['mlp'] for g in grads_seq]
+  for name in ('wi_gate', 'wo'):
+    for i in range(e):
+      ref = NpMuon(w0[name][i])
+      for g in grads:
+        ref.step(np.asarray(g[name][i]), lr)
+      assert rel_err(got[name][i] - w0[name][i], ref.w - w0[name][i]) <= RTOL, (name, i)
+  ref = NpMuon(w0['router'])
+  for g in grads:
+    ref.step(np.asarray(g['router']), lr)
+  assert rel_err(got['router'] - w0['router'], ref.w - w0['router']) <= RTOL

@@ -55,3 +55,34 @@ def test_muon_newton_schulz_flops_per_step():
   counted = flops.training_flops_per_step(c)
   assert counted['optimizer'] == pytest.approx(L * (4 * square + 3 * wide), rel=1e-12)
   assert counted['total'] == pytest.approx(counted['model'] + counted['optimizer'], rel=1e-12)
+
+
+def test_moe_flops_count_the_active_parameters():
+  """4 layers of which the first is dense (SwiGLU 128); the others route each token to 2 of 8
+  experts of hidden 32, plus one shared expert of 32 and a router [64, 8]. FLOPs count the router,
+  the 2 chosen experts and the shared one; the parameter count keeps every expert; Muon's
+  Newton-Schulz runs on all 8 experts' matrices."""
+  c = tiny(mlp_kind='moe')
+  c.model.num_layers = 4
+  c.model.moe.update(num_experts=8, top_k=2, num_shared=1, expert_hidden=32, first_dense_layers=1)
+  f = 32
+  attention_layers = V * D + D + 4 * (4 * D * D + 2 * D)
+  dense_mlp = 3 * D * F
+  moe_total = 3 * (D * 8 + 8 * 3 * D * f + 3 * D * f)
+  moe_active = 3 * (D * 8 + 2 * 3 * D * f + 3 * D * f)
+  counted = flops.training_flops_per_step(c)
+  assert counted['params'] == attention_layers + dense_mlp + moe_total
+  assert counted['active_params'] == attention_layers + dense_mlp + moe_active
+  per_token = 6 * (attention_layers + dense_mlp + moe_active) + 4 * 3 * T * H * (32 + 32)
+  assert counted['model'] == pytest.approx(per_token * B * T, rel=1e-12)
+  assert flops.training_flops_per_step(tiny())['active_params'] == N_TIED  # dense: active = total
+
+  c.optimizer.name = 'muon'
+  ns = c.optimizer.ns_steps
+  expert = ns * (4 * f * f * D + 2 * f**3)  # each [64, 32] / [32, 64] expert matrix: m = 32, n = 64
+  router = ns * (4 * 8 * 8 * D + 2 * 8**3)  # [64, 8]
+  shared = ns * (4 * f * f * D + 2 * f**3)
+  attention = 4 * ns * (4 * D**3 + 2 * D**3)
+  dense = 3 * ns * (4 * D * D * F + 2 * D**3)
+  want = 4 * attention + dense + 3 * (8 * 3 * expert + router + 3 * shared)
+  assert flops.training_flops_per_step(c)['optimizer'] == pytest.approx(want, rel=1e-12)
