@@ -7,7 +7,7 @@ and the earlier outputs is the residual strategy `model.residual` (kimijax/layer
 docs/attention_residuals.md; then a final depth-attention aggregator feeds the final norm).
 
     model = Transformer(config.model)
-    params = model.init(rng, tokens_bt)['params']
+    params = kimijax.init_params(config, rng)  # plain arrays (model.init's are in logical-axis boxes)
     logits_btv, aux = model.apply({'params': params}, tokens_bt)
 
 `aux['max_logits']` is {'layer_<i>': [H] fp32} for each attention layer: its per-head max
