@@ -232,6 +232,14 @@ SCHEMA = {
       "log each attention layer's per-head max logit (docs/attention.md); False: "
       "no max-logit work runs, unless QK-Clip (optimizer.name='muonclip') needs them",
     ),
+    'preemption_grace_s': Key(
+      25.0,
+      'seconds from a stop signal (SIGTERM, SIGUSR1, Ctrl-C) to exit, for the step in progress and its '
+      "checkpoint; under a scheduler's wait before SIGKILL (0: no limit)",
+      bounds=NON_NEGATIVE,
+    ),
+    'check_memory': Key(True, "stop before compiling when the step's estimated memory exceeds the device's"),
+    'print_routing': Key(False, "print Muon's routing table at start-up (always in DIR/optimizer_routing.txt)"),
   },
   'optimizer': {
     'name': Key(
