@@ -190,15 +190,15 @@ def _latest_complete_step(workdir: pathlib.Path) -> int | None:
   return max(steps, default=None)
 
 
-def _remove_created(workdir: pathlib.Path, before: set[str] | None) -> None:
-  """Removes what this run created in workdir: the folder itself when it is new (`before` None),
-  else the entries not in `before`."""
-  if before is None:
-    shutil.rmtree(workdir, ignore_errors=True)
-    return
+def _remove_created(workdir: pathlib.Path, before: set[str], created: bool) -> None:
+  """Removes the entries of workdir that are not in `before` (taken under this run's lock), and
+  workdir itself if this run `created` it and it is then empty."""
   for path in workdir.iterdir() if workdir.is_dir() else []:
     if path.name not in before and path.name != lock_lib.LOCK_NAME:
       shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+  if created and workdir.is_dir() and not [p for p in workdir.iterdir() if p.name != lock_lib.LOCK_NAME]:
+    (workdir / lock_lib.LOCK_NAME).unlink(missing_ok=True)
+    workdir.rmdir()
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, devices=None) -> dict:
@@ -228,24 +228,25 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
     )
   val_local = eval_batches(config, t.eval_batches, process_index=pid, process_count=nproc)
   mesh = mesh_lib.make_mesh(config.mesh, devices)
-  before = {p.name for p in workdir.iterdir()} if workdir.is_dir() else None
+  created = not workdir.exists()
   lock = lock_lib.WorkdirLock(workdir, ' '.join(sys.argv)) if pid == 0 else None
   if lock is not None:
     lock.acquire()
+  before = {p.name for p in workdir.iterdir()} if workdir.is_dir() else set()  # under the lock
   progress = {'first_step': False}  # set once a step has completed (and config.json is written)
   try:
     with StopOnInterrupt(t.preemption_grace_s, on_expiry=lock.release if lock is not None else None) as stop:
       return _train_locked(config, workdir, mesh, train_loader, val_local, stop, progress)
   except BaseException:
     if pid == 0 and not progress['first_step']:
-      _remove_created(workdir, before)
+      _remove_created(workdir, before, created)
     raise
   finally:
     if lock is not None:
       lock.release()
 
 
-def _first_step(train_step, state, batch, config):
+def _first_step(train_step, state, batch, config, mesh):
   """The first train step (it compiles), with XLA's out-of-memory error as one MemoryLimitError."""
   try:
     return train_step(state, batch)
@@ -254,7 +255,7 @@ def _first_step(train_step, state, batch, config):
     if 'RESOURCE_EXHAUSTED' not in text and 'out of memory' not in text.lower():
       raise
     n_params = flops_lib.count(flops_lib.abstract_params(config))
-    devices = list(state.step.sharding.mesh.devices.flat)
+    devices = list(mesh.devices.flat)
     estimate = memory_lib.describe(config, memory_lib.estimate(config, n_params), _mesh_sizes(config, devices))
     first = text.strip().splitlines()[0][:200]
     raise memory_lib.MemoryLimitError(
@@ -342,7 +343,7 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
         break
       batch = _to_global(next(train_loader), batch_sharding)
       if interval_start is None:
-        state, metrics = _first_step(train_step, state, batch, config)
+        state, metrics = _first_step(train_step, state, batch, config, mesh)
       else:
         state, metrics = train_step(state, batch)
       if pending is not None:
