@@ -21,10 +21,12 @@ Config files and their variants (--config=FILE:VARIANT, several as FILE:a,b; eac
                                   experiments/scaling_ladder.py)
 
 Re-running the same training command resumes from DIR/checkpoints (and does nothing once the run
-has reached train.steps). Ctrl-C stops after the current step, waits for a checkpoint save in
-progress and exits with status 130. For several processes (hosts), start one copy per process
-with --coordinator_address=HOST:PORT --num_processes=N --process_id=I (or none of them where
-jax.distributed detects the cluster itself, e.g. under SLURM).
+has reached train.steps). Ctrl-C, SIGTERM (a scheduler's preemption) or SIGUSR1 stops after the
+current step, saves a checkpoint of it (within train.preemption_grace_s seconds), releases the
+workdir and exits with status 128 + the signal (130 for Ctrl-C, 143 for SIGTERM). A step that would
+not fit the device's memory stops before compiling, naming its estimate. For several processes
+(hosts), start one copy per process with --coordinator_address=HOST:PORT --num_processes=N
+--process_id=I (or none of them where jax.distributed detects the cluster itself, e.g. under SLURM).
 """
 
 import os
@@ -62,7 +64,6 @@ flags.DEFINE_float('top_p', 0.95, 'generate: keep the smallest set of tokens wit
 flags.DEFINE_integer('num_samples', 1, 'generate: continuations of the prompt, as one batch (> 0).')
 flags.DEFINE_integer('eval_batches', 0, "eval: validation batches (0: the run's train.eval_batches).")
 FLAGS = flags.FLAGS
-EXIT_INTERRUPTED = 130
 
 
 class UsageError(ValueError):
@@ -91,7 +92,7 @@ def main(argv):
 
   from kimijax.data import DataError
   from kimijax.train.checkpoint import CheckpointError
-  from kimijax.train.interrupt import Interrupted
+  from kimijax.train.interrupt import Interrupted, exit_status
   from kimijax.train.lock import WorkdirError
   from kimijax.train.loop import NonFiniteError, train
 
@@ -105,10 +106,13 @@ def main(argv):
     summary = train(config, FLAGS.workdir)
   except Interrupted as e:
     print(f'kimijax: {e}', file=sys.stderr, flush=True)
-    sys.exit(EXIT_INTERRUPTED)
-  except KeyboardInterrupt:
-    print('kimijax: interrupted (Ctrl-C); a run resumes from its last complete checkpoint', file=sys.stderr, flush=True)
-    sys.exit(EXIT_INTERRUPTED)
+    sys.exit(exit_status(e.signum))
+  except KeyboardInterrupt as e:  # a second stop signal (StopNow), or Ctrl-C outside training
+    what = str(e) or 'Ctrl-C'
+    print(
+      f'kimijax: interrupted ({what}); a run resumes from its last complete checkpoint', file=sys.stderr, flush=True
+    )
+    sys.exit(exit_status(getattr(e, 'signum', 2)))
   except (ConfigError, DataError, CheckpointError, WorkdirError, NonFiniteError, UsageError) as e:
     sys.exit(f'{type(e).__name__}: {e}')
   if jax.process_index() == 0:
@@ -160,24 +164,32 @@ def print_summary(summary: dict) -> None:
       )
     )
     return
-  print(
-    '\n'.join(
-      [
-        'done.',
-        f'  parameters   {summary["params"] / 1e6:.2f}M',
-        f'  tokens       {summary["tokens"]:,} in {summary["seconds"]:.0f} s',
-        f'  final loss   train {_fmt(summary["final_loss"])}, eval {_fmt(summary["eval_loss"])} (nats/token)',
-        f'  outputs      {summary["workdir"]}/ (metrics.jsonl, checkpoints/, tensorboard/, loss.png)',
-      ]
-    )
-  )
+  from kimijax.train.loop import summary_text
+
+  print(summary_text(summary))
 
 
 def print_config(config) -> None:
-  """--mode=config: the resolved config and the model's parameter counts (shapes only)."""
+  """--mode=config: the resolved config (the mesh rules as a table) and the model's parameter
+  counts (shapes only)."""
+  import yaml
+
   from kimijax.model import parameter_counts
 
-  print(config)
+  def plain(x):  # tuples as lists: YAML without !!python/tuple tags
+    if isinstance(x, dict):
+      return {k: plain(v) for k, v in x.items()}
+    return [plain(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+  tree = plain(config.to_dict())
+  rules = tree['mesh'].pop('rules')
+  tree['mesh']['rules'] = '(the table below)'
+  print(yaml.safe_dump(tree, sort_keys=True, default_flow_style=False).rstrip())
+  print('mesh.rules (logical axis -> mesh axes):')
+  width = max(len(name) for name, _ in rules)
+  for name, axes in rules:
+    shown = 'replicated' if axes is None else ', '.join(axes) if isinstance(axes, list) else axes
+    print(f'  {name.ljust(width)}  {shown}')
   counts = parameter_counts(config.model)
   width = max(len(k) for k in counts)
   print('parameters:')

@@ -7,6 +7,15 @@ import contextlib
 import sys
 
 
+def list_in_help(*names: str) -> None:
+  """Lists the flags `names` (defined in a module the program imports) in the program's --help,
+  where absl shows only the flags of the program's own file."""
+  from absl import flags
+
+  for name in names:
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
+
+
 @contextlib.contextmanager
 def user_errors():
   """Turns the errors that name a key or path into `sys.exit('<Type>: <message>')`; quiets absl's

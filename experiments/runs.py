@@ -4,9 +4,9 @@ and read back the figures a report needs. Nothing here deletes a run.
 
 A run folder holds what train() writes (config.json, metrics.jsonl, checkpoints/, loss.png,
 loss_by_position.png) and, once train() has returned, done.json (its summary and wall time).
-A folder that holds a different config is an error naming the keys that differ, never
-overwritten: a workflow's folder layout says which config each run has, so a difference means
-the workflow (or its command line) changed.
+A folder that holds a run of a different model or optimizer is an error naming the keys that
+differ, never overwritten; any other change (a longer train.steps, say) continues or reuses the run
+with a notice, by the rule run.py applies on resume (kimijax.train.checkpoint.resume_differences).
 """
 
 from __future__ import annotations
@@ -62,25 +62,35 @@ def with_overrides(config: ml_collections.ConfigDict, overrides: dict) -> ml_col
   return c
 
 
-def check_folder(run_dir: pathlib.Path, config: ml_collections.ConfigDict) -> None:
-  """WorkflowError if run_dir already holds a run of another config. A key the saved config
-  lacks (added to the schema after the run) matches its default, as on checkpoint restore."""
-  from kimijax.train.checkpoint import config_differences
+def check_folder(run_dir: pathlib.Path, config: ml_collections.ConfigDict) -> list[str]:
+  """WorkflowError if run_dir already holds a run of another model or optimizer; else the notices
+  of the keys that changed since it was saved (a longer train.steps continues the run). The rule
+  is run.py's on resume: kimijax.train.checkpoint.resume_differences. A key the saved config lacks
+  (added to the schema after the run) matches its default, as on checkpoint restore."""
+  from kimijax.train.checkpoint import resume_differences
 
   saved = run_dir / 'config.json'
   if not saved.exists():
-    return
-  diff = config_differences(json.loads(saved.read_text()), config)
-  if diff:
+    return []
+  errors, notices = resume_differences(json.loads(saved.read_text()), config, since='the run was saved')
+  if errors:
     raise WorkflowError(
-      f'{run_dir} holds a run of another config ({"; ".join(diff[:6])}'
-      f'{"; ..." if len(diff) > 6 else ""}); use another --workdir, or move that run '
+      f'{run_dir} holds a run of another config ({"; ".join(errors[:6])}'
+      f'{"; ..." if len(errors) > 6 else ""}); use another --workdir, or move that run '
       'away yourself (nothing is deleted for you)'
     )
+  return notices
 
 
 def is_finished(run_dir: pathlib.Path) -> bool:
   return (run_dir / 'done.json').exists()
+
+
+def finished_steps(run_dir: pathlib.Path) -> int | None:
+  """The train.steps a finished run reached (its done.json), or None if it is not finished."""
+  if not is_finished(run_dir):
+    return None
+  return json.loads((run_dir / 'done.json').read_text()).get('steps')
 
 
 def train_run(
@@ -93,12 +103,23 @@ def train_run(
 ) -> dict:
   """Trains config in run_dir on `devices` (default all; resuming a half-finished run) unless it is
   finished; returns the run's figures (read_run). Raises WorkflowError before any compute if run_dir
-  holds another config. drop_checkpoints=True (asked for on the command line, to carry a workdir
-  between machines) removes the run's checkpoints once it is finished; its figures stay."""
+  holds another model or optimizer (check_folder). A finished run is reused, or continued when
+  train.steps is now larger (as run.py continues it); one that went past a smaller train.steps is
+  reused as it is. drop_checkpoints=True (asked for on the command line, to carry a workdir between
+  machines) removes the run's checkpoints once it is finished; its figures stay."""
   from kimijax.train.loop import train
 
   run_dir = pathlib.Path(run_dir)
-  check_folder(run_dir, config)
+  notices = check_folder(run_dir, config)
+  done_steps = finished_steps(run_dir)
+  if done_steps is not None and done_steps < config.train.steps:
+    if not any((run_dir / 'checkpoints').glob('[0-9]*')):
+      raise WorkflowError(
+        f'{run_dir} finished at step {done_steps} and holds no checkpoint to continue it to train.steps='
+        f'{config.train.steps} (removed by --drop_finished_checkpoints?); move that run away to train it again'
+      )
+    print(f'{run_dir}: finished at step {done_steps}; continuing it to train.steps={config.train.steps}', flush=True)
+    (run_dir / 'done.json').unlink()
   if not is_finished(run_dir):
     stale = run_dir / 'metrics.jsonl'
     if stale.exists() and not any((run_dir / 'checkpoints').glob('[0-9]*')):
@@ -119,8 +140,13 @@ def train_run(
       import shutil
 
       shutil.rmtree(run_dir / 'checkpoints', ignore_errors=True)
-  elif not quiet:
-    print(f'{run_dir}: finished earlier, reused', flush=True)
+  else:
+    if not quiet:
+      print(f'{run_dir}: finished earlier, reused', flush=True)
+      for notice in notices:
+        print(f'{run_dir}: notice: {notice}', flush=True)
+    if done_steps is not None and done_steps != config.train.steps:  # went past a smaller train.steps
+      config = with_overrides(config, {'train.steps': done_steps})
   return read_run(config, run_dir)
 
 

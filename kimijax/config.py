@@ -271,6 +271,14 @@ SCHEMA = {
       "log each attention layer's per-head max logit (docs/attention.md); False: "
       "no max-logit work runs, unless QK-Clip (optimizer.name='muonclip') needs them",
     ),
+    'preemption_grace_s': Key(
+      25.0,
+      'seconds from a stop signal (SIGTERM, SIGUSR1, Ctrl-C) to exit, for the step in progress and its '
+      "checkpoint; under a scheduler's wait before SIGKILL (0: no limit)",
+      bounds=NON_NEGATIVE,
+    ),
+    'check_memory': Key(True, "stop before compiling when the step's estimated memory exceeds the device's"),
+    'print_routing': Key(False, "print Muon's routing table at start-up (always in DIR/optimizer_routing.txt)"),
   },
   'optimizer': {
     'name': Key(
@@ -582,15 +590,25 @@ def define_config_flag(
   flag_values=None,
 ) -> None:
   """Defines the absl flag --NAME=FILE[:VARIANT,...] and its --NAME.a.b=VALUE overrides, as run.py
-  has them; `config_from_flags(NAME)` loads the config once the flags are parsed."""
+  has them; `config_from_flags(NAME)` loads the config once the flags are parsed. The flag is
+  listed by the program's --help (not only --helpfull)."""
   from absl import flags
 
   flag_values = flags.FLAGS if flag_values is None else flag_values
   flags.DEFINE_string(
     name, default, f'{help_string} Override any key with --{name}.KEY=VALUE.', flag_values=flag_values
   )
-  # absl knows no flag patterns: each --NAME.a.b on this command line becomes a string flag, parsed
-  # as the key's type when the config is loaded.
+  flag_values.register_key_flag_for_module(sys.argv[0], flag_values[name])
+  define_override_flags(name, flag_values)
+
+
+def define_override_flags(name: str = 'config', flag_values=None) -> None:
+  """Defines a string flag for each --NAME.a.b=VALUE on this command line (absl knows no flag
+  patterns), for a program whose config comes from elsewhere (an ablation's own base config);
+  `overrides_from_flags(NAME)` reads them back."""
+  from absl import flags
+
+  flag_values = flags.FLAGS if flag_values is None else flag_values
   for arg in sys.argv[1:]:
     if arg == '--':
       break
@@ -599,6 +617,19 @@ def define_config_flag(
       flags.DEFINE_string(
         f'{name}.{match.group(1)}', None, f'override of config key {match.group(1)}', flag_values=flag_values
       )
+
+
+def overrides_from_flags(name: str = 'config', flag_values=None) -> dict[str, str]:
+  """{'a.b': 'VALUE'} of the parsed --NAME.a.b=VALUE flags (strings, parsed by `override`)."""
+  from absl import flags
+
+  flag_values = flags.FLAGS if flag_values is None else flag_values
+  prefix = f'{name}.'
+  return {
+    flag[len(prefix) :]: flag_values[flag].value
+    for flag in flag_values
+    if flag.startswith(prefix) and flag_values[flag].present
+  }
 
 
 def config_from_flags(name: str = 'config', *, validate: bool = True, flag_values=None) -> ml_collections.ConfigDict:
@@ -610,10 +641,4 @@ def config_from_flags(name: str = 'config', *, validate: bool = True, flag_value
   spec = flag_values[name].value
   if not spec:
     raise ConfigError(f'--{name}=FILE[:VARIANT] is required')
-  prefix = f'{name}.'
-  overrides = {
-    flag[len(prefix) :]: flag_values[flag].value
-    for flag in flag_values
-    if flag.startswith(prefix) and flag_values[flag].present
-  }
-  return (load if validate else load_file)(spec, overrides)
+  return (load if validate else load_file)(spec, overrides_from_flags(name, flag_values))

@@ -9,7 +9,7 @@ strategy `model.residual` (kimijax/layers/residual.py):
 docs/attention_residuals.md; then a final depth-attention aggregator feeds the final norm).
 
     model = Transformer(config.model)
-    params = model.init(rng, tokens_bt)['params']
+    params = kimijax.init_params(config, rng)  # plain arrays (model.init's are in logical-axis boxes)
     logits_btv, aux = model.apply({'params': params}, tokens_bt)
 
 A model with MoE layers also has the variable collection 'moe_state' (the balancing biases, kept

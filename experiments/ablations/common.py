@@ -5,7 +5,9 @@ An ablation file defines `base(scale)` (a kimijax config; scale 'cpu' or 'gpu'),
 (name, overrides, the published figure), its CLAIMS (published orderings between arms) and calls
 `main(...)`. `python -m experiments.ablations.<file> --scale=gpu --workdir=DIR --seeds=2` trains
 every arm (resuming and reusing runs like experiments/sweep.py), then writes DIR/ablation.md
-(and, with --publish, experiments/results/ablation_<file>.md/.png/.json).
+(and, with --publish, experiments/results/ablation_<file>.md/.png/.json). --config.KEY=VALUE
+overrides a key of the base config for every arm (e.g. --config.train.steps=20), except the keys
+the arms themselves set.
 
 The verdict (`verdict`) is decided before any run and never tuned: with >= 2 seeds per arm a gap
 within NOISE_Z standard errors of the difference of the means is "inside seed noise"; otherwise
@@ -19,6 +21,7 @@ import dataclasses
 import math
 import pathlib
 import statistics
+import sys
 from collections.abc import Callable
 
 NOISE_Z = 2.0  # fixed before any run: gaps within 2 standard errors are seed noise
@@ -190,6 +193,30 @@ def define_flags(default_workdir: str):
   flags.DEFINE_string(
     'publish', None, 'also copy the report to PREFIX.md/.png/.json (e.g. experiments/results/ablation_NAME)'
   )
+  from experiments.cli import list_in_help
+  from kimijax.config import define_override_flags
+
+  list_in_help('scale', 'workdir', 'seeds', 'arms', 'publish')
+  # --config.KEY=VALUE overrides a key of the ablation's base config (every arm), as in run.py
+  define_override_flags('config')
+
+
+def with_command_line_overrides(config, overrides: dict[str, str], arms: list[Arm]):
+  """config with the --config.KEY=VALUE overrides (strings parsed as each key's type), validated;
+  WorkflowError for a key that an arm sets (the arms are the experiment)."""
+  from experiments.runs import WorkflowError
+  from kimijax.config import override, validate
+
+  for key in overrides:
+    setters = [a.name for a in arms if key in a.overrides]
+    if setters:
+      raise WorkflowError(
+        f'--config.{key}: the arms {setters} set {key} (what this ablation compares); it stays theirs'
+      )
+  config = config.copy_and_resolve_references()
+  for key, value in overrides.items():
+    override(config, key, value)
+  return validate(config)
 
 
 def main(
@@ -208,9 +235,11 @@ def main(
       if name not in known:
         raise runs_lib.WorkflowError(f'--arms: unknown or not runnable arm {name!r}; allowed: {known}')
     chosen = [a for a in arms if a.runnable and (not FLAGS.arms or a.name in FLAGS.arms)]
+    from kimijax.config import overrides_from_flags
+
     return run(
       title,
-      base(FLAGS.scale),
+      with_command_line_overrides(base(FLAGS.scale), overrides_from_flags('config'), chosen),
       chosen,
       arms,
       claims,
@@ -264,6 +293,11 @@ def script(title: str, base: Callable[[str], object], arms, claims, doc: str, wo
   from absl import app, flags
 
   define_flags(workdir)
+  main_module = sys.modules['__main__']
+  main_module.__doc__ = (main_module.__doc__ or '') + (
+    '\nEvery ablation also takes --config.KEY=VALUE, overriding a key of its base config for every\n'
+    'arm (e.g. --config.train.steps=20), except the keys the arms set.\n'
+  )
 
   def run_main(argv):
     del argv

@@ -129,6 +129,64 @@ def _check_gate(a_log, dt_bias, lower_bound, h, dk):
     raise ValueError(f'kda: gate_lower_bound must be a number <= 0 (0: the unbounded gate), got {lower_bound!r}')
 
 
+def check_contract(q, k, g, beta, *, fn: str = 'kda') -> None:
+  """The value contract of the sequence inputs, which the shapes do not tell (outside it the ops
+  return NaN or Inf without an error): q, k, g and beta finite; each q[b, t, h] and k[b, t, h]
+  L2-normalised (norm 1, within 1e-3, or 2e-2 in 16-bit dtypes; a zero vector passes); g <= 0 (a
+  log-decay; None: not checked, as for a gate pre-activation); beta in [0, 1] (a sigmoid's
+  output). Concrete arrays: ValueError naming the first violated condition and its extent.
+  Inside jax.jit: jax.experimental.checkify checks, which the caller reports by wrapping the
+  jitted function in checkify.checkify and calling .throw() on its error."""
+  named = {'q': q, 'k': k, 'g': g, 'beta': beta}
+  conditions = []  # (ok, message with {} for the extent, extent)
+  for name, x in named.items():
+    if x is not None:
+      x = jnp.asarray(x)
+      conditions.append(
+        (jnp.all(jnp.isfinite(x)), f'{fn}: {name} has NaN or Inf entries ({{}} of them)', jnp.sum(~jnp.isfinite(x)))
+      )
+  for name in ('q', 'k'):
+    x = jnp.asarray(named[name])
+    tol = 2e-2 if jnp.dtype(x.dtype).itemsize <= 2 else 1e-3
+    norm = jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1))
+    ok = jnp.all((jnp.abs(norm - 1.0) <= tol) | (norm <= tol))
+    conditions.append(
+      (
+        ok,
+        f'{fn}: {name} is not L2-normalised over its last axis (norms up to {{}} away from 1); the contract: '
+        f'each {name}[b, t, h] of norm 1, e.g. {name} / ||{name}||',
+        jnp.max(jnp.where(norm <= tol, 0.0, jnp.abs(norm - 1.0))),
+      )
+    )
+  if g is not None:
+    g = jnp.asarray(g)
+    conditions.append(
+      (
+        jnp.all(g <= 0),
+        f'{fn}: g has positive entries (max {{}}); g is the log-decay and must be <= 0',
+        jnp.max(g).astype(jnp.float32),
+      )
+    )
+  beta = jnp.asarray(beta)
+  conditions.append(
+    (
+      jnp.all((beta >= 0) & (beta <= 1)),
+      f"{fn}: beta lies outside [0, 1] (from {{}}); beta is the write strength, a sigmoid's output",
+      jnp.stack([jnp.min(beta), jnp.max(beta)]).astype(jnp.float32),
+    )
+  )
+  traced = any(isinstance(x, jax.core.Tracer) for x in (q, k, g, beta))
+  for ok, message, extent in conditions:
+    if traced:
+      from jax.experimental import checkify
+
+      checkify.check(ok, message, extent)
+    elif not bool(ok):
+      extent = jax.device_get(extent)
+      shown = ' to '.join(f'{float(e):.4g}' for e in extent.reshape(-1)) if extent.ndim else f'{extent:.4g}'
+      raise ValueError(message.format(shown))
+
+
 # ----------------------------------------------------------------------------- the decay gate
 
 
@@ -555,6 +613,7 @@ def kda(
   dt_bias=None,
   gate_lower_bound=0.0,
   settings=None,
+  check_inputs=False,
 ):
   """KDA through one dispatch point: impl, a key of IMPLS ('xla' | 'xla_recurrent' | 'pallas').
 
@@ -564,11 +623,16 @@ def kda(
   inside 'pallas''s cumulative-sum kernels, which then never write a float32 g. Gradients reach
   a_log and dt_bias either way. settings: the kernels' settings of an implementation that has
   them ('pallas': a kernels_pallas.kda.settings.KdaSettings, or IMPLS['pallas'].parse_settings of
-  'key=int/key=int'); None: their defaults; the XLA forms ignore it.
+  'key=int/key=int'); None: their defaults; the XLA forms ignore it. check_inputs=True checks the
+  values against the contract first (check_contract: q and k L2-normalised, g <= 0, beta in
+  [0, 1], all finite), a ValueError naming the violated condition instead of a NaN output.
   """
   implementation = _implementation(impl, 'kda')
   q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
   initial_state = None if initial_state is None else jnp.asarray(initial_state)
+  if check_inputs:
+    _check_sequence_inputs(f'kda impl={impl!r}', q, k, v, g, beta, initial_state)
+    check_contract(q, k, None if a_log is not None else g, beta)
   gate = None
   if a_log is not None or dt_bias is not None:  # checked before XLA forms g from them
     _, _, h, dk, _ = _check_sequence_inputs(f'kda impl={impl!r}', q, k, v, g, beta, initial_state)

@@ -106,3 +106,16 @@ def describe(config: ml_collections.ConfigDict, params) -> str | None:
   """The start-up table of which parameter uses which rule (None for plain 'adamw')."""
   r = routing(config)
   return r.table(params) if r is not None else None
+
+
+def routing_summary(config: ml_collections.ConfigDict, params) -> str | None:
+  """describe() in one line: parameters and arrays per rule (None for plain 'adamw')."""
+  r = routing(config)
+  if r is None:
+    return None
+  counts: dict[str, list[int]] = {}
+  for leaf, route in zip(jax.tree.leaves(params), jax.tree.leaves(r.routes(params))):
+    n = counts.setdefault(route.rule, [0, 0])
+    n[0] += int(leaf.size)
+    n[1] += 1
+  return ', '.join(f'{rule} on {n:,} parameters ({arrays} arrays)' for rule, (n, arrays) in sorted(counts.items()))

@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from kimijax.optim.boxes import accept_boxed
 from kimijax.optim.routing import ADAMW, MUON, MatrixView, Routing, path_names
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -303,7 +304,7 @@ def muon(
     per_head=per_head, muon_mask=muon_mask, muon_views=muon_views, mla_views=mla_views, router=moe_router
   )
   tail = lambda: (optax.add_decayed_weights(weight_decay), optax.scale_by_learning_rate(learning_rate))
-  return optax.partition(
+  partition = optax.partition(
     {
       MUON: optax.chain(
         scale_by_muon(
@@ -322,3 +323,4 @@ def muon(
     },
     routing.labels,
   )
+  return accept_boxed(partition)  # model.init's boxed parameters route as the plain ones do

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from kimijax.optim.boxes import accept_boxed
+
 # (module params, gamma [H] fp32) -> {param name: factor} or None when the rule does not apply.
 ClipRule = Callable[[Mapping[str, Any], jax.Array], 'dict[str, jax.Array] | None']
 
@@ -127,7 +129,7 @@ def qk_clip(tau: float = 100.0) -> optax.GradientTransformationExtraArgs:
       updates = _replace(updates, path, jnp.where(f != 1.0, rewritten, u))
     return updates, QKClipState(clipped)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return accept_boxed(optax.GradientTransformationExtraArgs(init, update))  # model.init's params too
 
 
 def _get(tree, path):

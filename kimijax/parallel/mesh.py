@@ -24,8 +24,9 @@ def mesh_axes(mesh_cfg: ml_collections.ConfigDict) -> tuple[str, ...]:
   return tuple(a for a in MESH_AXES if a != 'expert' or mesh_cfg.get('expert', 1) != 1)
 
 
-def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[int, ...]:
-  """Sizes of mesh_axes(mesh_cfg); a -1 takes the devices the other axes leave."""
+def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int, platform: str | None = None) -> tuple[int, ...]:
+  """Sizes of mesh_axes(mesh_cfg); a -1 takes the devices the other axes leave. `platform`
+  'cpu': a mesh that needs more devices says how to get them."""
   axes = mesh_axes(mesh_cfg)
   sizes = [mesh_cfg[a] for a in axes]
   given = ', '.join(f'mesh.{a}={s}' for a, s in zip(axes, sizes))
@@ -34,21 +35,27 @@ def mesh_shape(mesh_cfg: ml_collections.ConfigDict, num_devices: int) -> tuple[i
       f'at most one mesh axis may be -1 (it takes the devices the others leave); got {given} for {num_devices} devices'
     )
   fixed = math.prod(s for s in sizes if s != -1)
+  more = (
+    f'; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={fixed} (set before the command) makes '
+    f'{fixed} CPU devices'
+    if platform == 'cpu' and fixed > num_devices
+    else ''
+  )
   if -1 in sizes:
     if num_devices % fixed:
-      raise ConfigError(f'{given}: the fixed axes (product {fixed}) do not divide the {num_devices} devices')
+      raise ConfigError(f'{given}: the fixed axes (product {fixed}) do not divide the {num_devices} devices{more}')
     sizes[sizes.index(-1)] = num_devices // fixed
   if math.prod(sizes) != num_devices:
     raise ConfigError(
       f'{" * ".join(f"mesh.{a}" for a in axes)} = {math.prod(sizes)} but there are '
-      f'{num_devices} devices; set one axis to -1 to use all devices'
+      f'{num_devices} devices; set one axis to -1 to use all devices{more}'
     )
   return tuple(sizes)
 
 
 def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices=None) -> Mesh:
   devices = jax.devices() if devices is None else list(devices)
-  shape, axes = mesh_shape(mesh_cfg, len(devices)), mesh_axes(mesh_cfg)
+  shape, axes = mesh_shape(mesh_cfg, len(devices), devices[0].platform), mesh_axes(mesh_cfg)
   return jax.make_mesh(shape, axes, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
 
 

@@ -147,6 +147,34 @@ def schedule_changes(saved: dict | None, config: ml_collections.ConfigDict) -> l
   ]
 
 
+def resume_differences(saved: dict | None, config: ml_collections.ConfigDict, since: str = 'the checkpoint'):
+  """The one rule for continuing a run under `config`, run.py's resume and the workflows' run
+  folders alike: (errors, notices) between `saved`, the config the run was saved with, and
+  `config`. A different model (MUST_MATCH less MAY_DIFFER) or optimizer.name is an error (the
+  saved state means something else); any other difference is a notice, the run continuing under
+  the new value: the schedule keys (SCHEDULE_KEYS) first, e.g. a longer train.steps, then the rest."""
+  if not saved:
+    return [], []
+  errors = config_mismatches(saved, config)
+  refused = {e.split(':')[0] for e in errors}
+  notices = [
+    f'{d} since {since} (the run continues under the new value; the learning rate follows the new '
+    'schedule from the restored step)'
+    for d in config_differences(saved, config, SCHEDULE_KEYS)
+  ]
+  notices += [
+    f'{d} since {since} (the run continues under the new value)'
+    for d in config_differences(saved, config)
+    if d.split(':')[0] not in refused and d.split(':')[0] not in SCHEDULE_KEYS
+  ]
+  return errors, notices
+
+
+def resume_notices(saved: dict | None, config: ml_collections.ConfigDict) -> list[str]:
+  """resume_differences' notices (its errors stop the restore first)."""
+  return resume_differences(saved, config)[1]
+
+
 def _leaf_checksum(x):
   """[2] uint32: sum of the leaf's 32-bit words and sum of word * (2 * index + 1), mod 2**32.
   Integer sums are exact in any order, so the result does not depend on the sharding."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
+import signal
 import sys
 import time
 
@@ -15,11 +17,20 @@ from kimijax import config as config_lib
 from kimijax.data import data_report, eval_batches, make_loader
 from kimijax.model import Transformer, count_params, inference_variables
 from kimijax.ops import attention as attention_ops, moe as moe_ops
-from kimijax.optim import describe as describe_optimizer
+from kimijax.optim import describe as describe_optimizer, routing_summary
 from kimijax.parallel import mesh as mesh_lib
-from kimijax.train import checkpoint as ckpt_lib, lock as lock_lib, metrics as metrics_lib
+from kimijax.train import (
+  checkpoint as ckpt_lib,
+  flops as flops_lib,
+  lock as lock_lib,
+  memory as memory_lib,
+  metrics as metrics_lib,
+)
 from kimijax.train.interrupt import Interrupted, StopOnInterrupt
 from kimijax.train.step import build_training, computes_max_logits
+
+# The Muon routing table (each parameter's rule and matrix view), written into the run folder.
+ROUTING_FILE = 'optimizer_routing.txt'
 
 
 class NonFiniteError(FloatingPointError):
@@ -53,13 +64,42 @@ def _train_record(step: int, m: dict) -> dict:
 def check_attention_impl(config: ml_collections.ConfigDict, devices=None) -> None:
   """ConfigError when the attention layers' implementation cannot run on `devices` (default: all)
   with the model's compute dtype (a GPU implementation off the GPU or in float32): one message
-  naming model.attn_impl, before anything compiles."""
+  naming model.attn_impl, before anything compiles. Off the GPU it suggests model.attn_impl='xla'
+  only where the step would then fit this machine's memory (kimijax.train.memory)."""
   if 'A' not in config_lib.layer_kinds(config.model):
     return
-  platform = (devices or jax.devices())[0].platform
-  problem = attention_ops.unsupported(config.model.attn_impl, config.model.compute_dtype, platform)
-  if problem:
-    raise config_lib.ConfigError(problem)
+  devices = list(devices or jax.devices())
+  platform = devices[0].platform
+  impl = config.model.attn_impl
+  problem = attention_ops.unsupported(impl, config.model.compute_dtype, platform)
+  if not problem:
+    return
+  if platform != 'gpu' and attention_ops.unsupported(impl, 'bfloat16', platform):  # the platform, not the dtype
+    portable = config.copy_and_resolve_references()
+    portable.model = config_lib.portable(config.model)
+    try:
+      memory_lib.check(
+        portable, devices, flops_lib.count(flops_lib.abstract_params(config)), _mesh_sizes(config, devices)
+      )
+      advice = "use model.attn_impl='xla' off the GPU"
+    except memory_lib.MemoryLimitError as e:
+      advice = f"with model.attn_impl='xla' {e}"
+    problem = f'attention impl={impl!r} needs an NVIDIA GPU, but JAX runs on {platform!r} here; {advice}'
+  raise config_lib.ConfigError(problem)
+
+
+def _mesh_sizes(config: ml_collections.ConfigDict, devices) -> dict[str, int]:
+  """{'data', 'fsdp', 'tensor'} sizes of the mesh config.mesh makes of `devices`."""
+  devices = list(devices)
+  return dict(zip(mesh_lib.mesh_axes(config.mesh), mesh_lib.mesh_shape(config.mesh, len(devices), devices[0].platform)))
+
+
+def check_memory(config: ml_collections.ConfigDict, devices=None) -> None:
+  """MemoryLimitError, naming the batch, the sequence length and the estimate, when the train step
+  would not fit the devices' memory (kimijax.train.memory); before anything compiles."""
+  devices = list(devices or jax.devices())
+  n_params = flops_lib.count(flops_lib.abstract_params(config))
+  memory_lib.check(config, devices, n_params, _mesh_sizes(config, devices))
 
 
 def check_moe_impl(config: ml_collections.ConfigDict, devices=None) -> None:
@@ -127,9 +167,52 @@ def _final_losses(workdir: pathlib.Path, upto: int) -> tuple[float | None, float
   return last('loss'), last('eval_loss')
 
 
+def summary_text(summary: dict) -> str:
+  """run.py's summary of a finished train(): this run's steps, tokens, time and rate, and with a resume
+  the run's total."""
+  start, steps, seconds = summary.get('start_step', 0), summary['steps'], summary['seconds']
+  run_tokens = summary.get('run_tokens', summary['tokens'])
+  lines = [
+    'done.',
+    f'  parameters   {summary["params"] / 1e6:.2f}M',
+    f'  this run     steps {start + 1}-{steps}: {run_tokens:,} tokens in {seconds:.0f} s, '
+    f'{run_tokens / max(seconds, 1e-9):,.0f} tokens/s (compilation and evals included)',
+  ]
+  if start:
+    lines.append(f'  in all       {steps} steps, {summary["tokens"]:,} tokens (resumed from step {start})')
+  lines += [
+    f'  final loss   train {_fmt_loss(summary["final_loss"])}, eval {_fmt_loss(summary["eval_loss"])} (nats/token)',
+    f'  outputs      {summary["workdir"]}/ (metrics.jsonl, checkpoints/, tensorboard/, loss.png)',
+  ]
+  return '\n'.join(lines)
+
+
+def _fmt_loss(x) -> str:
+  return 'n/a' if x is None else f'{x:.4f}'
+
+
 def run_title(workdir: pathlib.Path, n_params: int, tokens: int) -> str:
   """The loss plot's title: the run's name, its parameters and tokens trained."""
   return f'{workdir.absolute().name}: {n_params / 1e6:.2f}M parameters, {tokens:,} tokens'
+
+
+def _latest_complete_step(workdir: pathlib.Path) -> int | None:
+  """The newest complete checkpoint's step in DIR/checkpoints, read without opening (or creating)
+  it: orbax names a complete checkpoint by its step and one being written otherwise."""
+  directory = workdir / 'checkpoints'
+  steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
+  return max(steps, default=None)
+
+
+def _remove_created(workdir: pathlib.Path, before: set[str], created: bool) -> None:
+  """Removes the entries of workdir that are not in `before` (taken under this run's lock), and
+  workdir itself if this run `created` it and it is then empty."""
+  for path in workdir.iterdir() if workdir.is_dir() else []:
+    if path.name not in before and path.name != lock_lib.LOCK_NAME:
+      shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+  if created and workdir.is_dir() and not [p for p in workdir.iterdir() if p.name != lock_lib.LOCK_NAME]:
+    (workdir / lock_lib.LOCK_NAME).unlink(missing_ok=True)
+    workdir.rmdir()
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, devices=None) -> dict:
@@ -137,7 +220,11 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
 
   Process 0 holds a lock on the workdir for the run's life (kimijax.train.lock). A run whose
   checkpoint already reached train.steps writes nothing and returns summary['already_finished'].
-  SIGINT stops between steps and raises kimijax.train.interrupt.Interrupted."""
+  A stop signal (Ctrl-C, SIGTERM, SIGUSR1: kimijax.train.interrupt) stops after the current step,
+  saves a checkpoint of it within train.preemption_grace_s and raises Interrupted. A train step that
+  would not fit the devices' memory stops before anything compiles (kimijax.train.memory). A run
+  that stops before its first step completes removes what it created in workdir, so that a re-run
+  finds the folder as it was."""
   config_lib.validate(config)
   workdir = pathlib.Path(workdir)
   pid, nproc = jax.process_index(), jax.process_count()
@@ -147,6 +234,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
   lock_lib.check_workdir(workdir)
   check_attention_impl(config, devices)
   check_moe_impl(config, devices)
+  if (_latest_complete_step(workdir) or 0) < t.steps:  # a finished run only reports
+    check_memory(config, devices)
   train_loader = make_loader(config, 'train', process_index=pid, process_count=nproc)
   if config.model.vocab_size < train_loader.vocab_size:
     raise config_lib.ConfigError(
@@ -154,18 +243,43 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
     )
   val_local = eval_batches(config, t.eval_batches, process_index=pid, process_count=nproc)
   mesh = mesh_lib.make_mesh(config.mesh, devices)
+  created = not workdir.exists()
   lock = lock_lib.WorkdirLock(workdir, ' '.join(sys.argv)) if pid == 0 else None
   if lock is not None:
     lock.acquire()
+  before = {p.name for p in workdir.iterdir()} if workdir.is_dir() else set()  # under the lock
+  progress = {'first_step': False}  # set once a step has completed (and config.json is written)
   try:
-    with StopOnInterrupt() as stop:
-      return _train_locked(config, workdir, mesh, train_loader, val_local, stop)
+    with StopOnInterrupt(t.preemption_grace_s, on_expiry=lock.release if lock is not None else None) as stop:
+      return _train_locked(config, workdir, mesh, train_loader, val_local, stop, progress)
+  except BaseException:
+    if pid == 0 and not progress['first_step']:
+      _remove_created(workdir, before, created)
+    raise
   finally:
     if lock is not None:
       lock.release()
 
 
-def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, stop) -> dict:
+def _first_step(train_step, state, batch, config, mesh):
+  """The first train step (it compiles), with XLA's out-of-memory error as one MemoryLimitError."""
+  try:
+    return train_step(state, batch)
+  except jax.errors.JaxRuntimeError as e:
+    text = str(e)
+    if 'RESOURCE_EXHAUSTED' not in text and 'out of memory' not in text.lower():
+      raise
+    n_params = flops_lib.count(flops_lib.abstract_params(config))
+    devices = list(mesh.devices.flat)
+    estimate = memory_lib.describe(config, memory_lib.estimate(config, n_params), _mesh_sizes(config, devices))
+    first = text.strip().splitlines()[0][:200]
+    raise memory_lib.MemoryLimitError(
+      f'out of memory in the first train step; {estimate}; lower train.batch_size or train.seq_len, or set '
+      f'model.remat=True (XLA: {first})'
+    ) from None
+
+
+def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, stop, progress) -> dict:
   pid, t = jax.process_index(), config.train
   tokens_per_step = t.batch_size * t.seq_len
   checkpointer = ckpt_lib.Checkpointer(workdir / 'checkpoints', keep=t.keep_checkpoints)
@@ -192,12 +306,10 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
   if start is not None:
     state, data_state = checkpointer.restore(start, abstract_state, config)
     train_loader.set_state(data_state)
-    notices = ckpt_lib.schedule_changes(checkpointer.restored_config, config)
+    notices = ckpt_lib.resume_notices(checkpointer.restored_config, config)
   else:
     start = 0
     state = run.init_state(config)
-  if pid == 0:
-    (workdir / 'config.json').write_text(config.to_json(indent=2))
 
   batch_sharding = run.batch_sharding
   val_batches = [_to_global(b, batch_sharding) for b in val_local]
@@ -216,8 +328,17 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
     for notice in notices:
       print(f'notice: {notice}', flush=True)
     routing_table = describe_optimizer(config, abstract_state.params)
-    if routing_table:
-      print(f'optimizer {config.optimizer.name}: parameter routing\n{routing_table}', flush=True)
+    if routing_table:  # the whole table in the run folder; on the terminal one line unless asked
+      routing_file = workdir / ROUTING_FILE
+      routing_file.write_text(routing_table + '\n')
+      if t.print_routing:
+        print(f'optimizer {config.optimizer.name}: parameter routing\n{routing_table}', flush=True)
+      else:
+        print(
+          f'optimizer {config.optimizer.name}: {routing_summary(config, abstract_state.params)}; '
+          f'each parameter: {routing_file} (train.print_routing=True prints it)',
+          flush=True,
+        )
 
   def check(step: int, metrics: dict) -> None:
     if not bool(metrics['finite']):
@@ -238,13 +359,20 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
     for step in range(start + 1, t.steps + 1):
       if stopped_at is not None:
         break
-      state, metrics = train_step(state, _to_global(next(train_loader), batch_sharding))
+      batch = _to_global(next(train_loader), batch_sharding)
+      if interval_start is None:
+        state, metrics = _first_step(train_step, state, batch, config, mesh)
+      else:
+        state, metrics = train_step(state, batch)
       if pending is not None:
         check(*pending)  # one step behind, so the host does not stall the device
       pending = (step, metrics)
       if interval_start is None:  # the first step includes compilation: time from after it
         check(*pending)
         interval_start = time.time()
+        if pid == 0:  # written once a step has run: a run that never got here leaves no config behind
+          (workdir / 'config.json').write_text(config.to_json(indent=2))
+        progress['first_step'] = True
       else:
         interval_steps += 1
       last = step == t.steps
@@ -273,11 +401,12 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
         )
         if pid == 0:
           bar.write(f'step {step}: eval loss {eval_loss:.4f}')
-      if step % t.checkpoint_every == 0 or last:
-        check(*pending)
+      stopping = stop.requested  # read once: a signal from here on stops after the next step
+      if step % t.checkpoint_every == 0 or last or stopping:
+        check(*pending)  # a stop signal saves the step it stopped after: no step is lost
         checkpointer.save(step, state, train_loader.get_state(), config)
       bar.update(1)
-      if stop.requested:
+      if stopping:
         stopped_at = step
   finally:
     bar.close()
@@ -286,15 +415,18 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
   if stopped_at is not None:
     latest = checkpointer.latest_step()
     checkpointer.close()
-    raise Interrupted(stopped_at, latest, checkpointer.directory)
+    raise Interrupted(stopped_at, latest, checkpointer.directory, stop.signum or signal.SIGINT)
   checkpointer.close()
 
+  seconds = time.time() - started
   summary = {
     'params': n_params,
     **({'active_params': n_params - inactive} if inactive else {}),
     'steps': t.steps,
     'tokens': t.steps * tokens_per_step,
-    'seconds': time.time() - started,
+    'start_step': start,  # this run trained steps start + 1 .. steps
+    'run_tokens': (t.steps - start) * tokens_per_step,
+    'seconds': seconds,  # this run's, from its first step (compilation and evals included)
     'final_loss': last_loss,
     'eval_loss': eval_loss,
     'workdir': str(workdir.absolute()),

@@ -98,3 +98,40 @@ def test_bad_sweeps_are_refused_before_training(tmp_path):
   with pytest.raises(ConfigError, match='optimizer.name'):
     sweep.plan(config, sweep.named(sweep.parse_axes(['optimizer.name=adamw,sgd'], config)), 1, tmp_path)
   assert not (tmp_path / 'runs').exists()
+
+
+def test_run_folders_follow_run_pys_rule_on_a_changed_config(tmp_path):
+  """One rule for run.py's resume and a workflow's run folder (kimijax.train.checkpoint.
+  resume_differences): a longer train.steps, or any key outside the model and optimizer.name, is a
+  notice; a different model is the error naming the key."""
+  config = make_config(TINY_MQAR)
+  (tmp_path / 'config.json').write_text(config.to_json())
+  assert runs.check_folder(tmp_path, config) == []
+  longer = make_config({**TINY_MQAR, 'train.steps': 8, 'train.log_every': 2})
+  notices = runs.check_folder(tmp_path, longer)
+  assert [n.split(' since')[0] for n in notices] == ['train.steps: 4 -> 8', 'train.log_every: 1 -> 2']
+  assert 'the learning rate follows the new schedule' in notices[0]
+  wider = make_config({**TINY_MQAR, 'model.d_model': 64})
+  with pytest.raises(runs.WorkflowError, match=r'holds a run of another config \(model\.d_model: 32 -> 64\)'):
+    runs.check_folder(tmp_path, wider)
+
+
+@pytest.mark.long
+def test_a_finished_run_continues_to_a_longer_train_steps(tmp_path, capsys):
+  """A sweep's finished run whose train.steps grew is continued from its last checkpoint, as run.py
+  continues it (it used to be refused as "a run of another config"); one whose train.steps shrank
+  is reused as it finished."""
+  run_dir = tmp_path / 'run'
+  short = runs.train_run(make_config({**TINY_MQAR, 'train.steps': 2}), run_dir, devices=ONE)
+  assert short['steps'] == 2
+  capsys.readouterr()
+  longer = runs.train_run(make_config({**TINY_MQAR, 'train.steps': 4}), run_dir, devices=ONE)
+  out = capsys.readouterr().out
+  assert f'{run_dir}: finished at step 2; continuing it to train.steps=4' in out
+  assert 'resuming from step 2' in out and 'notice: train.steps: 2 -> 4 since the checkpoint' in out
+  assert longer['steps'] == 4 and [s for s, _ in longer['curves']['train']] == [1, 2, 3, 4]
+  assert json.loads((run_dir / 'done.json').read_text())['steps'] == 4
+  again = runs.train_run(make_config({**TINY_MQAR, 'train.steps': 2}), run_dir, devices=ONE)
+  out = capsys.readouterr().out
+  assert 'finished earlier, reused' in out and 'notice: train.steps: 4 -> 2 since the run was saved' in out
+  assert again['steps'] == 4 and again['final_eval_loss'] == longer['final_eval_loss']

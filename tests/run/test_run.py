@@ -96,6 +96,22 @@ def _cases(tmp: pathlib.Path) -> dict:
       + ['--config.model.layer_pattern=KA', '--config.model.kda_head_dim=24', '--config.model.short_conv_impl=pallas'],
       "ConfigError: model.short_conv_impl='pallas' needs the KDA head dim",
     ),
+    'mesh needs more cpu devices': (
+      run + ['--config=configs/default.py', f'--workdir={tmp}/mesh', '--config.mesh.data=2'] + TINY_FLAGS,
+      'on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=2 (set before the command) makes 2 CPU devices',
+    ),
+    # A GPU-sized config (x4 its batch, beyond any CPU host) stops on its memory in seconds, before
+    # compiling for minutes into an XLA out-of-memory error, and creates no workdir.
+    'gpu-sized step on a cpu': (
+      run + ['--config=configs/bench_350m.py:xla', f'--workdir={tmp}/big', '--config.train.batch_size=64'],
+      'MemoryLimitError: the train step at train.batch_size=64 x train.seq_len=4096 needs about',
+    ),
+    # The GPU attention's message does not suggest model.attn_impl='xla', which cannot fit either.
+    'gpu config on a cpu': (
+      run + ['--config=configs/bench_350m.py', f'--workdir={tmp}/gpu', '--config.train.batch_size=64'],
+      "ConfigError: attention impl='gpu' needs an NVIDIA GPU, but JAX runs on 'cpu' here; "
+      "with model.attn_impl='xla' the train step at train.batch_size=64 x train.seq_len=4096 needs about",
+    ),
     'peers never come': (
       run
       + [
@@ -126,6 +142,7 @@ def results(tmp_path_factory):
   for name, proc in procs.items():
     stdout, stderr = proc.communicate(timeout=300)
     out[name] = (proc.returncode, stdout, stderr, cases[name][1])
+  out['tmp'] = tmp
   return out
 
 
@@ -144,6 +161,9 @@ CASE_NAMES = [
   'nan stop',
   'tokamax off the gpu',
   'kda kernels head dim',
+  'mesh needs more cpu devices',
+  'gpu-sized step on a cpu',
+  'gpu config on a cpu',
   'peers never come',
 ]
 
@@ -154,6 +174,10 @@ def test_one_clear_message_and_nonzero_exit(results, name):
   assert rc not in (0, None), (name, rc)
   assert expected in stderr, (name, stderr[-2000:])
   assert 'Traceback' not in stderr and 'Fatal Python error' not in stderr, (name, stderr[-3000:])
+
+
+def test_a_run_refused_on_its_memory_leaves_no_workdir(results):
+  assert not (results['tmp'] / 'big').exists() and not (results['tmp'] / 'gpu').exists()
 
 
 def test_waiting_process_says_what_it_waits_for(results):
@@ -179,6 +203,13 @@ def test_mode_config_prints_resolved_config_and_parameter_counts():
   total = re.search(r'total\s+([\d,]+)', proc.stdout)
   assert total and int(total.group(1).replace(',', '')) == want, proc.stdout[-1500:]
   assert 'attention_kind: gqa' in proc.stdout and 'num_kv_heads: 2' in proc.stdout
+  # The mesh rules as a table (they were ~50 lines of YAML's !!python/tuple), one row per rule.
+  assert '!!python' not in proc.stdout
+  rules = proc.stdout.split('mesh.rules (logical axis -> mesh axes):\n', 1)[1].split('parameters:')[0].splitlines()
+  from kimijax.config import DEFAULT_RULES
+
+  shown = lambda axes: 'replicated' if axes is None else axes if isinstance(axes, str) else ', '.join(axes)
+  assert [r.split(None, 1) for r in rules] == [[name, shown(axes)] for name, axes in DEFAULT_RULES]
 
 
 def _allowed_variants(config_file: pathlib.Path) -> list[str]:

@@ -296,6 +296,48 @@ def test_schedule_changes_lists_each_changed_key():
   assert [l.split(' since')[0] for l in lines] == ['train.steps: 3 -> 9', "optimizer.schedule: 'cosine' -> 'wsd'"]
 
 
+def test_muon_routing_is_one_line_and_a_file_and_a_resumed_summary_counts_this_run(tmp_path, capsys):
+  """Muon's routing table goes to DIR/optimizer_routing.txt and the terminal gets one line (the table
+  with train.print_routing=True); the summary after a resume gives this run's steps and tokens
+  beside the run's total (it used to divide all tokens by this run's seconds)."""
+  base = {
+    **TINY,
+    'train.steps': 2,
+    'train.eval_every': 10,
+    'train.checkpoint_every': 1,
+    'train.plot': False,
+    'optimizer.name': 'muon',
+    'data.source': 'mqar',
+    'data.mqar_num_pairs': 4,
+  }
+  _train(make_config(base), tmp_path)
+  out = capsys.readouterr().out
+  routing = tmp_path / 'optimizer_routing.txt'
+  table = routing.read_text().rstrip('\n')
+  assert table.splitlines()[0].split() == ['parameter', 'shape', 'rule', 'matrix', 'view', 'why']
+  line = re.search(
+    r'optimizer muon: adamw on ([\d,]+) parameters \((\d+) arrays\), muon on ([\d,]+) parameters \((\d+) arrays\); '
+    rf'each parameter: {re.escape(str(routing))} \(train\.print_routing=True prints it\)',
+    out,
+  )
+  assert line, out[-2000:]
+  totals = re.fullmatch(r'muon: ([\d,]+) parameters, adamw: ([\d,]+) parameters', table.splitlines()[-1])
+  assert (line.group(3), line.group(1)) == totals.groups()
+  rows = table.splitlines()[2:-1]
+  assert int(line.group(2)) + int(line.group(4)) == len(rows)
+  assert table.splitlines()[0] not in out
+
+  summary = _train(make_config({**base, 'train.steps': 3, 'train.print_routing': True}), tmp_path)
+  out = capsys.readouterr().out
+  assert table in out
+  tokens = 4 * 64
+  assert (summary['start_step'], summary['run_tokens'], summary['tokens']) == (2, tokens, 3 * tokens)
+  text = loop_lib.summary_text(summary)
+  rate = tokens / summary['seconds']
+  assert f'this run     steps 3-3: {tokens:,} tokens in {summary["seconds"]:.0f} s, {rate:,.0f} tokens/s' in text
+  assert f'in all       3 steps, {3 * tokens:,} tokens (resumed from step 2)' in text
+
+
 # ------------------------------------------------------------------- eval details
 
 

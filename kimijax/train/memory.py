@@ -1,0 +1,198 @@
+"""An estimate of a train step's memory from the config alone, checked before anything compiles.
+
+A config sized for a GPU, run on a CPU (or a batch too large for the GPU at hand), would otherwise
+compile for minutes and then stop in an out-of-memory error of XLA's. `check(config, devices)`
+stops first, with one line naming train.batch_size, train.seq_len and the estimate.
+
+The estimate is a sum of the arrays a step keeps alive at its peak, per device:
+
+  state        parameters (float32) and the optimizer's moments: AdamW two per parameter, Muon one
+               (its AdamW side is a few vectors and the embedding, counted at one as well)
+  gradients    one float32 array per parameter, plus one for the update being applied
+  activations  what the backward pass keeps, per token and layer (c bytes of model.compute_dtype,
+               r of model.residual_dtype, D = d_model, F = mlp_dim, H heads of Dh):
+                 each sublayer's input h and its normed input          2 (r + c) D
+                 SwiGLU: gate, up and their product                    3 c F
+                   (MoE: each of the top_k + num_shared experts'        3 c F_e (k + s) + c k D
+                   and the top_k routed copies of the input)
+                 attention: q, k, v and the output                     c (2 H Dh + 2 Hkv Dh)
+                   with model.attn_impl='xla' also the logits and      8 H T (float32, all T keys)
+                   the probabilities
+                 KDA: q, k, v, the output and its gate; the float32    5 c H Dh + 4 H Dh
+                   log-decay g
+               With model.remat=True only each layer's input is kept, and one layer's activations
+               while its backward runs.
+  logits       float32 [B, T, V]
+
+XLA reuses buffers and fuses; the estimate is meant to be of the right size, not exact, and to
+err low: it refuses only what would not run (tests/train/test_memory.py compares it with XLA's own
+memory analysis of compiled steps). The device's memory: a GPU's allocator limit
+(`memory_stats()['bytes_limit']`); on a CPU, the host's available memory (/proc/meminfo
+MemAvailable), shared by all its devices. train.check_memory=False skips the check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import ml_collections
+
+from kimijax import config as config_lib
+from kimijax.schema import ConfigError
+
+GiB = 2**30
+
+
+class MemoryLimitError(ConfigError):
+  """The train step needs more memory than the device has; the message names the batch, the
+  sequence length and the estimate."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """Bytes of one train step, in all (over all devices), by part."""
+
+  state: int
+  gradients: int
+  activations: int
+  logits: int
+
+  @property
+  def total(self) -> int:
+    return self.state + self.gradients + self.activations + self.logits
+
+  def per_device(self, mesh_sizes: dict[str, int]) -> int:
+    """Bytes per device on a mesh of {'data', 'fsdp', 'tensor'[, 'expert']} sizes: parameters and
+    optimizer state split over fsdp x tensor (replicated across data), activations over every axis."""
+    model_ways = mesh_sizes.get('fsdp', 1) * mesh_sizes.get('tensor', 1)
+    all_ways = model_ways * mesh_sizes.get('data', 1) * mesh_sizes.get('expert', 1)
+    return (self.state + self.gradients) // model_ways + (self.activations + self.logits) // all_ways
+
+
+def _bytes(dtype: str) -> int:
+  return 2 if dtype == 'bfloat16' else 4
+
+
+def _mlp_bytes(model: ml_collections.ConfigDict, c: int) -> int:
+  """Bytes per token the backward keeps of the MLP: SwiGLU's gate, up and product; in an MoE
+  model (counted for every layer) those of the top_k + num_shared experts and the routed inputs."""
+  if model.mlp_kind != 'moe':
+    return 3 * c * model.mlp_dim
+  experts = model.moe.top_k + model.moe.num_shared
+  return c * (3 * config_lib.moe_hidden(model)[0] * experts + model.moe.top_k * model.d_model)
+
+
+def layer_activation_bytes(model: ml_collections.ConfigDict, kind: str, seq_len: int) -> int:
+  """Bytes per token that the backward keeps of one layer ('A' or 'K' mixer and its MLP)."""
+  c, r, d = _bytes(model.compute_dtype), _bytes(model.residual_dtype), model.d_model
+  total = 2 * (r + c) * d + _mlp_bytes(model, c)  # two sublayers' inputs and normed inputs; the MLP
+  if kind == 'K':
+    heads, head_dim = config_lib.kda_dims(model)
+    return total + 5 * c * heads * head_dim + 4 * heads * head_dim
+  heads = model.num_heads
+  if model.attention_kind == 'mla':
+    nope = model.mla_qk_nope_head_dim or d // heads
+    qk, v = nope + model.mla_qk_rope_head_dim, model.mla_v_head_dim or nope
+    total += c * (heads * (2 * qk + 2 * v) + model.mla_kv_lora_rank)
+  else:
+    head_dim = d // heads
+    total += c * (2 * heads * head_dim + 2 * config_lib.num_kv_heads(model) * head_dim)
+  if model.attn_impl == 'xla':  # the [B, H, T, T] logits and probabilities, float32
+    total += 8 * heads * seq_len
+  return total
+
+
+def estimate(config: ml_collections.ConfigDict, n_params: int) -> Estimate:
+  """The step's memory (see the module docstring) for a model of n_params parameters."""
+  m, t = config.model, config.train
+  tokens = t.batch_size * t.seq_len
+  moments = 2 if config.optimizer.name == 'adamw' else 1
+  per_layer = [layer_activation_bytes(m, kind, t.seq_len) for kind in config_lib.layer_kinds(m)]
+  if m.remat:  # each layer's input kept; one layer's activations live during its backward
+    kept = len(per_layer) * _bytes(m.residual_dtype) * m.d_model + max(per_layer)
+  else:
+    kept = sum(per_layer)
+  return Estimate(
+    state=4 * n_params * (1 + moments),
+    gradients=2 * 4 * n_params,
+    activations=tokens * kept,
+    logits=4 * tokens * m.vocab_size,
+  )
+
+
+def _host_available_bytes() -> int | None:
+  try:
+    with open('/proc/meminfo') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def device_memory(devices) -> tuple[int, str] | None:
+  """(bytes one device may use, what that is) for `devices`; None where it cannot be told. On a
+  CPU every device shares the host's memory, so the bytes are the host's available memory
+  divided by the number of devices."""
+  devices = list(devices)
+  if devices[0].platform == 'cpu':
+    available = _host_available_bytes()
+    if available is None:
+      return None
+    return available // len(devices), f"this host's {available / GiB:.1f} GiB of available memory"
+  limits = []
+  for device in devices:
+    if device.process_index != jax.process_index():
+      continue
+    try:
+      stats = device.memory_stats() or {}
+    except Exception:  # a backend without memory statistics
+      return None
+    if 'bytes_limit' in stats:
+      limits.append(int(stats['bytes_limit']))
+  if not limits:
+    return None
+  return min(limits), f'the {min(limits) / GiB:.1f} GiB of memory XLA may use on each {devices[0].device_kind}'
+
+
+def describe(config: ml_collections.ConfigDict, est: Estimate, mesh_sizes: dict[str, int]) -> str:
+  t = config.train
+  ways = math.prod(mesh_sizes.values())
+  where = f' per device of {ways}' if ways > 1 else ''
+  return (
+    f'the train step at train.batch_size={t.batch_size} x train.seq_len={t.seq_len} needs about '
+    f'{est.per_device(mesh_sizes) / GiB:.1f} GiB{where} (estimated: parameters and optimizer state '
+    f'{est.state / GiB:.1f} GiB, gradients {est.gradients / GiB:.1f} GiB, activations '
+    f'{est.activations / GiB:.1f} GiB, logits {est.logits / GiB:.1f} GiB in all)'
+  )
+
+
+def check(config: ml_collections.ConfigDict, devices, n_params: int, mesh_sizes: dict[str, int]) -> None:
+  """MemoryLimitError when the estimate exceeds what each device may use (nothing when that
+  cannot be told, or with train.check_memory=False)."""
+  if not config.train.check_memory:
+    return
+  memory = device_memory(devices)
+  if memory is None:
+    return
+  limit, what = memory
+  est = estimate(config, n_params)
+  if est.per_device(mesh_sizes) <= limit:
+    return
+  advice = []
+  if not config.model.remat:
+    with_remat = config.copy_and_resolve_references()
+    with_remat.model.remat = True
+    need = estimate(with_remat, n_params).per_device(mesh_sizes)
+    if need <= limit:
+      advice.append(f'set model.remat=True (about {need / GiB:.1f} GiB)')
+  advice.append('lower train.batch_size or train.seq_len')
+  if devices[0].platform == 'cpu':
+    advice.append('use a config sized for a CPU, such as configs/default.py')
+  raise MemoryLimitError(
+    f'{describe(config, est, mesh_sizes)}, more than {what}: {", or ".join(advice)} '
+    '(train.check_memory=False skips this check)'
+  )

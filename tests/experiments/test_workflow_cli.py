@@ -1,0 +1,103 @@
+"""The workflows' command lines as a user meets them: each --help lists the workflow's own flags
+(absl shows only the flags of the program's file, so flags defined in a shared module used to
+need --helpfull), and an ablation takes --config.KEY=VALUE overrides of its base config as run.py
+does, refusing an unknown key or a key its arms set with one line, before any training."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ABLATION_FLAGS = ['--scale', '--workdir', '--seeds', '--arms', '--publish']
+WORKFLOWS = {
+  'experiments.sweep': ['--config', '--sweep', '--seeds', '--workdir', '--publish', '--title'],
+  'experiments.scaling_ladder': [
+    '--config',
+    '--workdir',
+    '--variants',
+    '--time_budget_s',
+    '--publish',
+    '--report_only',
+    '--drop_finished_checkpoints',
+  ],
+  'experiments.compare_optimizers': ['--config', '--optimizers', '--seeds', '--workdir', '--publish'],
+  **{
+    f'experiments.ablations.{p.stem}': ABLATION_FLAGS
+    for p in sorted((ROOT / 'experiments' / 'ablations').glob('*.py'))
+    if p.stem not in ('__init__', 'common')
+  },
+}
+
+
+def _env():
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env['JAX_PLATFORMS'] = 'cpu'
+  return env
+
+
+def _popen(args):
+  return subprocess.Popen(
+    [sys.executable, '-m', *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
+
+
+@pytest.fixture(scope='module')
+def helps():
+  procs = {module: _popen([module, '--help']) for module in WORKFLOWS}
+  return {module: (proc.communicate(timeout=300), proc.returncode) for module, proc in procs.items()}
+
+
+@pytest.mark.parametrize('module', list(WORKFLOWS))
+def test_help_lists_the_workflows_own_flags(helps, module):
+  (out, err), rc = helps[module]
+  assert rc in (0, 1) and 'Traceback' not in err, err[-2000:]  # absl's --help exits with 1
+  listed = out.split('\nflags:\n', 1)[-1]
+  for flag in WORKFLOWS[module]:
+    name = flag.removeprefix('--')
+    assert f'  --{name}:' in listed or f'  --[no]{name}:' in listed, (module, flag, listed[-2000:])
+  if '.ablations.' in module:
+    assert 'Every ablation also takes --config.KEY=VALUE' in out
+
+
+@pytest.mark.parametrize(
+  'override, message',
+  [
+    ('--config.train.stepz=3', "ConfigError: unknown config key 'train.stepz'; known keys in 'train'"),
+    ('--config.train.steps=ten', "ConfigError: train.steps='ten' is not an int"),
+    ('--config.optimizer.name=adamw', "WorkflowError: --config.optimizer.name: the arms ['muon', 'muonclip'] set"),
+  ],
+  ids=['unknown key', 'bad type', 'an arm key'],
+)
+def test_ablation_overrides_are_checked_before_training(tmp_path, override, message):
+  proc = _popen(['experiments.ablations.qk_clip', f'--workdir={tmp_path}', override])
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 1 and message in err and 'Traceback' not in err, err[-2000:]
+  assert not (tmp_path / 'runs').exists()
+
+
+@pytest.mark.long
+def test_an_ablation_trains_under_config_overrides(tmp_path):
+  small = {
+    'train.steps': 2,
+    'model.d_model': 32,
+    'model.num_layers': 1,
+    'model.num_heads': 2,
+    'model.mlp_dim': 64,
+    'train.seq_len': 32,
+    'train.batch_size': 2,
+    'train.eval_batches': 1,
+    'data.source': 'mqar',
+    'data.mqar_num_pairs': 4,
+  }
+  args = ['experiments.ablations.qk_clip', f'--workdir={tmp_path}', '--seeds=1', '--arms=muon']
+  proc = _popen(args + [f'--config.{k}={v}' for k, v in small.items()])
+  out, err = proc.communicate(timeout=600)
+  assert proc.returncode == 0, err[-3000:]
+  saved = json.loads((tmp_path / 'runs' / 'muon,seed=0' / 'config.json').read_text())
+  assert saved['train']['steps'] == 2 and saved['model']['d_model'] == 32
+  assert saved['optimizer']['name'] == 'muon' and saved['optimizer']['qk_clip_tau'] == 5.0  # the ablation's own
+  assert (tmp_path / 'ablation.md').exists()

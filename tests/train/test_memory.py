@@ -1,0 +1,156 @@
+"""kimijax/train/memory.py: the step's memory estimate against XLA's own memory analysis of the
+compiled step (an independent account of the same step), and what a run does with it: a step that
+cannot fit stops before anything compiles with one line naming the batch, the sequence length and
+the estimate, and leaves no workdir behind; an out-of-memory error of XLA's in the first step is one
+such line too, and the run removes what it created."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from tiny_config import TINY
+
+from kimijax import config as config_lib
+from kimijax.optim import param_groups
+from kimijax.parallel import mesh as mesh_lib
+from kimijax.train import flops as flops_lib, loop as loop_lib, memory as memory_lib
+from kimijax.train.step import build_training, make_train_step
+
+ONE = jax.devices()[:1]
+SMALL = {'model.d_model': 128, 'model.num_layers': 2, 'model.num_heads': 2, 'model.mlp_dim': 384}
+
+
+def _config(overrides):
+  return config_lib.load('configs/default.py', {**SMALL, 'train.batch_size': 4, **overrides})
+
+
+def _compiled_bytes(config) -> int:
+  """Peak bytes of the compiled train step by XLA's buffer assignment: arguments, outputs and
+  temporaries, less what the donated state lets XLA reuse."""
+  mesh = mesh_lib.make_mesh(config.mesh, ONE)
+  run = build_training(config, mesh)
+  shape = (config.train.batch_size, config.train.seq_len)
+  batch = {
+    'inputs': jax.ShapeDtypeStruct(shape, jnp.int32, sharding=run.batch_sharding),
+    'targets': jax.ShapeDtypeStruct(shape, jnp.int32, sharding=run.batch_sharding),
+    'mask': jax.ShapeDtypeStruct(shape, jnp.float32, sharding=run.batch_sharding),
+  }
+  step = jax.jit(make_train_step(run.model, run.optimizer, run.schedule, param_groups(config)), donate_argnums=0)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(mesh_lib.rules(config.mesh)):
+    stats = step.lower(run.abstract_state, batch).compile().memory_analysis()
+  return (
+    stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+  )
+
+
+@pytest.mark.parametrize(
+  'overrides',
+  [
+    {'train.seq_len': 256},
+    {'train.seq_len': 512, 'model.remat': True},
+    {'train.seq_len': 256, 'optimizer.name': 'muon'},
+  ],
+  ids=['attention', 'remat', 'muon'],
+)
+def test_estimate_is_below_but_near_xla_memory_analysis(overrides):
+  """The estimate errs low (it must never refuse a step that runs) and within 2.5x of XLA's peak."""
+  config = _config(overrides)
+  estimate = memory_lib.estimate(config, flops_lib.count(flops_lib.abstract_params(config))).total
+  xla = _compiled_bytes(config)
+  assert 0.4 * xla <= estimate <= xla, (estimate, xla)
+
+
+def test_remat_and_longer_sequences_move_the_estimate_as_their_arrays_do():
+  """Closed forms of the activations term: attention 'xla' grows with T^2 (the probabilities), remat
+  keeps one layer's activations besides each layer's input."""
+  n = 10**6
+  base = _config({'train.seq_len': 256})
+  long = _config({'train.seq_len': 512})
+  remat = _config({'train.seq_len': 256, 'model.remat': True})
+  per_layer = memory_lib.layer_activation_bytes(base.model, 'A', 256)
+  d, f, h = 128, 384, 2
+  assert per_layer == 2 * 8 * d + 3 * 4 * f + 4 * 4 * d + 8 * h * 256  # float32 compute and residual
+  tokens = 4 * 256
+  assert memory_lib.estimate(base, n).activations == 2 * per_layer * tokens
+  assert memory_lib.estimate(remat, n).activations == tokens * (2 * 4 * d + per_layer)
+  long_layer = memory_lib.layer_activation_bytes(long.model, 'A', 512)
+  assert long_layer - per_layer == 8 * h * 256  # the probabilities' row doubles
+  assert memory_lib.estimate(base, n).state == 3 * 4 * n  # parameters and AdamW's two moments
+
+
+def test_a_gpu_sized_step_on_this_host_stops_with_one_line(monkeypatch):
+  config = config_lib.load('configs/bench_350m.py:xla')
+  monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: 16 * 2**30)
+  with pytest.raises(memory_lib.MemoryLimitError) as info:
+    loop_lib.check_memory(config, ONE)
+  message = str(info.value)
+  assert '\n' not in message
+  assert message.startswith('the train step at train.batch_size=16 x train.seq_len=4096 needs about ')
+  assert "more than this host's 16.0 GiB of available memory" in message
+  assert 'use a config sized for a CPU, such as configs/default.py' in message
+  config = config_lib.load('configs/bench_350m.py:xla', {'train.check_memory': False})
+  loop_lib.check_memory(config, ONE)  # skipped on request
+
+
+def test_remat_is_suggested_only_where_it_fits(monkeypatch):
+  config = _config({'train.seq_len': 256})
+  n = flops_lib.count(flops_lib.abstract_params(config))
+  need = memory_lib.estimate(config, n).total
+  with_remat = memory_lib.estimate(_config({'train.seq_len': 256, 'model.remat': True}), n).total
+  monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: (need + with_remat) // 2)
+  with pytest.raises(memory_lib.MemoryLimitError, match=r'set model\.remat=True \(about'):
+    loop_lib.check_memory(config, ONE)
+  monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: with_remat // 2)
+  with pytest.raises(memory_lib.MemoryLimitError) as info:
+    loop_lib.check_memory(config, ONE)
+  assert 'remat' not in str(info.value)
+
+
+def test_the_gpu_attention_message_suggests_xla_only_where_it_fits(monkeypatch):
+  """configs/bench_350m.py names a GPU attention; off the GPU the message used to suggest
+  model.attn_impl='xla', which for this config cannot fit a CPU host."""
+  config = config_lib.load('configs/bench_350m.py')
+  monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: 64 * 2**30)
+  with pytest.raises(config_lib.ConfigError) as info:
+    loop_lib.check_attention_impl(config, ONE)
+  message = str(info.value)
+  assert message.startswith("attention impl='gpu' needs an NVIDIA GPU, but JAX runs on 'cpu' here")
+  assert "with model.attn_impl='xla' the train step at train.batch_size=16 x train.seq_len=4096" in message
+  assert 'configs/default.py' in message
+  small = config_lib.load(
+    'configs/default.py', {**TINY, 'model.attn_impl': 'tokamax', 'model.compute_dtype': 'bfloat16'}
+  )
+  with pytest.raises(config_lib.ConfigError, match="use model.attn_impl='xla' off the GPU"):
+    loop_lib.check_attention_impl(small, ONE)
+
+
+def test_out_of_memory_in_the_first_step_is_one_line_and_leaves_no_workdir(tmp_path, monkeypatch):
+  """XLA's out-of-memory error (an estimate can err low) in the first step: one MemoryLimitError
+  naming the batch and sequence length, and the run's new workdir is removed, so that a re-run
+  with a smaller batch does not find a config.json of this one."""
+  real = loop_lib.build_training
+
+  def failing(*args, **kwargs):
+    def oom(state, batch):
+      raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 750063923716 bytes.')
+
+    return real(*args, **kwargs)._replace(train_step=oom)
+
+  monkeypatch.setattr(loop_lib, 'build_training', failing)
+  workdir = tmp_path / 'run'
+  config = config_lib.load(
+    'configs/default.py', {**TINY, 'train.steps': 3, 'data.source': 'mqar', 'data.mqar_num_pairs': 4}
+  )
+  with pytest.raises(memory_lib.MemoryLimitError) as info:
+    loop_lib.train(config, workdir, devices=ONE)
+  assert 'out of memory in the first train step; the train step at train.batch_size=4 x train.seq_len=64' in str(
+    info.value
+  )
+  assert 'Out of memory allocating 750063923716 bytes' in str(info.value)
+  assert not workdir.exists()
+  existing = tmp_path / 'existing'  # a folder of the user's: only what the run added goes
+  existing.mkdir()
+  (existing / 'notes.txt').write_text('mine')
+  with pytest.raises(memory_lib.MemoryLimitError):
+    loop_lib.train(config, existing, devices=ONE)
+  assert sorted(p.name for p in existing.iterdir()) == ['notes.txt']
