@@ -13,7 +13,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from kimijax import optim
-from kimijax.model import Transformer
+from kimijax.model import Transformer, document_inputs
 from kimijax.optim import make_optimizer, make_schedule
 from kimijax.optim.qk_clip import heads_clipped
 from kimijax.parallel import mesh as mesh_lib
@@ -28,7 +28,7 @@ def token_nll(logits_btv, targets_bt):
 
 def make_loss_fn(model: nn.Module):
   def loss_fn(params, batch):
-    logits_btv, aux = model.apply({'params': params}, batch['inputs'])
+    logits_btv, aux = model.apply({'params': params}, batch['inputs'], **document_inputs(batch))
     mask = batch['mask']
     nll = token_nll(logits_btv, batch['targets'])
     loss = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
@@ -96,7 +96,7 @@ def make_eval_step(model):
     model = model.clone(max_logits=False)
 
   def eval_step(params, batch):
-    logits_btv, _ = model.apply({'params': params}, batch['inputs'])
+    logits_btv, _ = model.apply({'params': params}, batch['inputs'], **document_inputs(batch))
     targets, mask = batch['targets'], batch['mask'].astype(jnp.float32)
     nll = token_nll(logits_btv, targets) * mask
     hit = (jnp.argmax(logits_btv, axis=-1) == targets).astype(jnp.float32) * mask
