@@ -18,7 +18,7 @@ chunk, the row sums that become the gradients of dt_bias and A_log. Rows at or p
 (the op's padding of T) get g = 0 and no gradient. With a reset input (document masking: int32
 [B, T], nonzero at each document's first token but the row's first) the rows it marks get g =
 RESET_LOG_DECAY, a decay of exactly zero, in place of the gate's, and no gradient into f, dt_bias or
-A_log; without it the kernels are the same programs as before.
+A_log; without it the kernels are the unmasked programs.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ With `reach` [B, T] int32 (document masking: how many earlier inputs of its own 
 token's conv may read, kimijax.ops.short_conv) the kernels also read that array and zero a tap
 that reaches further back than its output token's reach (in short_conv_fwd and short_conv_dz the
 output token is the program's own row; in short_conv_dx, the transposed conv, the row the
-mirrored tap reads); without it they are the same programs as before.
+mirrored tap reads); without it they are the unmasked programs.
 
 All arithmetic is float32 (y, and dz between the two backward passes, are stored in x's dtype);
 the backward keeps only x (padded to whole tiles) and w, and y is never read back.
