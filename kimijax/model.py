@@ -42,6 +42,7 @@ from kimijax.layers.kda import KimiDeltaAttention
 from kimijax.layers.mla import MultiHeadLatentAttention
 from kimijax.layers.mlp import SwiGLU
 from kimijax.layers.norms import RMSNorm
+from kimijax.ops.segments import tokens_since_start
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -69,8 +70,7 @@ def make_mixer(
   segment_ids_bt) it returns (y_btd, max_logits [H] fp32 or None, new cache or None). max_logits is
   None for mixers without softmax logits (KDA), when decoding and when `max_logits` is False; the
   cache (kimijax/infer/cache.py) is None in training; segment_ids_bt [B, T] (packed documents kept
-  apart) or None. kernels: model.kernels parsed
-  (config_lib.kernel_settings; None: parsed here)."""
+  apart) or None. kernels: model.kernels parsed (config_lib.kernel_settings; None: parsed here)."""
   if kind == 'K':
     kernels = config_lib.kernel_settings(cfg) if kernels is None else kernels
     heads, head_dim = config_lib.kda_dims(cfg)
@@ -128,9 +128,8 @@ class Layer(nn.Module):
   (model.residual) is all in `residual_lib`, so mixers never see it.
 
   (state, positions [B, T], cache, segment ids [B, T] or None) -> (state, max logits [H] of an
-  attention mixer or None,
-  per-sublayer statistics when `log` else None, the mixer's new cache or None). kernels: the
-  Pallas kernels' settings, model.kernels parsed (config_lib.kernel_settings)."""
+  attention mixer or None, per-sublayer statistics when `log` else None, the mixer's new cache or
+  None). kernels: the Pallas kernels' settings, model.kernels parsed (config_lib.kernel_settings)."""
 
   cfg: ml_collections.ConfigDict
   kind: str
@@ -186,7 +185,9 @@ class Transformer(nn.Module):
   def __call__(self, tokens_bt, positions_bt=None, cache=None, segment_ids_bt=None):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.compute_dtype)
-    if positions_bt is None:
+    if positions_bt is None and segment_ids_bt is not None:  # each document's from its first token
+      positions_bt = tokens_since_start(segment_ids_bt)
+    elif positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     embed = self.param(
       'embed',

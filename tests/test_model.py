@@ -305,6 +305,16 @@ def test_packed_documents_give_each_document_alone(overrides):
     np.testing.assert_allclose(g, g_alone, rtol=1e-4, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
 
 
+def test_positions_default_to_each_documents_own():
+  """Without positions, a call with segment ids counts positions from each document's first token."""
+  cfg = tiny_model_config()
+  params = init_params(cfg)
+  ids, positions = _packed_rows()
+  tokens = random_tokens(cfg, b=2, t=40)
+  run = jax.jit(lambda p, positions: Transformer(cfg).apply({'params': p}, tokens, positions, segment_ids_bt=ids)[0])
+  np.testing.assert_array_equal(run(params, None), run(params, positions))
+
+
 def test_document_inputs_of_a_batch():
   from kimijax.model import document_inputs
 

@@ -26,9 +26,9 @@ class SelfAttention(nn.Module):
 
   Without a cache: training, max logits returned (None when `max_logits` is False: nothing
   computes them), cache None; with segment_ids_bt [B, T] (packed documents, data.document_mask) a
-  query attends only within its document, and positions_bt restart at each document (RoPE). With a cache {'k', 'v'}
-  [B, S_max, Hkv, Dh]: a prefill from position 0 (T tokens) or a decode step (T = 1); the keys and
-  values are written at positions_bt[0] onwards and max_logits is None.
+  query attends only within its document, and positions_bt restart at each document (RoPE). With
+  a cache {'k', 'v'} [B, S_max, Hkv, Dh]: a prefill from position 0 (T tokens) or a decode step
+  (T = 1); the keys and values are written at positions_bt[0] onwards and max_logits is None.
 
   Query kernel [D, H, Dh], key/value kernels [D, Hkv, Dh], output kernel [H, Dh, D], so that
   per-head weight rewrites (QK-Clip, docs/optimizers.md#qk-clip) index the head axis directly.
