@@ -57,7 +57,7 @@ flags.DEFINE_enum(
   'print the resolved config and parameter counts without training.',
 )
 flags.DEFINE_string('prompt', '', 'generate: the text to continue.')
-flags.DEFINE_integer('max_new_tokens', 200, 'generate: tokens (bytes) to add (> 0).')
+flags.DEFINE_integer('max_new_tokens', 200, "generate: tokens to add (> 0), in the run's tokenizer.")
 flags.DEFINE_float('temperature', 0.8, 'generate: sampling temperature (>= 0); 0 is greedy.')
 flags.DEFINE_integer('top_k', 0, 'generate: keep the k most likely tokens (0: all).')
 flags.DEFINE_float('top_p', 0.95, 'generate: keep the smallest set of tokens with this probability, in (0, 1].')
@@ -221,11 +221,12 @@ def generate_text():
   """Prints num_samples continuations of --prompt from the latest checkpoint in --workdir."""
   if message := generate_flag_errors(FLAGS.prompt):
     raise UsageError(message)
-  from kimijax.data import ByteTokenizer
+  from kimijax.data import load_tokenizer
+  from kimijax.data.pipeline import tokenizer_spec
   from kimijax.infer.generate import generate, load_for_generation
 
   config, model, params = load_for_generation(FLAGS.workdir)
-  tokenizer = ByteTokenizer()
+  tokenizer = load_tokenizer(tokenizer_spec(config))  # the run's (data.tokenizer)
   prompt = tokenizer.encode(FLAGS.prompt or '\n')
   tokens = generate(
     model,

@@ -151,13 +151,11 @@ def train_run(
 
 
 def train_split_tokens(config: ml_collections.ConfigDict) -> int | None:
-  """Tokens in the training split of config's data (None for the endless synthetic MQAR)."""
+  """Tokens in the training split of config's data, in its tokenizer's ids (None for the endless
+  synthetic MQAR; shards: their manifest's count)."""
   from kimijax.data import pipeline
 
-  if config.data.source == 'mqar':
-    return None
-  d = config.data
-  return len(pipeline.packed_tokens(d.source, str(d.path), 'train', float(d.val_fraction)))
+  return pipeline.split_num_tokens(config, 'train')
 
 
 def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> dict:

@@ -117,7 +117,12 @@ def _mesh_rules(path: str, rules) -> None:
 SCHEMA = {
   'seed': Key(0, 'seeds the parameters and the data order'),
   'model': {
-    'vocab_size': Key(258, ">= the tokenizer's vocabulary (bytes + EOS + PAD)", bounds=POSITIVE),
+    'vocab_size': Key(
+      258,
+      "0: the tokenizer's vocabulary (data.tokenizer) padded to a multiple of 128, set by validation; "
+      "else at least the tokenizer's",
+      bounds=NON_NEGATIVE,
+    ),
     'd_model': Key(256, 'width of the residual stream', bounds=POSITIVE),
     'num_layers': Key(4, 'mixer layers (each with its MLP)', bounds=POSITIVE),
     'num_heads': Key(4, 'attention heads; head_dim = d_model // num_heads', bounds=POSITIVE),
@@ -473,6 +478,8 @@ def _moe_rules(m: ml_collections.ConfigDict) -> None:
 def _data_rules(d: ml_collections.ConfigDict) -> None:
   if d.source == 'text' and not d.path:
     raise ConfigError("data.path must name a text file or folder when data.source='text'")
+  if d.source == 'shards' and not d.path:
+    raise ConfigError("data.path must name the folder `python -m kimijax.data.prepare` wrote when data.source='shards'")
 
 
 def _mesh_rules_between_axes(ms: ml_collections.ConfigDict) -> None:
@@ -480,16 +487,49 @@ def _mesh_rules_between_axes(ms: ml_collections.ConfigDict) -> None:
     raise ConfigError('at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1')
 
 
+def _document_mask_rules(config: ml_collections.ConfigDict) -> None:
+  """data.document_mask needs an attention implementation that keeps packed documents apart."""
+  m = config.model
+  if config.data.document_mask and 'A' in layer_kinds(m) and not ATTN_IMPLS[m.attn_impl].segment_mask:
+    raise ConfigError(
+      f'model.attn_impl={m.attn_impl!r} has no document mask, which data.document_mask=True needs; '
+      "use model.attn_impl='tokamax' or 'gpu' (which then runs tokamax) on a GPU, or 'xla'"
+    )
+
+
+def _resolve_vocab_size(config: ml_collections.ConfigDict) -> None:
+  """model.vocab_size = 0 becomes the tokenizer's vocabulary padded to a multiple of 128; a size
+  below a BPE tokenizer's is an error naming both (kimijax.data.tokenizer.config_vocab_size). The
+  byte tokenizer's 258 is checked when training starts instead, so that model-only configs of a
+  smaller vocabulary (the tests' tiny models) validate."""
+  from kimijax.data.pipeline import tokenizer_spec
+  from kimijax.data.sources import DataError
+  from kimijax.data.tokenizer import config_vocab_size
+
+  if config.model.vocab_size and tokenizer_spec(config) == 'byte':
+    return
+  try:
+    vocab_size = config_vocab_size(config)
+  except DataError as e:  # a tokenizer file that is missing or does not parse, or a vocab too small
+    raise ConfigError(str(e)) from None
+  if vocab_size != config.model.vocab_size:
+    config.model.vocab_size = vocab_size
+
+
 # The rules between keys, by section (train and optimizer have none: each of their keys stands alone).
 RULES = {'model': _model_rules, 'data': _data_rules, 'mesh': _mesh_rules_between_axes}
+# The rules across sections, after those.
+CROSS_RULES = (_document_mask_rules, _resolve_vocab_size)
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checks every key against SCHEMA, then the rules between keys; raises ConfigError naming the
-  first bad key. Returns config."""
+  first bad key. Resolves model.vocab_size = 0 to the tokenizer's (padded). Returns config."""
   schema.check(config, SCHEMA)
   for section, rules in RULES.items():
     rules(config[section])
+  for rule in CROSS_RULES:
+    rule(config)
   return config
 
 

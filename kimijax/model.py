@@ -11,6 +11,8 @@ docs/attention_residuals.md; then a final depth-attention aggregator feeds the f
     model = Transformer(config.model)
     params = kimijax.init_params(config, rng)  # plain arrays (model.init's are in logical-axis boxes)
     logits_btv, aux = model.apply({'params': params}, tokens_bt)
+    # packed documents kept apart (data.document_mask): the batch's positions and segment ids
+    logits_btv, aux = model.apply({'params': params}, tokens_bt, positions_bt, segment_ids_bt=segment_ids_bt)
 
 A model with MoE layers also has the variable collection 'moe_state' (the balancing biases, kept
 beside the params by the train state) and every apply passes it:
@@ -49,6 +51,7 @@ from kimijax.layers.mla import MultiHeadLatentAttention
 from kimijax.layers.mlp import SwiGLU
 from kimijax.layers.moe import MOE_STATE, MoE
 from kimijax.layers.norms import RMSNorm
+from kimijax.ops.segments import tokens_since_start
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -72,11 +75,11 @@ cotangent_in.defvjp(_cotangent_in_fwd, _cotangent_in_bwd)
 def make_mixer(
   cfg: ml_collections.ConfigDict, kind: str, dtype, max_logits: bool = True, kernels: dict | None = None
 ) -> nn.Module:
-  """The sequence mixer of a model.layer_pattern letter. Called as mixer(x_btd, positions_bt, cache)
-  it returns (y_btd, max_logits [H] fp32 or None, new cache or None). max_logits is None for
-  mixers without softmax logits (KDA), when decoding and when `max_logits` is False; the cache
-  (kimijax/infer/cache.py) is None in training. kernels: model.kernels parsed
-  (config_lib.kernel_settings; None: parsed here)."""
+  """The sequence mixer of a model.layer_pattern letter. Called as mixer(x_btd, positions_bt, cache,
+  segment_ids_bt) it returns (y_btd, max_logits [H] fp32 or None, new cache or None). max_logits is
+  None for mixers without softmax logits (KDA), when decoding and when `max_logits` is False; the
+  cache (kimijax/infer/cache.py) is None in training; segment_ids_bt [B, T] (packed documents kept
+  apart) or None. kernels: model.kernels parsed (config_lib.kernel_settings; None: parsed here)."""
   if kind == 'K':
     kernels = config_lib.kernel_settings(cfg) if kernels is None else kernels
     heads, head_dim = config_lib.kda_dims(cfg)
@@ -158,9 +161,9 @@ class Layer(nn.Module):
   h from the residual state, applies F(Norm(h)) and writes its output back; the strategy
   (model.residual) is all in `residual_lib`, so mixers never see it.
 
-  (state, positions [B, T], cache) -> (state, max logits [H] of an attention mixer or None,
-  per-sublayer statistics when `log` else None, the mixer's new cache or None). kernels: the
-  Pallas kernels' settings, model.kernels parsed (config_lib.kernel_settings)."""
+  (state, positions [B, T], cache, segment ids [B, T] or None) -> (state, max logits [H] of an
+  attention mixer or None, per-sublayer statistics when `log` else None, the mixer's new cache or
+  None). kernels: the Pallas kernels' settings, model.kernels parsed (config_lib.kernel_settings)."""
 
   cfg: ml_collections.ConfigDict
   kind: str
@@ -170,7 +173,7 @@ class Layer(nn.Module):
   kernels: dict | None = None
 
   @nn.compact
-  def __call__(self, state, positions_bt, cache=None):
+  def __call__(self, state, positions_bt, cache=None, segment_ids_bt=None):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.compute_dtype)
     res = residual_lib.make_residual(cfg, log=self.log, kernels=self.kernels)
@@ -189,7 +192,7 @@ class Layer(nn.Module):
     mixer = make_mixer(cfg, self.kind, dtype, self.max_logits, self.kernels)
 
     def run_mixer(x_btd):
-      y_btd, max_logits_h, new_cache = mixer(x_btd, positions_bt, cache)
+      y_btd, max_logits_h, new_cache = mixer(x_btd, positions_bt, cache, segment_ids_bt)
       return y_btd, (max_logits_h, new_cache)
 
     state, (max_logits_h, new_cache) = sublayer(state, 0, 'mixer', run_mixer)
@@ -202,17 +205,23 @@ class Transformer(nn.Module):
   """tokens [B, T] int32 -> (logits [B, T, V] fp32, aux).
 
   With `cache` (kimijax.infer.cache.init_cache) the call is a prefill (T tokens from position 0)
-  or a decode step (T = 1 at positions_bt), and aux['cache'] holds the updated caches."""
+  or a decode step (T = 1 at positions_bt), and aux['cache'] holds the updated caches. With
+  `segment_ids_bt` [B, T] (training on packed documents, data.document_mask, positions_bt then
+  restarting at each document: kimijax/data/documents.py) no token sees another document:
+  attention is masked, KDA's state and the short convolutions restart (kimijax/ops/segments.py).
+  Without (None, the default) the model is the unmasked one, unchanged."""
 
   cfg: ml_collections.ConfigDict
   log_attnres: bool = False  # add aux['attnres'] (per-sublayer depth weights and RMS)
   max_logits: bool = True  # compute aux['max_logits'] (False: no max-logit work at all)
 
   @nn.compact
-  def __call__(self, tokens_bt, positions_bt=None, cache=None):
+  def __call__(self, tokens_bt, positions_bt=None, cache=None, segment_ids_bt=None):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.compute_dtype)
-    if positions_bt is None:
+    if positions_bt is None and segment_ids_bt is not None:  # each document's from its first token
+      positions_bt = tokens_since_start(segment_ids_bt)
+    elif positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     embed = self.param(
       'embed',
@@ -234,7 +243,7 @@ class Transformer(nn.Module):
       layer = layer_cls(
         cfg=cfg, kind=kind, index=i, log=self.log_attnres, max_logits=self.max_logits, kernels=kernels, name=name
       )
-      state, m, s, new_cache[name] = layer(state, positions_bt, None if cache is None else cache[name])
+      state, m, s, new_cache[name] = layer(state, positions_bt, None if cache is None else cache[name], segment_ids_bt)
       stats.append(s)
       if m is not None:
         max_logits[f'layer_{i}'] = m
@@ -274,6 +283,15 @@ def _collect_stats(cfg, layer_stats, final_w_n, final_rms):
     rows = [w for s in layer_stats for w in s['weights']] + [final_w_n]
     out['weights'] = jnp.stack([jnp.pad(w, (0, width - w.shape[0]), constant_values=jnp.nan) for w in rows])
   return out
+
+
+def document_inputs(batch) -> dict:
+  """The model's keyword inputs from a batch that carries packed documents' segment_ids and
+  positions (data.document_mask: kimijax/data/pipeline.py), else {}: model.apply(variables,
+  batch['inputs'], **document_inputs(batch))."""
+  if 'segment_ids' not in batch:
+    return {}
+  return {'positions_bt': batch['positions'], 'segment_ids_bt': batch['segment_ids']}
 
 
 def count_params(params) -> int:

@@ -394,3 +394,27 @@ def np_attnres_forward(cfg, params, tokens):
   x = np_rmsnorm(h, p['final_norm']['scale'], cfg.norm_eps)
   head = p['embed'].T if cfg.tie_embeddings else p['head']
   return x @ head, weights, np.array(in_rms), np.array(out_rms)
+
+
+# ----------------------------------------------------------------------------- packed documents
+
+
+def np_document_spans(segment_ids_bt):
+  """[(row, start, end)] of each run of equal segment ids, row by row (docs/data.md#document-masking)."""
+  spans = []
+  for row, ids in enumerate(np.asarray(segment_ids_bt)):
+    cuts = [0] + [t for t in range(1, len(ids)) if ids[t] != ids[t - 1]] + [len(ids)]
+    spans += [(row, a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+  return spans
+
+
+def np_each_document(fn, segment_ids_bt, *arrays):
+  """fn applied to each document alone (arrays [B, T, ...] cut to [1, length, ...]), its outputs
+  [1, length, ...] put back in place: what packing with document masking must reproduce."""
+  out = None
+  for row, a, b in np_document_spans(segment_ids_bt):
+    piece = np.asarray(fn(*(x[row : row + 1, a:b] for x in arrays)))
+    if out is None:
+      out = np.zeros((len(arrays[0]), arrays[0].shape[1]) + piece.shape[2:], piece.dtype)
+    out[row, a:b] = piece[0]
+  return out

@@ -217,6 +217,11 @@ def test_a_value_of_the_wrong_type_is_one_line_naming_the_key_and_the_type(text,
       "model.short_conv_impl='pallas' needs the KDA head dim",
     ),
     ({'data.source': 'text'}, "data.path must name a text file or folder when data.source='text'"),
+    ({'data.source': 'shards'}, 'data.path must name the folder `python -m kimijax.data.prepare` wrote'),
+    (
+      {'data.document_mask': True, 'model.attn_impl': 'cudnn'},
+      "model.attn_impl='cudnn' has no document mask, which data.document_mask=True needs",
+    ),
     ({'mesh.fsdp': -1}, 'at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1'),
   ],
 )
@@ -266,6 +271,32 @@ def test_moe_keys_are_ignored_by_a_dense_model_and_the_defaults_resolve():
   assert config_lib.moe_inactive_params(m) == 3 * (8 - 2) * 3 * 256 * 256
   assert config_lib.moe_inactive_params(base_config().model) == 0
   validate(_with({**MOE, 'model.moe.impl': 'tokamax'}))  # shapes fit; the platform is checked at train start
+
+
+def test_document_mask_takes_every_attention_implementation_with_a_segment_mask():
+  for impl in ('xla', 'tokamax', 'gpu'):
+    validate(_with({'data.document_mask': True, 'model.attn_impl': impl}))
+  validate(_with({'data.document_mask': True, 'model.attn_impl': 'cudnn', 'model.layer_pattern': 'K'}))  # unused
+
+
+def test_vocab_size_zero_is_the_tokenizers_padded_and_a_smaller_one_is_an_error(tmp_path):
+  """0 resolves to the tokenizer's vocabulary padded to a multiple of 128 (the byte tokenizer's 258:
+  384; MQAR's ids are bytes whatever data.tokenizer); a BPE's vocabulary above model.vocab_size is
+  one error naming both and the fix; a tokenizer file that is missing is one error naming it."""
+  from data_helpers import stdlib_texts
+
+  from kimijax.data import bpe_train
+
+  assert validate(_with({'model.vocab_size': 0})).model.vocab_size == 384
+  assert validate(_with({'model.vocab_size': 0, 'data.source': 'mqar'})).model.vocab_size == 384
+  assert validate(_with({'model.vocab_size': 1000})).model.vocab_size == 1000
+  bpe = bpe_train.save_bpe(bpe_train.train_bpe(stdlib_texts(4), 600), tmp_path)
+  spec = f'hf:{bpe}'
+  assert validate(_with({'model.vocab_size': 0, 'data.tokenizer': spec})).model.vocab_size == 640
+  with pytest.raises(ConfigError, match=r"model.vocab_size=258 is smaller than the vocabulary of data.tokenizer='hf:"):
+    validate(_with({'data.tokenizer': spec}))
+  with pytest.raises(ConfigError, match='data.tokenizer'):
+    validate(_with({'model.vocab_size': 0, 'data.tokenizer': f'hf:{tmp_path}/missing.json'}))
 
 
 # ----------------------------------------------------------------------------- config files

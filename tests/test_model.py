@@ -251,3 +251,74 @@ def test_kernel_settings_from_the_config_reach_the_layers_and_bad_ones_name_the_
     c.model.kernels[key] = text
     with pytest.raises(config_lib.ConfigError, match=rf"model.kernels.{key}='{text}': .*{says}"):
       config_lib.validate(c)
+
+
+# ----------------------------------------------------------------------------- packed documents
+
+
+def _packed_rows():
+  """Two rows of T = 40, documents of 8, 8 and 24 tokens, and of 24 and 16 (three distinct lengths,
+  so that running each alone compiles three programs): (segment_ids, positions)."""
+  lengths = [[8, 8, 24], [24, 16]]
+  ids = np.stack([np.repeat(np.arange(1, len(r) + 1), r) for r in lengths]).astype(np.int32)
+  positions = np.stack([np.concatenate([np.arange(n) for n in r]) for r in lengths]).astype(np.int32)
+  return ids, positions
+
+
+@pytest.mark.parametrize(
+  'overrides',
+  [
+    dict(attention_kind='gqa'),
+    # the recurrence (the reference KDA) compiles faster than the chunk form, tested in 'gqa'
+    dict(attention_kind='mla', num_kv_heads=0, mla_qk_rope_head_dim=8, mla_kv_lora_rank=16, kda_impl='xla_recurrent'),
+    pytest.param(dict(attention_kind='gqa', kda_impl='pallas', short_conv_impl='pallas'), marks=pytest.mark.long),
+  ],
+  ids=['gqa', 'mla_rope', 'pallas_kernels'],
+)
+def test_packed_documents_give_each_document_alone(overrides):
+  """A tiny hybrid (KDA with its short convs, then attention with RoPE) on rows of packed documents
+  with their segment ids and restarting positions: the logits and the parameters' gradients are,
+  token for token, those of running each document alone (a row of its own, positions from 0)."""
+  from oracles import np_document_spans
+
+  cfg = tiny_model_config(**{'layer_pattern': 'KA', 'kda_head_dim': 16, **overrides})
+  params = init_params(cfg)
+  model = Transformer(cfg, max_logits=False)
+  ids, positions = _packed_rows()
+  tokens = random_tokens(cfg, b=2, t=40)
+  w = jnp.asarray(np.random.default_rng(3).standard_normal((2, 40, cfg.vocab_size)), jnp.float32)
+
+  def loss(p, tokens, w, positions=None, ids=None):
+    logits, _ = model.apply({'params': p}, tokens, positions, segment_ids_bt=ids)
+    return jnp.sum(logits * w), logits
+
+  run = jax.jit(jax.value_and_grad(loss, has_aux=True))  # one compile per shape
+  (_, logits), grads = run(params, tokens, w, positions, ids)
+  grads_alone = jax.tree.map(jnp.zeros_like, grads)
+  for row, a, b in np_document_spans(ids):
+    (_, piece), g = run(params, tokens[row : row + 1, a:b], w[row : row + 1, a:b])
+    grads_alone = jax.tree.map(jnp.add, grads_alone, g)
+    scale = float(jnp.max(jnp.abs(piece)))
+    np.testing.assert_allclose(logits[row, a:b], piece[0], rtol=1e-5, atol=2e-5 * scale, err_msg=f'{row} [{a}, {b})')
+  for (path, g), g_alone in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads_alone)):
+    scale = float(jnp.max(jnp.abs(g_alone)))
+    np.testing.assert_allclose(g, g_alone, rtol=1e-4, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def test_positions_default_to_each_documents_own():
+  """Without positions, a call with segment ids counts positions from each document's first token."""
+  cfg = tiny_model_config()
+  params = init_params(cfg)
+  ids, positions = _packed_rows()
+  tokens = random_tokens(cfg, b=2, t=40)
+  run = jax.jit(lambda p, positions: Transformer(cfg).apply({'params': p}, tokens, positions, segment_ids_bt=ids)[0])
+  np.testing.assert_array_equal(run(params, None), run(params, positions))
+
+
+def test_document_inputs_of_a_batch():
+  from kimijax.model import document_inputs
+
+  ids, positions = _packed_rows()
+  assert document_inputs({'inputs': ids}) == {}
+  got = document_inputs({'inputs': ids, 'segment_ids': ids, 'positions': positions})
+  assert got['segment_ids_bt'] is ids and got['positions_bt'] is positions

@@ -5,7 +5,10 @@
 Runs the real jitted train step (same code as run.py) on synthetic token batches, after warm-up,
 and prints one line per figure: device, params_M, step_ms, tokens_per_sec, model_tflops_per_device,
 mfu, peak_memory_GiB, loss, init_s (creating the train state), first_step_s (the first step with its
-compilation or cache load), ...
+compilation or cache load), ... With --documents=MIN,MAX each row packs documents of MIN to MAX
+tokens (kimijax.data.documents.random_documents) and the batch carries their segment ids and
+positions, as with data.document_mask: the step keeps them apart (docs/data.md#document-masking);
+bench_compare runs it against the same config without it.
 (bench_350m on one H200: 392 ms/step, 167k tokens/s, 0.449 MFU; experiments/results/bench_train.md).
 Model FLOPs per token come from kimijax.train.flops (6 N plus
 causal attention, the count the ladders use; Muon's Newton-Schulz is not in MFU). For an MoE model
@@ -54,6 +57,12 @@ flags.DEFINE_string(
   'the same for the short-conv kernels (kernels_pallas.short_conv.settings.'
   "ShortConvSettings; model.kernels.short_conv), e.g. 'dz_tiles=1/dz_rows=32'",
 )
+flags.DEFINE_string(
+  'documents',
+  '',
+  "'MIN,MAX': rows of packed documents of MIN to MAX tokens (uniform), their segment ids and positions "
+  "in the batch (sets data.document_mask); '': one sequence per row, no segment ids",
+)
 flags.mark_flags_as_required(['config'])
 FLAGS = flags.FLAGS
 
@@ -75,6 +84,19 @@ def _kernel_tiles(config) -> dict:
   return tiles
 
 
+def _document_lengths(text: str) -> tuple[int, int] | None:
+  """--documents 'MIN,MAX' -> (MIN, MAX + 1), the range random_documents draws from; '' -> None."""
+  if not text:
+    return None
+  try:
+    low, high = (int(x) for x in text.split(','))
+  except ValueError:
+    raise ValueError(f"--documents={text!r}: expected 'MIN,MAX' document lengths in tokens") from None
+  if not 1 <= low <= high:
+    raise ValueError(f'--documents={text!r}: need 1 <= MIN <= MAX')
+  return low, high + 1
+
+
 def main(argv):
   del argv
   import jax
@@ -90,6 +112,9 @@ def main(argv):
   try:
     config = config_from_flags('config', validate=False)
     tiles = _kernel_tiles(config)
+    documents = _document_lengths(FLAGS.documents)
+    if documents:
+      config.data.document_mask = True  # validation refuses an attention implementation without a mask
     config = validate(config)
   except ValueError as e:  # a bad file, variant, key or tile setting: one line naming it
     raise SystemExit(f'ConfigError: {e}') from None
@@ -103,10 +128,12 @@ def main(argv):
     lambda k: jax.random.randint(k, (t.batch_size, t.seq_len + 1), 0, config.model.vocab_size),
     out_shardings=mesh_lib.replicated(mesh),
   )(jax.random.key(0))
-  batch = jax.device_put(
-    {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'mask': jnp.ones((t.batch_size, t.seq_len), jnp.float32)},
-    batch_sh,
-  )
+  batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'mask': jnp.ones((t.batch_size, t.seq_len), jnp.float32)}
+  if documents:
+    from kimijax.data.documents import random_documents
+
+    batch['segment_ids'], batch['positions'] = random_documents(t.batch_size, t.seq_len, *documents)
+  batch = jax.device_put(batch, batch_sh)
 
   step = lambda carry: train_step(carry[0], batch)
   start = time.perf_counter()  # the first step: compilation (or a cache load) and one step
@@ -145,6 +172,7 @@ def main(argv):
     'attnres_block_size': (config.model.attnres_block_size if config.model.residual == 'attnres_block' else None),
     'residual_dtype': config.model.residual_dtype,
     'attnres_tiles': tiles,
+    'documents': FLAGS.documents or None,
     'step_ms': step_s * 1e3,
     'tokens_per_sec': tokens_per_step / step_s,
     'model_tflops_per_device': tflops_per_dev,

@@ -36,7 +36,7 @@ from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_apply_kernel, wy_inverse_kernel
 
 # SAVED: the checkpoint_name of the residuals worth keeping (aqk, T), defined with the op
-from kimijax.ops.kda import SAVED, log_decay_from_pre_activation
+from kimijax.ops.kda import SAVED, log_decay_from_pre_activation, reset_log_decay
 
 CHUNK = 64
 
@@ -112,42 +112,54 @@ def chunk_cumsum(x, c, *, settings, reverse=False, add=None, interpret=False):
   )(*args)
 
 
-def gated_cumsum(f, a_hk, bias_hk, c, *, lower_bound, t_valid, settings, interpret):
+def _reset_input(resets, c):
+  """(in_specs, args) the gated cumulative sums add for document resets [B, T] int32 (None: none):
+  one chunk of the row per program."""
+  if resets is None:
+    return [], []
+  return [pl.BlockSpec((None, c), lambda bi, hi, n, f: (bi, n))], [resets]
+
+
+def gated_cumsum(f, a_hk, bias_hk, c, *, lower_bound, t_valid, settings, interpret, resets=None):
   """G [B, T, H, K] float32: the within-chunk cumulative sum of the gate's log-decay from its
   pre-activation f [B, T, H, K] (kimijax.ops.kda.gate_log_decay; a_hk = exp(A_log) and bias_hk = dt_bias,
-  [H, K] float32); rows from t_valid on (None: none) decay by nothing."""
+  [H, K] float32); rows from t_valid on (None: none) decay by nothing; rows where resets [B, T]
+  int32 (None: none) is nonzero decay by RESET_LOG_DECAY (the state starts from zero there)."""
   grid, spec, _, head, params = _cumsum_layout(f, c, False, settings)
   kernel = functools.partial(gated_cumsum_kernel, lower_bound=lower_bound, t_valid=t_valid)
+  reset_specs, reset_args = _reset_input(resets, c)
   return pl.pallas_call(
     kernel,
     grid=grid,
-    in_specs=[spec, head, head],
+    in_specs=[spec, head, head] + reset_specs,
     out_specs=spec,
     out_shape=_sds(f.shape, F32),
     compiler_params=params,
     interpret=interpret,
     name='kda_gated_cumsum',
-  )(f, a_hk, bias_hk)
+  )(f, a_hk, bias_hk, *reset_args)
 
 
-def gated_reverse_cumsum(dgc, add, f, a_hk, bias_hk, c, *, lower_bound, t_valid, settings, interpret):
+def gated_reverse_cumsum(dgc, add, f, a_hk, bias_hk, c, *, lower_bound, t_valid, settings, interpret, resets=None):
   """The gated cumulative sum's backward from dG [B, T, H, K] and the chunk-end rows add [B, N,
   H, K]: (df in f's dtype, and per chunk [B, N, H, K] float32 the column sums of df and of dg
-  dg/dA_log, whose sums are the gradients of dt_bias and A_log)."""
+  dg/dA_log, whose sums are the gradients of dt_bias and A_log); rows where resets is nonzero
+  pass no gradient to the gate."""
   b, t, h, dk = f.shape
   grid, spec, row, head, params = _cumsum_layout(f, c, True, settings)
   kernel = functools.partial(gated_reverse_cumsum_kernel, lower_bound=lower_bound, t_valid=t_valid)
   per_chunk = _sds((b, t // c, h, dk), F32)
+  reset_specs, reset_args = _reset_input(resets, c)
   return pl.pallas_call(
     kernel,
     grid=grid,
-    in_specs=[spec, row, spec, head, head],
+    in_specs=[spec, row, spec, head, head] + reset_specs,
     out_specs=[spec, row, row],
     out_shape=[_sds(f.shape, f.dtype), per_chunk, per_chunk],
     compiler_params=params,
     interpret=interpret,
     name='kda_gated_reverse_cumsum',
-  )(dgc, add, f, a_hk, bias_hk)
+  )(dgc, add, f, a_hk, bias_hk, *reset_args)
 
 
 # ----------------------------------------------------------------------------- kernel calls
@@ -465,21 +477,29 @@ def _gate_rows(gate_params):
   return jnp.broadcast_to(jnp.exp(a_log)[:, None], dt_bias.shape), dt_bias
 
 
-def _cumulative_log_decay(g, gate_params, gate, c, settings, interpret):
-  """G from g (gate None) or from the gate's pre-activation g and gate_params (a_log, dt_bias)."""
+def _cumulative_log_decay(g, gate_params, resets, gate, c, settings, interpret):
+  """G from g (gate None) or from the gate's pre-activation g and gate_params (a_log, dt_bias),
+  with the document resets (only with the gate: without it they are in g already)."""
   if gate is None:
     return chunk_cumsum(g, c, settings=settings, interpret=interpret)
   lower_bound, t_valid = gate
   return gated_cumsum(
-    g, *_gate_rows(gate_params), c, lower_bound=lower_bound, t_valid=t_valid, settings=settings, interpret=interpret
+    g,
+    *_gate_rows(gate_params),
+    c,
+    lower_bound=lower_bound,
+    t_valid=t_valid,
+    settings=settings,
+    interpret=interpret,
+    resets=resets,
   )
 
 
-def _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings):
+def _forward(q, k, v, g, beta, s0, gate_params, resets, scale, interpret, gate, settings):
   """(o, s_final) and the tensors the backward keeps besides the inputs: aqk and T."""
   c = chunk_len(q.shape[1])
   kw = dict(settings=settings, interpret=interpret)
-  gc = _cumulative_log_decay(g, gate_params, gate, c, **kw)
+  gc = _cumulative_log_decay(g, gate_params, resets, gate, c, **kw)
   aqk, n = scores_fwd(q, k, gc, beta, scale=scale, c=c, **kw)
   t_inv = wy_inverse(n, c=c, dtype=q.dtype, **kw)
   qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, **kw)
@@ -487,19 +507,21 @@ def _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings
   return (o, s_final), (aqk, t_inv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def kda_core(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def kda_core(q, k, v, g, beta, s0, gate_params, resets, scale, interpret, gate, settings):
   """q, k [B, T, H, K] (the dot dtype), v [B, T, H, V], g [B, T, H, K] float32 log-decay, beta
   [B, T, H], s0 [B, H, K, V] float32; T a multiple of chunk_len(T). Returns (o, s_final).
   With gate = (lower_bound, t_valid) (static) and gate_params = (a_log [H], dt_bias [H, K])
   float32, g is instead the gate's pre-activation f (any float dtype), formed into the log-decay
-  inside the cumulative-sum kernels; gate None: gate_params None. settings: KdaSettings (static)."""
-  return _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings)[0]
+  inside the cumulative-sum kernels; gate None: gate_params None. resets: None, or with the gate
+  the document resets [B, T] int32 the cumulative-sum kernels apply (no gradient). settings:
+  KdaSettings (static)."""
+  return _forward(q, k, v, g, beta, s0, gate_params, resets, scale, interpret, gate, settings)[0]
 
 
-def _core_fwd(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings):
-  outs, saved = _forward(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings)
-  return outs, (q, k, v, g, beta, s0, gate_params) + tuple(checkpoint_name(x, SAVED) for x in saved)
+def _core_fwd(q, k, v, g, beta, s0, gate_params, resets, scale, interpret, gate, settings):
+  outs, saved = _forward(q, k, v, g, beta, s0, gate_params, resets, scale, interpret, gate, settings)
+  return outs, (q, k, v, g, beta, s0, gate_params, resets) + tuple(checkpoint_name(x, SAVED) for x in saved)
 
 
 def _chunk_view(x, c):
@@ -509,13 +531,13 @@ def _chunk_view(x, c):
 
 
 def _core_bwd(scale, interpret, gate, settings, res, cotangents):
-  q, k, v, g, beta, s0, gate_params, aqk, t_inv = res
+  q, k, v, g, beta, s0, gate_params, resets, aqk, t_inv = res
   do, ds_final = cotangents
   b, t, h, dk = q.shape
   c = chunk_len(t)
   nt = t // c
   kw = dict(settings=settings, interpret=interpret)
-  gc = _cumulative_log_decay(g, gate_params, gate, c, **kw)
+  gc = _cumulative_log_decay(g, gate_params, resets, gate, c, **kw)
   qg, kg, w, u = wy_apply(t_inv, q, k, v, gc, beta, scale=scale, c=c, **kw)
   v_new, _, hs = state_fwd(qg, kg, w, u, aqk, gc, s0, c=c, out_dtype=v.dtype, with_h=True, **kw)
   do = do.astype(v.dtype)
@@ -533,10 +555,10 @@ def _core_bwd(scale, interpret, gate, settings, res, cotangents):
     d_gate = None
   else:  # then through the gate: df, and the sums that are d A_log and d dt_bias
     dg, dbias_rows, dalog_rows = gated_reverse_cumsum(
-      dg_s, d_end, g, *_gate_rows(gate_params), c, lower_bound=gate[0], t_valid=gate[1], **kw
+      dg_s, d_end, g, *_gate_rows(gate_params), c, lower_bound=gate[0], t_valid=gate[1], resets=resets, **kw
     )
     d_gate = (jnp.sum(dalog_rows, axis=(0, 1, 3)), jnp.sum(dbias_rows, axis=(0, 1)))
-  return dq, dk_, dv, dg, dbeta.astype(beta.dtype), ds0, d_gate
+  return dq, dk_, dv, dg, dbeta.astype(beta.dtype), ds0, d_gate, None
 
 
 kda_core.defvjp(_core_fwd, _core_bwd)
@@ -556,6 +578,7 @@ def kda_pallas(
   gate_lower_bound=0.0,
   settings=None,
   interpret=False,
+  resets=None,
 ):
   """KDA (docs/kda.md) through the Pallas kernels: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H].
 
@@ -566,7 +589,10 @@ def kda_pallas(
   With a_log [H] and dt_bias [H, K], g is the decay gate's pre-activation f (in its own dtype) and
   the log-decay is gate_log_decay(f + dt_bias, exp(a_log), gate_lower_bound) (kimijax.ops.kda),
   formed in the cumulative-sum kernels (settings.fused_gate) or by XLA; a_log and dt_bias get
-  gradients. settings: the kernels' KdaSettings (None: the defaults).
+  gradients. settings: the kernels' KdaSettings (None: the defaults). resets: None, or [B, T] bool,
+  True where the state restarts from zero before the token's write (document masking,
+  kimijax.ops.kda): the log-decay is RESET_LOG_DECAY there, set by XLA in g, or with the gate
+  fused by the cumulative-sum kernels, and that token's g, f or gate gets no gradient from it.
   """
   dk, dv = q.shape[-1], v.shape[-1]
   for name, d in (('K', dk), ('V', dv)):
@@ -585,6 +611,7 @@ def kda_pallas(
     initial_state,
     a_log,
     dt_bias,
+    None if resets is None else jnp.asarray(resets),
     scale=float(scale),
     gate_lower_bound=float(gate_lower_bound),
     interpret=bool(interpret),
@@ -605,7 +632,9 @@ def _checked(settings) -> KdaSettings:
 
 
 @functools.partial(jax.jit, static_argnames=('scale', 'gate_lower_bound', 'interpret', 'settings'))
-def _kda_pallas(q, k, v, g, beta, initial_state, a_log, dt_bias, *, scale, gate_lower_bound, interpret, settings):
+def _kda_pallas(
+  q, k, v, g, beta, initial_state, a_log, dt_bias, resets, *, scale, gate_lower_bound, interpret, settings
+):
   """kda_pallas under one jax.jit: every layer's call with the same shapes and settings shares
   one trace, so a model's lowered module holds each kernel once (kernels_pallas/__init__.py)."""
   b, t, h, dk = q.shape
@@ -621,8 +650,12 @@ def _kda_pallas(q, k, v, g, beta, initial_state, a_log, dt_bias, *, scale, gate_
       gate_params, gate = (a_log, dt_bias), (gate_lower_bound, t if pad else None)
     else:
       g = log_decay_from_pre_activation(g, a_log, dt_bias, gate_lower_bound)
+  if resets is not None and not gate:  # a g in XLA: the resets go into it there
+    g, resets = reset_log_decay(g.astype(F32), resets), None
+  elif resets is not None:  # the gated cumulative sums apply them
+    resets = time_pad(resets.astype(jnp.int32))
   q, k, v = (time_pad(x.astype(dot_dtype)) for x in (q, k, v))
   g, beta = time_pad(g if gate else g.astype(F32)), time_pad(beta.astype(F32))
   s0 = jnp.zeros((b, h, dk, dv), F32) if initial_state is None else initial_state.astype(F32)
-  o, s_final = kda_core(q, k, v, g, beta, s0, gate_params, scale, interpret, gate, settings)
+  o, s_final = kda_core(q, k, v, g, beta, s0, gate_params, resets, scale, interpret, gate, settings)
   return o[:, :t], s_final

@@ -37,3 +37,23 @@ def single_document(batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarr
   segment_ids = np.ones((batch_size, seq_len), dtype=np.int32)
   positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch_size, seq_len)).copy()
   return segment_ids, positions
+
+
+def random_documents(batch_size: int, seq_len: int, low: int, high: int, seed: int = 0):
+  """(segment_ids, positions), each int32 [B, T], of rows packed with documents of lengths drawn
+  uniformly from [low, high) (the benchmarks' stand-in for a corpus, experiments/bench/bench_train.py):
+  a row starts inside a document (its tail, of a length drawn from [1, high)) and its last document
+  is cut by the row's end."""
+  if not 1 <= low < high:
+    raise ValueError(f'document lengths: need 1 <= low < high, got [{low}, {high})')
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(batch_size):
+    lengths = [int(rng.integers(1, high))]
+    while sum(lengths) < seq_len:
+      lengths.append(int(rng.integers(low, high)))
+    lengths[-1] -= sum(lengths) - seq_len
+    rows.append(lengths)
+  segment_ids = np.stack([np.repeat(np.arange(1, len(r) + 1, dtype=np.int32), r) for r in rows])
+  positions = np.stack([np.concatenate([np.arange(n, dtype=np.int32) for n in r]) for r in rows])
+  return segment_ids, positions

@@ -25,9 +25,10 @@ class SelfAttention(nn.Module):
   """Causal self-attention. x [B, T, D] -> (y [B, T, D], max_logits [H] fp32, cache).
 
   Without a cache: training, max logits returned (None when `max_logits` is False: nothing
-  computes them), cache None. With a cache {'k', 'v'}
-  [B, S_max, Hkv, Dh]: a prefill from position 0 (T tokens) or a decode step (T = 1); the keys and
-  values are written at positions_bt[0] onwards and max_logits is None.
+  computes them), cache None; with segment_ids_bt [B, T] (packed documents, data.document_mask) a
+  query attends only within its document, and positions_bt restart at each document (RoPE). With
+  a cache {'k', 'v'} [B, S_max, Hkv, Dh]: a prefill from position 0 (T tokens) or a decode step
+  (T = 1); the keys and values are written at positions_bt[0] onwards and max_logits is None.
 
   Query kernel [D, H, Dh], key/value kernels [D, Hkv, Dh], output kernel [H, Dh, D], so that
   per-head weight rewrites (QK-Clip, docs/optimizers.md#qk-clip) index the head axis directly.
@@ -43,7 +44,7 @@ class SelfAttention(nn.Module):
   max_logits: bool = True  # return the per-head max logits in training (docs/optimizers.md#qk-clip)
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, cache=None):
+  def __call__(self, x_btd, positions_bt, cache=None, segment_ids_bt=None):
     d = x_btd.shape[-1]
     head_dim = d // self.num_heads
     x_btd = x_btd.astype(self.dtype)
@@ -70,6 +71,7 @@ class SelfAttention(nn.Module):
         impl=self.impl,
         return_max_logits=self.max_logits,
         spec=nn.logical_to_mesh_axes(names),
+        segment_ids=segment_ids_bt,
       )
       o_bthd, max_logits_h = result if self.max_logits else (result, None)
       new_cache = None

@@ -10,6 +10,9 @@
                                                            the norm's eps is output_norm_eps
 
 Decode cache per sequence: the last 3 conv inputs of q, k and v, and the float32 state [H, K, V].
+With segment_ids [B, T] (packed documents, data.document_mask; training only) the state starts
+from zero at each document's first token and the short convolutions read no input of another
+document (kimijax/ops/segments.py).
 
 Memory: the q/k/v projections, the short convolutions and activations, beta, the decay gate and
 the op run as one rematerialised region that keeps only the layer input, what the op names worth
@@ -94,7 +97,7 @@ class KimiDeltaAttention(nn.Module):
     o_bthv = nn.with_logical_constraint(o_bthv.astype(self.dtype), ('act_batch', 'act_length', 'act_heads', None))
     return jnp.einsum('bthk,hkd->btd', o_bthv, w_o)
 
-  def _mix(self, x_btd, w_qkv, cache):
+  def _mix(self, x_btd, w_qkv, cache, segment_ids_bt=None):
     """From the layer input and the q/k/v projection weights: the projections (tagged PROJECTIONS),
     the short convolutions and activations, beta, the decay gate and the op, (o, new cache). The
     parameters are created in the order of the layer's definition (docs/kda.md), which fixes their
@@ -114,7 +117,7 @@ class KimiDeltaAttention(nn.Module):
           settings=self.short_conv_settings,
           name=f'{name}_conv',
         )
-        x_bthk, new_cache[f'conv_{name}'] = conv(x_bthk, prefix)
+        x_bthk, new_cache[f'conv_{name}'] = conv(x_bthk, prefix, segment_ids_bt)
       else:
         x_bthk = activate(x_bthk, ACTIVATIONS[name])
       outs.append(x_bthk.astype(self.dtype))
@@ -137,7 +140,7 @@ class KimiDeltaAttention(nn.Module):
     op = dict(impl=self.impl, settings=self.settings)
 
     if cache is None:
-      o_bthv, _ = kda(q_bthk, k_bthk, v_bthv, f_bthk, beta_bth, **op, **gate)
+      o_bthv, _ = kda(q_bthk, k_bthk, v_bthv, f_bthk, beta_bth, **op, **gate, segment_ids=segment_ids_bt)
     elif q_bthk.shape[1] == 1:  # decode: one token, O(1) in the context length
       g_bhk = kda_log_decay(f_bthk[:, 0], a_log, dt_bias, self.gate_lower_bound)
       o_bhv, new_cache['state'] = kda_step(
@@ -151,7 +154,7 @@ class KimiDeltaAttention(nn.Module):
     return o_bthv, new_cache
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt=None, cache=None):
+  def __call__(self, x_btd, positions_bt=None, cache=None, segment_ids_bt=None):
     del positions_bt  # KDA has no positional encoding: the decay orders the sequence
     h, hd = self.num_heads, self.head_dim
     d = x_btd.shape[-1]
@@ -160,7 +163,7 @@ class KimiDeltaAttention(nn.Module):
     w_qkv = [weight(self, f'{n}_proj', (d, h, hd), names) for n in ('q', 'k', 'v')]
     kept = (SAVED,) + tuple(f'{PROJECTIONS}_{n}' for n in 'qkv' if n not in self.recompute_projections)
     mix = nn.remat(type(self)._mix, policy=jax.checkpoint_policies.save_only_these_names(*kept), prevent_cse=True)
-    o_bthv, new_cache = mix(self, x_btd, w_qkv, cache)
+    o_bthv, new_cache = mix(self, x_btd, w_qkv, cache, segment_ids_bt)
 
     gain = self.param('o_norm', nn.with_logical_partitioning(nn.initializers.ones, ('head_dim',)), (hd,), jnp.float32)
     g_btr = g_b = None

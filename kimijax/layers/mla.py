@@ -41,7 +41,9 @@ class MultiHeadLatentAttention(nn.Module):
 
   Training and prefill attend in full form: q and k have qk_nope_head_dim + qk_rope_head_dim
   dims per head and v has v_head_dim (192 and 128 in Kimi Linear); an implementation that needs
-  one head dim pads v itself (ops.attention's 'cudnn'), so this layer never pads."""
+  one head dim pads v itself (ops.attention's 'cudnn'), so this layer never pads. With
+  segment_ids_bt [B, T] (packed documents, data.document_mask; training only) a query attends only
+  within its document; positions_bt restart at each document for the rotated dims."""
 
   num_heads: int
   kv_lora_rank: int
@@ -58,7 +60,7 @@ class MultiHeadLatentAttention(nn.Module):
   max_logits: bool = True  # return the per-head max logits in training (docs/optimizers.md#qk-clip)
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, cache=None):
+  def __call__(self, x_btd, positions_bt, cache=None, segment_ids_bt=None):
     h, dn, dr, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
     dv = self.v_head_dim or dn
     d = x_btd.shape[-1]
@@ -122,6 +124,7 @@ class MultiHeadLatentAttention(nn.Module):
       scale=scale,
       return_max_logits=self.max_logits,
       spec=nn.logical_to_mesh_axes(act),
+      segment_ids=segment_ids_bt,
     )
     o_bthv, max_logits_h = result if self.max_logits else (result, None)
     return jnp.einsum('bthk,hkd->btd', o_bthv, w_o), max_logits_h, new_cache

@@ -13,7 +13,8 @@ from kimijax.ops.short_conv import short_conv
 class ShortConv(nn.Module):
   """Depthwise causal conv of [B, T, H, D] over T, no bias; taps [width, H, D] float32, then
   `activation` (a name of kimijax.ops.short_conv.ACTIVATIONS), in one op so that a rematerialised
-  caller recomputes both. The input is cast to `dtype`. Returns (y, new prefix [B, width-1, H, D])."""
+  caller recomputes both. The input is cast to `dtype`. Returns (y, new prefix [B, width-1, H, D]).
+  segment_ids [B, T]: packed documents; a token's conv reads no input of another document."""
 
   width: int = 4
   dtype: jnp.dtype = jnp.float32
@@ -22,7 +23,7 @@ class ShortConv(nn.Module):
   settings: Any = None  # the kernels' settings of an impl that has them (None: the defaults)
 
   @nn.compact
-  def __call__(self, x_bthd, prefix=None):
+  def __call__(self, x_bthd, prefix=None, segment_ids=None):
     bound = self.width**-0.5  # uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = width
 
     def init(key, shape, dtype):
@@ -34,4 +35,12 @@ class ShortConv(nn.Module):
       (self.width,) + x_bthd.shape[2:],
       jnp.float32,
     )
-    return short_conv(x_bthd.astype(self.dtype), w, self.activation, prefix, impl=self.impl, settings=self.settings)
+    return short_conv(
+      x_bthd.astype(self.dtype),
+      w,
+      self.activation,
+      prefix,
+      impl=self.impl,
+      settings=self.settings,
+      segment_ids=segment_ids,
+    )

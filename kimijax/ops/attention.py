@@ -17,7 +17,14 @@
 With `return_max_logits=True` it also returns, per query head, the largest scaled and causally
 masked logit over the batch and all positions (docs/optimizers.md#qk-clip, the S_max^h that QK-Clip needs). That
 value is exact for every implementation and carries no gradient; `max_logits_blocked` is its
-portable reference. Without it no max-logit work runs. Decoding over a cache goes through
+portable reference. Without it no max-logit work runs.
+
+With `segment_ids` [B, T] (packed documents, kimijax/ops/segments.py) a query attends only to the
+keys of its own segment, and the max logits are over those (same-segment, causal) pairs only:
+'xla' masks the logits, 'tokamax' passes each query row's first key (its segment's start) to the
+kernel, which skips key blocks wholly before it; 'cudnn' has no such mask through
+jax.nn.dot_product_attention (a dense [B, 1, T, S] mask only, turned into a bias) and refuses
+(`Implementation.segment_mask`), and 'gpu' then runs 'tokamax'. Decoding over a cache goes through
 `decode_attention`. The GPU implementations raise a ValueError naming the fix on float32 inputs
 or without a GPU (`unsupported`), before any compute.
 """
@@ -35,6 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kimijax.ops.per_shard import run_per_shard, spec_axes
+from kimijax.ops.segments import segment_start_index
 
 MASKED_LOGIT = -1e30  # finite: a fully masked row gives uniform weights instead of NaN
 
@@ -73,12 +81,15 @@ def _max_over_logits(logits_bkgts, mask_ts):
   return m_kg.reshape(-1)
 
 
-def _xla_attention(q, k, v, causal, scale, return_max_logits, spec):
+def _xla_attention(q, k, v, causal, scale, return_max_logits, spec, segment_ids=None):
   del spec
   b, t, h, _ = q.shape
   s = k.shape[1]
   logits = _grouped_logits(q, k, scale)
   mask = _causal_mask(t, s) if causal else None
+  if segment_ids is not None:  # [B, 1, 1, T, S]: the same segment
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
+    mask = same if mask is None else mask & same
   if mask is not None:
     logits = jnp.where(mask, logits, MASKED_LOGIT)
   probs = jax.nn.softmax(logits, axis=-1)
@@ -174,7 +185,12 @@ def _check_supported(impl, q):
     raise ValueError(problem)
 
 
-def _cudnn_attention(q, k, v, causal, scale, return_max_logits, spec):
+def _cudnn_attention(q, k, v, causal, scale, return_max_logits, spec, segment_ids=None):
+  if segment_ids is not None:
+    raise ValueError(
+      "attention impl='cudnn' has no document (segment) mask; use impl='tokamax' (or 'gpu', which "
+      "then runs it) or impl='xla'"
+    )
   _check_supported('cudnn', q)
   t, s = q.shape[1], k.shape[1]
   dv = v.shape[-1]
@@ -200,7 +216,7 @@ def _cudnn_attention(q, k, v, causal, scale, return_max_logits, spec):
 
 
 def flash_attention_tokamax(
-  q, k, v, *, causal=True, scale=None, return_max_logits=False, spec: P | None = None, op=None
+  q, k, v, *, causal=True, scale=None, return_max_logits=False, spec: P | None = None, op=None, segment_ids=None
 ):
   """(out [B, T, H, Dv], max_logits [H] fp32 or None) by tokamax's flash attention: the one place
   kimijax calls tokamax. q [B, T, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] (GQA: query head h
@@ -218,6 +234,10 @@ def flash_attention_tokamax(
   runs per shard, like max_logits_kernel. `op` substitutes another tokamax attention op with the
   same interface (the tests pass tokamax's XLA reference, which runs on a CPU).
 
+  With segment_ids [B, T] (T = S) each query row also gets its first allowed key, the start of
+  its segment (tokamax's Mask k_start, [B, 1, T]): the kernels mask keys before it and skip key
+  blocks that lie wholly before it, and the row max covers the allowed keys only.
+
   The body runs under one jax.jit with the settings and the op as static arguments: a model's
   layers call it with the same shapes, so they share one trace and one lowering of the kernel
   (as kernels_pallas/__init__.py explains for the Pallas ops)."""
@@ -226,72 +246,91 @@ def flash_attention_tokamax(
   op = pallas_mosaic_gpu.PallasMosaicGpuFlashAttention() if op is None else op
   q, k, v = (jnp.asarray(x) for x in (q, k, v))  # tokamax type-checks for jax arrays
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  return _tokamax_flash(
-    q, k, v, causal=bool(causal), scale=float(scale), return_max_logits=bool(return_max_logits), spec=spec, op=op
-  )
+  kw = dict(causal=bool(causal), scale=float(scale), return_max_logits=bool(return_max_logits), spec=spec, op=op)
+  if segment_ids is None:
+    return _tokamax_flash(q, k, v, **kw)
+  if q.shape[1] != k.shape[1]:
+    raise ValueError(f'attention: segment_ids need as many queries as keys; got q {q.shape}, k {k.shape}')
+  return _tokamax_flash(q, k, v, jnp.asarray(segment_ids), **kw)
 
 
 @functools.partial(jax.jit, static_argnames=('causal', 'scale', 'return_max_logits', 'spec', 'op'))
-def _tokamax_flash(q, k, v, *, causal, scale, return_max_logits, spec, op):
+def _tokamax_flash(q, k, v, segment_ids=None, *, causal, scale, return_max_logits, spec, op):
   """flash_attention_tokamax's body (see there)."""
   from tokamax._src.ops.attention import base
 
   # Key j is visible to query row i when j <= i + offset: offset S - T aligns the mask bottom-right
   # (offset 0 is tokamax's plain causal mask, computed in the kernel; otherwise a per-row key end).
-  mask = base.CausalMask(offset=k.shape[1] - q.shape[1]) if causal else None
+  causal_mask = base.CausalMask(offset=k.shape[1] - q.shape[1]) if causal else None
+  rows, per_head, max_over_batch = _kernel_layout(q, k, spec)
+  args, in_specs = (q, k, v), (rows,) * 3
+  if segment_ids is not None:  # each query row's first key: its segment's start, [B, 1, T]
+    args += (segment_start_index(segment_ids)[:, None, :],)
+    in_specs += (P(rows[0], None, None),)
 
-  def run(q, k, v):
+  def run(q, k, v, k_start=None):
+    mask = causal_mask if k_start is None else base.Mask(causal_mask=causal_mask, k_start=k_start)
     if not return_max_logits:
       return op(q, k, v, logits_scale=scale, mask=mask)
     out, (row_max_bht, _) = op(q, k, v, logits_scale=scale, mask=mask, return_residuals=True)
     return out, jax.lax.stop_gradient(jnp.max(row_max_bht, axis=(0, 2)))
 
-  rows, per_head, max_over_batch = _kernel_layout(q, k, spec)
   if not return_max_logits:
-    return run_per_shard(run, (q, k, v), in_specs=(rows,) * 3, out_specs=rows), None
+    return run_per_shard(run, args, in_specs=in_specs, out_specs=rows), None
   across = None if max_over_batch is None else (lambda outs: (outs[0], max_over_batch(outs[1])))
-  return run_per_shard(run, (q, k, v), in_specs=(rows,) * 3, out_specs=(rows, per_head), across_shards=across)
+  return run_per_shard(run, args, in_specs=in_specs, out_specs=(rows, per_head), across_shards=across)
 
 
-def _tokamax_attention(q, k, v, causal, scale, return_max_logits, spec):
+def _tokamax_attention(q, k, v, causal, scale, return_max_logits, spec, segment_ids=None):
   _check_supported('tokamax', q)
-  return flash_attention_tokamax(q, k, v, causal=causal, scale=scale, return_max_logits=return_max_logits, spec=spec)
+  return flash_attention_tokamax(
+    q, k, v, causal=causal, scale=scale, return_max_logits=return_max_logits, spec=spec, segment_ids=segment_ids
+  )
 
 
-def gpu_choice(q, v, return_max_logits) -> str:
+def gpu_choice(q, v, return_max_logits, segment_ids=None) -> str:
   """The GPU implementation impl='gpu' runs: the faster one for the call in bench_350m's step on
   an H200 (experiments/results/bench_attention.md, section 3). tokamax's max logits come free
   where cuDNN runs a second kernel, and it takes MLA's unequal value dim that cuDNN pads; without
-  either, cuDNN's kernels are 2.3% faster."""
-  return 'tokamax' if return_max_logits or v.shape[-1] != q.shape[-1] else 'cudnn'
+  either, cuDNN's kernels are 2.3% faster. With segment ids, tokamax (cuDNN has no segment mask)."""
+  if return_max_logits or v.shape[-1] != q.shape[-1] or segment_ids is not None:
+    return 'tokamax'
+  return 'cudnn'
 
 
-def _gpu_attention(q, k, v, causal, scale, return_max_logits, spec):
+def _gpu_attention(q, k, v, causal, scale, return_max_logits, spec, segment_ids=None):
   _check_supported('gpu', q)
-  return IMPLS[gpu_choice(q, v, return_max_logits)].attention(q, k, v, causal, scale, return_max_logits, spec)
+  impl = IMPLS[gpu_choice(q, v, return_max_logits, segment_ids)]
+  if segment_ids is None:
+    return impl.attention(q, k, v, causal, scale, return_max_logits, spec)
+  return impl.attention(q, k, v, causal, scale, return_max_logits, spec, segment_ids)
 
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-  """One implementation of attention. attention: (q, k, v, causal, scale, return_max_logits, spec)
-  -> (out, max_logits or None). gpu_only: it needs an NVIDIA GPU and bf16 or fp16 inputs
-  (`unsupported` says why it cannot run elsewhere)."""
+  """One implementation of attention. attention: (q, k, v, causal, scale, return_max_logits, spec[,
+  segment_ids]) -> (out, max_logits or None). gpu_only: it needs an NVIDIA GPU and bf16 or fp16
+  inputs (`unsupported` says why it cannot run elsewhere). segment_mask: it takes segment_ids
+  (packed documents kept apart)."""
 
   attention: Callable
   gpu_only: bool = False
+  segment_mask: bool = True
 
 
 IMPLS = types.MappingProxyType(
   {
     'xla': Implementation(_xla_attention),
-    'cudnn': Implementation(_cudnn_attention, gpu_only=True),
+    'cudnn': Implementation(_cudnn_attention, gpu_only=True, segment_mask=False),
     'tokamax': Implementation(_tokamax_attention, gpu_only=True),
     'gpu': Implementation(_gpu_attention, gpu_only=True),
   }
 )
 
 
-def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits=False, spec: P | None = None):
+def attention(
+  q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits=False, spec: P | None = None, segment_ids=None
+):
   """Scaled dot-product attention with GQA.
 
   Args:
@@ -305,6 +344,9 @@ def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits
       of scale * q . k (docs/optimizers.md#qk-clip).
     spec: the PartitionSpec of q, k and v under a mesh (for implementations that run a kernel
       per shard; None: not sharded).
+    segment_ids: None, or [B, T] int (T = S): packed documents, each a contiguous run of equal
+      ids (kimijax/ops/segments.py); a query attends only to keys of its own segment, and
+      max_logits is over those pairs. Implementations without `segment_mask` ('cudnn') refuse.
 
   Returns:
     out [B, T, H, Dv] in q's dtype, or (out, max_logits) when return_max_logits.
@@ -313,7 +355,15 @@ def attention(q, k, v, *, causal=True, impl='xla', scale=None, return_max_logits
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   if impl not in IMPLS:
     raise ValueError(f'attention impl={impl!r} is unknown; allowed: {tuple(IMPLS)}')
-  out, m = IMPLS[impl].attention(q, k, v, causal, scale, return_max_logits, spec)
+  if segment_ids is None:
+    out, m = IMPLS[impl].attention(q, k, v, causal, scale, return_max_logits, spec)
+  else:
+    if segment_ids.shape != (q.shape[0], q.shape[1]) or q.shape[1] != k.shape[1]:
+      raise ValueError(
+        f'attention: segment_ids must be [B, T] = {list(q.shape[:2])} with as many keys as queries; '
+        f'got segment_ids {list(segment_ids.shape)}, k {list(k.shape)}'
+      )
+    out, m = IMPLS[impl].attention(q, k, v, causal, scale, return_max_logits, spec, segment_ids)
   return (out, m) if return_max_logits else out
 
 

@@ -16,6 +16,11 @@ off the GPU, which take their Triton settings as `settings=`). Layout: q, k, g [
 arrive L2-normalised; states [B, H, K, V] float32. `kda(..., a_log=, dt_bias=)` takes the decay
 gate's pre-activation in place of g and forms the log-decay itself (`kda_log_decay`; fused into
 the kernels under 'pallas', which import the gate's maths from here).
+`kda(..., segment_ids=)` keeps the packed documents of a row apart: the state restarts from zero
+at each segment's first token (kimijax/ops/segments.py; the row's first segment continues from
+the initial state). A restart is a decay of exactly zero, so every implementation takes it as the
+log-decay RESET_LOG_DECAY at that token in place of g (`reset_log_decay`; under 'pallas' with the
+gate fused, inside the cumulative-sum kernels), which no gradient flows through (docs/kda.md).
 All arithmetic is float32 whatever the input dtype; outputs take v's dtype. fp32 matmuls follow
 jax's default matmul precision (TF32 on NVIDIA GPUs unless `jax.default_matmul_precision('highest')`),
 except the chunk form's small triangular inverse, always in full float32.
@@ -34,6 +39,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from kimijax.ops.segments import segment_starts
+
 # checkpoint_name of the residuals worth keeping, in every implementation (the chunk form's
 # per-chunk states; the fused kernels' aqk and T): a caller that rematerialises around the op with
 # jax.checkpoint_policies.save_only_these_names(SAVED) keeps them and recomputes the rest.
@@ -45,6 +52,12 @@ _SUB = 16  # sub-chunk length inside a chunk (the anchoring unit of the chunk fo
 # one group at a time). On CPU cache-sized groups measured fastest; accelerators want big batches.
 _GROUP_ELEMENTS = {'cpu': 1 << 19}
 _GROUP_ELEMENTS_DEFAULT = 1 << 24
+# The log-decay of a document's first token under segment_ids: exp(-128) is 0 in float32 (below
+# its smallest subnormal, e^-103.3), so the state that enters the token is dropped exactly, and
+# every decay factor exp(G_r - G_i) across the token is 0 as well. As small a magnitude as that
+# allows: the chunk forms subtract cumulative sums that include it, which costs them absolute
+# precision in proportion (ulp(128) = 1.5e-5 in float32; docs/kda.md).
+RESET_LOG_DECAY = -128.0
 
 
 # ----------------------------------------------------------------------------- validation
@@ -244,6 +257,12 @@ def kda_log_decay(f, a_log, dt_bias, lower_bound=0.0):
   g = -exp(a_log) softplus(f + dt_bias), or with lower_bound < 0, lower_bound sigmoid(exp(a_log)
   (f + dt_bias)). The same expression the Pallas kernels evaluate when the gate is fused."""
   return log_decay_from_pre_activation(f, a_log, dt_bias, float(lower_bound))
+
+
+def reset_log_decay(g, resets):
+  """g [B, T, H, K] with RESET_LOG_DECAY at the tokens where resets [B, T] (bool) is True: the
+  state restarts from zero there. The forced entries pass no gradient to g."""
+  return jnp.where(resets[:, :, None, None], jnp.asarray(RESET_LOG_DECAY, g.dtype), g)
 
 
 def _default_scale(scale, dk):
@@ -508,10 +527,12 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
 
 def _gated(fn):
-  """An implementation of g that takes the gate too, forming the log-decay in XLA first."""
+  """An implementation of g that takes the gate and the document resets too, forming the
+  log-decay in XLA first."""
 
-  def impl(q, k, v, g, beta, *, gate, **kw):
-    return fn(q, k, v, g if gate is None else kda_log_decay(g, *gate), beta, **kw)
+  def impl(q, k, v, g, beta, *, gate, resets=None, **kw):
+    g = g if gate is None else kda_log_decay(g, *gate)
+    return fn(q, k, v, g if resets is None else reset_log_decay(g, resets), beta, **kw)
 
   return impl
 
@@ -528,10 +549,10 @@ def _chunk_impl(q, k, v, g, beta, *, settings, **kw):
   return kda_chunk(q, k, v, g, beta, **kw)
 
 
-def _fused_impl(q, k, v, g, beta, *, gate, scale, initial_state, output_final_state, chunk_size, settings):
-  """The fused Pallas kernels of kernels_pallas/kda (interpreted off the GPU), the gate fused in,
-  under `settings` (a KdaSettings; None: the defaults); their chunk length is fixed (64), so
-  chunk_size is not used."""
+def _fused_impl(q, k, v, g, beta, *, gate, scale, initial_state, output_final_state, chunk_size, settings, resets=None):
+  """The fused Pallas kernels of kernels_pallas/kda (interpreted off the GPU), the gate (and the
+  document resets with it) fused in, under `settings` (a KdaSettings; None: the defaults); their
+  chunk length is fixed (64), so chunk_size is not used."""
   del chunk_size
   from kernels_pallas.common import kernels_interpreted
   from kernels_pallas.kda import kda_pallas
@@ -551,6 +572,7 @@ def _fused_impl(q, k, v, g, beta, *, gate, scale, initial_state, output_final_st
     gate_lower_bound=lower_bound,
     settings=settings,
     interpret=kernels_interpreted(),
+    resets=resets,
   )
   return o, (s_final if output_final_state else None)
 
@@ -573,7 +595,8 @@ def _pallas_settings(text: str):
 @dataclasses.dataclass(frozen=True)
 class Implementation:
   """One implementation of KDA. kda: kda's arguments (keywords after beta; gate = (a_log, dt_bias,
-  lower_bound) or None; settings) -> (o, state or None). step: kda_step's (keywords scale,
+  lower_bound) or None; settings; resets [B, T] bool, given only under segment_ids) -> (o, state
+  or None). step: kda_step's (keywords scale,
   settings) -> (o, state). parse_settings: 'key=int/key=int' -> the settings its kernels take
   (the `settings` argument; None: it has no kernels and ignores that argument)."""
 
@@ -614,6 +637,7 @@ def kda(
   gate_lower_bound=0.0,
   settings=None,
   check_inputs=False,
+  segment_ids=None,
 ):
   """KDA through one dispatch point: impl, a key of IMPLS ('xla' | 'xla_recurrent' | 'pallas').
 
@@ -626,6 +650,9 @@ def kda(
   'key=int/key=int'); None: their defaults; the XLA forms ignore it. check_inputs=True checks the
   values against the contract first (check_contract: q and k L2-normalised, g <= 0, beta in
   [0, 1], all finite), a ValueError naming the violated condition instead of a NaN output.
+  segment_ids: None, or [B, T] int, packed documents as contiguous runs of equal ids
+  (kimijax/ops/segments.py): the state restarts from zero at the first token of every segment but
+  the row's first (RESET_LOG_DECAY).
   """
   implementation = _implementation(impl, 'kda')
   q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
@@ -639,6 +666,12 @@ def kda(
     a_log, dt_bias = (None if x is None else jnp.asarray(x) for x in (a_log, dt_bias))
     _check_gate(a_log, dt_bias, gate_lower_bound, h, dk)
     gate = (a_log, dt_bias, float(gate_lower_bound))
+  resets = {}
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids)
+    if segment_ids.shape != q.shape[:2]:
+      raise ValueError(f'kda: segment_ids must be [B, T] = {_fmt(q.shape[:2])}; got {_fmt(segment_ids.shape)}')
+    resets = dict(resets=segment_starts(segment_ids))
   return implementation.kda(
     q,
     k,
@@ -651,4 +684,5 @@ def kda(
     output_final_state=output_final_state,
     chunk_size=chunk_size,
     settings=settings,
+    **resets,
   )

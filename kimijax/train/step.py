@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from kimijax import optim
 from kimijax.layers.moe import MOE_STATS, moe_aux_loss, moe_metrics, update_moe_state
-from kimijax.model import Transformer, as_variables, inference_variables, variables
+from kimijax.model import Transformer, as_variables, document_inputs, inference_variables, variables
 from kimijax.optim import make_optimizer, make_schedule
 from kimijax.optim.qk_clip import heads_clipped
 from kimijax.parallel import mesh as mesh_lib
@@ -35,10 +35,12 @@ def make_loss_fn(model: nn.Module):
 
   def loss_fn(params, batch, moe_state=None):
     if moe_state:
-      (logits_btv, aux), mutated = model.apply(variables(params, moe_state), batch['inputs'], mutable=[MOE_STATS])
+      (logits_btv, aux), mutated = model.apply(
+        variables(params, moe_state), batch['inputs'], mutable=[MOE_STATS], **document_inputs(batch)
+      )
       aux = {**aux, 'moe_stats': mutated[MOE_STATS]}
     else:
-      logits_btv, aux = model.apply({'params': params}, batch['inputs'])
+      logits_btv, aux = model.apply({'params': params}, batch['inputs'], **document_inputs(batch))
     mask = batch['mask']
     nll = token_nll(logits_btv, batch['targets'])
     loss = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
@@ -141,7 +143,7 @@ def make_eval_step(model):
     model = model.clone(max_logits=False)
 
   def eval_step(params, batch):
-    logits_btv, _ = model.apply(as_variables(params), batch['inputs'])
+    logits_btv, _ = model.apply(as_variables(params), batch['inputs'], **document_inputs(batch))
     targets, mask = batch['targets'], batch['mask'].astype(jnp.float32)
     nll = token_nll(logits_btv, targets) * mask
     hit = (jnp.argmax(logits_btv, axis=-1) == targets).astype(jnp.float32) * mask

@@ -303,3 +303,18 @@ def test_errors(tmp_path, corpus):
   )
   _raises(['data.mqar_num_pairs'], make_loader, make_config(seq_len=4096, source='mqar', mqar_num_pairs=200), 'train')
   _raises(['data.val_fraction'], make_loader, make_config(source='text', path=str(corpus), val_fraction=0.0), 'train')
+
+
+def test_random_documents_pack_rows_of_documents_in_the_range():
+  from kimijax.data.documents import random_documents
+
+  ids, positions = random_documents(6, 1000, 50, 120, seed=3)
+  assert ids.shape == positions.shape == (6, 1000) and ids.dtype == positions.dtype == np.int32
+  for row_ids, row_pos in zip(ids, positions):
+    lengths = np.bincount(row_ids)[1:]
+    assert row_ids[0] == 1 and np.all(np.diff(row_ids) >= 0) and np.all(lengths > 0)
+    assert np.all((lengths[1:-1] >= 50) & (lengths[1:-1] < 120))  # the first and last are cut
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    np.testing.assert_array_equal(row_pos, np.arange(1000) - np.repeat(starts, lengths))
+  again = random_documents(6, 1000, 50, 120, seed=3)
+  np.testing.assert_array_equal(again[0], ids)

@@ -3,6 +3,7 @@ means and spreads against the runs' own metrics.jsonl, recall accuracy logged, a
 reused, a half-finished run resumed to the same final loss, and bad input refused before training."""
 
 import json
+import pathlib
 import shutil
 import statistics
 
@@ -135,3 +136,57 @@ def test_a_finished_run_continues_to_a_longer_train_steps(tmp_path, capsys):
   out = capsys.readouterr().out
   assert 'finished earlier, reused' in out and 'notice: train.steps: 4 -> 2 since the run was saved' in out
   assert again['steps'] == 4 and again['final_eval_loss'] == longer['final_eval_loss']
+
+
+def test_sweep_eval_and_generate_on_bpe_shards_with_document_masking(tmp_path):
+  """data.source='shards' through the workflows unchanged: shards prepared with a BPE trained here,
+  the tokenizer's vocabulary taken by model.vocab_size=0, documents kept apart in a hybrid (KDA and
+  attention); the sweep trains, reports epochs of the manifest's training tokens and the loss by
+  position; --mode=eval and --mode=generate read the run's tokenizer."""
+  import os
+  import subprocess
+  import sys
+
+  from data_helpers import small_documents
+
+  from kimijax.data import prepare
+  from kimijax.data.shards import read_manifest
+  from kimijax.train.evaluate import evaluate_run
+
+  corpus = tmp_path / 'corpus.jsonl'
+  corpus.write_text(''.join(json.dumps({'text': d}) + '\n' for d in small_documents(4)))
+  shards = tmp_path / 'shards'
+  prepare.prepare([str(corpus)], shards, train_tokenizer=600, workers=1, val_fraction=0.2, progress=False, log=print)
+  overrides = {
+    **TINY_MQAR,
+    'data.source': 'shards',
+    'data.path': str(shards),
+    'data.tokenizer': f'hf:{shards}/tokenizer.json',
+    'data.document_mask': True,
+    'model.vocab_size': 0,
+    'model.layer_pattern': 'KA',
+    'model.num_layers': 2,
+    'train.steps': 2,
+  }
+  config = make_config(overrides)
+  axes = sweep.parse_axes(['optimizer.learning_rate=3e-3'], config)
+  data = sweep.run_sweep(config, axes, seeds=1, workdir=tmp_path / 'sweep', devices=ONE)
+  (run,) = data['points'][0]['runs']
+  train_tokens = read_manifest(shards)['splits']['train']['tokens']
+  assert run['epochs'] == pytest.approx(2 * 4 * 32 / train_tokens)
+  assert run['loss_by_position']['loss'] and all(x > 0 for x in run['loss_by_position']['loss'])
+  run_dir = tmp_path / 'sweep' / 'runs' / 'learning_rate=0.003,seed=0'
+  stored = json.loads((run_dir / 'config.json').read_text())
+  assert stored['model']['vocab_size'] == 640 and stored['data']['document_mask'] is True
+  assert evaluate_run(run_dir, 1)['eval_loss'] == pytest.approx(run['final_eval_loss'], rel=1e-4)
+
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  generated = subprocess.run(
+    [sys.executable, 'run.py', '--mode=generate', f'--workdir={run_dir}', '--prompt=def ', '--max_new_tokens=6'],
+    capture_output=True,
+    text=True,
+    env={**env, 'JAX_PLATFORMS': 'cpu'},
+    cwd=str(pathlib.Path(__file__).resolve().parents[2]),
+  )
+  assert generated.returncode == 0, generated.stderr[-2000:]
+  assert generated.stdout.startswith('def ')

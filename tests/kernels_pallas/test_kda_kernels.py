@@ -479,6 +479,16 @@ def test_kernels_lower_to_triton_for_an_h200(dtype, d):
     jax.grad(gated_loss, argnums=tuple(range(8))), x, x, x, x, f32(b, t, h), f32(b, h, d, d), f32(h), f32(h, d)
   )
   assert 'kda_gated_cumsum' in module and 'kda_gated_reverse_cumsum' in module
+
+  def reset_loss(q, k, v, f, beta, s0, a_log, dt_bias, resets):  # document masking: the resets input
+    o, s = kda_pallas(q, k, v, f, beta, s0, scale=d**-0.5, a_log=a_log, dt_bias=dt_bias, resets=resets)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+  resets = spec((b, t), jnp.bool_)
+  module = lower_for_h200(
+    jax.grad(reset_loss, argnums=tuple(range(8))), x, x, x, x, f32(b, t, h), f32(b, h, d, d), f32(h), f32(h, d), resets
+  )
+  assert 'kda_gated_cumsum' in module and 'kda_gated_reverse_cumsum' in module
   tok = spec((b, h, d), dtype)
   step = lambda *a: kda_step_pallas(*a, scale=d**-0.5)
   assert 'kda_step' in lower_for_h200(step, tok, tok, tok, f32(b, h, d), f32(b, h), f32(b, h, d, d))

@@ -63,6 +63,11 @@ def test_kernels_lower_to_triton_for_an_h200():
   module = lower_for_h200(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
   for name in ('short_conv_fwd', 'short_conv_dz', 'short_conv_dx'):
     assert name in module, name
+  # document masking: each token's reach as a further input
+  masked = lambda x, w, reach: jnp.sum(short_conv_pallas(x, w, 'silu_l2', reach=reach).astype(jnp.float32))
+  module = lower_for_h200(jax.value_and_grad(masked, argnums=(0, 1)), x, w, jax.ShapeDtypeStruct((2, 100), jnp.int32))
+  for name in ('short_conv_fwd', 'short_conv_dz', 'short_conv_dx'):
+    assert name in module, name
 
 
 @pytest.mark.gpu

@@ -1,0 +1,43 @@
+"""experiments/bench/bench_train.py on the CPU: a tiny hybrid's step with packed documents (--documents),
+whose segment ids and positions reach the model, and the flag's errors."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY = [
+  '--config=configs/default.py',
+  '--config.train.batch_size=2',
+  '--config.train.seq_len=64',
+  '--config.model.d_model=32',
+  '--config.model.num_layers=2',
+  '--config.model.num_heads=2',
+  '--config.model.mlp_dim=64',
+  '--config.model.layer_pattern=KA',
+  '--steps=1',
+  '--warmup=1',
+]
+
+
+def bench(tmp_path, *extra):
+  out = tmp_path / 'bench.json'
+  cmd = [sys.executable, '-m', 'experiments.bench.bench_train', *TINY, f'--json_out={out}', *extra]
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device, not 8 fake
+  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600), out
+
+
+def test_a_step_on_packed_documents(tmp_path):
+  proc, out = bench(tmp_path, '--documents=8,24')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(out.read_text())
+  assert result['documents'] == '8,24' and result['loss'] > 0
+
+
+def test_bad_documents_flag_is_one_line(tmp_path):
+  proc, _ = bench(tmp_path, '--documents=24')
+  assert proc.returncode != 0 and "--documents='24': expected 'MIN,MAX'" in proc.stderr
+  proc, _ = bench(tmp_path, '--documents=8,24', '--config.model.attn_impl=cudnn')
+  assert proc.returncode != 0 and "model.attn_impl='cudnn' has no document mask" in proc.stderr
