@@ -6,18 +6,18 @@ Run:      python run.py --config=configs/kimi_linear_moe.py --workdir=runs/kimi_
 Generate: python run.py --mode=generate --workdir=runs/kimi_linear_moe --prompt='import '
 Variants: :gpu     one H200: d 768, 12 layers, 64 routed experts top-8 + 1 shared of hidden 384
                    (the release's 8 active + 1 shared; expert hidden 0.44 d there, 0.5 d here;
-                   ACTIVE of TOTAL), bf16, the fused Pallas KDA kernels, tokamax attention and
-                   grouped matmul, the site-packages corpus, 2000 steps of 16 x 2048 tokens
+                   128M active of 673M), bf16, the fused Pallas KDA kernels, tokamax attention,
+                   the 'xla_blocked' grouped matmul, the site-packages corpus, 2000 steps of
+                   16 x 2048 tokens
           :muon    Muon instead of AdamW
-Expected: CPU (the default): 2.89M parameters, 1.09M active; eval loss about 2.26 nats/byte at
-          step 100 (410k tokens), about 2.9 s a step on an idle 2-core CPU
-          (experiments/results/moe.md); :gpu: see experiments/results/moe.md.
+Expected: CPU (the default): 2.74M parameters, 1.19M active; eval loss 2.31 nats/byte at step
+          100 (410k tokens), about 3.7 s a step on a 2-core CPU (experiments/results/moe.md);
+          :gpu: not yet measured.
 
 The routing is the release's: sigmoid scores, renormalised and scaled by 2.446, the balancing
 bias for choosing only (DeepSeek-V3's update, rate 1e-3), no balance loss, one shared expert. MLA
 is Kimi Linear's NoPE form: decoupled dims beside the no-position dims, not rotated. The CPU
-default has 32 routed experts top-8 + 1 shared (the grouped matmul costs about num_experts /
-top_k times its active FLOPs on XLA:CPU).
+default has 32 routed experts top-8 + 1 shared, on the 'xla_blocked' grouped matmul.
 """
 
 from kimijax import configs_common

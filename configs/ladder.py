@@ -19,8 +19,8 @@ Ladders (the file's variants, one at a time; each with its expected result and i
   gpu_moe      the gpu rungs x {dense, moe}, both with Muon: every MLP a Mixture-of-Experts of 16
                routed experts, top-2, + 1 shared, expert hidden d (so a token's 3 experts are as
                wide as the dense SwiGLU's 3 d), sigmoid routing renormalised and scaled by 2.446
-               (the released factor), the bias update at 1e-3, no balance loss, tokamax's grouped
-               matmul; dense = gpu's muon rungs (copy runs/ladder_gpu/muon to DIR/dense to reuse
+               (the released factor), the bias update at 1e-3, no balance loss, the 'xla_blocked'
+               grouped matmul; dense = gpu's muon rungs (copy runs/ladder_gpu/muon to DIR/dense to reuse
                them); about 15 min of rung wall time for the moe arm on one H200 (an estimate, not
                yet measured; the report is published with --publish=experiments/results/ladder_moe)
 

@@ -3,21 +3,21 @@ layer, trained with Muon (Moonlight-16B-A3B, arXiv 2502.16982; docs/moe.md).
 
 Run:      python run.py --config=configs/moonlight_small.py --workdir=runs/moonlight_small
 Variants: :gpu      one H200: d 768, 12 layers, 64 routed experts top-6 + 2 shared of hidden 512
-                    (Moonlight's 64 / 6 / 2, expert hidden ~0.69 d, dense hidden 5.5 d; 143M
-                    active of 912M), bf16, tokamax attention and grouped matmul, the site-packages
-                    corpus, 2000 steps of 16 x 2048 tokens
+                    (Moonlight's 64 / 6 / 2, expert hidden ~0.69 d, dense hidden 5.5 d; 147M
+                    active of 899M), bf16, tokamax attention, the 'xla_blocked' grouped matmul,
+                    the site-packages corpus, 2000 steps of 16 x 2048 tokens
           :adamw    AdamW instead of Muon (Moonlight's comparison)
           :balance_loss  DeepSeek-V3's sequence-wise balance loss (alpha 1e-4) beside the bias
-Expected: CPU (the default): 3.93M parameters, 1.64M active; eval loss about 2.18 nats/byte at
-          step 100 (410k tokens), about 1.8 s a step on an idle 2-core CPU
-          (experiments/results/moe.md); :gpu: see experiments/results/moe.md.
+Expected: CPU (the default): 7.30M parameters, 1.42M active; eval loss 2.33 nats/byte at step
+          100 and 1.88 at step 300 (1.23M tokens), about 1.4 s a step on a 2-core CPU
+          (experiments/results/moe.md); :gpu: not yet measured.
 
 The routing is Moonlight's release (DeepSeek-V3's): sigmoid scores, the chosen experts' scores
 renormalised and scaled by 2.446, the balancing bias for choosing only, moved after each step by
 Moonlight's centred rule (model.moe.bias_centred), no balance loss; the shared experts are one
-SwiGLU of width 2 x expert hidden. The CPU default keeps the ratios at a size a CPU trains: 16
-routed experts top-2 + 2 shared (the grouped matmul costs about num_experts / top_k times its
-active FLOPs on XLA:CPU, so 64 experts there are ~6x slower than 16). MLA as Moonlight's:
+SwiGLU of width 2 x expert hidden. The CPU default keeps Moonlight's 64 / 6 / 2 experts at d 128:
+with the 'xla_blocked' grouped matmul a CPU trains them about as fast as a dense MLP of the same
+active width (experiments/results/moe.md). MLA as Moonlight's:
 full-rank queries, RoPE on 64 decoupled dims beside 128 no-position dims per head (32 + 64 here).
 """
 
