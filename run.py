@@ -17,6 +17,8 @@ Config files and their variants (--config=FILE:VARIANT, several as FILE:a,b; eac
                                   moe (Mixture-of-Experts MLPs of the same active width)
     configs/moonlight_small.py    MLA + MoE as Moonlight: gpu (one H200), adamw, balance_loss
     configs/kimi_linear_moe.py    3:1 KDA:MLA + MoE as Kimi Linear: gpu (one H200), muon
+    configs/bpe_shards.py         3:1 KDA:attention on prepared BPE shards, documents kept apart:
+                                  no_mask (packed across documents), gpu (one H200)
     configs/ladder.py             smoke, gpu, gpu_attnres, gpu_hybrid, gpu_moe (ladders, for
                                   experiments/scaling_ladder.py)
 

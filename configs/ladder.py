@@ -5,8 +5,9 @@ variants.
     python -m experiments.scaling_ladder --config=configs/ladder.py:gpu --workdir=runs/ladder_gpu --variants=adamw
 
 Ladders (the file's variants, one at a time; each with its expected result and its results file):
-  smoke        3 rungs x {adamw, muon}, CPU, the byte-level stdlib corpus: 6 runs in about 10 min on a
-               2-core CPU, muon below adamw at every rung (experiments/results/ladder_smoke.md)
+  smoke        3 rungs x {adamw, muon}, CPU, the byte-level stdlib corpus: 6 runs in 2.5 to 10 min
+               on a 2-core CPU (the longer with other jobs beside them), muon below adamw at every
+               rung (experiments/results/ladder_smoke.md)
   gpu          5 rungs x {adamw, muon} on one H200, bf16 + tokamax attention, the site-packages corpus:
                about 7 min of rung wall time per variant, muon about 2x adamw's compute efficiency
                at the top rung's loss (experiments/results/ladder_gpu.md)

@@ -1,9 +1,9 @@
 """A larger code corpus for scaling ladders: the Python source of every installed package.
 
 `data.source='site_packages'` reads every `.py` file under the running interpreter's
-site-packages (sysconfig's purelib and platlib, site's folders; in a virtualenv, the venv's), ~90 MB in this
-project's .venv against the stdlib corpus's ~32 MB, so that a ladder's larger rungs repeat their
-tokens less. Files with identical contents (vendored copies, empty `__init__.py`) count once:
+site-packages (sysconfig's purelib and platlib, site's folders; in a virtualenv, the venv's),
+several times the stdlib corpus's ~10 MB (each run prints both splits' sizes), so that a ladder's
+larger rungs repeat their tokens less. Files with identical contents (vendored copies, empty `__init__.py`) count once:
 documents are deduplicated by the SHA-256 of their bytes. The split is by that hash too (a
 document is validation iff its hash maps below val_fraction), so a copy of a file can never sit
 in both splits, and the order is by hash, so the corpus is the same whatever the install paths or
