@@ -89,6 +89,7 @@ def test_one_expert_with_top1_is_the_dense_model():
     assert rel_err(g, np.asarray(flat_dense[path], np.float64)) <= 1e-5, jax.tree_util.keystr(path)
 
 
+@pytest.mark.long  # ~25 s
 def test_remat_keeps_the_router_statistics_and_the_gradients():
   """The statistics sown inside rematerialised layers reach the caller, and the loss with the
   balance loss and its gradients are those of the plain model."""

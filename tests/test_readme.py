@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import kimijax
 import kimijax.config
@@ -54,6 +55,7 @@ def test_init_params_are_model_init_values_without_boxes():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.long  # ~40 s; the README example's MuonClip step runs by default
 def test_boxed_params_from_model_init_take_the_same_muonclip_step():
   """The parameters model.init returns (in LogicallyPartitioned boxes) used to stop QK-Clip with
   "unsupported operand type(s) for +: 'LogicallyPartitioned'"; they now take the step the plain ones

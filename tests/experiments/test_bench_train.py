@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = [
   '--config=configs/default.py',
@@ -29,6 +31,7 @@ def bench(tmp_path, *extra):
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600), out
 
 
+@pytest.mark.long  # ~50 s
 def test_a_step_on_packed_documents(tmp_path):
   proc, out = bench(tmp_path, '--documents=8,24')
   assert proc.returncode == 0, proc.stderr[-2000:]

@@ -138,6 +138,7 @@ def test_a_finished_run_continues_to_a_longer_train_steps(tmp_path, capsys):
   assert again['steps'] == 4 and again['final_eval_loss'] == longer['final_eval_loss']
 
 
+@pytest.mark.long  # ~100 s: prepare, a sweep, eval and a generate subprocess
 def test_sweep_eval_and_generate_on_bpe_shards_with_document_masking(tmp_path):
   """data.source='shards' through the workflows unchanged: shards prepared with a BPE trained here,
   the tokenizer's vocabulary taken by model.vocab_size=0, documents kept apart in a hybrid (KDA and

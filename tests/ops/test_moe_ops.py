@@ -261,7 +261,7 @@ def test_routed_experts_checks_its_inputs():
   with pytest.raises(ValueError, match='experts must be integer expert ids'):
     moe.routed_experts(x, w, w, wg, wg, wd)
   if jax.default_backend() != 'gpu':
-    with pytest.raises(ValueError, match=r"impl='tokamax' needs an NVIDIA GPU.*use impl='xla'"):
+    with pytest.raises(ValueError, match=r"impl='tokamax' needs an NVIDIA GPU.*use impl='xla_blocked'"):
       moe.routed_experts(x, w, ex, wg, wg, wd, impl='tokamax')
   assert 'multiple of 64' in moe.unsupported('tokamax', jnp.bfloat16, 96, 128, platform='gpu')
   assert moe.unsupported('tokamax', jnp.bfloat16, 1024, 512, platform='gpu') is None

@@ -42,7 +42,9 @@ def reference():
   return _REFERENCE['run']
 
 
-@pytest.mark.parametrize('shape', [(2, 1, 1, 4), (1, 2, 1, 4)], ids=['data2xexpert4', 'fsdp2xexpert4'])
+@pytest.mark.parametrize(
+  'shape', [pytest.param((2, 1, 1, 4), marks=pytest.mark.long), (1, 2, 1, 4)], ids=['data2xexpert4', 'fsdp2xexpert4']
+)
 def test_sharded_moe_training_matches_one_device(shape):
   assert len(jax.devices()) == 8, 'tests/conftest.py should give 8 fake CPU devices'
   ref_history, ref_params, ref_moe = reference()

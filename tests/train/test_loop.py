@@ -296,6 +296,7 @@ def test_schedule_changes_lists_each_changed_key():
   assert [l.split(' since')[0] for l in lines] == ['train.steps: 3 -> 9', "optimizer.schedule: 'cosine' -> 'wsd'"]
 
 
+@pytest.mark.long  # ~50 s: two Muon runs
 def test_muon_routing_is_one_line_and_a_file_and_a_resumed_summary_counts_this_run(tmp_path, capsys):
   """Muon's routing table goes to DIR/optimizer_routing.txt and the terminal gets one line (the table
   with train.print_routing=True); the summary after a resume gives this run's steps and tokens
