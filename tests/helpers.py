@@ -1,10 +1,13 @@
 """Set-ups several test files share: a tiny model with random parameters, and a few real train
 steps on a mesh. The float64 oracles the tests compare against are in tests/oracles.py."""
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 from kimijax import config as config_lib
 from kimijax.model import Transformer
@@ -249,3 +252,29 @@ def eval_losses(workdir) -> dict:
   from kimijax.train.metrics import read_metrics
 
   return {r['step']: r['eval_loss'] for r in read_metrics(workdir) if 'eval_loss' in r}
+
+
+# jax.config options of a persistent XLA compilation cache that stores every executable: tests whose
+# train() calls jit the same programs afresh load them instead of compiling again on 2 CPU cores
+# (cached executables are the same programs, bit for bit). As environment variables: name.upper().
+CACHE_OPTIONS = {
+  'jax_compilation_cache_dir': None,
+  'jax_persistent_cache_min_compile_time_secs': 0.0,
+  'jax_persistent_cache_min_entry_size_bytes': 0,
+}
+
+
+@contextlib.contextmanager
+def persistent_compile_cache(directory):
+  """CACHE_OPTIONS with the cache in `directory` while the block runs; the previous options after."""
+  options = {**CACHE_OPTIONS, 'jax_compilation_cache_dir': str(directory)}
+  saved = {name: getattr(jax.config, name) for name in options}
+  for name, value in options.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+  try:
+    yield str(directory)
+  finally:
+    for name, value in saved.items():
+      jax.config.update(name, value)
+    compilation_cache.reset_cache()

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
+from helpers import CACHE_OPTIONS, persistent_compile_cache
 from tiny_config import TINY, make_config
 
 from kimijax.train.checkpoint import CheckpointError
@@ -76,26 +76,12 @@ def complete_steps(ckpt_dir):
   return sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) if ckpt_dir.exists() else []
 
 
-CACHE_OPTIONS = {
-  'jax_compilation_cache_dir': None,
-  'jax_persistent_cache_min_compile_time_secs': 0.0,
-  'jax_persistent_cache_min_entry_size_bytes': 0,
-}
-
-
 @pytest.fixture(scope='module', autouse=True)
 def compile_cache(tmp_path_factory):
-  """A persistent XLA cache for this module only: each train() call jits afresh, and on 2 CPU
-  cores compiling dominates these tests. Cached executables are the same programs, bit for bit."""
-  options = {**CACHE_OPTIONS, 'jax_compilation_cache_dir': str(tmp_path_factory.mktemp('xla_cache'))}
-  saved = {name: getattr(jax.config, name) for name in options}
-  for name, value in options.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
-  yield options['jax_compilation_cache_dir']
-  for name, value in saved.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
+  """A persistent XLA cache for this module only (helpers.persistent_compile_cache): each train()
+  call jits afresh, and on 2 CPU cores compiling dominates these tests."""
+  with persistent_compile_cache(tmp_path_factory.mktemp('xla_cache')) as directory:
+    yield directory
 
 
 @pytest.fixture(scope='module')

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
+from helpers import persistent_compile_cache
 
 from configs.default import get_config
 from kimijax import config as config_lib
@@ -53,21 +53,10 @@ def moe_config(overrides=None):
 
 @pytest.fixture(scope='module', autouse=True)
 def compile_cache(tmp_path_factory):
-  """A persistent XLA cache for this module (as tests/train/test_checkpoint.py): each train() call
+  """A persistent XLA cache for this module (helpers.persistent_compile_cache): each train() call
   jits afresh, and compiling dominates on 2 CPU cores."""
-  options = {
-    'jax_compilation_cache_dir': str(tmp_path_factory.mktemp('xla_cache')),
-    'jax_persistent_cache_min_compile_time_secs': 0.0,
-    'jax_persistent_cache_min_entry_size_bytes': 0,
-  }
-  saved = {name: getattr(jax.config, name) for name in options}
-  for name, value in options.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
-  yield
-  for name, value in saved.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
+  with persistent_compile_cache(tmp_path_factory.mktemp('xla_cache')):
+    yield
 
 
 @pytest.fixture(scope='module')
