@@ -377,9 +377,9 @@ def test_experts_must_divide_the_expert_axis():
 
 
 TOKAMAX_WEIGHT_GRADIENTS = (
-  "on an H200 tokamax's weight gradients differ from lax.ragged_dot's by 7-8% relative RMSE at d 256 "
-  '(w_gate 8.3e-2 here, wi_gate 7.0e-2 in the layer test); forward and input gradient agree '
-  '(experiments/results/moe.md)'
+  "tokamax 0.0.17's weight gradients are 3-5% from float64 on an H200 where lax.ragged_dot's are "
+  'at bf16 rounding (experiments/tools/moe_accuracy.py, experiments/results/moe.md); its forward '
+  'and input gradient agree'
 )
 
 
