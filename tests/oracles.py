@@ -262,7 +262,7 @@ def np_mla(p, x, pos, cfg):
 
 
 def np_mla_decode(q_latent, q_rope, latent, k_rope, length, scale):
-  """The absorbed MLA decode (docs/attention.md#decoding-mla), float64: per sequence b, the softmax over
+  """The absorbed MLA decode (docs/attention.md#decoding), float64: per sequence b, the softmax over
   positions s < length[b] of scale (q_latent[b, h] . latent[b, s] + q_rope[b, h] . k_rope[b, s]), times
   latent[b, s]. q_rope and k_rope None when dr = 0. Returns o_latent [B, H, r]."""
   q_latent, latent = np.asarray(q_latent, np.float64), np.asarray(latent, np.float64)

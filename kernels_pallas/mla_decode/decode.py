@@ -1,4 +1,4 @@
-"""MLA decoding over the compressed latents (docs/attention.md#decoding-mla) as one Pallas (Triton)
+"""MLA decoding over the compressed latents (docs/attention.md#decoding) as one Pallas (Triton)
 kernel, split over the context (flash-decoding), and its combine in XLA.
 
     o_latent = mla_decode_pallas(q_latent, q_rope, latent, k_rope, length, scale=..., settings=..., interpret=...)

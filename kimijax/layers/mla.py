@@ -20,6 +20,8 @@ space (W_uk_h^T q_h) and attend over the cached latents like multi-query attenti
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -60,7 +62,7 @@ class MultiHeadLatentAttention(nn.Module):
   rope: bool = True  # rotate the decoupled dims; False: keep them unrotated
   max_logits: bool = True  # return the per-head max logits in training (docs/optimizers.md#qk-clip)
   decode_impl: str = 'xla'  # decoding's attention over the latents (kimijax/ops/mla_decode.py IMPLS)
-  decode_settings: object = None  # the settings of decode_impl's kernels (None: the defaults)
+  decode_settings: Any = None  # the settings of decode_impl's kernels (None: the defaults)
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, cache=None, segment_ids_bt=None):

@@ -1,4 +1,4 @@
-"""MLA decoding in the absorbed form over the cached latents (docs/attention.md#decoding-mla): the op
+"""MLA decoding in the absorbed form over the cached latents (docs/attention.md#decoding): the op
 and its implementations.
 
     o_latent = mla_decode(q_latent, q_rope, latent, k_rope, length, *, scale, impl='xla', settings=None)
