@@ -7,7 +7,9 @@ For each context length L and each of the two layer patterns (--hybrid_pattern, 
 config's, and --baseline_pattern, default all attention) it builds the model from random
 parameters, fills every layer's cache as if L - 1 tokens had been seen (random contents: the cost
 of a decode step does not depend on them), and times jitted decode steps at position L - 1.
-Prints ms per token, tokens/s (batch / step time) and the cache's bytes per sequence. The cache
+Prints ms per token, tokens/s (batch / step time) and the cache's bytes per sequence. The MLA
+layers decode with model.mla_decode_impl (--config.model.mla_decode_impl=pallas: the split-context
+kernel of kernels_pallas/mla_decode/, its settings as --config.model.kernels.mla_decode=...). The cache
 is donated, so a step updates it in place as kimijax.infer.generate does. On an H200 at ~350M,
 one context (both models) took about 4.5 minutes, most of it initialisation and compilation.
 Results: experiments/results/bench_decode.md.
@@ -91,7 +93,10 @@ def main(argv):
     config = config_from_flags('config')
   hybrid = FLAGS.hybrid_pattern or config.model.layer_pattern
   models = {p: build(config.copy_and_resolve_references(), p) for p in (hybrid, FLAGS.baseline_pattern)}
-  print(f'batch {FLAGS.batch}; {FLAGS.steps} timed steps; compute dtype {config.model.compute_dtype}')
+  print(
+    f'batch {FLAGS.batch}; {FLAGS.steps} timed steps; compute dtype {config.model.compute_dtype}; '
+    f'MLA decode {config.model.mla_decode_impl} {config.model.kernels.mla_decode!r}'
+  )
   print(f'{"context":>8} {"pattern":>8} {"params M":>9} {"ms/token":>9} {"tokens/s":>9} {"cache MiB/seq":>14}')
   for context in map(int, FLAGS.contexts):
     rows = {}
