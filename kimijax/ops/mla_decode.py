@@ -67,13 +67,12 @@ def pallas_dims_problem(kv_lora_rank: int, rope_dim: int) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class Implementation:
   """One implementation of MLA decoding. decode: (q_latent, q_rope, latent, k_rope, length [B] int32,
-  keywords scale, settings) -> o_latent. gpu_only: its kernels are built for an NVIDIA GPU (off it
-  they run interpreted, for tests). dims_problem: (r, dr) -> why it cannot take those dims, or None.
+  keywords scale, settings) -> o_latent (kernels run interpreted off an NVIDIA GPU, as the KDA and
+  short-convolution kernels do). dims_problem: (r, dr) -> why it cannot take those dims, or None.
   parse_settings: 'key=int/key=int' -> the settings its kernels take (None: it has no kernels and
   ignores the settings argument)."""
 
   decode: Callable
-  gpu_only: bool = False
   dims_problem: Callable[[int, int], str | None] = lambda r, dr: None
   parse_settings: Callable[[str], object] | None = None
 
@@ -81,7 +80,7 @@ class Implementation:
 IMPLS = types.MappingProxyType(
   {
     'xla': Implementation(_xla),
-    'pallas': Implementation(_pallas, gpu_only=True, dims_problem=pallas_dims_problem, parse_settings=_pallas_settings),
+    'pallas': Implementation(_pallas, dims_problem=pallas_dims_problem, parse_settings=_pallas_settings),
   }
 )
 
