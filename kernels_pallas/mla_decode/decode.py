@@ -92,7 +92,8 @@ def combine(o_bjhr, m_bjh, l_bjh):
   EMPTY_MAX and sum 0, so weight 0 (every sequence has a position: length >= 1)."""
   m_bh = jnp.max(m_bjh, axis=1)
   w_bjh = jnp.exp(m_bjh - m_bh[:, None])
-  return jnp.einsum('bjh,bjhr->bhr', w_bjh, o_bjhr) / jnp.sum(w_bjh * l_bjh, axis=1)[..., None]
+  o_bhr = jnp.einsum('bjh,bjhr->bhr', w_bjh, o_bjhr, precision=jax.lax.Precision.HIGHEST)  # no TF32 on a GPU
+  return o_bhr / jnp.sum(w_bjh * l_bjh, axis=1)[..., None]
 
 
 def mla_decode_pallas(q_latent, q_rope, latent, k_rope, length, *, scale, settings=None, interpret=False):
