@@ -182,10 +182,9 @@ def sort_by_expert(experts_tk, num_experts: int, *, first_expert=0) -> Dispatch:
   order_m = jnp.argsort(key_m, stable=True).astype(jnp.int32)
   m = key_m.shape[0]
   inverse_m = jnp.zeros((m,), jnp.int32).at[order_m].set(jnp.arange(m, dtype=jnp.int32), unique_indices=True)
-  # Each expert's rows are a run of the sorted keys: its size is where the next run starts minus
-  # where its own does (a binary search, where a bincount would scatter-add M ones into E counters).
-  starts_e = jnp.searchsorted(key_m[order_m], jnp.arange(num_experts + 1, dtype=jnp.int32), side='left')
-  group_sizes_e = jnp.diff(starts_e).astype(jnp.int32)
+  # A compare-and-sum reduction over the rows (XLA fuses it, no [E, M] array), where a bincount
+  # would scatter-add M ones into E counters (contended atomics on the GPU).
+  group_sizes_e = jnp.sum(key_m[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
   return Dispatch(order_m, inverse_m, group_sizes_e)
 
 
