@@ -18,9 +18,10 @@ the loop, which ends when every row has emitted the stop token, so the host wait
 tokens. The rng is split once per new token, `rng, key = jax.random.split(rng)`, and `key`
 samples that token. It compiles once per model, shapes and sampling arguments; the seed is traced.
 
-The two halves are public for timing: `prefill` (the prompt -> last logits and the cache) and
-`decode` (the loop from those logits, the cache donated), and `timed_generate` runs them compiled
-ahead of time and returns their wall times with the same tokens as `generate`.
+`timed_generate` gives the same tokens from the two halves, prefill and the loop, each compiled
+ahead of time and timed on its own (run.py --mode=generate prints the times). `decode`, the loop
+alone from given last logits and a cache (donated), serves benchmarks that fill the cache
+themselves (experiments/bench/bench_decode.py).
 """
 
 from __future__ import annotations
@@ -133,15 +134,10 @@ def _checked_prompt(prompt_bt, max_new_tokens: int):
   return prompt_bt
 
 
-def prefill(model: nn.Module, params, prompt_bt, *, max_new_tokens: int):
-  """(last-position logits [B, V], cache for P + max_new_tokens positions filled by the prompt)."""
-  return _prefill_jit(_Static(model), params, jnp.asarray(prompt_bt, jnp.int32), max_new_tokens)
-
-
 def decode(model: nn.Module, params, prompt_bt, logits_bv, cache, rng, *, max_new_tokens: int, **sampling):
   """(tokens [B, P + max_new_tokens] int32, cache, decode steps run) on the device from prefill's
   logits and cache (donated: use the returned one); `sampling` is Sampling's fields."""
-  prompt_bt = jnp.asarray(prompt_bt, jnp.int32)
+  prompt_bt = _checked_prompt(prompt_bt, max_new_tokens)
   return _decode_jit(_Static(model), params, prompt_bt, logits_bv, cache, rng, max_new_tokens, Sampling(**sampling))
 
 
