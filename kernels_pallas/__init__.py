@@ -1,4 +1,4 @@
-"""Pallas GPU kernels, one folder per op (attnres/, attention/, kda/, short_conv/), each with a
+"""Pallas GPU kernels, one folder per op (attnres/, attention/, kda/, mla_decode/, short_conv/), each with a
 README (backend, tiles, precision, what is recomputed), and common.py, the helpers they share.
 kimijax.ops dispatches to them; nothing else in kimijax imports them.
 

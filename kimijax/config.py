@@ -24,6 +24,7 @@ from kimijax.ops import (
   attention as attention_ops,
   attnres as attnres_ops,
   kda as kda_ops,
+  mla_decode as mla_decode_ops,
   moe as moe_ops,
   short_conv as short_conv_ops,
 )
@@ -37,6 +38,7 @@ KDA_IMPLS = kda_ops.IMPLS
 SHORT_CONV_IMPLS = short_conv_ops.IMPLS
 ATTNRES_IMPLS = attnres_ops.IMPLS
 MOE_IMPLS = moe_ops.IMPLS
+MLA_DECODE_IMPLS = mla_decode_ops.IMPLS
 # model.kernels key -> the parser of the settings of the Pallas kernels it overrides ('key=int/key=int'
 # -> a frozen dataclass of kernels_pallas/<op>/settings.py), from the ops' 'pallas' implementations
 KERNEL_SETTINGS = {
@@ -44,6 +46,7 @@ KERNEL_SETTINGS = {
   'short_conv': SHORT_CONV_IMPLS['pallas'].parse_settings,
   'attnres_phase1': ATTNRES_IMPLS['pallas'].parse_phase1_settings,
   'attnres_merge_norm': ATTNRES_IMPLS['pallas'].parse_merge_norm_settings,
+  'mla_decode': MLA_DECODE_IMPLS['pallas'].parse_settings,
 }
 DTYPES = ('float32', 'bfloat16')
 MLP_KINDS = ('dense', 'moe')
@@ -219,6 +222,12 @@ SCHEMA = {
       1e-6, 'eps of the q and kv latent RMSNorms (1e-6 in Kimi Linear and DeepSeek-V3)', bounds=POSITIVE
     ),
     'mla_v_head_dim': Key(0, '0: the nope head dim', bounds=NON_NEGATIVE),
+    'mla_decode_impl': Key(
+      'xla',
+      "MLA decoding over the cached latents (kimijax/ops/mla_decode.py): 'pallas' the split-context "
+      'kernel (kernels_pallas/mla_decode/; an NVIDIA GPU, interpreted elsewhere)',
+      allowed=MLA_DECODE_IMPLS,
+    ),
     # Mixture-of-Experts MLPs (mlp_kind='moe'; docs/moe.md)
     'moe': {
       'num_experts': Key(8, 'routed experts per MoE layer', bounds=POSITIVE),
@@ -256,6 +265,9 @@ SCHEMA = {
         '',
         'MergeNormSettings, AttnRes phase 2 fused with the pre-norm (kernels_pallas/attnres/settings.py)',
         check=_kernel_settings('attnres_merge_norm'),
+      ),
+      'mla_decode': Key(
+        '', 'MlaDecodeSettings (kernels_pallas/mla_decode/settings.py)', check=_kernel_settings('mla_decode')
       ),
     },
   },
@@ -356,13 +368,13 @@ def kda_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
 
 def portable(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A copy of the model config with the implementations that run on any machine ('xla' attention
-  and AttnRes, 'xla' KDA unless 'xla_recurrent', 'xla' short convs): same parameters, so shapes and
+  and AttnRes, 'xla' KDA unless 'xla_recurrent', 'xla' short convs and MLA decoding): same parameters, so shapes and
   counts of a GPU config can be traced on a CPU."""
   model = model.copy_and_resolve_references()
   model.attn_impl, model.attnres_impl = 'xla', 'xla'
   if model.kda_impl not in ('xla', 'xla_recurrent'):
     model.kda_impl = 'xla'
-  model.short_conv_impl = 'xla'
+  model.short_conv_impl = model.mla_decode_impl = 'xla'
   model.moe.impl = 'xla'
   return model
 
@@ -439,6 +451,12 @@ def _model_rules(m: ml_collections.ConfigDict) -> None:
       raise ConfigError(
         f"model.{key}='pallas' needs the KDA head dim (model.kda_head_dim, or d_model // "
         f'num_heads) a power of two >= 16; got {head_dim}'
+      )
+  if m.attention_kind == 'mla' and 'A' in layer_kinds(m):
+    problem = MLA_DECODE_IMPLS[m.mla_decode_impl].dims_problem(m.mla_kv_lora_rank, m.mla_qk_rope_head_dim)
+    if problem:
+      raise ConfigError(
+        f'model.mla_decode_impl={m.mla_decode_impl!r} {problem} (model.mla_kv_lora_rank, model.mla_qk_rope_head_dim)'
       )
   _moe_rules(m)
 

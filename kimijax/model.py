@@ -100,6 +100,7 @@ def make_mixer(
       name='kda',
     )
   if kind == 'A' and cfg.attention_kind == 'mla':
+    kernels = config_lib.kernel_settings(cfg) if kernels is None else kernels
     return MultiHeadLatentAttention(
       num_heads=cfg.num_heads,
       kv_lora_rank=cfg.mla_kv_lora_rank,
@@ -114,6 +115,8 @@ def make_mixer(
       dtype=dtype,
       rope=cfg.mla_rope,
       max_logits=max_logits,
+      decode_impl=cfg.mla_decode_impl,
+      decode_settings=kernels['mla_decode'],
       name='mla',
     )
   if kind == 'A':

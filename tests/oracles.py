@@ -2,7 +2,8 @@
 never calling the code under test. Test files import them from here (and never from each other).
 
 Sections: the dense model's sublayers and forward (RoPE, RMSNorm, attention, SwiGLU); attention
-and its per-head max logits (docs/optimizers.md#qk-clip); KDA (docs/kda.md), its layer; MLA;
+and its per-head max logits (docs/optimizers.md#qk-clip); KDA (docs/kda.md), its layer; MLA and its
+absorbed decode;
 Muon and AdamW (docs/optimizers.md#muon);
 Attention Residuals (docs/attention_residuals.md).
 """
@@ -258,6 +259,21 @@ def np_mla(p, x, pos, cfg):
   probs /= probs.sum(-1, keepdims=True)
   o = np.einsum('bhts,bshk->bthk', probs, v)
   return np.einsum('bthk,hkd->btd', o, p['out']), logits.max(axis=(0, 2, 3))
+
+
+def np_mla_decode(q_latent, q_rope, latent, k_rope, length, scale):
+  """The absorbed MLA decode (docs/attention.md#decoding), float64: per sequence b, the softmax over
+  positions s < length[b] of scale (q_latent[b, h] . latent[b, s] + q_rope[b, h] . k_rope[b, s]), times
+  latent[b, s]. q_rope and k_rope None when dr = 0. Returns o_latent [B, H, r]."""
+  q_latent, latent = np.asarray(q_latent, np.float64), np.asarray(latent, np.float64)
+  out = np.zeros(q_latent.shape)
+  for b, n in enumerate(np.broadcast_to(np.asarray(length), (q_latent.shape[0],))):
+    logits = q_latent[b] @ latent[b, :n].T
+    if q_rope is not None:
+      logits += np.asarray(q_rope[b], np.float64) @ np.asarray(k_rope[b, :n], np.float64).T
+    probs = np.exp(scale * logits - (scale * logits).max(-1, keepdims=True))
+    out[b] = (probs / probs.sum(-1, keepdims=True)) @ latent[b, :n]
+  return out
 
 
 # ----------------------------------------------------------------------------- Muon, AdamW

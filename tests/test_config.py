@@ -14,7 +14,13 @@ from tiny_config import TINY
 
 from kimijax import config as config_lib, schema
 from kimijax.config import ConfigError, base_config, load, load_file, validate
-from kimijax.ops import attention as attention_ops, attnres as attnres_ops, kda as kda_ops, short_conv as short_conv_ops
+from kimijax.ops import (
+  attention as attention_ops,
+  attnres as attnres_ops,
+  kda as kda_ops,
+  mla_decode as mla_decode_ops,
+  short_conv as short_conv_ops,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -79,7 +85,14 @@ def test_the_data_section_is_declared_with_the_pipeline():
 def test_renamed_and_new_keys():
   m = base_config().model
   assert m.short_conv_impl == 'xla' and 'kda_conv_impl' not in m
-  assert m.kernels.to_dict() == {'kda': '', 'short_conv': '', 'attnres_phase1': '', 'attnres_merge_norm': ''}
+  assert m.mla_decode_impl == 'xla'
+  assert m.kernels.to_dict() == {
+    'kda': '',
+    'short_conv': '',
+    'attnres_phase1': '',
+    'attnres_merge_norm': '',
+    'mla_decode': '',
+  }
 
 
 @pytest.mark.parametrize(
@@ -89,8 +102,9 @@ def test_renamed_and_new_keys():
     ('attn_impl', attention_ops.IMPLS),
     ('short_conv_impl', short_conv_ops.IMPLS),
     ('attnres_impl', attnres_ops.IMPLS),
+    ('mla_decode_impl', mla_decode_ops.IMPLS),
   ],
-  ids=['kda', 'attn', 'short_conv', 'attnres'],
+  ids=['kda', 'attn', 'short_conv', 'attnres', 'mla_decode'],
 )
 def test_impl_keys_allow_the_names_of_the_ops_implementation_tables(key, impls):
   for name in impls:
@@ -128,6 +142,10 @@ def test_impl_keys_allow_the_names_of_the_ops_implementation_tables(key, impls):
     ({'mesh.tensor': 0}, 'mesh.tensor=0 must be a positive size or -1'),
     ({'mesh.rules': (('embed', 'model'),)}, "names mesh axis 'model'"),
     ({'model.layer_pattern': ''}, 'model.layer_pattern is empty'),
+    (
+      {'model.kernels.mla_decode': 'block_s=24'},
+      "model.kernels.mla_decode='block_s=24': mla_decode pallas: block_s must be a power of two >= 16, got 24",
+    ),
   ],
 )
 def test_each_declaration_brings_its_checks(values, message):
@@ -216,6 +234,15 @@ def test_a_value_of_the_wrong_type_is_one_line_naming_the_key_and_the_type(text,
       {'model.layer_pattern': 'KA', 'model.kda_head_dim': 24, 'model.short_conv_impl': 'pallas'},
       "model.short_conv_impl='pallas' needs the KDA head dim",
     ),
+    (
+      {'model.attention_kind': 'mla', 'model.mla_kv_lora_rank': 48, 'model.mla_decode_impl': 'pallas'},
+      "model.mla_decode_impl='pallas' needs r and dr (when not 0) powers of two >= 16; got r 48 "
+      '(model.mla_kv_lora_rank, model.mla_qk_rope_head_dim)',
+    ),
+    (
+      {'model.attention_kind': 'mla', 'model.mla_qk_rope_head_dim': 8, 'model.mla_decode_impl': 'pallas'},
+      "model.mla_decode_impl='pallas' needs r and dr (when not 0) powers of two >= 16; got dr 8",
+    ),
     ({'data.source': 'text'}, "data.path must name a text file or folder when data.source='text'"),
     ({'data.source': 'shards'}, 'data.path must name the folder `python -m kimijax.data.prepare` wrote'),
     (
@@ -230,8 +257,9 @@ def test_rules_between_keys(values, message):
     validate(_with(values))
 
 
-def test_the_pallas_kda_rule_applies_only_with_kda_layers():
+def test_the_pallas_kda_and_mla_decode_rules_apply_only_with_their_layers():
   validate(_with({'model.layer_pattern': 'A', 'model.kda_head_dim': 24, 'model.kda_impl': 'pallas'}))
+  validate(_with({'model.mla_kv_lora_rank': 48, 'model.mla_decode_impl': 'pallas'}))  # no MLA layers
 
 
 MOE = {'model.mlp_kind': 'moe'}

@@ -24,7 +24,9 @@ tied one is read whole as the head; an MoE layer's every expert, an upper bound 
 each attention layer's cache over the L positions, each KDA layer's state and conv states read and
 written. 'step / roofline' is how far a step is from reading its bytes once at copy speed; the
 hybrid's row gives its speed-up over the baseline and the ratio of their bytes (the bound the
-layer pattern sets).
+layer pattern sets). The MLA layers decode with model.mla_decode_impl
+(--config.model.mla_decode_impl=pallas: the split-context kernel of kernels_pallas/mla_decode/, its
+settings as --config.model.kernels.mla_decode=...).
 
 Prints Markdown: the copy bandwidth, then one table row per context and pattern. On an H200 at
 ~350M, one context (both models) took about 4.5 minutes without the loop, most of it
@@ -195,7 +197,8 @@ def table(config, contexts: list[int], batch: int, steps: int, hybrid: str, base
   models = {p: build(config.copy_and_resolve_references(), p) for p in (hybrid, baseline)}
   yield (
     f'batch {batch}; {steps} timed steps, {LOOP_CALLS} loop calls of {steps} steps; compute dtype '
-    f'{config.model.compute_dtype}; copy bandwidth {bandwidth / 1e9:,.1f} GB/s ({copy_gib:g} GiB, read + write)'
+    f'{config.model.compute_dtype}; MLA decode {config.model.mla_decode_impl} {config.model.kernels.mla_decode!r}; '
+    f'copy bandwidth {bandwidth / 1e9:,.1f} GB/s ({copy_gib:g} GiB, read + write)'
   )
   yield ''
   yield HEADER

@@ -14,11 +14,13 @@ separate parameters (q_nope / q_rope, k_nope, shared k_rope) so QK-Clip can scal
 differently (docs/optimizers.md#qk-clip); Muon orthogonalises them as DeepSeek-V3's fused matrices by default
 (kimijax.optim.routing). The latent norms (q_norm, kv_norm) use norm_eps (1e-6 in the release).
 Decoding uses the absorbed form: queries are mapped into the latent
-space (W_uk_h^T q_h) and attend over the cached latents like multi-query attention; the cache
-holds r + d_rope numbers per token instead of 2 H D.
+space (W_uk_h^T q_h) and attend over the cached latents like multi-query attention
+(kimijax.ops.mla_decode, by decode_impl); the cache holds r + d_rope numbers per token instead of 2 H D.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -27,7 +29,8 @@ import jax.numpy as jnp
 from kimijax.layers.attention import apply_rope
 from kimijax.layers.norms import RMSNorm
 from kimijax.layers.params import weight
-from kimijax.ops.attention import MASKED_LOGIT, attention
+from kimijax.ops.attention import attention
+from kimijax.ops.mla_decode import mla_decode
 
 
 def _write(buffer_bs, x_bt, start):
@@ -58,6 +61,8 @@ class MultiHeadLatentAttention(nn.Module):
   dtype: jnp.dtype = jnp.float32
   rope: bool = True  # rotate the decoupled dims; False: keep them unrotated
   max_logits: bool = True  # return the per-head max logits in training (docs/optimizers.md#qk-clip)
+  decode_impl: str = 'xla'  # decoding's attention over the latents (kimijax/ops/mla_decode.py IMPLS)
+  decode_settings: Any = None  # the settings of decode_impl's kernels (None: the defaults)
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, cache=None, segment_ids_bt=None):
@@ -130,19 +135,19 @@ class MultiHeadLatentAttention(nn.Module):
     return jnp.einsum('bthk,hkd->btd', o_bthv, w_o), max_logits_h, new_cache
 
   def _decode(self, q_nope_bthk, q_rope_bthk, c_btr, k_rope_btk, w_k_nope, w_v, cache, pos, scale):
-    """One token at position `pos` against the cached latents (absorbed, MQA-like form)."""
+    """One token at position `pos` against the cached latents (absorbed, MQA-like form; the attention
+    over the latents is kimijax.ops.mla_decode, by decode_impl)."""
     latent = _write(cache['latent'], c_btr, pos)
     new_cache = {'latent': latent}
-    q_latent_bthr = jnp.einsum('bthk,rhk->bthr', q_nope_bthk, w_k_nope)  # T = 1
-    logits = jnp.einsum('bthr,bsr->bhts', q_latent_bthr, latent, preferred_element_type=jnp.float32)
+    q_latent_bhr = jnp.einsum('bthk,rhk->bhr', q_nope_bthk, w_k_nope)  # T = 1
+    q_rope_bhk = rope = None
     if q_rope_bthk is not None:
-      rope = _write(cache['k_rope'], k_rope_btk, pos)
-      new_cache['k_rope'] = rope
-      logits += jnp.einsum('bthk,bsk->bhts', q_rope_bthk, rope, preferred_element_type=jnp.float32)
-    allowed = jnp.arange(latent.shape[1]) <= pos
-    probs = jax.nn.softmax(jnp.where(allowed, logits * scale, MASKED_LOGIT), axis=-1)
-    o_latent_bthr = jnp.einsum('bhts,bsr->bthr', probs.astype(latent.dtype), latent)  # T = 1
-    return jnp.einsum('bthr,rhk->bthk', o_latent_bthr, w_v), new_cache
+      rope = new_cache['k_rope'] = _write(cache['k_rope'], k_rope_btk, pos)
+      q_rope_bhk = q_rope_bthk[:, 0]
+    o_latent_bhr = mla_decode(
+      q_latent_bhr, q_rope_bhk, latent, rope, pos + 1, scale=scale, impl=self.decode_impl, settings=self.decode_settings
+    )
+    return jnp.einsum('bhr,rhk->bhk', o_latent_bhr, w_v)[:, None], new_cache
 
   @staticmethod
   def init_cache(batch: int, max_len: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype) -> dict:

@@ -38,14 +38,21 @@ IMPLS, the grouped matmul (ragged dot) by name:
                block); up to G b padding rows of work and (M / b + G) K N gathered weight values,
                b = the power of two nearest M / (4 G), at least 8. On XLA:CPU 5-9x faster than
                lax.ragged_dot at the CPU configs' shapes, as fast as a dense SwiGLU of the same
-               active width (experiments/results/moe.md). The GPU configs' choice too (below)
+               active width (experiments/results/moe.md). The GPU configs' choice too (below).
+               Its backward (a custom VJP) is gathers and matmuls only: the output's cotangent
+               gathered into the padded slots (zero in padding), the blocks' input gradient
+               gathered back to the rows, and each block's weight gradient x_b^T g_b (float32)
+               summed over its group's blocks by a one-hot [G, blocks] matmul. Autodiff of the
+               forward's gathers would scatter-add instead, into [M, K], the padded rows and
+               [G, K, N] (atomics on the GPU)
     'tokamax'  tokamax.ragged_dot(implementation='mosaic'): Mosaic GPU kernels for the forward and
                both gradients (the weight gradient by its ragged-contraction kernel); NVIDIA GPU
                only; bf16 or f16 operands (its backward does not take float32); D and F multiples
-               of 64 (the kernels' 128-byte contraction tile). On an H200 its forward and input
-               gradient agree with lax.ragged_dot, but at d_model 256 its weight gradients differ
-               from lax.ragged_dot's by 7-8% relative RMSE (tests/ops/test_moe_ops.py, xfail;
-               experiments/results/moe.md), so no config selects it until that is resolved.
+               of 64 (the kernels' 128-byte contraction tile). On an H200 (tokamax 0.0.17) its
+               forward and input gradient are as close to float64 as lax.ragged_dot's, but its
+               weight gradients are 3-5% off (relative RMSE, against ~5e-3 for 'xla' and
+               'xla_blocked'; experiments/tools/moe_accuracy.py, experiments/results/moe.md), so
+               no config selects it.
 """
 
 from __future__ import annotations
@@ -175,7 +182,10 @@ def sort_by_expert(experts_tk, num_experts: int, *, first_expert=0) -> Dispatch:
   order_m = jnp.argsort(key_m, stable=True).astype(jnp.int32)
   m = key_m.shape[0]
   inverse_m = jnp.zeros((m,), jnp.int32).at[order_m].set(jnp.arange(m, dtype=jnp.int32), unique_indices=True)
-  group_sizes_e = jnp.bincount(key_m, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  # Each expert's rows are a run of the sorted keys: its size is where the next run starts minus
+  # where its own does (a binary search, where a bincount would scatter-add M ones into E counters).
+  starts_e = jnp.searchsorted(key_m[order_m], jnp.arange(num_experts + 1, dtype=jnp.int32), side='left')
+  group_sizes_e = jnp.diff(starts_e).astype(jnp.int32)
   return Dispatch(order_m, inverse_m, group_sizes_e)
 
 
@@ -259,36 +269,100 @@ def _block_rows(m: int, g: int) -> int:
   return max(8, 1 << max(round(math.log2(max(m / (4 * g), 1))), 0))
 
 
-def _blocked_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g):
-  m, k = lhs_mk.shape
-  g, _, n = rhs_gkn.shape
+class _Blocks(NamedTuple):
+  """xla_blocked's layout of M rows in G groups: slots of `blocks` blocks of b rows, each group's
+  rows first in its own whole blocks (groups in order), then the trailing blocks past the last
+  group. src_p [blocks * b] int32: the row in slot p, M for a padding slot; dest_r [M] int32: the
+  slot of row r, blocks * b for rows past the groups' total; group_b [blocks] int32: the group of
+  block i, G for the trailing blocks. src_p and dest_r are inverse maps on the groups' rows."""
+
+  src_p: jax.Array
+  dest_r: jax.Array
+  group_b: jax.Array
+
+  @property
+  def blocks(self) -> int:
+    return self.group_b.shape[0]
+
+  @property
+  def b(self) -> int:
+    return self.src_p.shape[0] // self.group_b.shape[0]
+
+
+def _blocked_layout(m: int, group_sizes_g) -> _Blocks:
+  g = group_sizes_g.shape[0]
   b = _block_rows(m, g)
-  blocks = -(-m // b) + g  # enough for every group padded up to whole blocks, and the rows past them
+  blocks = -(-m // b) + g  # enough for every group padded up to whole blocks
   sizes = group_sizes_g.astype(jnp.int32)
   ends = jnp.cumsum(sizes)
+  starts = ends - sizes
   padded = -(-sizes // b) * b
-  padded_starts = jnp.cumsum(padded) - padded
-  # Padded slot p of block p // b: its group, its row in that group, and the source row (m: none).
+  padded_ends = jnp.cumsum(padded)
+  padded_starts = padded_ends - padded
   slot = jnp.arange(blocks * b, dtype=jnp.int32)
-  group_p = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), slot, side='right'), g - 1).astype(jnp.int32)
-  offset_p = slot - padded_starts[group_p]
-  src_p = jnp.where(offset_p < sizes[group_p], ends[group_p] - sizes[group_p] + offset_p, m)
-  x_pk = jnp.concatenate([lhs_mk, jnp.zeros((1, k), lhs_mk.dtype)])[src_p]
-  w_bkn = rhs_gkn[group_p[::b]].astype(lhs_mk.dtype)
-  y_pn = jnp.einsum('nbk,nkf->nbf', x_pk.reshape(blocks, b, k), w_bkn, preferred_element_type=lhs_mk.dtype)
-  # Back to the rows: row r of group e sits at padded_starts[e] + (r - start of e); rows past the
-  # groups' total are unspecified (they read slot 0).
+  group_p = jnp.searchsorted(padded_ends, slot, side='right').astype(jnp.int32)  # G past the last group
+  clamped_p = jnp.minimum(group_p, g - 1)
+  offset_p = slot - padded_starts[clamped_p]  # >= the group's size in padding and trailing slots
+  src_p = jnp.where(offset_p < sizes[clamped_p], starts[clamped_p] + offset_p, m)
   row = jnp.arange(m, dtype=jnp.int32)
   group_r = jnp.minimum(jnp.searchsorted(ends, row, side='right'), g - 1).astype(jnp.int32)
-  dest_r = jnp.where(row < ends[-1], padded_starts[group_r] + row - (ends[group_r] - sizes[group_r]), 0)
-  return y_pn.reshape(blocks * b, n)[dest_r]
+  dest_r = jnp.where(row < ends[-1], padded_starts[group_r] + row - starts[group_r], blocks * b)
+  return _Blocks(src_p, dest_r, group_p[::b])
+
+
+def _rows(a, index):
+  """a[index] along the first axis, zero where index is out of range (a gather)."""
+  return a.at[index].get(mode='fill', fill_value=0)
+
+
+def _blocked_operands(lhs_mk, rhs_gkn, layout: _Blocks):
+  """The padded lhs [blocks, b, K] and each block's matrix [blocks, K, N] in lhs's dtype (gathers)."""
+  x_bbk = _rows(lhs_mk, layout.src_p).reshape(layout.blocks, layout.b, -1)
+  w_bkn = rhs_gkn.astype(lhs_mk.dtype)[jnp.minimum(layout.group_b, rhs_gkn.shape[0] - 1)]
+  return x_bbk, w_bkn
+
+
+def _blocked_ragged_dot_fwd(lhs_mk, rhs_gkn, group_sizes_g):
+  layout = _blocked_layout(lhs_mk.shape[0], group_sizes_g)
+  x_bbk, w_bkn = _blocked_operands(lhs_mk, rhs_gkn, layout)
+  y_bbn = jnp.einsum('ibk,ikn->ibn', x_bbk, w_bkn, preferred_element_type=lhs_mk.dtype)
+  y_mn = _rows(y_bbn.reshape(layout.blocks * layout.b, -1), layout.dest_r)  # rows past the total: zero
+  return y_mn, (lhs_mk, rhs_gkn, layout)
+
+
+def _blocked_ragged_dot_bwd(res, g_mn):
+  lhs_mk, rhs_gkn, layout = res
+  g, k, n = rhs_gkn.shape
+  x_bbk, w_bkn = _blocked_operands(lhs_mk, rhs_gkn, layout)
+  # The padded cotangent: row r's at its slot, zero in padding slots; rows past the total are never read.
+  g_bbn = _rows(g_mn.astype(lhs_mk.dtype), layout.src_p).reshape(layout.blocks, layout.b, n)
+  dx_bbk = jnp.einsum('ibn,ikn->ibk', g_bbn, w_bkn, preferred_element_type=lhs_mk.dtype)
+  dlhs_mk = _rows(dx_bbk.reshape(layout.blocks * layout.b, k), layout.dest_r)  # rows past the total: zero
+  # Each block's weight gradient x_b^T g_b in float32, summed over the blocks of each group by a
+  # one-hot [G, blocks] matmul (blocks of no group, all padding and zero, match no row of it).
+  dw_bkn = jnp.einsum('ibk,ibn->ikn', x_bbk, g_bbn, preferred_element_type=jnp.float32)
+  one_hot_gb = (layout.group_b[None, :] == jnp.arange(g, dtype=jnp.int32)[:, None]).astype(jnp.float32)
+  # HIGHEST: the sum in float32, not TF32 on the GPU.
+  drhs = jnp.dot(one_hot_gb, dw_bkn.reshape(layout.blocks, k * n), precision=jax.lax.Precision.HIGHEST)
+  return dlhs_mk, drhs.reshape(g, k, n).astype(rhs_gkn.dtype), None
+
+
+@jax.custom_vjp
+def _blocked_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g):
+  """'xla_blocked' (module docstring): gathers into whole blocks, one batched matmul, a gather back;
+  the backward gathers and multiplies, with no scatter-add. Rows past the groups' total come out zero."""
+  return _blocked_ragged_dot_fwd(lhs_mk, rhs_gkn, group_sizes_g)[0]
+
+
+_blocked_ragged_dot.defvjp(_blocked_ragged_dot_fwd, _blocked_ragged_dot_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
   """One grouped matmul. ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G] int32) -> [M, N] in
   lhs's dtype: rows of group g (consecutive, in order) times rhs[g]; rows past the groups' total
-  are unspecified (callers mask them). Differentiable in lhs and rhs. gpu_only: needs an NVIDIA GPU.
+  are unspecified (callers mask them) and their cotangent reaches neither lhs's other rows nor rhs.
+  Differentiable in lhs and rhs. gpu_only: needs an NVIDIA GPU.
   dims_multiple: D and F must be multiples of it (1: any). dtypes: the operand dtypes it takes."""
 
   ragged_dot: Callable

@@ -1,0 +1,27 @@
+"""experiments/bench/bench_mla_decode.py on the CPU: a tiny shape through both implementations ('pallas'
+interpreted), one row each with its timing, bandwidth, error against 'xla' and speed-up; the bytes read."""
+
+import re
+
+from experiments.bench import bench_mla_decode
+
+
+def test_tiny_shape_gives_one_row_per_rope_dim_and_impl():
+  shape = dict(batch=2, heads=4, rank=32, rope_dims=[16, 0], tiles='block_s=16', repeats=1, warmup=1)
+  got = list(bench_mla_decode.rows([48], ['pallas', 'xla'], copy_gbs=1.0, **shape))
+  assert [r[:3] for r in got] == [
+    ['16', '48', 'pallas'],
+    ['16', '48', 'xla'],
+    ['0', '48', 'pallas'],
+    ['0', '48', 'xla'],
+  ]
+  for row in got:
+    assert re.fullmatch(r'\d+\.\d{3}', row[3]) and float(row[4]) > 0 and re.fullmatch(r'\d+\.\d\d', row[5]), row
+    assert float(row[6]) < 1e-5 and re.fullmatch(r'\d+\.\d\dx', row[7]), row
+  assert got[1][7] == '1.00x'
+
+
+def test_bytes_read_are_the_latents_and_k_rope_once():
+  # bench_decode.md's all-MLA cache at 131072: 16 sequences x 512 latent dims in bf16 per layer
+  assert bench_mla_decode.bytes_read(16, 131072, 512, 0, 2) == 16 * 131072 * 1024
+  assert bench_mla_decode.bytes_read(2, 10, 64, 16, 4) == 2 * 10 * 80 * 4
