@@ -225,12 +225,12 @@ def generate_text():
     raise UsageError(message)
   from kimijax.data import load_tokenizer
   from kimijax.data.pipeline import tokenizer_spec
-  from kimijax.infer.generate import generate, load_for_generation
+  from kimijax.infer.generate import load_for_generation, timed_generate
 
   config, model, params = load_for_generation(FLAGS.workdir)
   tokenizer = load_tokenizer(tokenizer_spec(config))  # the run's (data.tokenizer)
   prompt = tokenizer.encode(FLAGS.prompt or '\n')
-  tokens = generate(
+  tokens, timing = timed_generate(
     model,
     params,
     [prompt] * FLAGS.num_samples,
@@ -244,6 +244,17 @@ def generate_text():
   for row in tokens:
     print(FLAGS.prompt + tokenizer.decode(row[len(prompt) :]))
     print('-' * 40)
+  print(timing_line(timing, FLAGS.num_samples, len(prompt)))
+
+
+def timing_line(timing, batch: int, prompt_len: int) -> str:
+  """Prefill time and the decode loop's tokens/s (batch x decode steps / its seconds), both after compilation."""
+  steps = timing.decode_steps
+  speed = f'{batch * steps / timing.decode_s:,.1f} tokens/s' if steps else 'no decode step (one new token)'
+  return (
+    f'prefill {timing.prefill_s * 1e3:.1f} ms ({batch} x {prompt_len} tokens); decode {speed} '
+    f'({batch} x {steps} steps in {timing.decode_s * 1e3:.1f} ms, sampling included; compilation excluded)'
+  )
 
 
 def evaluate_run():

@@ -1,18 +1,36 @@
-"""Decode speed and cache memory: hybrid KDA:MLA against all-attention, at several context lengths.
+"""Decode speed against the memory roofline, and cache memory: hybrid KDA:MLA against all-attention,
+at several context lengths.
 
     python -m experiments.bench.bench_decode --config=configs/kimi_linear_small.py \
         --contexts=4096,32768,131072 --batch=1 [--config.model.compute_dtype=bfloat16]
+    python -m experiments.bench.bench_decode --config=configs/default.py --config.model.layer_pattern=KA \
+        --contexts=32 --steps=4 --copy_gib=0.01                                            # CPU smoke
 
 For each context length L and each of the two layer patterns (--hybrid_pattern, default the
 config's, and --baseline_pattern, default all attention) it builds the model from random
 parameters, fills every layer's cache as if L - 1 tokens had been seen (random contents: the cost
-of a decode step does not depend on them), and times jitted decode steps at position L - 1.
-Prints ms per token, tokens/s (batch / step time) and the cache's bytes per sequence. The MLA
-layers decode with model.mla_decode_impl (--config.model.mla_decode_impl=pallas: the split-context
-kernel of kernels_pallas/mla_decode/, its settings as --config.model.kernels.mla_decode=...). The cache
-is donated, so a step updates it in place as kimijax.infer.generate does. On an H200 at ~350M,
-one context (both models) took about 4.5 minutes, most of it initialisation and compilation.
-Results: experiments/results/bench_decode.md.
+of a decode step does not depend on them), and times
+- 'step': --steps jitted decode steps at position L - 1 (the argmax of the logits), each given the
+  cache the one before returned (donated, so a step updates it in place);
+- 'loop': kimijax.infer.generate.decode, the generation loop on the device that `generate` and
+  `run.py --mode=generate` run, greedy, over the same cache: N = --steps decode steps at positions
+  L - N - 1 to L - 2 in one call (its prompt L - N - 1 tokens long), per token. Step and loop agree
+  when the loop adds nothing to the steps it runs.
+
+The memory roofline of one step is the bytes it must read over the copy bandwidth measured in the
+same run (a jitted, donated x + 1 over a --copy_gib GiB float32 buffer: read + write bytes over its
+time). The bytes: every parameter in its dtype (an untied input embedding only the batch's rows; a
+tied one is read whole as the head; an MoE layer's every expert, an upper bound at small batches),
+each attention layer's cache over the L positions, each KDA layer's state and conv states read and
+written. 'step / roofline' is how far a step is from reading its bytes once at copy speed; the
+hybrid's row gives its speed-up over the baseline and the ratio of their bytes (the bound the
+layer pattern sets). The MLA layers decode with model.mla_decode_impl
+(--config.model.mla_decode_impl=pallas: the split-context kernel of kernels_pallas/mla_decode/, its
+settings as --config.model.kernels.mla_decode=...).
+
+Prints Markdown: the copy bandwidth, then one table row per context and pattern. On an H200 at
+~350M, one context (both models) took about 4.5 minutes without the loop, most of it
+initialisation and compilation. Results: experiments/results/bench_decode.md.
 """
 
 import functools
@@ -22,12 +40,19 @@ from absl import app, flags
 from kimijax.config import define_config_flag
 
 define_config_flag('config', 'configs/kimi_linear_small.py', 'model config, FILE[:VARIANT[,VARIANT]].')
-flags.DEFINE_list('contexts', ['4096', '32768', '131072'], 'context lengths')
+flags.DEFINE_list('contexts', ['4096', '32768', '131072'], 'context lengths (each at least --steps + 2)')
 flags.DEFINE_integer('batch', 1, 'sequences decoded together')
-flags.DEFINE_integer('steps', 50, 'timed decode steps')
+flags.DEFINE_integer('steps', 50, 'timed decode steps, one by one, and the decode steps of one loop call')
 flags.DEFINE_string('hybrid_pattern', None, "layer pattern of the hybrid (default: the config's)")
 flags.DEFINE_string('baseline_pattern', 'A', 'layer pattern of the baseline')
+flags.DEFINE_float('copy_gib', 2.0, 'GiB of the buffer whose copy measures the memory bandwidth')
 FLAGS = flags.FLAGS
+
+LOOP_CALLS = 3  # timed loop calls (after one that compiles)
+HEADER = (
+  '| context | pattern | params M | step ms | tokens/s | loop ms/token | cache MiB/seq | read MiB | roofline ms '
+  '| step / roofline | hybrid speed-up (bytes ratio) |'
+)
 
 
 def build(config, pattern: str):
@@ -50,11 +75,51 @@ def build(config, pattern: str):
   return model, inference_variables(params, variables.get('moe_state')), m
 
 
-def bench(model, params, m, context: int, batch: int, steps: int) -> dict:
+def copy_bandwidth(gib: float) -> float:
+  """Bytes per second of a jitted x + 1 over a float32 buffer of `gib` GiB, donated (in place, as a
+  decode step updates its cache): read + write bytes over the mean time of 10 calls."""
   import jax
   import jax.numpy as jnp
 
-  from kimijax.infer.cache import cache_bytes, init_cache
+  from experiments.bench import timing
+
+  n = max(1, int(gib * 2**30) // 4)
+  add_one = jax.jit(lambda x: x + 1, donate_argnums=0)
+  ms, _ = timing.loop_ms(add_one, jnp.zeros((n,), jnp.float32), steps=10)
+  return 2 * 4 * n / (ms / 1e3)
+
+
+def tree_bytes(tree) -> int:
+  import jax
+
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def step_bytes(m, params, cache: dict, batch: int) -> int:
+  """Bytes one decode step must read: the parameters (an untied input embedding only `batch` rows),
+  each attention layer's cache, each KDA layer's cache twice (its state and conv states are read
+  and written)."""
+  from kimijax import config as config_lib
+  from kimijax.model import as_variables
+
+  weights = as_variables(params)['params']
+  total = tree_bytes(weights)
+  if not m.tie_embeddings:
+    embed = weights['embed']
+    total -= (embed.shape[0] - batch) * embed.shape[1] * embed.dtype.itemsize
+  for i, kind in enumerate(config_lib.layer_kinds(m)):
+    total += (2 if kind == 'K' else 1) * tree_bytes(cache[f'layer_{i}'])
+  return total
+
+
+def bench(model, params, m, context: int, batch: int, steps: int, bandwidth: float) -> dict:
+  """The step's and the loop's times at `context`, the cache's size and the step's roofline."""
+  import jax
+  import jax.numpy as jnp
+
+  from experiments.bench import timing
+  from kimijax.infer.cache import init_cache
+  from kimijax.infer.generate import decode
   from kimijax.model import as_variables, count_params
 
   @jax.jit
@@ -65,23 +130,85 @@ def bench(model, params, m, context: int, batch: int, steps: int) -> dict:
     return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) * 0.1 for k, x in zip(keys, leaves)])
 
   cache = random_cache(jax.random.key(1))
+  read = step_bytes(m, params, cache, batch)
 
   @functools.partial(jax.jit, donate_argnames='cache')  # as in kimijax.infer.generate: in place
   def step(params, token, cache):
     logits, aux = model.apply(as_variables(params), token[:, None], jnp.full((batch, 1), context - 1), cache=cache)
     return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), aux['cache']
 
-  from experiments.bench import timing
-
   token = jnp.zeros((batch,), jnp.int32)
   # Each step rewrites position L - 1: a steady-state step at context L; the warm-up compiles.
   ms, (token, cache) = timing.loop_ms(lambda carry: step(params, *carry), (token, cache), steps=steps)
+
+  prompt = jnp.zeros((batch, context - steps - 1), jnp.int32)
+  logits, rng = jnp.zeros((batch, m.vocab_size), jnp.float32), jax.random.key(0)
+
+  def loop(cache):
+    return decode(model, params, prompt, logits, cache, rng, max_new_tokens=steps + 1, temperature=0.0)[1]
+
+  loop_ms, cache = timing.loop_ms(loop, cache, steps=LOOP_CALLS)
+  roofline_ms = read / bandwidth * 1e3
   return {
     'ms_per_token': ms,
     'tokens_per_sec': batch / ms * 1e3,
+    'loop_ms_per_token': loop_ms / steps,
     'params_M': count_params(as_variables(params)['params']) / 1e6,
-    'cache_MiB_per_seq': cache_bytes(cache) / batch / 2**20,
+    'cache_MiB_per_seq': tree_bytes(cache) / batch / 2**20,
+    'read_MiB': read / 2**20,
+    'roofline_ms': roofline_ms,
+    'step_over_roofline': ms / roofline_ms,
   }
+
+
+def row(context: int, pattern: str, r: dict, speedup: str = '') -> str:
+  cells = (
+    f'{context}',
+    f'{pattern}',
+    f'{r["params_M"]:.1f}',
+    f'{r["ms_per_token"]:.3f}',
+    f'{r["tokens_per_sec"]:,.1f}',
+    f'{r["loop_ms_per_token"]:.3f}',
+    f'{r["cache_MiB_per_seq"]:.2f}',
+    f'{r["read_MiB"]:,.1f}',
+    f'{r["roofline_ms"]:.3f}',
+    f'{r["step_over_roofline"]:.2f}',
+    speedup,
+  )
+  return '| ' + ' | '.join(cells) + ' |'
+
+
+def flag_error(contexts: list[str], steps: int, copy_gib: float) -> str | None:
+  """The message for a bad flag, else None."""
+  if steps < 1:
+    return f'--steps={steps} must be >= 1'
+  if copy_gib <= 0:
+    return f'--copy_gib={copy_gib} must be positive'
+  if bad := [c for c in contexts if not c.isdigit()]:
+    return f'--contexts: {bad} are not whole numbers'
+  if short := [c for c in contexts if int(c) < steps + 2]:
+    return f'--contexts: {short} leave no prompt for the loop: each must be at least --steps + 2 = {steps + 2}'
+  return None
+
+
+def table(config, contexts: list[int], batch: int, steps: int, hybrid: str, baseline: str, copy_gib: float):
+  """The Markdown lines: the setup and the measured copy bandwidth, the header, then two rows per context."""
+  bandwidth = copy_bandwidth(copy_gib)
+  models = {p: build(config.copy_and_resolve_references(), p) for p in (hybrid, baseline)}
+  yield (
+    f'batch {batch}; {steps} timed steps, {LOOP_CALLS} loop calls of {steps} steps; compute dtype '
+    f'{config.model.compute_dtype}; MLA decode {config.model.mla_decode_impl} {config.model.kernels.mla_decode!r}; '
+    f'copy bandwidth {bandwidth / 1e9:,.1f} GB/s ({copy_gib:g} GiB, read + write)'
+  )
+  yield ''
+  yield HEADER
+  yield '|' + '---|' * HEADER.count(' | ') + '---|'
+  for context in contexts:
+    rows = {pattern: bench(*models[pattern], context, batch, steps, bandwidth) for pattern in (hybrid, baseline)}
+    base, hyb = rows[baseline], rows[hybrid]
+    speedup = f'{base["ms_per_token"] / hyb["ms_per_token"]:.2f}x ({base["read_MiB"] / hyb["read_MiB"]:.2f}x)'
+    yield row(context, hybrid, hyb, speedup)
+    yield row(context, baseline, base)
 
 
 def main(argv):
@@ -91,24 +218,12 @@ def main(argv):
 
   with user_errors():
     config = config_from_flags('config')
+  if message := flag_error(FLAGS.contexts, FLAGS.steps, FLAGS.copy_gib):
+    raise app.UsageError(message)
   hybrid = FLAGS.hybrid_pattern or config.model.layer_pattern
-  models = {p: build(config.copy_and_resolve_references(), p) for p in (hybrid, FLAGS.baseline_pattern)}
-  print(
-    f'batch {FLAGS.batch}; {FLAGS.steps} timed steps; compute dtype {config.model.compute_dtype}; '
-    f'MLA decode {config.model.mla_decode_impl} {config.model.kernels.mla_decode!r}'
-  )
-  print(f'{"context":>8} {"pattern":>8} {"params M":>9} {"ms/token":>9} {"tokens/s":>9} {"cache MiB/seq":>14}')
-  for context in map(int, FLAGS.contexts):
-    rows = {}
-    for pattern, (model, params, m) in models.items():
-      rows[pattern] = r = bench(model, params, m, context, FLAGS.batch, FLAGS.steps)
-      print(
-        f'{context:>8} {pattern:>8} {r["params_M"]:>9.1f} {r["ms_per_token"]:>9.3f} '
-        f'{r["tokens_per_sec"]:>9.1f} {r["cache_MiB_per_seq"]:>14.2f}',
-        flush=True,
-      )
-    speedup = rows[FLAGS.baseline_pattern]['ms_per_token'] / rows[hybrid]['ms_per_token']
-    print(f'{context:>8} hybrid decode speed-up over {FLAGS.baseline_pattern!r}: {speedup:.2f}x')
+  contexts = [int(c) for c in FLAGS.contexts]
+  for line in table(config, contexts, FLAGS.batch, FLAGS.steps, hybrid, FLAGS.baseline_pattern, FLAGS.copy_gib):
+    print(line, flush=True)
 
 
 if __name__ == '__main__':

@@ -4,6 +4,7 @@ reused, a half-finished run resumed to the same final loss, and bad input refuse
 
 import json
 import pathlib
+import re
 import shutil
 import statistics
 
@@ -191,3 +192,5 @@ def test_sweep_eval_and_generate_on_bpe_shards_with_document_masking(tmp_path):
   )
   assert generated.returncode == 0, generated.stderr[-2000:]
   assert generated.stdout.startswith('def ')
+  # The last line: the prefill time and the decode loop's tokens/s (or, every row stopped at once, no step).
+  assert re.fullmatch(r'prefill [\d.]+ ms \(1 x \d+ tokens\); decode .*', generated.stdout.splitlines()[-1])
