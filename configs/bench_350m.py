@@ -10,6 +10,9 @@ Variants (combine with commas, e.g. :hybrid,mla,cudnn):
           in attention's memory and an H800's 80 GB),
           :kda_keep (with :hybrid: the KDA layers keep all three projections for the backward),
           :remat (rematerialise each layer), :xla (attn_impl='xla'),
+          :long (batch 1, each layer rematerialised and the loss taken 4096 tokens at a time,
+          train.loss_chunk: for the longest sequence one GPU trains, set with
+          --config.train.seq_len=N; with :hybrid against all attention),
           :cudnn (cuDNN attention, and the fused max-logit kernel when max logits are on),
           :tokamax (tokamax's Mosaic GPU flash attention, whose residuals give the max logits; by
           default attn_impl='gpu' picks tokamax with max logits or MLA, else cuDNN),
@@ -53,6 +56,7 @@ def get_config(variants: str | None = None):
 # Applied in this order, whatever the order on the command line.
 VARIANTS = {
   'remat': lambda c: c.model.update(remat=True),
+  'long': lambda c: _long(c),
   'hybrid': lambda c: c.model.update(layer_pattern='KKKA'),
   'kda_keep': lambda c: c.model.update(kda_recompute_projections=''),
   'xla': lambda c: c.model.update(attn_impl='xla'),
@@ -74,3 +78,8 @@ VARIANTS = {
 def _moe(m):
   m.mlp_kind = 'moe'
   m.moe.update(num_experts=64, top_k=8, num_shared=3, expert_hidden=256, first_dense_layers=1)
+
+
+def _long(c):
+  c.model.remat = True
+  c.train.update(batch_size=1, loss_chunk=4096)

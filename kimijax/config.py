@@ -281,6 +281,11 @@ SCHEMA = {
     'checkpoint_every': Key(200, 'steps between checkpoints', bounds=POSITIVE),
     'keep_checkpoints': Key(3, 'checkpoints kept on disk', bounds=POSITIVE),
     'grad_clip': Key(1.0, 'global-norm clip; 0 disables', bounds=NON_NEGATIVE),
+    'loss_chunk': Key(
+      0,
+      'tokens per chunk of the cross-entropy, logits recomputed in the backward; 0: all [B, T, V] at once',
+      bounds=NON_NEGATIVE,
+    ),
     'plot': Key(True, 'loss-curve PNG in the workdir at the end'),
     'log_attnres': Key(False, 'log per-sublayer depth-attention weights (AttnRes) and input/output RMS'),
     'log_max_logits': Key(

@@ -212,11 +212,17 @@ class Transformer(nn.Module):
   `segment_ids_bt` [B, T] (training on packed documents, data.document_mask, positions_bt then
   restarting at each document: kimijax/data/documents.py) no token sees another document:
   attention is masked, KDA's state and the short convolutions restart (kimijax/ops/segments.py).
-  Without (None, the default) the model is the unmasked one, unchanged."""
+  Without (None, the default) the model is the unmasked one, unchanged.
+
+  With `return_hidden=True` the head is not applied: the call returns ((the final normed hidden
+  states x [B, T, D] in model.compute_dtype, the head matrix [D, V] float32: the embedding's
+  transpose when model.tie_embeddings), aux), logits = x @ head as this model computes them; the
+  chunked loss (kimijax/train/loss.py) takes them. Parameters and aux are the same."""
 
   cfg: ml_collections.ConfigDict
   log_attnres: bool = False  # add aux['attnres'] (per-sublayer depth weights and RMS)
   max_logits: bool = True  # compute aux['max_logits'] (False: no max-logit work at all)
+  return_hidden: bool = False  # return (hidden states, head matrix) instead of the logits
 
   @nn.compact
   def __call__(self, tokens_bt, positions_bt=None, cache=None, segment_ids_bt=None):
@@ -263,14 +269,16 @@ class Transformer(nn.Module):
         (cfg.d_model, cfg.vocab_size),
         jnp.float32,
       )
-    logits_btv = jnp.einsum('btd,dv->btv', x_btd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
-    logits_btv = cotangent_in(logits_btv, dtype)
-    logits_btv = nn.with_logical_constraint(logits_btv, ('act_batch', 'act_length', 'act_vocab'))
     aux = {'max_logits': max_logits} if self.max_logits else {}
     if cache is not None:
       aux['cache'] = new_cache
     if self.log_attnres:
       aux['attnres'] = _collect_stats(cfg, stats, w_n, residual_lib.rms(h_btd))
+    if self.return_hidden:
+      return (x_btd, head_dv), aux
+    logits_btv = jnp.einsum('btd,dv->btv', x_btd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
+    logits_btv = cotangent_in(logits_btv, dtype)
+    logits_btv = nn.with_logical_constraint(logits_btv, ('act_batch', 'act_length', 'act_vocab'))
     return logits_btv, aux
 
 

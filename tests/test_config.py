@@ -136,6 +136,7 @@ def test_impl_keys_allow_the_names_of_the_ops_implementation_tables(key, impls):
     ({'model.position': 'alibi'}, "model.position='alibi' is not allowed; allowed values: ['rope', 'nope']"),
     ({'train.steps': 0}, 'train.steps=0 must be positive'),
     ({'train.grad_clip': -1.0}, 'train.grad_clip=-1.0 must be non-negative'),
+    ({'train.loss_chunk': -1}, 'train.loss_chunk=-1 must be non-negative'),
     ({'optimizer.momentum': 1.0}, 'optimizer.momentum=1.0 must lie in [0, 1)'),
     ({'data.val_fraction': 0.0}, 'data.val_fraction=0.0 must lie in (0, 1)'),
     ({'model.kda_gate_lower_bound': 0.5}, 'model.kda_gate_lower_bound=0.5 must lie in [-5, 0]'),
@@ -356,6 +357,8 @@ def test_variants_apply_in_the_order_the_file_lists_them():
     'pallas',
     'pallas',
   )
+  long = load('configs/bench_350m.py:long,hybrid', {'train.seq_len': 131072})
+  assert (long.train.batch_size, long.train.seq_len, long.train.loss_chunk, long.model.remat) == (1, 131072, 4096, True)
 
 
 def test_load_works_from_any_working_directory(tmp_path, monkeypatch):

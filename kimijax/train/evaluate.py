@@ -41,7 +41,7 @@ def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None) ->
   model = Transformer(config.model)
   state, step = restore_latest_state(workdir, config, model, mesh)
   sharding = mesh_lib.batch_sharding(mesh, config.mesh)
-  eval_step = in_mesh(jax.jit(make_eval_step(model)), mesh, config.mesh)
+  eval_step = in_mesh(jax.jit(make_eval_step(model, config.train.loss_chunk)), mesh, config.mesh)
   batches = [{k: jax.device_put(v, sharding) for k, v in b.items()} for b in batches]
   result = {
     'step': step,

@@ -22,7 +22,8 @@ The estimate is a sum of the arrays a step keeps alive at its peak, per device:
                    log-decay g
                With model.remat=True only each layer's input is kept, and one layer's activations
                while its backward runs.
-  logits       float32 [B, T, V]
+  logits       float32 [B, T, V]; with train.loss_chunk > 0 (kimijax/train/loss.py) one chunk's
+               float32 [chunk, V]
 
 XLA reuses buffers and fuses; the estimate is meant to be of the right size, not exact, and to
 err low: it refuses only what would not run (tests/train/test_memory.py compares it with XLA's own
@@ -108,6 +109,7 @@ def estimate(config: ml_collections.ConfigDict, n_params: int) -> Estimate:
   """The step's memory (see the module docstring) for a model of n_params parameters."""
   m, t = config.model, config.train
   tokens = t.batch_size * t.seq_len
+  logits = 4 * (min(t.loss_chunk, tokens) if t.loss_chunk else tokens) * m.vocab_size
   moments = 2 if config.optimizer.name == 'adamw' else 1
   per_layer = [layer_activation_bytes(m, kind, t.seq_len) for kind in config_lib.layer_kinds(m)]
   if m.remat:  # each layer's input kept; one layer's activations live during its backward
@@ -118,7 +120,7 @@ def estimate(config: ml_collections.ConfigDict, n_params: int) -> Estimate:
     state=4 * n_params * (1 + moments),
     gradients=2 * 4 * n_params,
     activations=tokens * kept,
-    logits=4 * tokens * m.vocab_size,
+    logits=logits,
   )
 
 
@@ -170,6 +172,26 @@ def describe(config: ml_collections.ConfigDict, est: Estimate, mesh_sizes: dict[
   )
 
 
+# The train.loss_chunk the memory check suggests: a chunk's float32 logits are 512 MiB at a vocabulary of 32768.
+SUGGESTED_LOSS_CHUNK = 4096
+
+
+def _remedies(config: ml_collections.ConfigDict) -> list[dict]:
+  """The changes that lower the step's memory without changing its maths, those not yet made, in the
+  order the check suggests them: model.remat, train.loss_chunk, both."""
+  remat = {} if config.model.remat else {'model.remat': True}
+  chunk = {} if config.train.loss_chunk else {'train.loss_chunk': SUGGESTED_LOSS_CHUNK}
+  return [c for c in (remat, chunk, {**remat, **chunk} if remat and chunk else {}) if c]
+
+
+def _changed(config: ml_collections.ConfigDict, changes: dict) -> ml_collections.ConfigDict:
+  config = config.copy_and_resolve_references()
+  for path, value in changes.items():
+    section, key = path.split('.')
+    config[section][key] = value
+  return config
+
+
 def check(config: ml_collections.ConfigDict, devices, n_params: int, mesh_sizes: dict[str, int]) -> None:
   """MemoryLimitError when the estimate exceeds what each device may use (nothing when that
   cannot be told, or with train.check_memory=False)."""
@@ -183,12 +205,11 @@ def check(config: ml_collections.ConfigDict, devices, n_params: int, mesh_sizes:
   if est.per_device(mesh_sizes) <= limit:
     return
   advice = []
-  if not config.model.remat:
-    with_remat = config.copy_and_resolve_references()
-    with_remat.model.remat = True
-    need = estimate(with_remat, n_params).per_device(mesh_sizes)
+  for changes in _remedies(config):
+    need = estimate(_changed(config, changes), n_params).per_device(mesh_sizes)
     if need <= limit:
-      advice.append(f'set model.remat=True (about {need / GiB:.1f} GiB)')
+      advice.append(f'set {" and ".join(f"{k}={v}" for k, v in changes.items())} (about {need / GiB:.1f} GiB)')
+      break
   advice.append('lower train.batch_size or train.seq_len')
   if devices[0].platform == 'cpu':
     advice.append('use a config sized for a CPU, such as configs/default.py')

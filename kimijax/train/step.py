@@ -18,6 +18,7 @@ from kimijax.model import Transformer, as_variables, document_inputs, inference_
 from kimijax.optim import make_optimizer, make_schedule
 from kimijax.optim.qk_clip import heads_clipped
 from kimijax.parallel import mesh as mesh_lib
+from kimijax.train.loss import chunked_token_nll
 from kimijax.train.state import TrainState, init_state, state_shardings
 
 
@@ -27,22 +28,47 @@ def token_nll(logits_btv, targets_bt):
   return -jnp.take_along_axis(logp, targets_bt[..., None], axis=-1)[..., 0]
 
 
-def make_loss_fn(model: nn.Module):
+def _outputs_to_nll(model: nn.Module, loss_chunk: int, accuracy: bool = False):
+  """(outputs of model.apply, targets [B, T]) -> per-token nll [B, T] float32 (and, with `accuracy`,
+  the argmax hits [B, T] float32), and the model whose apply gives those outputs: the logits with
+  loss_chunk 0, else (with Transformer(..., return_hidden=True)) the hidden states and the head, the
+  nll then taken loss_chunk tokens at a time (kimijax/train/loss.py)."""
+  if loss_chunk:
+
+    def chunked(outputs, targets_bt):
+      x_btd, head_dv = outputs
+      return chunked_token_nll(x_btd, head_dv, targets_bt, loss_chunk, accuracy=accuracy)
+
+    return model.clone(return_hidden=True), chunked
+
+  def whole(logits_btv, targets_bt):
+    nll_bt = token_nll(logits_btv, targets_bt)
+    if not accuracy:
+      return nll_bt
+    return nll_bt, (jnp.argmax(logits_btv, axis=-1) == targets_bt).astype(jnp.float32)
+
+  return model, whole
+
+
+def make_loss_fn(model: nn.Module, loss_chunk: int = 0):
   """(params, batch, moe_state=None) -> (loss, aux): the mean token nll over the masked tokens.
   With MoE layers (a non-empty moe_state, the model's balancing biases) the apply collects their
   router statistics as aux['moe_stats'], the loss adds their balance losses (0 when
-  model.moe.aux_loss_alpha is 0) and aux['nll'] keeps the nll alone."""
+  model.moe.aux_loss_alpha is 0) and aux['nll'] keeps the nll alone. loss_chunk (train.loss_chunk,
+  a Transformer's): 0 takes the nll of the logits [B, T, V]; > 0 that many tokens' logits at a time,
+  never all of them (kimijax/train/loss.py), the same loss."""
+  model, nll_of = _outputs_to_nll(model, loss_chunk)
 
   def loss_fn(params, batch, moe_state=None):
     if moe_state:
-      (logits_btv, aux), mutated = model.apply(
+      (outputs, aux), mutated = model.apply(
         variables(params, moe_state), batch['inputs'], mutable=[MOE_STATS], **document_inputs(batch)
       )
       aux = {**aux, 'moe_stats': mutated[MOE_STATS]}
     else:
-      logits_btv, aux = model.apply({'params': params}, batch['inputs'], **document_inputs(batch))
+      outputs, aux = model.apply({'params': params}, batch['inputs'], **document_inputs(batch))
     mask = batch['mask']
-    nll = token_nll(logits_btv, batch['targets'])
+    nll = nll_of(outputs, batch['targets'])
     loss = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
     if moe_state:
       aux['nll'] = loss
@@ -76,6 +102,7 @@ def make_train_step(
   *,
   bias_rate: float | None = None,
   bias_centred: bool | None = None,
+  loss_chunk: int = 0,
 ):
   """(state, batch) -> (state, metrics). A step whose loss or gradients are not finite leaves the
   state unchanged and reports finite=False; the loop stops on it.
@@ -92,8 +119,9 @@ def make_train_step(
   other transforms ignore them); metrics['max_logits'] holds them when the model computes them
   (aux['max_logits']), and is absent otherwise. `param_groups` (params -> pytree of group names, e.g.
   kimijax.optim.param_groups(config)) adds update_rms_<group> to the metrics; with QK-Clip in the
-  optimizer, `qk_clip_heads` is the number of query heads clipped this step."""
-  loss_fn = make_loss_fn(model)
+  optimizer, `qk_clip_heads` is the number of query heads clipped this step. `loss_chunk`:
+  train.loss_chunk (make_loss_fn)."""
+  loss_fn = make_loss_fn(model, loss_chunk)
   optimizer = optax.with_extra_args_support(optimizer)
   moe_cfg = getattr(getattr(model, 'cfg', None), 'moe', None)
   if bias_rate is None:
@@ -132,21 +160,22 @@ def make_train_step(
   return train_step
 
 
-def make_eval_step(model):
+def make_eval_step(model, loss_chunk: int = 0):
   """(params, batch) -> sums over the batch's masked tokens, float32: 'nll' (token nll), 'tokens',
   'correct' (argmax prediction == target; on MQAR the exact recall of a queried value), and
   'nll_by_position' / 'tokens_by_position' [T] (the same sums per position in the sequence).
   `params`: the params, or for a model with MoE layers the variables with its biases
   (kimijax.model.inference_variables). Nothing here reads max logits, so a Transformer evaluates
-  without computing them."""
+  without computing them. `loss_chunk`: train.loss_chunk (make_loss_fn)."""
   if isinstance(model, Transformer):
     model = model.clone(max_logits=False)
+  model, nll_of = _outputs_to_nll(model, loss_chunk, accuracy=True)
 
   def eval_step(params, batch):
-    logits_btv, _ = model.apply(as_variables(params), batch['inputs'], **document_inputs(batch))
-    targets, mask = batch['targets'], batch['mask'].astype(jnp.float32)
-    nll = token_nll(logits_btv, targets) * mask
-    hit = (jnp.argmax(logits_btv, axis=-1) == targets).astype(jnp.float32) * mask
+    outputs, _ = model.apply(as_variables(params), batch['inputs'], **document_inputs(batch))
+    mask = batch['mask'].astype(jnp.float32)
+    nll, hit = nll_of(outputs, batch['targets'])
+    nll, hit = nll * mask, hit * mask
     return {
       'nll': jnp.sum(nll),
       'tokens': jnp.sum(mask),
@@ -181,13 +210,16 @@ def jit_steps(model, optimizer, schedule, config, mesh, state_shardings):
       optim.param_groups(config),
       bias_rate=config.model.moe.bias_rate,
       bias_centred=config.model.moe.bias_centred,
+      loss_chunk=config.train.loss_chunk,
     ),
     in_shardings=(state_shardings, batch_sh),
     out_shardings=(state_shardings, rep),
     donate_argnums=0,
   )
   weights_sh = inference_variables(state_shardings.params, state_shardings.moe_state)
-  evaluate = jax.jit(make_eval_step(model), in_shardings=(weights_sh, batch_sh), out_shardings=rep)
+  evaluate = jax.jit(
+    make_eval_step(model, config.train.loss_chunk), in_shardings=(weights_sh, batch_sh), out_shardings=rep
+  )
   return in_mesh(train, mesh, config.mesh), in_mesh(evaluate, mesh, config.mesh)
 
 

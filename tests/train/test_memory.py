@@ -35,7 +35,10 @@ def _compiled_bytes(config) -> int:
     'targets': jax.ShapeDtypeStruct(shape, jnp.int32, sharding=run.batch_sharding),
     'mask': jax.ShapeDtypeStruct(shape, jnp.float32, sharding=run.batch_sharding),
   }
-  step = jax.jit(make_train_step(run.model, run.optimizer, run.schedule, param_groups(config)), donate_argnums=0)
+  step = make_train_step(
+    run.model, run.optimizer, run.schedule, param_groups(config), loss_chunk=config.train.loss_chunk
+  )
+  step = jax.jit(step, donate_argnums=0)
   with jax.set_mesh(mesh), nn.logical_axis_rules(mesh_lib.rules(config.mesh)):
     stats = step.lower(run.abstract_state, batch).compile().memory_analysis()
   return (
@@ -49,8 +52,9 @@ def _compiled_bytes(config) -> int:
     {'train.seq_len': 256},
     {'train.seq_len': 512, 'model.remat': True},
     {'train.seq_len': 256, 'optimizer.name': 'muon'},
+    {'train.seq_len': 512, 'model.remat': True, 'train.loss_chunk': 256, 'model.vocab_size': 4096},
   ],
-  ids=['attention', 'remat', 'muon'],
+  ids=['attention', 'remat', 'muon', 'loss_chunk'],
 )
 def test_estimate_is_below_but_near_xla_memory_analysis(overrides):
   """The estimate errs low (it must never refuse a step that runs) and within 2.5x of XLA's peak."""
@@ -76,6 +80,33 @@ def test_remat_and_longer_sequences_move_the_estimate_as_their_arrays_do():
   long_layer = memory_lib.layer_activation_bytes(long.model, 'A', 512)
   assert long_layer - per_layer == 8 * h * 256  # the probabilities' row doubles
   assert memory_lib.estimate(base, n).state == 3 * 4 * n  # parameters and AdamW's two moments
+
+
+def test_with_a_loss_chunk_the_logits_term_is_one_chunks():
+  """float32 logits [B * T, V] without chunks; one chunk's [chunk, V] with them, at most all the
+  tokens'."""
+  n, v, tokens = 10**6, 4096, 4 * 256
+  estimate = lambda chunk: memory_lib.estimate(
+    _config({'train.seq_len': 256, 'model.vocab_size': v, 'train.loss_chunk': chunk}), n
+  )
+  assert estimate(0).logits == 4 * tokens * v
+  assert estimate(128).logits == 4 * 128 * v
+  assert estimate(10**6).logits == 4 * tokens * v
+  assert estimate(128).activations == estimate(0).activations
+
+
+def test_the_check_suggests_a_loss_chunk_where_the_logits_are_what_does_not_fit(monkeypatch):
+  """Remat first, then train.loss_chunk, then both: the first that fits."""
+  config = _config({'train.seq_len': 4096, 'model.vocab_size': 65536, 'model.remat': True})
+  n = flops_lib.count(flops_lib.abstract_params(config))
+  need = memory_lib.estimate(config, n).total
+  chunked = config.copy_and_resolve_references()
+  chunked.train.loss_chunk = memory_lib.SUGGESTED_LOSS_CHUNK
+  with_chunk = memory_lib.estimate(chunked, n).total
+  assert with_chunk < need
+  monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: (need + with_chunk) // 2)
+  with pytest.raises(memory_lib.MemoryLimitError, match=r'set train\.loss_chunk=4096 \(about'):
+    loop_lib.check_memory(config, ONE)
 
 
 def test_a_gpu_sized_step_on_this_host_stops_with_one_line(monkeypatch):
