@@ -75,40 +75,21 @@ def build(config, pattern: str):
   return model, inference_variables(params, variables.get('moe_state')), m
 
 
-def copy_bandwidth(gib: float) -> float:
-  """Bytes per second of a jitted x + 1 over a float32 buffer of `gib` GiB, donated (in place, as a
-  decode step updates its cache): read + write bytes over the mean time of 10 calls."""
-  import jax
-  import jax.numpy as jnp
-
-  from experiments.bench import timing
-
-  n = max(1, int(gib * 2**30) // 4)
-  add_one = jax.jit(lambda x: x + 1, donate_argnums=0)
-  ms, _ = timing.loop_ms(add_one, jnp.zeros((n,), jnp.float32), steps=10)
-  return 2 * 4 * n / (ms / 1e3)
-
-
-def tree_bytes(tree) -> int:
-  import jax
-
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
 def step_bytes(m, params, cache: dict, batch: int) -> int:
   """Bytes one decode step must read: the parameters (an untied input embedding only `batch` rows),
   each attention layer's cache, each KDA layer's cache twice (its state and conv states are read
   and written)."""
   from kimijax import config as config_lib
+  from kimijax.infer.cache import cache_bytes
   from kimijax.model import as_variables
 
   weights = as_variables(params)['params']
-  total = tree_bytes(weights)
+  total = cache_bytes(weights)
   if not m.tie_embeddings:
     embed = weights['embed']
     total -= (embed.shape[0] - batch) * embed.shape[1] * embed.dtype.itemsize
   for i, kind in enumerate(config_lib.layer_kinds(m)):
-    total += (2 if kind == 'K' else 1) * tree_bytes(cache[f'layer_{i}'])
+    total += (2 if kind == 'K' else 1) * cache_bytes(cache[f'layer_{i}'])
   return total
 
 
@@ -118,7 +99,7 @@ def bench(model, params, m, context: int, batch: int, steps: int, bandwidth: flo
   import jax.numpy as jnp
 
   from experiments.bench import timing
-  from kimijax.infer.cache import init_cache
+  from kimijax.infer.cache import cache_bytes, init_cache
   from kimijax.infer.generate import decode
   from kimijax.model import as_variables, count_params
 
@@ -154,7 +135,7 @@ def bench(model, params, m, context: int, batch: int, steps: int, bandwidth: flo
     'tokens_per_sec': batch / ms * 1e3,
     'loop_ms_per_token': loop_ms / steps,
     'params_M': count_params(as_variables(params)['params']) / 1e6,
-    'cache_MiB_per_seq': tree_bytes(cache) / batch / 2**20,
+    'cache_MiB_per_seq': cache_bytes(cache) / batch / 2**20,
     'read_MiB': read / 2**20,
     'roofline_ms': roofline_ms,
     'step_over_roofline': ms / roofline_ms,
@@ -193,7 +174,9 @@ def flag_error(contexts: list[str], steps: int, copy_gib: float) -> str | None:
 
 def table(config, contexts: list[int], batch: int, steps: int, hybrid: str, baseline: str, copy_gib: float):
   """The Markdown lines: the setup and the measured copy bandwidth, the header, then two rows per context."""
-  bandwidth = copy_bandwidth(copy_gib)
+  from experiments.bench import timing
+
+  bandwidth = timing.copy_bytes_per_s(int(copy_gib * 2**30))
   models = {p: build(config.copy_and_resolve_references(), p) for p in (hybrid, baseline)}
   yield (
     f'batch {batch}; {steps} timed steps, {LOOP_CALLS} loop calls of {steps} steps; compute dtype '

@@ -12,10 +12,11 @@ and every sequence attends to all of them, length = L), in bf16 on a GPU (float3
 random inputs: ms per call (the mean of --repeats calls queued back to back, after --warmup), GB/s
 over the bytes the op must read (the latents and k_rope of the B L positions, once: B L (r + dr)
 times the item size; the queries and the output are under 0.1% of it at 4096), and that as a
-fraction of the copy bandwidth measured in the same run (a jitted x + 1 over --copy_mib MiB, read
-and written: 2 x its bytes / its time); each impl's relative RMSE against 'xla' in float32 (at the
-highest matmul precision, over the same inputs), and its speed-up over 'xla'. --tiles sets the
-kernel's MlaDecodeSettings ('key=int/key=int', kernels_pallas/mla_decode/settings.py). Prints
+fraction of the copy bandwidth measured in the same run (experiments/bench/timing.py
+copy_bytes_per_s: a jitted, donated x + 1 over --copy_mib MiB, read and written); each impl's
+relative RMSE against 'xla' in float32 (at the highest matmul precision, over the same inputs), and
+its speed-up over 'xla'. --tiles sets the kernel's MlaDecodeSettings ('key=int/key=int',
+kernels_pallas/mla_decode/settings.py). Prints
 Markdown; results go to experiments/results/.
 """
 
@@ -49,17 +50,24 @@ def bytes_read(batch: int, context: int, rank: int, rope_dim: int, itemsize: int
   return batch * context * (rank + rope_dim) * itemsize
 
 
-def copy_gb_per_s(mib: int, repeats: int = 20, warmup: int = 2) -> float:
-  """GB/s of a jitted x + 1 over `mib` MiB of float32 (read and written once each)."""
-  import jax
-  import jax.numpy as jnp
+def flag_error(contexts: list[str], rope_dims: list[str], tiles: str, dtype: str | None, copy_mib: int) -> str | None:
+  """The message for a bad flag, else None."""
+  from kimijax.ops import mla_decode as ops
 
-  from experiments.bench import timing
-
-  x = jnp.zeros((mib * 2**20 // 4,), jnp.float32)
-  copy = jax.jit(lambda x: x + 1)
-  ms = timing.queued_ms(lambda: copy(x), repeats=repeats, warmup=warmup)
-  return 2 * x.nbytes / ms / 1e6
+  for name, values in (('contexts', contexts), ('rope_dims', rope_dims)):
+    if bad := [v for v in values if not v.isdigit()]:
+      return f'--{name}: {bad} are not whole numbers'
+  if any(int(c) < 1 for c in contexts):
+    return f'--contexts={",".join(contexts)}: every context must be >= 1'
+  if copy_mib < 1:
+    return f'--copy_mib={copy_mib} must be >= 1'
+  if dtype is not None and dtype not in ('bfloat16', 'float16', 'float32'):
+    return f"--dtype={dtype!r} is not one of 'bfloat16', 'float16', 'float32'"
+  try:
+    ops.IMPLS['pallas'].parse_settings(tiles)
+  except ValueError as e:
+    return f'--tiles={tiles!r}: {e}'
+  return None
 
 
 def rows(
@@ -129,20 +137,24 @@ def rows(
 def main(argv):
   del argv
   import jax
-  from absl import flags
+  from absl import app, flags
+
+  from experiments.bench import timing
 
   FLAGS = flags.FLAGS
+  if message := flag_error(FLAGS.contexts, FLAGS.rope_dims, FLAGS.tiles, FLAGS.dtype, FLAGS.copy_mib):
+    raise app.UsageError(message)
   device = jax.devices()[0]
   print(
     f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; backend {jax.default_backend()}; '
     f'device {device.device_kind}; host {platform.node()}'
   )
   print(f'command: python -m experiments.bench.bench_mla_decode {" ".join(sys.argv[1:])}')
-  copy_gbs = copy_gb_per_s(FLAGS.copy_mib, FLAGS.repeats, FLAGS.warmup)
+  copy_gbs = timing.copy_bytes_per_s(FLAGS.copy_mib * 2**20) / 1e9
   print(
     f'batch {FLAGS.batch}, {FLAGS.heads} heads, rank {FLAGS.rank}; settings {FLAGS.tiles or "defaults"}; mean of '
     f'{FLAGS.repeats} queued calls after {FLAGS.warmup}; copy bandwidth {copy_gbs:.0f} GB/s '
-    f'(x + 1 over {FLAGS.copy_mib} MiB)\n'
+    f'(a donated x + 1 over {FLAGS.copy_mib} MiB)\n'
   )
   print(
     '| dr | context | impl | ms per call | GB/s read | of copy bandwidth | rel. RMSE vs xla (float32) | '

@@ -78,3 +78,16 @@ def loop_ms(step: Callable[[Any], Any], carry: Any, *, steps: int, warmup: int =
     carry = step(carry)
   _block(carry)
   return (time.perf_counter() - start) / steps * 1e3, carry
+
+
+def copy_bytes_per_s(nbytes: int, steps: int = 10) -> float:
+  """The device's copy bandwidth, bytes per second: a jitted x + 1 over a float32 buffer of about
+  `nbytes`, donated (updated in place, as a decode step updates its cache), read and written once
+  per call; the mean of `steps` chained calls (loop_ms)."""
+  import jax
+  import jax.numpy as jnp
+
+  n = max(1, nbytes // 4)
+  add_one = jax.jit(lambda x: x + 1, donate_argnums=0)
+  ms, _ = loop_ms(add_one, jnp.zeros((n,), jnp.float32), steps=steps)
+  return 2 * 4 * n / (ms / 1e3)

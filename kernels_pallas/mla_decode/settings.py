@@ -1,8 +1,7 @@
 """Triton settings of the MLA decode kernel (decode.py). bench_mla_decode takes any of them as
 --tiles=key=int/key=int, the config as model.kernels.mla_decode; the op takes them as
-`mla_decode(..., impl='pallas', settings=MlaDecodeSettings(...))`. At the defaults the kernel reads
-the cache at 97% of an H200's copy bandwidth at 131072 positions, batch 16
-(experiments/results/bench_mla_decode.md); other values are untimed."""
+`mla_decode(..., impl='pallas', settings=MlaDecodeSettings(...))`. The defaults are the measured
+ones (experiments/results/bench_mla_decode.md); other values are untimed."""
 
 from __future__ import annotations
 

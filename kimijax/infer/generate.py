@@ -115,7 +115,7 @@ def _decode(static, params, prompt_bt, logits_bv, cache, rng, max_new_tokens, sa
 
 
 _STATIC = ('static', 'max_new_tokens', 'sampling')
-_prefill_jit = jax.jit(_prefill, static_argnames=_STATIC[:2])
+_prefill_jit = jax.jit(_prefill, static_argnames=('static', 'max_new_tokens'))
 _decode_jit = jax.jit(_decode, static_argnames=_STATIC, donate_argnames='cache')  # the cache updated in place
 
 
@@ -174,13 +174,13 @@ def timed_generate(model: nn.Module, params, prompt_bt, *, max_new_tokens: int, 
   batch x decode_steps / decode_s, compare with one decode step's (experiments/bench/bench_decode.py)."""
   prompt_bt = _checked_prompt(prompt_bt, max_new_tokens)
   static, rng, sampling = _Static(model), jax.random.key(seed), Sampling(**sampling)
-  first = _prefill_jit.lower(static, params, prompt_bt, max_new_tokens).compile()
+  prefill_compiled = _prefill_jit.lower(static, params, prompt_bt, max_new_tokens).compile()
   start = time.perf_counter()
-  logits, cache = jax.block_until_ready(first(params, prompt_bt))
+  logits, cache = jax.block_until_ready(prefill_compiled(params, prompt_bt))
   prefill_s = time.perf_counter() - start
-  loop = _decode_jit.lower(static, params, prompt_bt, logits, cache, rng, max_new_tokens, sampling).compile()
+  decode_compiled = _decode_jit.lower(static, params, prompt_bt, logits, cache, rng, max_new_tokens, sampling).compile()
   start = time.perf_counter()
-  tokens, _, steps = jax.block_until_ready(loop(params, prompt_bt, logits, cache, rng))
+  tokens, _, steps = jax.block_until_ready(decode_compiled(params, prompt_bt, logits, cache, rng))
   decode_s = time.perf_counter() - start
   return np.asarray(jax.device_get(tokens), np.int32), Timing(prefill_s, decode_s, int(steps))
 

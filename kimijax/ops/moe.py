@@ -50,9 +50,9 @@ IMPLS, the grouped matmul (ragged dot) by name:
                only; bf16 or f16 operands (its backward does not take float32); D and F multiples
                of 64 (the kernels' 128-byte contraction tile). On an H200 (tokamax 0.0.17) its
                forward and input gradient are as close to float64 as lax.ragged_dot's, but its
-               weight gradients are 3-5% off (relative RMSE, against ~5e-3 for 'xla' and
-               'xla_blocked'; experiments/tools/moe_accuracy.py, experiments/results/moe.md), so
-               no config selects it.
+               weight gradients are several times further off than the bf16 rounding that 'xla'
+               and 'xla_blocked' show (experiments/tools/moe_accuracy.py; figures in
+               experiments/results/moe.md), so no config selects it.
 """
 
 from __future__ import annotations

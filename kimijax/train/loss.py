@@ -4,6 +4,8 @@ and again in the backward, which recomputes it (docs/training.md#chunked-loss)."
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,13 +24,14 @@ def chunked_token_nll(x_btd, head_dv, targets_bt, chunk: int, *, accuracy: bool 
   jax.checkpoint inside a scan, so the backward recomputes them instead of keeping them; the
   head's gradient is summed over chunks in float32.
 
-  The B * T tokens are padded to a multiple of `chunk` (a chunk larger than B * T is B * T) and
-  taken strided: chunk j holds tokens j, j + n, j + 2n, ... of n chunks, so that a batch split over
-  devices splits each chunk the same way. Padded tokens are computed and dropped."""
+  The B * T tokens form n = ceil(B T / chunk) chunks of ceil(B T / n) <= chunk tokens each (fewer
+  than n padding tokens in all, at the end of the token order), taken strided: chunk j holds tokens
+  j, j + n, j + 2n, ..., so that a batch split over devices splits each chunk the same way. Padding
+  tokens are computed and dropped."""
   b, t, d = x_btd.shape
   tokens = b * t
-  chunk = min(chunk, tokens)
-  n = -(-tokens // chunk)
+  n = -(-tokens // min(chunk, tokens))
+  chunk = -(-tokens // n)
   pad = n * chunk - tokens
   dtype = x_btd.dtype
   x_nd = jnp.pad(x_btd.reshape(tokens, d), ((0, pad), (0, 0)))
@@ -37,7 +40,7 @@ def chunked_token_nll(x_btd, head_dv, targets_bt, chunk: int, *, accuracy: bool 
   x_kcd = x_nd.reshape(chunk, n, d).swapaxes(0, 1)
   targets_kc = targets_n.reshape(chunk, n).swapaxes(0, 1)
 
-  @jax.checkpoint
+  @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan, CSE cannot undo the remat
   def one_chunk(head_dv, x_cd, targets_c):
     logits_cv = jnp.einsum('cd,dv->cv', x_cd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
     logits_cv = cotangent_in(logits_cv, dtype)

@@ -25,3 +25,14 @@ def test_bytes_read_are_the_latents_and_k_rope_once():
   # bench_decode.md's all-MLA cache at 131072: 16 sequences x 512 latent dims in bf16 per layer
   assert bench_mla_decode.bytes_read(16, 131072, 512, 0, 2) == 16 * 131072 * 1024
   assert bench_mla_decode.bytes_read(2, 10, 64, 16, 4) == 2 * 10 * 80 * 4
+
+
+def test_bad_flags_are_named():
+  err = bench_mla_decode.flag_error
+  assert err(['4096'], ['64', '0'], '', None, 16) is None
+  assert err(['4k'], ['64'], '', None, 16) == "--contexts: ['4k'] are not whole numbers"
+  assert err(['4096'], ['x'], '', None, 16) == "--rope_dims: ['x'] are not whole numbers"
+  assert err(['0'], ['64'], '', None, 16) == '--contexts=0: every context must be >= 1'
+  assert err(['64'], ['64'], '', 'int8', 16).startswith("--dtype='int8' is not one of")
+  assert err(['64'], ['64'], '', None, 0) == '--copy_mib=0 must be >= 1'
+  assert err(['64'], ['64'], 'block_z=4', None, 16).startswith("--tiles='block_z=4': ")

@@ -45,7 +45,7 @@ def rel_err(got, want) -> float:
   return max(jax.tree.leaves(errs))
 
 
-@pytest.mark.parametrize('chunk', [4, 7, 100], ids=['divides', 'pads', 'larger_than_tokens'])
+@pytest.mark.parametrize('chunk', [4, 5, 7, 100], ids=['divides', 'pads', 'evens_out', 'larger_than_tokens'])
 def test_chunked_nll_and_hits_match_a_float64_log_softmax(chunk):
   rng = np.random.default_rng(1)
   x = rng.standard_normal((B, T, 16)).astype(np.float32)
