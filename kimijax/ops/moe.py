@@ -153,7 +153,10 @@ def route(
     eligible_tg = jnp.any(best_tg[:, :, None] == jnp.arange(n_group), axis=1)
     choice_te = jnp.where(eligible_tg[:, :, None], choice_tgs, -jnp.inf).reshape(t, e)
   _, experts_tk = jax.lax.top_k(choice_te, top_k)
-  weights_tk = jnp.take_along_axis(scores_te, experts_tk, axis=-1)
+  # The chosen scores as a select and a sum over E (exact: one term is nonzero), whose transpose is
+  # a broadcast, where take_along_axis's would scatter-add into [T, E].
+  chosen_tke = experts_tk[:, :, None] == jnp.arange(e, dtype=experts_tk.dtype)
+  weights_tk = jnp.sum(jnp.where(chosen_tke, scores_te[:, None, :], 0.0), axis=-1)
   if renormalize:
     weights_tk = weights_tk / (jnp.sum(weights_tk, axis=-1, keepdims=True) + RENORM_EPS)
   return Routing(weights_tk * scaling_factor, experts_tk.astype(jnp.int32), scores_te)
