@@ -39,12 +39,20 @@ IMPLS, the grouped matmul (ragged dot) by name:
                b = the power of two nearest M / (4 G), at least 8. On XLA:CPU 5-9x faster than
                lax.ragged_dot at the CPU configs' shapes, as fast as a dense SwiGLU of the same
                active width (experiments/results/moe.md). The GPU configs' choice too (below).
-               Its backward (a custom VJP) is gathers and matmuls only: the output's cotangent
-               gathered into the padded slots (zero in padding), the blocks' input gradient
-               gathered back to the rows, and each block's weight gradient x_b^T g_b (float32)
-               summed over its group's blocks by a one-hot [G, blocks] matmul. Autodiff of the
-               forward's gathers would scatter-add instead, into [M, K], the padded rows and
-               [G, K, N] (atomics on the GPU)
+               `routed_experts` runs the whole expert SwiGLU in the padded layout
+               (`_blocked_routed`): forward, one gather of the tokens straight into the experts'
+               padded slots (slot p holds token order_m[src_p] // K, zero in padding), gate|up
+               [blocks, b, D] x [blocks, D, 2F], silu * up, down [blocks, b, F] x [blocks, F, D],
+               one gather of the slots straight into the (token, k) rows of the float32 weighted
+               sum (rows of other shards' experts read zero), and the two per-block weight
+               gathers; backward (custom VJPs), the same four gathers the other way: the
+               output's cotangent into the slots, each block's input gradient and its float32
+               weight gradient x_b^T g_b (summed over its expert's blocks by a one-hot
+               [E, blocks] matmul), the weights again per block, and each token's K slots'
+               cotangents summed in float32. Autodiff of the gathers would scatter-add instead,
+               into [T, D], [E, D, 2F] and [E, F, D] (atomics on the GPU). As a plain grouped
+               matmul (`expert_swiglu`, the ragged_dot contract) it gathers the sorted rows into
+               the blocks and back around the batched matmul, with the same backward
     'tokamax'  tokamax.ragged_dot(implementation='mosaic'): Mosaic GPU kernels for the forward and
                both gradients (the weight gradient by its ragged-contraction kernel); NVIDIA GPU
                only; bf16 or f16 operands (its backward does not take float32); D and F multiples
@@ -557,7 +565,8 @@ def routed_experts(
       int32: the routing (`route`).
     w_gate_edf, w_up_edf: [E, D, F]; w_down_efd: [E, F, D], the stacked expert weights (cast to
       x's dtype).
-    impl: a key of IMPLS ('xla' | 'tokamax').
+    impl: a key of IMPLS ('xla' | 'xla_blocked' | 'tokamax'); 'xla_blocked' runs the experts
+      in its padded layout (`_blocked_routed`) rather than through permute / expert_swiglu / combine.
     token_axes: under a mesh, the mesh axes the token axis of x is split over, major first (the
       layer passes those of its batch; None: see shard_layout).
 
