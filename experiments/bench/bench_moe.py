@@ -20,7 +20,11 @@ the ratio MoE / dense of the forward+backward times (the issue's bar: <= 1.5, go
 Table 2, the parts of the routed path (kimijax.ops.moe) at the same shapes: 'route' (router
 logits and top-k), 'sort' (sort_by_expert), 'permute' (the gather of the T K rows),
 'grouped swiglu' (expert_swiglu: the two grouped matmuls), 'combine' (inverse permutation and
-weighted sum, float32), forward and forward+backward where there is a gradient. An impl that
+weighted sum, float32), forward and forward+backward where there is a gradient. 'xla_blocked'
+runs permute, grouped swiglu and combine as one padded-layout function in the layer (the rows
+never in sorted order; kimijax/ops/moe.py): its row 'padded swiglu' times that, from the tokens to
+the weighted sum, so that route + sort + padded swiglu are its routed path; its 'grouped swiglu'
+row times it as a plain grouped matmul (expert_swiglu). An impl that
 cannot run here, or a cell out of memory, is a cell saying so, not a crash. Prints Markdown.
 Results go to experiments/results/moe.md.
 """
@@ -222,6 +226,18 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
         _timed(jax.jit(swiglu), (x_md, *w), tflop, repeats, warmup)[0],
         _timed(swiglu_grad, (x_md, *w), 3 * tflop, repeats, warmup)[0],
       ]
+      if impl == 'xla_blocked':
+        padded = lambda x, r, *ws: moe_ops._blocked_routed(x, r, dispatch, *ws)
+        g_td = jax.random.normal(keys[7], (tokens, d_model), jnp.float32)
+        padded_grad = jax.jit(jax.grad(lambda *a: jnp.sum(padded(*a) * g_td), argnums=(0, 1, 2, 3, 4)))
+        args = (x_td, routing.weights_tk, *w)
+        yield [
+          label,
+          'padded swiglu',
+          impl,
+          _timed(jax.jit(padded), args, tflop, repeats, warmup)[0],
+          _timed(padded_grad, args, 3 * tflop, repeats, warmup)[0],
+        ]
 
     weights = routing.weights_tk
     g_td = jax.random.normal(keys[7], (tokens, d_model), jnp.float32)

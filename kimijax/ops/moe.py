@@ -39,12 +39,20 @@ IMPLS, the grouped matmul (ragged dot) by name:
                b = the power of two nearest M / (4 G), at least 8. On XLA:CPU 5-9x faster than
                lax.ragged_dot at the CPU configs' shapes, as fast as a dense SwiGLU of the same
                active width (experiments/results/moe.md). The GPU configs' choice too (below).
-               Its backward (a custom VJP) is gathers and matmuls only: the output's cotangent
-               gathered into the padded slots (zero in padding), the blocks' input gradient
-               gathered back to the rows, and each block's weight gradient x_b^T g_b (float32)
-               summed over its group's blocks by a one-hot [G, blocks] matmul. Autodiff of the
-               forward's gathers would scatter-add instead, into [M, K], the padded rows and
-               [G, K, N] (atomics on the GPU)
+               `routed_experts` runs the whole expert SwiGLU in the padded layout
+               (`_blocked_routed`): forward, one gather of the tokens straight into the experts'
+               padded slots (slot p holds token order_m[src_p] // K, zero in padding), gate|up
+               [blocks, b, D] x [blocks, D, 2F], silu * up, down [blocks, b, F] x [blocks, F, D],
+               one gather of the slots straight into the (token, k) rows of the float32 weighted
+               sum (rows of other shards' experts read zero), and the two per-block weight
+               gathers; backward (custom VJPs), the same four gathers the other way: the
+               output's cotangent into the slots, each block's input gradient and its float32
+               weight gradient x_b^T g_b (summed over its expert's blocks by a one-hot
+               [E, blocks] matmul), the weights again per block, and each token's K slots'
+               cotangents summed in float32. Autodiff of the gathers would scatter-add instead,
+               into [T, D], [E, D, 2F] and [E, F, D] (atomics on the GPU). As a plain grouped
+               matmul (`expert_swiglu`, the ragged_dot contract) it gathers the sorted rows into
+               the blocks and back around the batched matmul, with the same backward
     'tokamax'  tokamax.ragged_dot(implementation='mosaic'): Mosaic GPU kernels for the forward and
                both gradients (the weight gradient by its ragged-contraction kernel); NVIDIA GPU
                only; bf16 or f16 operands (its backward does not take float32); D and F multiples
@@ -153,7 +161,10 @@ def route(
     eligible_tg = jnp.any(best_tg[:, :, None] == jnp.arange(n_group), axis=1)
     choice_te = jnp.where(eligible_tg[:, :, None], choice_tgs, -jnp.inf).reshape(t, e)
   _, experts_tk = jax.lax.top_k(choice_te, top_k)
-  weights_tk = jnp.take_along_axis(scores_te, experts_tk, axis=-1)
+  # The chosen scores as a select and a sum over E (exact: one term is nonzero), whose transpose is
+  # a broadcast, where take_along_axis's would scatter-add into [T, E].
+  chosen_tke = experts_tk[:, :, None] == jnp.arange(e, dtype=experts_tk.dtype)
+  weights_tk = jnp.sum(jnp.where(chosen_tke, scores_te[:, None, :], 0.0), axis=-1)
   if renormalize:
     weights_tk = weights_tk / (jnp.sum(weights_tk, axis=-1, keepdims=True) + RENORM_EPS)
   return Routing(weights_tk * scaling_factor, experts_tk.astype(jnp.int32), scores_te)
@@ -314,46 +325,98 @@ def _rows(a, index):
   return a.at[index].get(mode='fill', fill_value=0)
 
 
-def _blocked_operands(lhs_mk, rhs_gkn, layout: _Blocks):
-  """The padded lhs [blocks, b, K] and each block's matrix [blocks, K, N] in lhs's dtype (gathers)."""
-  x_bbk = _rows(lhs_mk, layout.src_p).reshape(layout.blocks, layout.b, -1)
-  w_bkn = rhs_gkn.astype(lhs_mk.dtype)[jnp.minimum(layout.group_b, rhs_gkn.shape[0] - 1)]
-  return x_bbk, w_bkn
+@jax.custom_vjp
+def _take_rows(a, index_n, inverse_ak):
+  """a[index_n] along the first axis, zero where index_n is out of range; differentiable in `a`
+  with a gather for a transpose: inverse_ak [A, K] lists, for each row of a, the K positions that
+  read it (out of range: none), and index_n[inverse_ak[i, j]] = i wherever inverse_ak[i, j] is in
+  range. The cotangent of row i is the sum of those K positions' cotangents, in float32."""
+  return _rows(a, index_n)
 
 
-def _blocked_ragged_dot_fwd(lhs_mk, rhs_gkn, group_sizes_g):
-  layout = _blocked_layout(lhs_mk.shape[0], group_sizes_g)
-  x_bbk, w_bkn = _blocked_operands(lhs_mk, rhs_gkn, layout)
-  y_bbn = jnp.einsum('ibk,ikn->ibn', x_bbk, w_bkn, preferred_element_type=lhs_mk.dtype)
-  y_mn = _rows(y_bbn.reshape(layout.blocks * layout.b, -1), layout.dest_r)  # rows past the total: zero
-  return y_mn, (lhs_mk, rhs_gkn, layout)
+def _take_rows_fwd(a, index_n, inverse_ak):
+  return _rows(a, index_n), (index_n, inverse_ak)
 
 
-def _blocked_ragged_dot_bwd(res, g_mn):
-  lhs_mk, rhs_gkn, layout = res
-  g, k, n = rhs_gkn.shape
-  x_bbk, w_bkn = _blocked_operands(lhs_mk, rhs_gkn, layout)
-  # The padded cotangent: row r's at its slot, zero in padding slots; rows past the total are never read.
-  g_bbn = _rows(g_mn.astype(lhs_mk.dtype), layout.src_p).reshape(layout.blocks, layout.b, n)
-  dx_bbk = jnp.einsum('ibn,ikn->ibk', g_bbn, w_bkn, preferred_element_type=lhs_mk.dtype)
-  dlhs_mk = _rows(dx_bbk.reshape(layout.blocks * layout.b, k), layout.dest_r)  # rows past the total: zero
-  # Each block's weight gradient x_b^T g_b in float32, summed over the blocks of each group by a
-  # one-hot [G, blocks] matmul (blocks of no group, all padding and zero, match no row of it).
-  dw_bkn = jnp.einsum('ibk,ibn->ikn', x_bbk, g_bbn, preferred_element_type=jnp.float32)
-  one_hot_gb = (layout.group_b[None, :] == jnp.arange(g, dtype=jnp.int32)[:, None]).astype(jnp.float32)
-  # HIGHEST: the sum in float32, not TF32 on the GPU.
-  drhs = jnp.dot(one_hot_gb, dw_bkn.reshape(layout.blocks, k * n), precision=jax.lax.Precision.HIGHEST)
-  return dlhs_mk, drhs.reshape(g, k, n).astype(rhs_gkn.dtype), None
+def _take_rows_bwd(res, g_n):
+  index_n, inverse_ak = res
+  g_ak = _rows(g_n, inverse_ak)  # [A, K, ...]
+  g_a = g_ak[:, 0] if inverse_ak.shape[1] == 1 else jnp.sum(g_ak, axis=1, dtype=jnp.float32).astype(g_n.dtype)
+  return g_a, None, None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 @jax.custom_vjp
+def _blocked_matmul(x_ibk, w_gkn, group_i):
+  """[blocks, b, K] x their group's matrix [K, N] -> [blocks, b, N] in x's dtype: one batched
+  matmul against the matrices gathered per block (group_i [blocks]: G or more for blocks of no
+  group, which take the last group's matrix and must hold zero rows). The weights' gradient is
+  each block's x_b^T g_b in float32 summed over its group's blocks by a one-hot [G, blocks]
+  matmul, where autodiff of the per-block gather would scatter-add into [G, K, N]."""
+  return _blocked_matmul_fwd(x_ibk, w_gkn, group_i)[0]
+
+
+def _block_matrices(w_gkn, group_i, dtype):
+  return w_gkn.astype(dtype)[jnp.minimum(group_i, w_gkn.shape[0] - 1)]
+
+
+def _blocked_matmul_fwd(x_ibk, w_gkn, group_i):
+  y_ibn = jnp.einsum(
+    'ibk,ikn->ibn', x_ibk, _block_matrices(w_gkn, group_i, x_ibk.dtype), preferred_element_type=x_ibk.dtype
+  )
+  return y_ibn, (x_ibk, w_gkn, group_i)
+
+
+def _blocked_matmul_bwd(res, g_ibn):
+  x_ibk, w_gkn, group_i = res
+  g, k, n = w_gkn.shape
+  g_ibn = g_ibn.astype(x_ibk.dtype)
+  dx_ibk = jnp.einsum(
+    'ibn,ikn->ibk', g_ibn, _block_matrices(w_gkn, group_i, x_ibk.dtype), preferred_element_type=x_ibk.dtype
+  )
+  dw_ikn = jnp.einsum('ibk,ibn->ikn', x_ibk, g_ibn, preferred_element_type=jnp.float32)
+  one_hot_gi = (group_i[None, :] == jnp.arange(g, dtype=jnp.int32)[:, None]).astype(jnp.float32)
+  # HIGHEST: the sum in float32, not TF32 on the GPU.
+  dw = jnp.dot(one_hot_gi, dw_ikn.reshape(-1, k * n), precision=jax.lax.Precision.HIGHEST)
+  return dx_ibk, dw.reshape(g, k, n).astype(w_gkn.dtype), None
+
+
+_blocked_matmul.defvjp(_blocked_matmul_fwd, _blocked_matmul_bwd)
+
+
 def _blocked_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g):
-  """'xla_blocked' (module docstring): gathers into whole blocks, one batched matmul, a gather back;
-  the backward gathers and multiplies, with no scatter-add. Rows past the groups' total come out zero."""
-  return _blocked_ragged_dot_fwd(lhs_mk, rhs_gkn, group_sizes_g)[0]
+  """'xla_blocked' as a grouped matmul (module docstring): the rows gathered into whole blocks,
+  one batched matmul, a gather back; the backward gathers and multiplies, with no scatter-add.
+  Rows past the groups' total come out zero and their cotangent reaches nothing."""
+  m, k = lhs_mk.shape
+  layout = _blocked_layout(m, group_sizes_g)
+  x_ibk = _take_rows(lhs_mk, layout.src_p, layout.dest_r[:, None]).reshape(layout.blocks, layout.b, k)
+  y_ibn = _blocked_matmul(x_ibk, rhs_gkn, layout.group_b)
+  return _take_rows(y_ibn.reshape(layout.blocks * layout.b, -1), layout.dest_r, layout.src_p[:, None])
 
 
-_blocked_ragged_dot.defvjp(_blocked_ragged_dot_fwd, _blocked_ragged_dot_bwd)
+def _blocked_routed(x_td, weights_tk, dispatch: Dispatch, w_gate_edf, w_up_edf, w_down_efd):
+  """'xla_blocked''s routed experts in the padded layout (module docstring): the tokens gathered
+  straight into the experts' padded slots, gate|up, silu * up and down per block, and the output
+  gathered straight from the slots into the weighted sum over k (float32). Rows of other shards'
+  experts have no slot and count zero."""
+  t, k = weights_tk.shape
+  d, f = w_gate_edf.shape[1:]
+  layout = _blocked_layout(t * k, dispatch.group_sizes_e)
+  slots = layout.blocks * layout.b
+  # The (token, k) row in slot p, t * k in padding slots; the slot of row (t, k), `slots` (none)
+  # for rows of other shards' experts.
+  row_p = dispatch.order_m.at[layout.src_p].get(mode='fill', fill_value=t * k)
+  slot_tk = layout.dest_r[dispatch.inverse_m].reshape(t, k)
+  x_ibd = _take_rows(x_td, row_p // k, slot_tk).reshape(layout.blocks, layout.b, d)
+  w_in_ed2f = jnp.concatenate([w_gate_edf, w_up_edf], axis=-1)
+  gate_up_ib2f = _blocked_matmul(x_ibd, w_in_ed2f, layout.group_b)
+  h_ibf = jax.nn.silu(gate_up_ib2f[..., :f]) * gate_up_ib2f[..., f:]  # zero in padding slots
+  y_pd = _blocked_matmul(h_ibf, w_down_efd, layout.group_b).reshape(slots, d)
+  y_tkd = _take_rows(y_pd, slot_tk.reshape(-1), row_p[:, None]).reshape(t, k, d)
+  return jnp.sum(weights_tk.astype(jnp.float32)[:, :, None] * y_tkd.astype(jnp.float32), axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,6 +479,8 @@ def _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd
   """Dispatch, experts and combine on one device for its experts first_expert .. + E_local - 1."""
   top_k = experts_tk.shape[1]
   dispatch = sort_by_expert(experts_tk, w_gate_edf.shape[0], first_expert=first_expert)
+  if impl == 'xla_blocked':
+    return _blocked_routed(x_td, weights_tk, dispatch, w_gate_edf, w_up_edf, w_down_efd)
   x_md = permute(x_td, dispatch, top_k, all_local=all_local)
   y_md = expert_swiglu(x_md, dispatch.group_sizes_e, w_gate_edf, w_up_edf, w_down_efd, impl=impl)
   return combine(y_md, dispatch, weights_tk, all_local=all_local)
@@ -500,7 +565,8 @@ def routed_experts(
       int32: the routing (`route`).
     w_gate_edf, w_up_edf: [E, D, F]; w_down_efd: [E, F, D], the stacked expert weights (cast to
       x's dtype).
-    impl: a key of IMPLS ('xla' | 'tokamax').
+    impl: a key of IMPLS ('xla' | 'xla_blocked' | 'tokamax'); 'xla_blocked' runs the experts
+      in its padded layout (`_blocked_routed`) rather than through permute / expert_swiglu / combine.
     token_axes: under a mesh, the mesh axes the token axis of x is split over, major first (the
       layer passes those of its batch; None: see shard_layout).
 

@@ -63,8 +63,8 @@ def random_variables(layer, x, seed, std=0.3):
   return {'params': params, MOE_STATE: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[MOE_STATE])}
 
 
-def _setup(kw, seed=0, b=B, t=T):
-  layer = MoE(expert_hidden=F, **kw)
+def _setup(kw, seed=0, b=B, t=T, impl='xla'):
+  layer = MoE(expert_hidden=F, impl=impl, **kw)
   rng = np.random.default_rng(seed + 100)
   x = jnp.asarray(rng.standard_normal((b, t, D)), jnp.float32)
   params = random_variables(layer, x, seed)['params']
@@ -85,9 +85,10 @@ def assert_close(got, want, tol, what=''):
   assert err <= tol, f'{what}: relative max error {err:.3g} > {tol}'
 
 
+@pytest.mark.parametrize('impl', ['xla', 'xla_blocked'])
 @pytest.mark.parametrize('kw', CASES.values(), ids=CASES.keys())
-def test_layer_matches_float64_oracle(kw):
-  layer, params, moe_state, x, dy = _setup(kw)
+def test_layer_matches_float64_oracle(kw, impl):
+  layer, params, moe_state, x, dy = _setup(kw, impl=impl)
   (loss, (y, stats)), (g_params, g_x) = jax.jit(
     jax.value_and_grad(lambda p, x: _loss(layer, p, moe_state, x, dy), argnums=(0, 1), has_aux=True)
   )(params, x)
@@ -116,6 +117,18 @@ def test_layer_matches_float64_oracle(kw):
   assert set(flat_ref) == {p for p, _ in jax.tree_util.tree_leaves_with_path(g_params)} | {
     (jax.tree_util.DictKey('x'),)
   }
+
+
+def test_blocked_layer_gradient_scatters_nothing():
+  """With 'xla_blocked' the layer's gradient (router, routing, experts, shared experts) is gathers,
+  matmuls and elementwise work: its one scatter is sort_by_expert's inverse permutation in the
+  forward, a set of unique indices, and nothing scatter-adds (atomics on the GPU). The statistics
+  (mutable MOE_STATS) are left out: their loads are bincounts of the choices, with no gradient."""
+  layer, params, moe_state, x, dy = _setup(CASES['sigmoid_groups_shared'], impl='xla_blocked')
+  loss = lambda p, x: jnp.sum(layer.apply({'params': p, MOE_STATE: moe_state}, x) * dy)
+  text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).as_text()
+  scatters = [line for line in text.splitlines() if '"stablehlo.scatter"(' in line]
+  assert len(scatters) == 1 and 'unique_indices = true' in scatters[0], scatters
 
 
 def test_bias_chooses_but_does_not_weigh():
@@ -164,13 +177,14 @@ RULES = (
 MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
 
 
+@pytest.mark.parametrize('impl', ['xla', 'xla_blocked'])
 @pytest.mark.parametrize('shape', [(2, 1, 1, 4), (1, 2, 1, 4)], ids=['data2xexpert4', 'fsdp2xexpert4'])
-def test_sharded_layer_matches_one_device(shape):
+def test_sharded_layer_matches_one_device(shape, impl):
   assert len(jax.devices()) == 8, 'tests/conftest.py should give 8 fake CPU devices'
   kw = CASES['sigmoid_groups_shared']
   # 8 sequences of 4: the batch splits over all 8 devices (the shared SwiGLU constrains its
   # activations' batch to 'act_batch').
-  layer, params, moe_state, x, dy = _setup(kw, seed=1, b=8, t=4)
+  layer, params, moe_state, x, dy = _setup(kw, seed=1, b=8, t=4, impl=impl)
   step = jax.jit(jax.value_and_grad(lambda p, x: _loss(layer, p, moe_state, x, dy), argnums=(0, 1), has_aux=True))
   (ref_loss, (ref_y, ref_stats)), ref_g = step(params, x)
 

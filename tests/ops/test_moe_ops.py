@@ -362,13 +362,45 @@ def test_blocked_routed_experts_match_the_oracle():
   logits, x, dy = _normal(rng, t, e), _normal(rng, t, d), _normal(rng, t, d)
   r = moe.route(logits, None, top_k=k, scaling_factor=2.0)
   ws = _expert_weights(rng, e, d, f)
-  loss = lambda x, w, *ws: jnp.sum(moe.routed_experts(x, w, r.experts_tk, *ws, impl='xla_blocked') * dy)
-  y = jax.jit(lambda x, w, *ws: moe.routed_experts(x, w, r.experts_tk, *ws, impl='xla_blocked'))(x, r.weights_tk, *ws)
-  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, r.weights_tk, *ws)
+  fwd = lambda x, w, *ws: moe.routed_experts(x, w, r.experts_tk, *ws, impl='xla_blocked')
+  y = jax.jit(fwd)(x, r.weights_tk, *ws)
   ref = np_routed_experts(x, r.weights_tk, np.asarray(r.experts_tk), *ws, np.asarray(dy))
   assert rel_max(y, ref[0]) < 2e-6
-  for got, want, name in zip(grads, ref[1:], ('x', 'weights', 'w_gate', 'w_up', 'w_down')):
-    assert rel_max(got, want) < 2e-6, name
+  # Rematerialised too (the model's remat): the custom VJPs' residuals are recomputed.
+  for outer in (lambda fn: fn, jax.checkpoint):
+    loss = outer(lambda x, w, *ws: jnp.sum(fwd(x, w, *ws) * dy))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, r.weights_tk, *ws)
+    for got, want, name in zip(grads, ref[1:], ('x', 'weights', 'w_gate', 'w_up', 'w_down')):
+      assert rel_max(got, want) < 2e-6, name
+
+
+def _gathers(text):
+  """The result types of the gathers in a lowering's text."""
+  return [line.rsplit('-> ', 1)[-1].strip() for line in text.splitlines() if '"stablehlo.gather"(' in line]
+
+
+def test_blocked_routed_experts_gather_in_the_padded_layout():
+  """'xla_blocked' runs the experts' SwiGLU in the padded layout: the forward gathers the
+  activations twice (the tokens into the slots, the slots into the (token, k) rows of the
+  weighted sum) and the weights once per block per matmul; the backward gathers the same four
+  ways back and scatters nothing (the one scatter is sort_by_expert's inverse permutation in the
+  forward, a set of unique indices)."""
+  rng = np.random.default_rng(6)
+  t, d, f, e, k = 64, 16, 24, 8, 2  # M = 128 rows, blocks of b = 8: 16 + 8 blocks, 192 slots
+  x, logits = _normal(rng, t, d), _normal(rng, t, e)
+  r = moe.route(logits, None, top_k=k)
+  ws = _expert_weights(rng, e, d, f)
+  fwd = lambda x, w, *ws: moe.routed_experts(x, w, r.experts_tk, *ws, impl='xla_blocked')
+  grad = jax.grad(lambda *a: jnp.sum(fwd(*a)), argnums=(0, 1, 2, 3, 4))
+  fwd_text = jax.jit(fwd).lower(x, r.weights_tk, *ws).as_text()
+  grad_text = jax.jit(grad).lower(x, r.weights_tk, *ws).as_text()
+  floats = lambda text: sorted(s for s in _gathers(text) if 'f32' in s)
+  forward = ['tensor<128x16xf32>', 'tensor<192x16xf32>', 'tensor<24x16x48xf32>', 'tensor<24x24x16xf32>']
+  assert floats(fwd_text) == sorted(forward)
+  backward = ['tensor<64x2x16xf32>', 'tensor<192x1x16xf32>', 'tensor<24x16x48xf32>', 'tensor<24x24x16xf32>']
+  assert floats(grad_text) == sorted(forward + backward)
+  scatters = [line for line in grad_text.splitlines() if '"stablehlo.scatter"(' in line]
+  assert len(scatters) == 1 and 'unique_indices = true' in scatters[0] and '"stablehlo.scatter"(' in fwd_text
 
 
 # ----------------------------------------------------------------------------- expert parallelism
@@ -388,7 +420,8 @@ MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
   ],
   ids=['data2xexpert4_tokens_over_data', 'fsdp2xexpert4_uneven', 'data4xtensor2'],
 )
-def test_sharded_op_matches_one_device(shape, token_axes, t, layout):
+@pytest.mark.parametrize('impl', ['xla', 'xla_blocked'])
+def test_sharded_op_matches_one_device(shape, token_axes, t, layout, impl):
   """The layer test (tests/layers/test_moe_layer.py) covers tokens split over 'expert' (all-gather /
   reduce-scatter); these are the other layouts. Outputs and gradients of every input, float32."""
   rng = np.random.default_rng(5)
@@ -398,7 +431,8 @@ def test_sharded_op_matches_one_device(shape, token_axes, t, layout):
 
   def loss(x, logits, wg, wu, wd):
     r = moe.route(logits, None, top_k=k, scaling_factor=2.0)
-    return jnp.sum(moe.routed_experts(x, r.weights_tk, r.experts_tk, wg, wu, wd, token_axes=token_axes) * dy)
+    y = moe.routed_experts(x, r.weights_tk, r.experts_tk, wg, wu, wd, impl=impl, token_axes=token_axes)
+    return jnp.sum(y * dy)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
   ref = step(x, logits, *ws)

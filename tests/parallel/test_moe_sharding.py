@@ -18,8 +18,8 @@ _REFERENCE = {}
 
 def moe_config(shape=(1, 1, 1, 1)):
   """helpers' 'mha' config (2 layers, d 32) with an MoE second layer: 8 experts of hidden 16,
-  top-2, 1 shared, the balance loss on and a bias rate large enough to move choices in 3 steps,
-  on a (data, fsdp, tensor, expert) mesh."""
+  top-2, 1 shared, on 'xla_blocked', the balance loss on and a bias rate large enough to move
+  choices in 3 steps, on a (data, fsdp, tensor, expert) mesh."""
   c = sharding_config('mha').unlock()
   c.model.mlp_kind = 'moe'
   c.model.moe.update(
@@ -30,6 +30,7 @@ def moe_config(shape=(1, 1, 1, 1)):
     aux_loss_alpha=0.01,
     bias_rate=0.01,
     scaling_factor=2.0,
+    impl='xla_blocked',  # the GPU configs' grouped matmul ('xla' is covered by the op and layer tests)
   )
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor, c.mesh.expert = shape
   return config_lib.validate(c)
