@@ -423,8 +423,9 @@ def _blocked_routed(x_td, weights_tk, dispatch: Dispatch, w_gate_edf, w_up_edf, 
 class Implementation:
   """One grouped matmul. ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G] int32) -> [M, N] in
   lhs's dtype: rows of group g (consecutive, in order) times rhs[g]; rows past the groups' total
-  are unspecified (callers mask them, so their cotangent is zero). Differentiable in lhs and rhs. gpu_only: needs an NVIDIA GPU.
-  dims_multiple: D and F must be multiples of it (1: any). dtypes: the operand dtypes it takes."""
+  are unspecified (callers mask them, so their cotangent is zero). Differentiable in lhs and rhs.
+  gpu_only: needs an NVIDIA GPU. dims_multiple: D and F must be multiples of it (1: any). dtypes:
+  the operand dtypes it takes."""
 
   ragged_dot: Callable
   gpu_only: bool
