@@ -285,7 +285,8 @@ def test_mismatched_config_stops_before_training(reference, tmp_path):
 
 def test_generation_loads_a_gpu_run_on_the_cpu(reference, tmp_path):
   """run.py --mode=generate's loader on a run whose config.json says cuDNN attention, Pallas
-  AttnRes and remat, as a GPU run's would: on the CPU it switches to 'xla' and restores the
+  AttnRes and MLA decoding, tokamax's grouped matmul and remat, as a GPU run's would: on the CPU it
+  switches to the portable implementations and restores the
   checkpoint anyway (implementation keys need not match the checkpoint's config); the params are
   the saved arrays bit for bit and greedy generation gives what the run's own config gives."""
   from kimijax.infer.generate import generate, load_for_generation
@@ -293,11 +294,14 @@ def test_generation_loads_a_gpu_run_on_the_cpu(reference, tmp_path):
   workdir = tmp_path / 'w'
   shutil.copytree(reference, workdir)
   saved = json.loads((workdir / 'config.json').read_text())
-  saved['model'].update(attn_impl='cudnn', attnres_impl='pallas', remat=True)
+  saved['model'].update(attn_impl='cudnn', attnres_impl='pallas', mla_decode_impl='pallas', remat=True)
+  saved['model']['moe']['impl'] = 'tokamax'
   (workdir / 'config.json').write_text(json.dumps(saved))
 
   config, model, params = load_for_generation(workdir)
-  assert (config.model.attn_impl, config.model.attnres_impl, config.model.remat) == ('xla', 'xla', True)
+  m = config.model
+  impls = (m.attn_impl, m.attnres_impl, m.mla_decode_impl, m.moe.impl)
+  assert impls == ('xla', 'xla', 'xla', 'xla_blocked') and m.remat
   on_disk = saved_arrays(workdir, 8)
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     np.testing.assert_array_equal(np.asarray(leaf), on_disk["['params']" + jax.tree_util.keystr(path)])
