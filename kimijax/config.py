@@ -246,8 +246,14 @@ SCHEMA = {
       'bias_centred': Key(False, "Moonlight's centred bias update (keeps the mean bias at 0)"),
       'impl': Key(
         'xla',
-        "the grouped matmul: 'xla' (lax.ragged_dot) or 'tokamax' (Mosaic GPU; D and expert hidden multiples of 64)",
+        "the grouped matmul: 'xla' (lax.ragged_dot), 'xla_blocked' (padded blocks, the CPU's and GPU configs' "
+        "choice) or 'tokamax' (Mosaic GPU; D and expert hidden multiples of 64)",
         allowed=MOE_IMPLS,
+      ),
+      'remat': Key(
+        False,
+        'recompute the routed experts in the backward from their inputs instead of keeping their top_k rows '
+        'per token (less memory for one more expert forward; model.remat recomputes whole layers)',
       ),
       'first_dense_layers': Key(1, 'first layers kept dense (as released; DeepSeek-V3: 3)', bounds=NON_NEGATIVE),
       'dense_hidden': Key(0, 'SwiGLU width of those dense layers; 0: model.mlp_dim', bounds=NON_NEGATIVE),

@@ -155,6 +155,7 @@ def make_mlp(cfg: ml_collections.ConfigDict, index: int, dtype) -> nn.Module:
     init_std=cfg.init_std,
     dtype=dtype,
     impl=moe.impl,
+    remat=moe.remat,
     name='mlp',
   )
 

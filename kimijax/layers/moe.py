@@ -29,6 +29,7 @@ stats)`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -59,7 +60,9 @@ class MoE(nn.Module, kw_only=True):
       their sum. scaling_factor: the routed scaling factor. n_group, topk_group: group-limited
       routing (1, 1: off). aux_loss_alpha: the sequence-wise balance loss weight (0: off).
     init_std: N(0, init_std) for every weight. dtype: the compute dtype. impl: the grouped
-      matmul, a key of kimijax.ops.moe.IMPLS.
+      matmul, a key of kimijax.ops.moe.IMPLS. remat: recompute the routed experts in the backward
+      from their inputs (the tokens and the routing) instead of keeping their top_k copies of each
+      token's rows (model.moe.remat).
   """
 
   num_experts: int
@@ -75,6 +78,7 @@ class MoE(nn.Module, kw_only=True):
   init_std: float = 0.02
   dtype: Any = jnp.float32
   impl: str = 'xla'
+  remat: bool = False
 
   @nn.compact
   def __call__(self, x_btd):
@@ -112,16 +116,10 @@ class MoE(nn.Module, kw_only=True):
       renormalize=self.renormalize,
       scaling_factor=self.scaling_factor,
     )
-    y_td = moe_ops.routed_experts(
-      x_td.astype(self.dtype),
-      routing.weights_tk,
-      routing.experts_tk,
-      w_gate_edf,
-      w_up_edf,
-      w_down_efd,
-      impl=self.impl,
-      token_axes=_token_axes(),
-    )
+    routed = functools.partial(moe_ops.routed_experts, impl=self.impl, token_axes=_token_axes())
+    if self.remat:  # keeps only the arguments: no [T * K, .] rows between the forward and the backward
+      routed = jax.checkpoint(routed, prevent_cse=True)
+    y_td = routed(x_td.astype(self.dtype), routing.weights_tk, routing.experts_tk, w_gate_edf, w_up_edf, w_down_efd)
     y_btd = y_td.reshape(b, t, d)
     if self.num_shared:
       shared = SwiGLU(hidden=f * self.num_shared, init_std=self.init_std, dtype=self.dtype, name='shared')

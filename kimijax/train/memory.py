@@ -14,7 +14,9 @@ The estimate is a sum of the arrays a step keeps alive at its peak, per device:
                  each sublayer's input h and its normed input          2 (r + c) D
                  SwiGLU: gate, up and their product                    3 c F
                    (MoE: each of the top_k + num_shared experts'        3 c F_e (k + s) + c k D
-                   and the top_k routed copies of the input)
+                   and the top_k routed copies of the input;
+                   with model.moe.remat the shared experts' and        3 c F_e s + c D
+                   the routed experts' input)
                  attention: q, k, v and the output                     c (2 H Dh + 2 Hkv Dh)
                    with model.attn_impl='xla' also the logits and      8 H T (float32, all T keys)
                    the probabilities
@@ -81,8 +83,11 @@ def _mlp_bytes(model: ml_collections.ConfigDict, c: int) -> int:
   model (counted for every layer) those of the top_k + num_shared experts and the routed inputs."""
   if model.mlp_kind != 'moe':
     return 3 * c * model.mlp_dim
+  hidden = config_lib.moe_hidden(model)[0]
+  if model.moe.remat:  # the routed experts keep only their input; the shared experts as a SwiGLU
+    return c * (3 * hidden * model.moe.num_shared + model.d_model)
   experts = model.moe.top_k + model.moe.num_shared
-  return c * (3 * config_lib.moe_hidden(model)[0] * experts + model.moe.top_k * model.d_model)
+  return c * (3 * hidden * experts + model.moe.top_k * model.d_model)
 
 
 def layer_activation_bytes(model: ml_collections.ConfigDict, kind: str, seq_len: int) -> int:

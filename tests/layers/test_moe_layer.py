@@ -63,8 +63,8 @@ def random_variables(layer, x, seed, std=0.3):
   return {'params': params, MOE_STATE: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[MOE_STATE])}
 
 
-def _setup(kw, seed=0, b=B, t=T, impl='xla'):
-  layer = MoE(expert_hidden=F, impl=impl, **kw)
+def _setup(kw, seed=0, b=B, t=T, impl='xla', remat=False):
+  layer = MoE(expert_hidden=F, impl=impl, remat=remat, **kw)
   rng = np.random.default_rng(seed + 100)
   x = jnp.asarray(rng.standard_normal((b, t, D)), jnp.float32)
   params = random_variables(layer, x, seed)['params']
@@ -117,6 +117,31 @@ def test_layer_matches_float64_oracle(kw, impl):
   assert set(flat_ref) == {p for p, _ in jax.tree_util.tree_leaves_with_path(g_params)} | {
     (jax.tree_util.DictKey('x'),)
   }
+
+
+def test_remat_experts_keep_only_their_inputs_and_match_the_oracle():
+  """remat=True (model.moe.remat): the output and every gradient as the float64 oracle's, and
+  what the backward keeps of the layer holds no array of the T * K routed rows."""
+  kw = CASES['sigmoid_groups_shared']
+  layer, params, moe_state, x, dy = _setup(kw, impl='xla_blocked', remat=True)
+  loss = lambda p, x: _loss(layer, p, moe_state, x, dy)
+  (_, (y, _)), (g_params, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+  ref_y, _, _, ref_g = np_moe_layer(
+    np.asarray(x), jax.tree.map(np.asarray, params), np.asarray(moe_state['bias']), _oracle_cfg(kw), np.asarray(dy)
+  )
+  assert_close(y, ref_y, 2e-6, 'y')
+  flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_g))
+  for path, g in jax.tree_util.tree_leaves_with_path(g_params):
+    assert_close(g, flat_ref[path], 1e-5, jax.tree_util.keystr(path))
+  assert_close(g_x, ref_g['x'], 1e-5, 'x')
+
+  rows = B * T * kw['top_k']
+  for remat, holds_rows in ((False, True), (True, False)):
+    layer = MoE(expert_hidden=F, impl='xla_blocked', remat=remat, **kw)
+    # the residuals the backward reads: the leaves of the vjp function
+    _, backward = jax.vjp(lambda p, x, layer=layer: _loss(layer, p, moe_state, x, dy)[0], params, x)
+    shapes = [leaf.shape for leaf in jax.tree.leaves(backward)]
+    assert any(rows in shape for shape in shapes) == holds_rows, (remat, shapes)
 
 
 def test_blocked_layer_gradient_scatters_nothing():
