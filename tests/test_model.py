@@ -221,6 +221,7 @@ def test_kernel_settings_from_the_config_reach_the_layers_and_bad_ones_name_the_
   config key, before anything is built."""
   from kernels_pallas.attnres.settings import MergeNormSettings, Phase1Settings
   from kernels_pallas.kda.settings import KdaSettings
+  from kernels_pallas.mla_decode.settings import MlaDecodeSettings
   from kernels_pallas.short_conv.settings import ShortConvSettings
   from kimijax.layers import residual as residual_lib
   from kimijax.model import make_mixer
@@ -236,6 +237,7 @@ def test_kernel_settings_from_the_config_reach_the_layers_and_bad_ones_name_the_
     'short_conv': ShortConvSettings(),
     'attnres_phase1': Phase1Settings(bt=32),
     'attnres_merge_norm': MergeNormSettings(),
+    'mla_decode': MlaDecodeSettings(),
   }
   mixer = make_mixer(m, 'K', jnp.float32, kernels=kernels)
   assert mixer.settings == KdaSettings(warps_diag=4, flat_branch=0) and mixer.short_conv_settings == ShortConvSettings()

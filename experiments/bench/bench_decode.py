@@ -37,16 +37,21 @@ import functools
 
 from absl import app, flags
 
-from kimijax.config import define_config_flag
-
-define_config_flag('config', 'configs/kimi_linear_small.py', 'model config, FILE[:VARIANT[,VARIANT]].')
-flags.DEFINE_list('contexts', ['4096', '32768', '131072'], 'context lengths (each at least --steps + 2)')
-flags.DEFINE_integer('batch', 1, 'sequences decoded together')
-flags.DEFINE_integer('steps', 50, 'timed decode steps, one by one, and the decode steps of one loop call')
-flags.DEFINE_string('hybrid_pattern', None, "layer pattern of the hybrid (default: the config's)")
-flags.DEFINE_string('baseline_pattern', 'A', 'layer pattern of the baseline')
-flags.DEFINE_float('copy_gib', 2.0, 'GiB of the buffer whose copy measures the memory bandwidth')
 FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """The command line (defined only when run as a script, so that tests can import the module)."""
+  from kimijax.config import define_config_flag
+
+  define_config_flag('config', 'configs/kimi_linear_small.py', 'model config, FILE[:VARIANT[,VARIANT]].')
+  flags.DEFINE_list('contexts', ['4096', '32768', '131072'], 'context lengths (each at least --steps + 2)')
+  flags.DEFINE_integer('batch', 1, 'sequences decoded together')
+  flags.DEFINE_integer('steps', 50, 'timed decode steps, one by one, and the decode steps of one loop call')
+  flags.DEFINE_string('hybrid_pattern', None, "layer pattern of the hybrid (default: the config's)")
+  flags.DEFINE_string('baseline_pattern', 'A', 'layer pattern of the baseline')
+  flags.DEFINE_float('copy_gib', 2.0, 'GiB of the buffer whose copy measures the memory bandwidth')
+
 
 LOOP_CALLS = 3  # timed loop calls (after one that compiles)
 HEADER = (
@@ -210,4 +215,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

@@ -22,11 +22,15 @@ from __future__ import annotations
 import numpy as np
 from absl import app, flags
 
-flags.DEFINE_list('shapes', ['512x256x128x16x4', '8192x1024x512x64x8'], "'TxDxFxExK' shapes")
-flags.DEFINE_list('impls', ['xla', 'xla_blocked', 'tokamax'], 'keys of kimijax.ops.moe.IMPLS')
-flags.DEFINE_string('dtype', 'bfloat16', 'the operands dtype')
-flags.DEFINE_integer('seed', 0, 'random seed')
 FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """The command line (defined only when run as a script, so that tests can import the module)."""
+  flags.DEFINE_list('shapes', ['512x256x128x16x4', '8192x1024x512x64x8'], "'TxDxFxExK' shapes")
+  flags.DEFINE_list('impls', ['xla', 'xla_blocked', 'tokamax'], 'keys of kimijax.ops.moe.IMPLS')
+  flags.DEFINE_string('dtype', 'bfloat16', 'the operands dtype')
+  flags.DEFINE_integer('seed', 0, 'random seed')
 
 
 def parse_shape(name: str) -> tuple[int, int, int, int, int]:
@@ -127,4 +131,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)
