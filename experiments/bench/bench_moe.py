@@ -226,8 +226,8 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
         _timed(jax.jit(swiglu), (x_md, *w), tflop, repeats, warmup)[0],
         _timed(swiglu_grad, (x_md, *w), 3 * tflop, repeats, warmup)[0],
       ]
-      if impl == 'xla_blocked':
-        padded = lambda x, r, *ws: moe_ops._blocked_routed(x, r, dispatch, *ws)
+      if (routed := moe_ops.IMPLS[impl].routed) is not None:
+        padded = lambda x, r, *ws, routed=routed: routed(x, r, dispatch, *ws)
         g_td = jax.random.normal(keys[7], (tokens, d_model), jnp.float32)
         padded_grad = jax.jit(jax.grad(lambda *a: jnp.sum(padded(*a) * g_td), argnums=(0, 1, 2, 3, 4)))
         args = (x_td, routing.weights_tk, *w)

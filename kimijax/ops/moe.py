@@ -254,8 +254,12 @@ def combine(y_md, dispatch: Dispatch, weights_tk, *, all_local: bool = True):
   if not all_local:
     y_md = jnp.where(_local_rows(dispatch)[:, None], y_md, 0)
   y_tkd = _ungather_rows(y_md, dispatch.order_m, dispatch.inverse_m).reshape(t, k, -1)
-  # A product and a sum over k (one fused reduction), not a dot: a [T] batch of [1, K] x [K, D]
-  # products would run as T tiny matrix multiplications.
+  return _weighted_sum(weights_tk, y_tkd)
+
+
+def _weighted_sum(weights_tk, y_tkd):
+  """[T, D] float32 = sum_k weights_tk[t, k] y_tkd[t, k]: a product and a sum over k (one fused
+  reduction), not a dot, which would run as T tiny [1, K] x [K, D] matrix multiplications."""
   return jnp.sum(weights_tk.astype(jnp.float32)[:, :, None] * y_tkd.astype(jnp.float32), axis=1)
 
 
@@ -416,7 +420,7 @@ def _blocked_routed(x_td, weights_tk, dispatch: Dispatch, w_gate_edf, w_up_edf, 
   h_ibf = jax.nn.silu(gate_up_ib2f[..., :f]) * gate_up_ib2f[..., f:]  # zero in padding slots
   y_pd = _blocked_matmul(h_ibf, w_down_efd, layout.group_b).reshape(slots, d)
   y_tkd = _take_rows(y_pd, slot_tk.reshape(-1), row_p[:, None]).reshape(t, k, d)
-  return jnp.sum(weights_tk.astype(jnp.float32)[:, :, None] * y_tkd.astype(jnp.float32), axis=1)
+  return _weighted_sum(weights_tk, y_tkd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,18 +429,21 @@ class Implementation:
   lhs's dtype: rows of group g (consecutive, in order) times rhs[g]; rows past the groups' total
   are unspecified (callers mask them, so their cotangent is zero). Differentiable in lhs and rhs.
   gpu_only: needs an NVIDIA GPU. dims_multiple: D and F must be multiples of it (1: any). dtypes:
-  the operand dtypes it takes."""
+  the operand dtypes it takes. routed: None, or the routed experts of one device in the
+  implementation's own layout, (x_td, weights_tk, dispatch, w_gate, w_up, w_down) -> y_td float32,
+  run instead of permute / expert_swiglu / combine."""
 
   ragged_dot: Callable
   gpu_only: bool
   dims_multiple: int = 1
   dtypes: tuple[str, ...] = ('bfloat16', 'float16', 'float32')
+  routed: Callable | None = None
 
 
 IMPLS = types.MappingProxyType(
   {
     'xla': Implementation(_xla_ragged_dot, gpu_only=False),
-    'xla_blocked': Implementation(_blocked_ragged_dot, gpu_only=False),
+    'xla_blocked': Implementation(_blocked_ragged_dot, gpu_only=False, routed=_blocked_routed),
     'tokamax': Implementation(_tokamax_ragged_dot, gpu_only=True, dims_multiple=64, dtypes=('bfloat16', 'float16')),
   }
 )
@@ -479,8 +486,8 @@ def _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd
   """Dispatch, experts and combine on one device for its experts first_expert .. + E_local - 1."""
   top_k = experts_tk.shape[1]
   dispatch = sort_by_expert(experts_tk, w_gate_edf.shape[0], first_expert=first_expert)
-  if impl == 'xla_blocked':
-    return _blocked_routed(x_td, weights_tk, dispatch, w_gate_edf, w_up_edf, w_down_efd)
+  if IMPLS[impl].routed is not None:
+    return IMPLS[impl].routed(x_td, weights_tk, dispatch, w_gate_edf, w_up_edf, w_down_efd)
   x_md = permute(x_td, dispatch, top_k, all_local=all_local)
   y_md = expert_swiglu(x_md, dispatch.group_sizes_e, w_gate_edf, w_up_edf, w_down_efd, impl=impl)
   return combine(y_md, dispatch, weights_tk, all_local=all_local)
@@ -565,8 +572,8 @@ def routed_experts(
       int32: the routing (`route`).
     w_gate_edf, w_up_edf: [E, D, F]; w_down_efd: [E, F, D], the stacked expert weights (cast to
       x's dtype).
-    impl: a key of IMPLS ('xla' | 'xla_blocked' | 'tokamax'); 'xla_blocked' runs the experts
-      in its padded layout (`_blocked_routed`) rather than through permute / expert_swiglu / combine.
+    impl: a key of IMPLS ('xla' | 'xla_blocked' | 'tokamax'); an implementation with its own
+      `routed` ('xla_blocked': the padded layout) runs it instead of permute / expert_swiglu / combine.
     token_axes: under a mesh, the mesh axes the token axis of x is split over, major first (the
       layer passes those of its batch; None: see shard_layout).
 
