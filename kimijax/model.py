@@ -72,6 +72,15 @@ def _cotangent_in_bwd(dtype, _, g):
 cotangent_in.defvjp(_cotangent_in_fwd, _cotangent_in_bwd)
 
 
+def head_logits(x_xd, head_dv, dtype, axes):
+  """Logits [..., V] float32 of final hidden states x [..., D] and the head [D, V]: the matmul in
+  `dtype` (the compute dtype) with a float32 result, its cotangent cast back to `dtype`
+  (cotangent_in), constrained to the logical axes `axes`. The model's head and the chunked loss
+  (kimijax/train/loss.py) both compute their logits here."""
+  logits = jnp.einsum('...d,dv->...v', x_xd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
+  return nn.with_logical_constraint(cotangent_in(logits, dtype), axes)
+
+
 def make_mixer(
   cfg: ml_collections.ConfigDict, kind: str, dtype, max_logits: bool = True, kernels: dict | None = None
 ) -> nn.Module:
@@ -277,10 +286,7 @@ class Transformer(nn.Module):
       aux['attnres'] = _collect_stats(cfg, stats, w_n, residual_lib.rms(h_btd))
     if self.return_hidden:
       return (x_btd, head_dv), aux
-    logits_btv = jnp.einsum('btd,dv->btv', x_btd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
-    logits_btv = cotangent_in(logits_btv, dtype)
-    logits_btv = nn.with_logical_constraint(logits_btv, ('act_batch', 'act_length', 'act_vocab'))
-    return logits_btv, aux
+    return head_logits(x_btd, head_dv, dtype, ('act_batch', 'act_length', 'act_vocab')), aux
 
 
 def _collect_stats(cfg, layer_stats, final_w_n, final_rms):

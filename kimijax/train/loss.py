@@ -6,11 +6,25 @@ from __future__ import annotations
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kimijax.model import cotangent_in
+from kimijax.model import head_logits
+
+
+def token_nll(logits_xv, targets_x):
+  """Per-token negative log-likelihood [...] in float32 of logits [..., V] and int targets [...]."""
+  logp = jax.nn.log_softmax(logits_xv.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, targets_x[..., None], axis=-1)[..., 0]
+
+
+def nll_and_hits(logits_xv, targets_x, accuracy: bool):
+  """token_nll, and with `accuracy` also the argmax hits [...] float32 (1 where the argmax logit is
+  the target): (nll, hits)."""
+  nll = token_nll(logits_xv, targets_x)
+  if not accuracy:
+    return nll
+  return nll, (jnp.argmax(logits_xv, axis=-1) == targets_x).astype(jnp.float32)
 
 
 def chunked_token_nll(x_btd, head_dv, targets_bt, chunk: int, *, accuracy: bool = False):
@@ -20,7 +34,7 @@ def chunked_token_nll(x_btd, head_dv, targets_bt, chunk: int, *, accuracy: bool 
 
   x_btd: the final normed hidden states in the compute dtype; head_dv [D, V] float32, cast to
   x_btd's dtype in each chunk. Each chunk's logits are computed as Transformer's head computes them
-  (compute-dtype matmul, float32 result, compute-dtype cotangent: kimijax.model.cotangent_in), under
+  (kimijax.model.head_logits: compute-dtype matmul, float32 result, compute-dtype cotangent), under
   jax.checkpoint inside a scan, so the backward recomputes them instead of keeping them; the
   head's gradient is summed over chunks in float32.
 
@@ -42,14 +56,7 @@ def chunked_token_nll(x_btd, head_dv, targets_bt, chunk: int, *, accuracy: bool 
 
   @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a scan, CSE cannot undo the remat
   def one_chunk(head_dv, x_cd, targets_c):
-    logits_cv = jnp.einsum('cd,dv->cv', x_cd, head_dv.astype(dtype), preferred_element_type=jnp.float32)
-    logits_cv = cotangent_in(logits_cv, dtype)
-    logits_cv = nn.with_logical_constraint(logits_cv, ('act_batch', 'act_vocab'))
-    logp_cv = jax.nn.log_softmax(logits_cv, axis=-1)
-    nll_c = -jnp.take_along_axis(logp_cv, targets_c[:, None], axis=-1)[:, 0]
-    if not accuracy:
-      return nll_c
-    return nll_c, (jnp.argmax(logits_cv, axis=-1) == targets_c).astype(jnp.float32)
+    return nll_and_hits(head_logits(x_cd, head_dv, dtype, ('act_batch', 'act_vocab')), targets_c, accuracy)
 
   _, out = jax.lax.scan(lambda carry, xs: (carry, one_chunk(head_dv, *xs)), None, (x_kcd, targets_kc))
   # [n, chunk] -> the tokens' order, padding dropped

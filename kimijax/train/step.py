@@ -18,14 +18,8 @@ from kimijax.model import Transformer, as_variables, document_inputs, inference_
 from kimijax.optim import make_optimizer, make_schedule
 from kimijax.optim.qk_clip import heads_clipped
 from kimijax.parallel import mesh as mesh_lib
-from kimijax.train.loss import chunked_token_nll
+from kimijax.train.loss import chunked_token_nll, nll_and_hits
 from kimijax.train.state import TrainState, init_state, state_shardings
-
-
-def token_nll(logits_btv, targets_bt):
-  """Per-token negative log-likelihood [B, T] in float32."""
-  logp = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
-  return -jnp.take_along_axis(logp, targets_bt[..., None], axis=-1)[..., 0]
 
 
 def _outputs_to_nll(model: nn.Module, loss_chunk: int, accuracy: bool = False):
@@ -41,13 +35,7 @@ def _outputs_to_nll(model: nn.Module, loss_chunk: int, accuracy: bool = False):
 
     return model.clone(return_hidden=True), chunked
 
-  def whole(logits_btv, targets_bt):
-    nll_bt = token_nll(logits_btv, targets_bt)
-    if not accuracy:
-      return nll_bt
-    return nll_bt, (jnp.argmax(logits_btv, axis=-1) == targets_bt).astype(jnp.float32)
-
-  return model, whole
+  return model, lambda logits_btv, targets_bt: nll_and_hits(logits_btv, targets_bt, accuracy)
 
 
 def make_loss_fn(model: nn.Module, loss_chunk: int = 0):
