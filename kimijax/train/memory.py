@@ -192,8 +192,7 @@ def _remedies(config: ml_collections.ConfigDict) -> list[dict]:
 def _changed(config: ml_collections.ConfigDict, changes: dict) -> ml_collections.ConfigDict:
   config = config.copy_and_resolve_references()
   for path, value in changes.items():
-    section, key = path.split('.')
-    config[section][key] = value
+    config_lib.override(config, path, value)
   return config
 
 

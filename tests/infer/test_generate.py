@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tiny_model_config
 
-from kimijax import config as config_lib
 from kimijax.infer import generate as gen
 from kimijax.infer.cache import init_cache
 from kimijax.infer.sampling import sample
@@ -20,22 +20,16 @@ SAMPLED = dict(temperature=1.2, top_k=6, top_p=0.95)
 
 
 def tiny(pattern, kind):
-  c = config_lib.base_config()
-  c.model.update(
-    d_model=32,
-    num_layers=2,
-    num_heads=4,
-    mlp_dim=48,
+  return tiny_model_config(
     layer_pattern=pattern,
     attention_kind=kind,
+    num_kv_heads=0,
     position='nope' if kind == 'mla' else 'rope',
-    compute_dtype='float32',
     init_std=0.2,
     mla_kv_lora_rank=16,
     kda_impl='xla_recurrent',  # compiles fastest; decoding uses kda_step whatever the impl
     vocab_size=8,  # few tokens: sampled rows repeat them, so stop tokens can be found
   )
-  return config_lib.validate(c).model
 
 
 MODELS = {'KA hybrid, MLA': tiny('KA', 'mla'), 'all-attention, MHA': tiny('A', 'mha')}
@@ -80,7 +74,7 @@ def host_loop(
 
 
 def stop_tokens(tokens):
-  """(a token that stops some rows but not all, one that stops every row before the last new token),
+  """(a token that stops some rows but not all, one that every row emits ahead of its last new token),
   from a generation without a stop token: a row's tokens up to its first stop token do not change."""
   new = tokens[:, PROMPT:-1]
   in_rows = {t: [t in row for row in new] for t in np.unique(new).tolist()}
