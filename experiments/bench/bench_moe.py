@@ -105,8 +105,18 @@ def _fwd_and_grad(apply, params, x):
   import jax.numpy as jnp
 
   dy = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
-  loss = lambda p, x: jnp.sum(apply(p, x).astype(jnp.float32) * dy)
-  return jax.jit(apply), jax.jit(jax.grad(loss, argnums=(0, 1)))
+  loss = lambda p, x, dy: jnp.sum(apply(p, x).astype(jnp.float32) * dy)
+  return jax.jit(apply), _bound(jax.grad(loss, argnums=(0, 1)), dy=dy)
+
+
+def _bound(fn, **arrays):
+  """jit(fn) with `arrays` passed as arguments on every call: a jitted closure over them would
+  embed them in the program as constants (gigabytes here, slow to compile)."""
+  import functools
+
+  import jax
+
+  return functools.partial(jax.jit(fn), **arrays)
 
 
 def _inputs(tokens, d_model, dtype):
@@ -193,17 +203,22 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
     yield [label, 'route', '-', _timed(route, (x_td, w_router), router_tflop, repeats, warmup)[0], '-']
     yield [label, 'sort', '-', _timed(sort, (routing.experts_tk,), None, repeats, warmup)[0], '-']
 
-    permute = lambda x: moe_ops.permute(x, dispatch, k)
+    permute = _bound(lambda x, dispatch: moe_ops.permute(x, dispatch, k), dispatch=dispatch)
     g_md = jax.random.normal(keys[2], (tokens * k, d_model), jnp.float32)
-    permute_grad = jax.jit(jax.grad(lambda x: jnp.sum(permute(x).astype(jnp.float32) * g_md)))
+    permute_grad = _bound(
+      jax.grad(lambda x, dispatch, g: jnp.sum(moe_ops.permute(x, dispatch, k).astype(jnp.float32) * g)),
+      dispatch=dispatch,
+      g=g_md,
+    )
     yield [
       label,
       'permute',
       '-',
-      _timed(jax.jit(permute), (x_td,), None, repeats, warmup)[0],
+      _timed(permute, (x_td,), None, repeats, warmup)[0],
       _timed(permute_grad, (x_td,), None, repeats, warmup)[0],
     ]
-    x_md = jax.jit(permute)(x_td)
+    x_md = permute(x_td)
+    del g_md, permute_grad
 
     w = [
       jax.random.normal(kk, shape, dtype) * 0.02
@@ -215,39 +230,43 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
         cell = _na_cell(problem)
         yield [label, 'grouped swiglu', impl, cell, cell]
         continue
-      swiglu = lambda x, wg, wu, wd, impl=impl: moe_ops.expert_swiglu(x, dispatch.group_sizes_e, wg, wu, wd, impl=impl)
+      swiglu = lambda x, wg, wu, wd, sizes, impl=impl: moe_ops.expert_swiglu(x, sizes, wg, wu, wd, impl=impl)
       g_out = jax.random.normal(keys[6], (tokens * k, d_model), jnp.float32)
-      swiglu_grad = jax.jit(jax.grad(lambda *a: jnp.sum(swiglu(*a).astype(jnp.float32) * g_out), argnums=(0, 1, 2, 3)))
+      swiglu_loss = lambda *a, sizes, g: jnp.sum(swiglu(*a, sizes).astype(jnp.float32) * g)
+      swiglu_grad = _bound(jax.grad(swiglu_loss, argnums=(0, 1, 2, 3)), sizes=dispatch.group_sizes_e, g=g_out)
       tflop = forward_tflop(tokens, d_model, f * k)
       yield [
         label,
         'grouped swiglu',
         impl,
-        _timed(jax.jit(swiglu), (x_md, *w), tflop, repeats, warmup)[0],
+        _timed(_bound(swiglu, sizes=dispatch.group_sizes_e), (x_md, *w), tflop, repeats, warmup)[0],
         _timed(swiglu_grad, (x_md, *w), 3 * tflop, repeats, warmup)[0],
       ]
+      del g_out, swiglu_grad
       if (routed := moe_ops.IMPLS[impl].routed) is not None:
-        padded = lambda x, r, *ws, routed=routed: routed(x, r, dispatch, *ws)
+        padded = lambda x, r, *ws, dispatch, routed=routed: routed(x, r, dispatch, *ws)
         g_td = jax.random.normal(keys[7], (tokens, d_model), jnp.float32)
-        padded_grad = jax.jit(jax.grad(lambda *a: jnp.sum(padded(*a) * g_td), argnums=(0, 1, 2, 3, 4)))
+        padded_loss = lambda *a, dispatch, g: jnp.sum(padded(*a, dispatch=dispatch) * g)
+        padded_grad = _bound(jax.grad(padded_loss, argnums=(0, 1, 2, 3, 4)), dispatch=dispatch, g=g_td)
         args = (x_td, routing.weights_tk, *w)
         yield [
           label,
           'padded swiglu',
           impl,
-          _timed(jax.jit(padded), args, tflop, repeats, warmup)[0],
+          _timed(_bound(padded, dispatch=dispatch), args, tflop, repeats, warmup)[0],
           _timed(padded_grad, args, 3 * tflop, repeats, warmup)[0],
         ]
 
     weights = routing.weights_tk
     g_td = jax.random.normal(keys[7], (tokens, d_model), jnp.float32)
-    combine = lambda y, w: moe_ops.combine(y, dispatch, w)
-    combine_grad = jax.jit(jax.grad(lambda y, w: jnp.sum(combine(y, w) * g_td), argnums=(0, 1)))
+    combine = lambda y, w, dispatch: moe_ops.combine(y, dispatch, w)
+    combine_loss = lambda y, w, dispatch, g: jnp.sum(combine(y, w, dispatch) * g)
+    combine_grad = _bound(jax.grad(combine_loss, argnums=(0, 1)), dispatch=dispatch, g=g_td)
     yield [
       label,
       'combine',
       '-',
-      _timed(jax.jit(combine), (x_md, weights), None, repeats, warmup)[0],
+      _timed(_bound(combine, dispatch=dispatch), (x_md, weights), None, repeats, warmup)[0],
       _timed(combine_grad, (x_md, weights), None, repeats, warmup)[0],
     ]
 

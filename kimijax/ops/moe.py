@@ -40,19 +40,21 @@ IMPLS, the grouped matmul (ragged dot) by name:
                lax.ragged_dot at the CPU configs' shapes, as fast as a dense SwiGLU of the same
                active width (experiments/results/moe.md). The GPU configs' choice too (below).
                `routed_experts` runs the whole expert SwiGLU in the padded layout
-               (`_blocked_routed`): forward, one gather of the tokens straight into the experts'
-               padded slots (slot p holds token order_m[src_p] // K, zero in padding), gate|up
-               [blocks, b, D] x [blocks, D, 2F], silu * up, down [blocks, b, F] x [blocks, F, D],
-               one gather of the slots straight into the (token, k) rows of the float32 weighted
-               sum (rows of other shards' experts read zero), and the two per-block weight
-               gathers; backward (custom VJPs), the same four gathers the other way: the
-               output's cotangent into the slots, each block's input gradient and its float32
-               weight gradient x_b^T g_b (summed over its expert's blocks by a one-hot
-               [E, blocks] matmul), the weights again per block, and each token's K slots'
-               cotangents summed in float32. Autodiff of the gathers would scatter-add instead,
-               into [T, D], [E, D, 2F] and [E, F, D] (atomics on the GPU). As a plain grouped
-               matmul (`expert_swiglu`, the ragged_dot contract) it gathers the sorted rows into
-               the blocks and back around the batched matmul, with the same backward
+               (`_blocked_routed`, one custom VJP): forward, one gather of the tokens straight
+               into the experts' padded slots (slot p holds token order_m[src_p] // K, zero in
+               padding), gate|up [blocks, b, D] x [blocks, D, 2F], silu * up, down [blocks, b, F]
+               x [blocks, F, D], one gather of the slots straight into the (token, k) rows of the
+               float32 weighted sum (rows of other shards' experts read zero), and the two
+               per-block weight gathers. It keeps only its inputs and gate|up for the backward
+               (no [slots, D] or [T, K, D] activation): the output's cotangent gathered into the
+               slots (unweighted), u = W_down g per slot, the mixing weights' gradient <u, h>
+               (= <g, y>), the weight gradients as each block's x_b^T g_b in float32 summed over
+               its expert's blocks by a one-hot [E, blocks] matmul, the tokens gathered again for
+               W_in's, and each token's K slots' input gradients summed in float32. Autodiff of
+               the gathers would scatter-add instead, into [T, D], [E, D, 2F] and [E, F, D]
+               (atomics on the GPU). As a plain grouped matmul (`expert_swiglu`, the ragged_dot
+               contract) it gathers the sorted rows into the blocks and back around the batched
+               matmul, with the same kind of backward
     'tokamax'  tokamax.ragged_dot(implementation='mosaic'): Mosaic GPU kernels for the forward and
                both gradients (the weight gradient by its ragged-contraction kernel); NVIDIA GPU
                only; bf16 or f16 operands (its backward does not take float32); D and F multiples
@@ -352,39 +354,51 @@ def _take_rows_bwd(res, g_n):
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-@jax.custom_vjp
-def _blocked_matmul(x_ibk, w_gkn, group_i):
-  """[blocks, b, K] x their group's matrix [K, N] -> [blocks, b, N] in x's dtype: one batched
-  matmul against the matrices gathered per block (group_i [blocks]: G or more for blocks of no
-  group, which take the last group's matrix and must hold zero rows). The weights' gradient is
-  each block's x_b^T g_b in float32 summed over its group's blocks by a one-hot [G, blocks]
-  matmul, where autodiff of the per-block gather would scatter-add into [G, K, N]."""
-  return _blocked_matmul_fwd(x_ibk, w_gkn, group_i)[0]
-
-
 def _block_matrices(w_gkn, group_i, dtype):
   return w_gkn.astype(dtype)[jnp.minimum(group_i, w_gkn.shape[0] - 1)]
 
 
-def _blocked_matmul_fwd(x_ibk, w_gkn, group_i):
-  y_ibn = jnp.einsum(
-    'ibk,ikn->ibn', x_ibk, _block_matrices(w_gkn, group_i, x_ibk.dtype), preferred_element_type=x_ibk.dtype
-  )
-  return y_ibn, (x_ibk, w_gkn, group_i)
+def _block_products(x_ibk, w_gkn, group_i, out_dtype=None):
+  """[blocks, b, K] x their group's matrix [K, N] -> [blocks, b, N] (in x's dtype by default): one
+  batched matmul against the matrices gathered per block (group_i [blocks]: G or more for blocks
+  of no group, which take the last group's matrix and must hold zero rows)."""
+  w_ikn = _block_matrices(w_gkn, group_i, x_ibk.dtype)
+  return jnp.einsum('ibk,ikn->ibn', x_ibk, w_ikn, preferred_element_type=out_dtype or x_ibk.dtype)
 
 
-def _blocked_matmul_bwd(res, g_ibn):
-  x_ibk, w_gkn, group_i = res
+def _block_products_t(g_ibn, w_gkn, group_i, out_dtype=None):
+  """[blocks, b, N] x their group's matrix transposed [N, K] -> [blocks, b, K]: the input gradient
+  of _block_products."""
+  w_ikn = _block_matrices(w_gkn, group_i, g_ibn.dtype)
+  return jnp.einsum('ibn,ikn->ibk', g_ibn, w_ikn, preferred_element_type=out_dtype or g_ibn.dtype)
+
+
+def _block_weight_grad(x_ibk, g_ibn, group_i, w_gkn):
+  """The weights' gradient of _block_products, [G, K, N] in w's dtype: each block's x_b^T g_b in
+  float32, summed over its group's blocks by a one-hot [G, blocks] matmul (autodiff of the
+  per-block gather would scatter-add into [G, K, N])."""
   g, k, n = w_gkn.shape
-  g_ibn = g_ibn.astype(x_ibk.dtype)
-  dx_ibk = jnp.einsum(
-    'ibn,ikn->ibk', g_ibn, _block_matrices(w_gkn, group_i, x_ibk.dtype), preferred_element_type=x_ibk.dtype
-  )
   dw_ikn = jnp.einsum('ibk,ibn->ikn', x_ibk, g_ibn, preferred_element_type=jnp.float32)
   one_hot_gi = (group_i[None, :] == jnp.arange(g, dtype=jnp.int32)[:, None]).astype(jnp.float32)
   # HIGHEST: the sum in float32, not TF32 on the GPU.
   dw = jnp.dot(one_hot_gi, dw_ikn.reshape(-1, k * n), precision=jax.lax.Precision.HIGHEST)
-  return dx_ibk, dw.reshape(g, k, n).astype(w_gkn.dtype), None
+  return dw.reshape(g, k, n).astype(w_gkn.dtype)
+
+
+@jax.custom_vjp
+def _blocked_matmul(x_ibk, w_gkn, group_i):
+  """_block_products, differentiable in x and w with matmuls only (no scatter-add)."""
+  return _block_products(x_ibk, w_gkn, group_i)
+
+
+def _blocked_matmul_fwd(x_ibk, w_gkn, group_i):
+  return _block_products(x_ibk, w_gkn, group_i), (x_ibk, w_gkn, group_i)
+
+
+def _blocked_matmul_bwd(res, g_ibn):
+  x_ibk, w_gkn, group_i = res
+  g_ibn = g_ibn.astype(x_ibk.dtype)
+  return _block_products_t(g_ibn, w_gkn, group_i), _block_weight_grad(x_ibk, g_ibn, group_i, w_gkn), None
 
 
 _blocked_matmul.defvjp(_blocked_matmul_fwd, _blocked_matmul_bwd)
@@ -402,25 +416,72 @@ def _blocked_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g):
 
 
 def _blocked_routed(x_td, weights_tk, dispatch: Dispatch, w_gate_edf, w_up_edf, w_down_efd):
-  """'xla_blocked''s routed experts in the padded layout (module docstring): the tokens gathered
-  straight into the experts' padded slots, gate|up, silu * up and down per block, and the output
-  gathered straight from the slots into the weighted sum over k (float32). Rows of other shards'
+  """'xla_blocked''s routed experts in the padded layout (module docstring). Rows of other shards'
   experts have no slot and count zero."""
   t, k = weights_tk.shape
-  d, f = w_gate_edf.shape[1:]
   layout = _blocked_layout(t * k, dispatch.group_sizes_e)
-  slots = layout.blocks * layout.b
-  # The (token, k) row in slot p, t * k in padding slots; the slot of row (t, k), `slots` (none)
+  # The (token, k) row in slot p, t * k in padding slots; the slot of row (t, k), blocks * b (none)
   # for rows of other shards' experts.
   row_p = dispatch.order_m.at[layout.src_p].get(mode='fill', fill_value=t * k)
   slot_tk = layout.dest_r[dispatch.inverse_m].reshape(t, k)
-  x_ibd = _take_rows(x_td, row_p // k, slot_tk).reshape(layout.blocks, layout.b, d)
   w_in_ed2f = jnp.concatenate([w_gate_edf, w_up_edf], axis=-1)
-  gate_up_ib2f = _blocked_matmul(x_ibd, w_in_ed2f, layout.group_b)
-  h_ibf = jax.nn.silu(gate_up_ib2f[..., :f]) * gate_up_ib2f[..., f:]  # zero in padding slots
-  y_pd = _blocked_matmul(h_ibf, w_down_efd, layout.group_b).reshape(slots, d)
-  y_tkd = _take_rows(y_pd, slot_tk.reshape(-1), row_p[:, None]).reshape(t, k, d)
-  return _weighted_sum(weights_tk, y_tkd)
+  return _padded_swiglu(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, layout.group_b)
+
+
+@jax.custom_vjp
+def _padded_swiglu(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b):
+  """sum_k weights_tk[t, k] W_down_e^T (silu(gate) * up), [gate | up] = W_in_e^T x_t for the expert
+  e of row (t, k), float32 [T, D], in the padded layout: row_p [slots] the (token, k) row of each
+  slot (T * K in padding), slot_tk [T, K] the slot of each row (out of range: none), group_b
+  [blocks] the expert of each block of slots / blocks rows."""
+  return _padded_swiglu_fwd(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b)[0]
+
+
+def _slots(a_td, row_p, top_k, blocks):
+  """The tokens' rows a_td [T, D] in the slots, [blocks, b, D], zero in padding slots."""
+  return _rows(a_td, row_p // top_k).reshape(blocks, -1, a_td.shape[-1])
+
+
+def _padded_swiglu_fwd(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b):
+  t, k = weights_tk.shape
+  x_ibd = _slots(x_td, row_p, k, group_b.shape[0])
+  gate_up_ib2f = _block_products(x_ibd, w_in_ed2f, group_b)
+  f = gate_up_ib2f.shape[-1] // 2
+  gate, up = gate_up_ib2f[..., :f].astype(jnp.float32), gate_up_ib2f[..., f:].astype(jnp.float32)
+  h_ibf = (jax.nn.silu(gate) * up).astype(x_td.dtype)  # zero in padding slots
+  y_pd = _block_products(h_ibf, w_down_efd, group_b).reshape(-1, x_td.shape[-1])
+  y_td = _weighted_sum(weights_tk, _rows(y_pd, slot_tk))
+  return y_td, (x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, gate_up_ib2f)
+
+
+def _padded_swiglu_bwd(res, g_td):
+  """Saved: the inputs and gate|up only (no [slots, D] or [T, K, D] array). With u = W_down_e g_t
+  for the row's expert and h = silu(gate) * up: d weights_tk = <u, h> (= <g_t, y_tk>), dh =
+  weights_tk u, d W_down_e = sum of (weights_tk h)^T g_t over its rows, then SwiGLU's and gate|up's
+  gradients; the tokens re-gathered into the slots for d W_in, each token's K slots summed in
+  float32 for dx."""
+  x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, gate_up_ib2f = res
+  t, k = weights_tk.shape
+  blocks, dtype = group_b.shape[0], x_td.dtype
+  g_ibd = _slots(g_td.astype(dtype), row_p, k, blocks)
+  w_ib1 = _rows(weights_tk.reshape(-1), row_p).reshape(blocks, -1, 1)  # zero in padding slots
+  u_ibf = _block_products_t(g_ibd, w_down_efd, group_b, out_dtype=jnp.float32)
+  f = gate_up_ib2f.shape[-1] // 2
+  gate, up = gate_up_ib2f[..., :f].astype(jnp.float32), gate_up_ib2f[..., f:].astype(jnp.float32)
+  sig = jax.nn.sigmoid(gate)
+  silu = gate * sig
+  h_ibf = silu * up
+  d_weights_tk = _rows(jnp.sum(u_ibf * h_ibf, axis=-1).reshape(-1), slot_tk)
+  dh_ibf = w_ib1 * u_ibf
+  d_gate_up_ib2f = jnp.concatenate([dh_ibf * up * sig * (1 + gate * (1 - sig)), dh_ibf * silu], axis=-1).astype(dtype)
+  d_w_down = _block_weight_grad((w_ib1 * h_ibf).astype(dtype), g_ibd, group_b, w_down_efd)
+  d_w_in = _block_weight_grad(_slots(x_td, row_p, k, blocks), d_gate_up_ib2f, group_b, w_in_ed2f)
+  dx_pd = _block_products_t(d_gate_up_ib2f, w_in_ed2f, group_b).reshape(-1, x_td.shape[-1])
+  dx_td = jnp.sum(_rows(dx_pd, slot_tk), axis=1, dtype=jnp.float32).astype(dtype)
+  return dx_td, d_weights_tk.astype(weights_tk.dtype), d_w_in, d_w_down, None, None, None
+
+
+_padded_swiglu.defvjp(_padded_swiglu_fwd, _padded_swiglu_bwd)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,10 +13,11 @@ The estimate is a sum of the arrays a step keeps alive at its peak, per device:
                r of model.residual_dtype, D = d_model, F = mlp_dim, H heads of Dh):
                  each sublayer's input h and its normed input          2 (r + c) D
                  SwiGLU: gate, up and their product                    3 c F
-                   (MoE: each of the top_k + num_shared experts'        3 c F_e (k + s) + c k D
-                   and the top_k routed copies of the input;
-                   with model.moe.remat the shared experts' and        3 c F_e s + c D
-                   the routed experts' input)
+                   (MoE: the num_shared experts' as a SwiGLU,          3 c F_e s
+                   plus the top_k routed rows' gate|up with             + 2 c F_e k
+                   model.moe.impl='xla_blocked', else their gate,       + 3 c F_e k + c k D
+                   up, product and input copies; with model.moe.remat  + c D
+                   only the routed experts' input)
                  attention: q, k, v and the output                     c (2 H Dh + 2 Hkv Dh)
                    with model.attn_impl='xla' also the logits and      8 H T (float32, all T keys)
                    the probabilities
@@ -84,10 +85,12 @@ def _mlp_bytes(model: ml_collections.ConfigDict, c: int) -> int:
   if model.mlp_kind != 'moe':
     return 3 * c * model.mlp_dim
   hidden = config_lib.moe_hidden(model)[0]
-  if model.moe.remat:  # the routed experts keep only their input; the shared experts as a SwiGLU
-    return c * (3 * hidden * model.moe.num_shared + model.d_model)
-  experts = model.moe.top_k + model.moe.num_shared
-  return c * (3 * hidden * experts + model.moe.top_k * model.d_model)
+  shared = 3 * hidden * model.moe.num_shared  # the shared experts as a SwiGLU
+  if model.moe.remat:  # the routed experts keep only their input
+    return c * (shared + model.d_model)
+  if model.moe.impl == 'xla_blocked':  # gate|up of the top_k rows in the padded slots (kimijax/ops/moe.py)
+    return c * (shared + 2 * hidden * model.moe.top_k)
+  return c * (shared + 3 * hidden * model.moe.top_k + model.moe.top_k * model.d_model)
 
 
 def layer_activation_bytes(model: ml_collections.ConfigDict, kind: str, seq_len: int) -> int:

@@ -13,6 +13,7 @@ from oracles_moe import np_moe_layer, np_route
 
 from kimijax.layers.mlp import SwiGLU
 from kimijax.layers.moe import MOE_STATE, MOE_STATS, MoE, moe_aux_loss, moe_metrics, update_moe_state
+from kimijax.ops import moe as moe_ops
 
 B, T, D, F = 2, 8, 16, 8
 
@@ -121,7 +122,8 @@ def test_layer_matches_float64_oracle(kw, impl):
 
 def test_remat_experts_keep_only_their_inputs_and_match_the_oracle():
   """remat=True (model.moe.remat): the output and every gradient as the float64 oracle's, and
-  what the backward keeps of the layer holds no array of the T * K routed rows."""
+  what the backward keeps of the layer holds no array of the routed rows (without remat: gate|up
+  in the padded slots only)."""
   kw = CASES['sigmoid_groups_shared']
   layer, params, moe_state, x, dy = _setup(kw, impl='xla_blocked', remat=True)
   loss = lambda p, x: _loss(layer, p, moe_state, x, dy)
@@ -135,13 +137,18 @@ def test_remat_experts_keep_only_their_inputs_and_match_the_oracle():
     assert_close(g, flat_ref[path], 1e-5, jax.tree_util.keystr(path))
   assert_close(g_x, ref_g['x'], 1e-5, 'x')
 
+  # The residuals the backward reads (the leaves of the vjp function): without remat the routed
+  # experts keep gate|up in the padded slots, [blocks, b, 2F] with blocks * b >= T * K, and no
+  # D-wide array of the rows; with remat nothing of the rows at all.
   rows = B * T * kw['top_k']
-  for remat, holds_rows in ((False, True), (True, False)):
+  b = moe_ops._block_rows(rows, kw['num_experts'])
+  slots_gate_up = (-(-rows // b) + kw['num_experts'], b, 2 * F)
+  for remat in (False, True):
     layer = MoE(expert_hidden=F, impl='xla_blocked', remat=remat, **kw)
-    # the residuals the backward reads: the leaves of the vjp function
     _, backward = jax.vjp(lambda p, x, layer=layer: _loss(layer, p, moe_state, x, dy)[0], params, x)
     shapes = [leaf.shape for leaf in jax.tree.leaves(backward)]
-    assert any(rows in shape for shape in shapes) == holds_rows, (remat, shapes)
+    assert shapes.count(slots_gate_up) == (0 if remat else 1), (remat, shapes)
+    assert (B * T, kw['top_k'], D) not in shapes and not any(rows in s for s in shapes), (remat, shapes)
 
 
 def test_blocked_layer_gradient_scatters_nothing():

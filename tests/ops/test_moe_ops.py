@@ -382,25 +382,31 @@ def _gathers(text):
 def test_blocked_routed_experts_gather_in_the_padded_layout():
   """'xla_blocked' runs the experts' SwiGLU in the padded layout: the forward gathers the
   activations twice (the tokens into the slots, the slots into the (token, k) rows of the
-  weighted sum) and the weights once per block per matmul; the backward gathers the same four
-  ways back and scatters nothing (the one scatter is sort_by_expert's inverse permutation in the
-  forward, a set of unique indices)."""
+  weighted sum) and the weights once per block per matmul; the backward gathers the output's
+  cotangent and the weights into the slots, the tokens again, the weights per block, and the
+  weights' and the inputs' gradients back to the (token, k) rows, and scatters nothing (the one
+  scatter is sort_by_expert's inverse permutation in the forward, a set of unique indices). It
+  saves the inputs and gate|up only: no [slots, D] or [T, K, D] activation."""
   rng = np.random.default_rng(6)
   t, d, f, e, k = 64, 16, 24, 8, 2  # M = 128 rows, blocks of b = 8: 16 + 8 blocks, 192 slots
   x, logits = _normal(rng, t, d), _normal(rng, t, e)
   r = moe.route(logits, None, top_k=k)
   ws = _expert_weights(rng, e, d, f)
   fwd = lambda x, w, *ws: moe.routed_experts(x, w, r.experts_tk, *ws, impl='xla_blocked')
-  grad = jax.grad(lambda *a: jnp.sum(fwd(*a)), argnums=(0, 1, 2, 3, 4))
+  grad = jax.value_and_grad(lambda *a: jnp.sum(fwd(*a)), argnums=(0, 1, 2, 3, 4))
   fwd_text = jax.jit(fwd).lower(x, r.weights_tk, *ws).as_text()
   grad_text = jax.jit(grad).lower(x, r.weights_tk, *ws).as_text()
   floats = lambda text: sorted(s for s in _gathers(text) if 'f32' in s)
-  forward = ['tensor<128x16xf32>', 'tensor<192x16xf32>', 'tensor<24x16x48xf32>', 'tensor<24x24x16xf32>']
+  forward = ['tensor<192x16xf32>', 'tensor<64x2x16xf32>', 'tensor<24x16x48xf32>', 'tensor<24x24x16xf32>']
   assert floats(fwd_text) == sorted(forward)
-  backward = ['tensor<64x2x16xf32>', 'tensor<192x1x16xf32>', 'tensor<24x16x48xf32>', 'tensor<24x24x16xf32>']
+  backward = ['tensor<192x16xf32>', 'tensor<192xf32>', 'tensor<24x24x16xf32>', 'tensor<64x2xf32>']
+  backward += ['tensor<192x16xf32>', 'tensor<24x16x48xf32>', 'tensor<64x2x16xf32>']
   assert floats(grad_text) == sorted(forward + backward)
   scatters = [line for line in grad_text.splitlines() if '"stablehlo.scatter"(' in line]
   assert len(scatters) == 1 and 'unique_indices = true' in scatters[0] and '"stablehlo.scatter"(' in fwd_text
+  _, vjp = jax.vjp(fwd, x, r.weights_tk, *ws)
+  saved = sorted(a.shape for a in jax.tree.leaves(vjp) if a.dtype == jnp.float32)
+  assert saved == sorted([(t, d), (t, k), (e, d, 2 * f), (e, f, d), (24, 8, 2 * f)])
 
 
 # ----------------------------------------------------------------------------- expert parallelism
