@@ -23,7 +23,7 @@ Variants (combine with commas, e.g. :hybrid,mla,cudnn):
           :moe (Mixture-of-Experts MLPs after a dense first layer: 64 routed experts of hidden
           256, top-8, + 3 shared, so that a token's 11 experts are the dense SwiGLU's 2816 wide:
           343M active parameters with the routers against the dense 342M, of 1.36B in all;
-          the 'xla_blocked' grouped matmul; MFU on active FLOPs; on one H200 it needs :remat to fit;
+          the 'xla_blocked' grouped matmul; MFU on active FLOPs; fits one H200 as it is;
           experiments/results/moe.md).
 """
 

@@ -124,28 +124,39 @@ def test_an_apply_without_the_biases_fails_naming_them():
 @pytest.mark.parametrize('impl', ['tokamax', 'xla_blocked'])
 def test_gpu_grouped_matmuls_train_the_model_as_lax_ragged_dot(impl):
   """On the GPU, in bf16: the model's loss and the gradient of every parameter with the MoE layers
-  on `impl` against lax.ragged_dot ('xla'), with the routing fixed by the same biases (relative
-  RMSE <= 1e-2 for the gradients, as the op-level tokamax tests ask; 5e-3 for the loss)."""
+  on `impl`, against the float32 model at full matmul precision (the routing fixed by the same
+  biases), no further off than the bf16 model on lax.ragged_dot ('xla'): relative RMSE at most
+  1.25x 'xla''s plus 1e-2, the loss within 5e-3. (Two bf16 implementations round at different
+  places, so against each other they differ by more than either does from float32 at some
+  tensors; at this size a few near-tied routing choices flip in bf16 too.)"""
   from helpers import rel_rmse
 
   base = dict(num_experts=8, top_k=2, num_shared=1, expert_hidden=64, aux_loss_alpha=0.01)
-  cfgs = {}
-  for name in ('xla', impl):
+
+  def model_config(impl, dtype):
     c = config_lib.base_config()
     c.model.update(vocab_size=256, d_model=64, num_layers=2, num_heads=1, mlp_dim=192, mlp_kind='moe')
-    c.model.compute_dtype = 'bfloat16'
-    c.model.moe.update(base, impl=name, first_dense_layers=0)
-    cfgs[name] = config_lib.validate(c).model
-  params, moe_state = random_variables(cfgs['xla'], seed=3, std=0.1)
-  tokens = random_tokens(cfgs['xla'], b=8, t=128)
+    c.model.compute_dtype = dtype
+    c.model.moe.update(base, impl=impl, first_dense_layers=0)
+    return config_lib.validate(c).model
 
-  def loss(cfg, p):
-    (logits, _), mut = Transformer(cfg).apply(variables(p, moe_state), tokens, mutable=[MOE_STATS])
-    return cross_entropy(logits, tokens) + moe_aux_loss(mut[MOE_STATS])
+  reference = model_config('xla', 'float32')
+  params, moe_state = random_variables(reference, seed=3, std=0.1)
+  tokens = random_tokens(reference, b=8, t=128)
 
-  (l_ref, g_ref), (l_got, g_got) = (
-    jax.jit(jax.value_and_grad(lambda p, c=cfgs[n]: loss(c, p)))(params) for n in ('xla', impl)
-  )
+  def loss_and_grads(cfg):
+    def loss(p):
+      (logits, _), mut = Transformer(cfg).apply(variables(p, moe_state), tokens, mutable=[MOE_STATS])
+      return cross_entropy(logits, tokens) + moe_aux_loss(mut[MOE_STATS])
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  with jax.default_matmul_precision('highest'):
+    l_ref, g_ref = loss_and_grads(reference)
+  (l_xla, g_xla), (l_got, g_got) = (loss_and_grads(model_config(n, 'bfloat16')) for n in ('xla', impl))
   assert abs(float(l_got) - float(l_ref)) <= 5e-3 * abs(float(l_ref))
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_ref), jax.tree.leaves(g_got)):
-    assert rel_rmse(b, np.asarray(a, np.float64)) <= 1e-2, jax.tree_util.keystr(path)
+  for (path, ref), xla, got in zip(
+    jax.tree_util.tree_leaves_with_path(g_ref), jax.tree.leaves(g_xla), jax.tree.leaves(g_got)
+  ):
+    ref = np.asarray(ref, np.float64)
+    assert rel_rmse(got, ref) <= 1.25 * rel_rmse(xla, ref) + 1e-2, jax.tree_util.keystr(path)
