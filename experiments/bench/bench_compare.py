@@ -74,16 +74,16 @@ def fits_budget(elapsed_s: float, last_s: float | None, budget_s: float | None) 
   return budget_s is None or last_s is None or elapsed_s + last_s <= budget_s
 
 
-def bench_once(args: str, out: pathlib.Path) -> dict:
-  """One experiments/bench/bench_train.py process; its JSON figures. A failed run is an error that
-  shows the end of its output."""
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=FLAGS.cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+def bench_once(args: str, out: pathlib.Path, *, steps: int, warmup: int, cache_dir: str) -> dict:
+  """One experiments/bench/bench_train.py process; its JSON figures. A failed run is a RuntimeError
+  that shows the end of its output."""
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
   cmd = [
     sys.executable,
     '-m',
     'experiments.bench.bench_train',
-    f'--steps={FLAGS.steps}',
-    f'--warmup={FLAGS.warmup}',
+    f'--steps={steps}',
+    f'--warmup={warmup}',
     f'--json_out={out}',
     *shlex.split(args),
   ]
@@ -113,7 +113,13 @@ def main(argv):
         )
         break
       began = time.monotonic()
-      result = bench_once(getattr(FLAGS, setup), pathlib.Path(tmp) / f'{k}.json')
+      result = bench_once(
+        getattr(FLAGS, setup),
+        pathlib.Path(tmp) / f'{k}.json',
+        steps=FLAGS.steps,
+        warmup=FLAGS.warmup,
+        cache_dir=FLAGS.cache_dir,
+      )
       last_s[setup] = time.monotonic() - began
       runs.append({'setup': setup, **result})
       print(f'run {k + 1}: {setup} {result["step_ms"]:.1f} ms', flush=True)

@@ -1,0 +1,122 @@
+"""The longest sequence each training setup trains at on this device: bench_train.py runs at growing
+train.seq_len until one runs out of memory.
+
+    python -m experiments.bench.bench_context \
+        --setups='--config=configs/bench_350m.py:long;--config=configs/bench_350m.py:long,hybrid' \
+        --seq_lens=65536,131072,196608,262144,393216,524288
+
+--setups: bench_train.py argument strings separated by ';' (configs/bench_350m.py:long is batch 1,
+each layer rematerialised, the loss 4096 tokens at a time). Each setup runs at each of --seq_lens in
+turn (ascending), in a fresh process with --config.train.seq_len=L appended, --steps timed steps
+after --warmup, all sharing one persistent compilation cache, and stops at its first length that
+runs out of memory; any other failure stops the benchmark with the run's output. Prints a Markdown
+table (setup, length, step ms, tokens/s, peak GiB, status) and each setup's longest length that
+trained and its first that did not. A length that fits could still be followed by a longer one
+that fits between the last two tried: give finer --seq_lens there.
+"""
+
+import datetime
+import pathlib
+import platform
+import tempfile
+
+from absl import app, flags
+
+from experiments.bench import bench_compare
+
+FLAGS = flags.FLAGS
+OUT_OF_MEMORY = ('RESOURCE_EXHAUSTED', 'out of memory', 'Out of memory', 'OOM')
+
+
+def define_flags():
+  """The command line (defined only when run as a script, so that tests can import the module)."""
+  flags.DEFINE_string('setups', None, "bench_train.py argument strings, separated by ';'")
+  flags.DEFINE_list('seq_lens', ['65536', '131072', '262144', '524288'], 'sequence lengths, ascending')
+  flags.DEFINE_integer('steps', 2, 'timed steps per run')
+  flags.DEFINE_integer('warmup', 1, 'untimed steps per run (the first compiles)')
+  flags.DEFINE_string('cache_dir', str(bench_compare.ROOT / 'runs/xla_cache'), 'persistent XLA compilation cache')
+  flags.mark_flags_as_required(['setups'])
+
+
+def parse_lengths(values: list[str]) -> list[int]:
+  """--seq_lens as ascending positive integers, or a ValueError naming the flag."""
+  try:
+    lengths = [int(v) for v in values]
+  except ValueError:
+    raise ValueError(f'--seq_lens={",".join(values)}: expected integers') from None
+  if not lengths or any(n < 1 for n in lengths) or lengths != sorted(set(lengths)):
+    raise ValueError(f'--seq_lens={",".join(values)}: expected distinct positive lengths in ascending order')
+  return lengths
+
+
+def out_of_memory(error: Exception) -> bool:
+  return any(marker in str(error) for marker in OUT_OF_MEMORY)
+
+
+def longest(setup: str, lengths: list[int], run) -> list[dict]:
+  """The rows of one setup: run(args) -> bench_train's figures at each length in turn, until the
+  first that runs out of memory (its row has status 'out of memory')."""
+  rows = []
+  for length in lengths:
+    try:
+      result = run(f'{setup} --config.train.seq_len={length}')
+    except RuntimeError as e:
+      if not out_of_memory(e):
+        raise
+      rows.append({'setup': setup, 'seq_len': length, 'status': 'out of memory'})
+      break
+    rows.append({'setup': setup, 'seq_len': length, 'status': 'trained', **result})
+  return rows
+
+
+def table(rows: list[dict]) -> str:
+  lines = ['| setup | seq_len | step ms | tokens/s | peak GiB | status |', '|---|---|---|---|---|---|']
+  for r in rows:
+    if r['status'] == 'trained':
+      tokens_s = r['batch'] * r['seq_len'] / r['step_ms'] * 1e3
+      figures = f'{r["step_ms"]:.1f} | {tokens_s:,.0f} | {r["peak_memory_GiB"]:.1f}'
+    else:
+      figures = '- | - | -'
+    lines.append(f'| `{r["setup"]}` | {r["seq_len"]} | {figures} | {r["status"]} |')
+  return '\n'.join(lines)
+
+
+def summary(setup: str, rows: list[dict]) -> str:
+  trained = [r['seq_len'] for r in rows if r['status'] == 'trained']
+  failed = [r['seq_len'] for r in rows if r['status'] != 'trained']
+  best = f'longest trained {trained[-1]}' if trained else 'none trained'
+  limit = f', out of memory at {failed[0]}' if failed else ', none tried ran out of memory'
+  return f'- `{setup}`: {best}{limit}'
+
+
+def main(argv):
+  del argv
+  try:
+    lengths = parse_lengths(FLAGS.seq_lens)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  setups = [s.strip() for s in FLAGS.setups.split(';') if s.strip()]
+  if not setups or any('--config' not in s for s in setups):
+    raise app.UsageError(f'--setups must give bench_train.py a --config in each setup; got {FLAGS.setups!r}')
+  pathlib.Path(FLAGS.cache_dir).mkdir(parents=True, exist_ok=True)
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    counter = iter(range(10**6))
+
+    def run(args):
+      out = pathlib.Path(tmp) / f'{next(counter)}.json'
+      return bench_compare.bench_once(args, out, steps=FLAGS.steps, warmup=FLAGS.warmup, cache_dir=FLAGS.cache_dir)
+
+    for setup in setups:
+      rows += (setup_rows := longest(setup, lengths, run))
+      print(table(setup_rows), flush=True)
+  device = next((r['device'] for r in rows if r['status'] == 'trained'), 'unknown device')
+  print(f'\n{datetime.date.today()}, {device}, host {platform.node()}; {FLAGS.steps} timed steps per run\n')
+  print(table(rows) + '\n')
+  for setup in setups:
+    print(summary(setup, [r for r in rows if r['setup'] == setup]))
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
