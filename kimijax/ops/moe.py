@@ -63,6 +63,15 @@ IMPLS, the grouped matmul (ragged dot) by name:
                weight gradients are several times further off than the bf16 rounding that 'xla'
                and 'xla_blocked' show (experiments/tools/moe_accuracy.py; figures in
                experiments/results/moe.md), so no config selects it.
+    'pallas'   the padded layout of 'xla_blocked' with blocks of settings.block_m rows (128 by
+               default: the kernels' row tile) and Pallas (Triton) kernels between the same XLA
+               gathers (kernels_pallas/moe/; interpreted off an NVIDIA GPU): the tile matmul reads
+               each tile's expert matrix in place (no per-block weight copy), gate|up runs with
+               the SwiGLU epilogue in float32 (h written once, gate|up kept for the backward),
+               the weight gradients by one kernel that walks each expert's tiles. The same
+               maths and residuals as `_padded_swiglu`; its backward shares its SwiGLU part
+               (`_swiglu_backward`). D and F multiples of 16; settings: a MoeSettings
+               (model.kernels.moe). Untimed on a GPU: no config selects it yet.
 """
 
 from __future__ import annotations
