@@ -92,6 +92,7 @@ def test_renamed_and_new_keys():
     'attnres_phase1': '',
     'attnres_merge_norm': '',
     'mla_decode': '',
+    'moe': '',
   }
 
 
