@@ -47,6 +47,7 @@ KERNEL_SETTINGS = {
   'attnres_phase1': ATTNRES_IMPLS['pallas'].parse_phase1_settings,
   'attnres_merge_norm': ATTNRES_IMPLS['pallas'].parse_merge_norm_settings,
   'mla_decode': MLA_DECODE_IMPLS['pallas'].parse_settings,
+  'moe': MOE_IMPLS['pallas'].parse_settings,
 }
 DTYPES = ('float32', 'bfloat16')
 MLP_KINDS = ('dense', 'moe')
@@ -247,7 +248,8 @@ SCHEMA = {
       'impl': Key(
         'xla',
         "the grouped matmul: 'xla' (lax.ragged_dot), 'xla_blocked' (padded blocks, the CPU's and GPU configs' "
-        "choice) or 'tokamax' (Mosaic GPU; D and expert hidden multiples of 64)",
+        "choice), 'tokamax' (Mosaic GPU; D and expert hidden multiples of 64) or 'pallas' (padded tiles, "
+        'Triton kernels of kernels_pallas/moe/, interpreted off the GPU; D and expert hidden multiples of 16)',
         allowed=MOE_IMPLS,
       ),
       'remat': Key(
@@ -274,6 +276,9 @@ SCHEMA = {
       ),
       'mla_decode': Key(
         '', 'MlaDecodeSettings (kernels_pallas/mla_decode/settings.py)', check=_kernel_settings('mla_decode')
+      ),
+      'moe': Key(
+        '', "MoeSettings, model.moe.impl='pallas' (kernels_pallas/moe/settings.py)", check=_kernel_settings('moe')
       ),
     },
   },

@@ -143,12 +143,14 @@ def make_mixer(
   raise ValueError(f'unknown layer kind {kind!r}')
 
 
-def make_mlp(cfg: ml_collections.ConfigDict, index: int, dtype) -> nn.Module:
+def make_mlp(cfg: ml_collections.ConfigDict, index: int, dtype, kernels: dict | None = None) -> nn.Module:
   """The MLP of layer `index`: the MoE layer where config_lib.moe_layer says so, else the dense
-  SwiGLU (of width model.moe.dense_hidden in an MoE model, model.mlp_dim otherwise)."""
+  SwiGLU (of width model.moe.dense_hidden in an MoE model, model.mlp_dim otherwise). kernels:
+  model.kernels parsed (config_lib.kernel_settings; None: parsed here)."""
   if not config_lib.moe_layer(cfg, index):
     hidden = config_lib.moe_hidden(cfg)[1] if cfg.mlp_kind == 'moe' else cfg.mlp_dim
     return SwiGLU(hidden=hidden, init_std=cfg.init_std, dtype=dtype, name='mlp')
+  kernels = config_lib.kernel_settings(cfg) if kernels is None else kernels
   moe = cfg.moe
   return MoE(
     num_experts=moe.num_experts,
@@ -164,6 +166,7 @@ def make_mlp(cfg: ml_collections.ConfigDict, index: int, dtype) -> nn.Module:
     init_std=cfg.init_std,
     dtype=dtype,
     impl=moe.impl,
+    settings=kernels['moe'],
     remat=moe.remat,
     name='mlp',
   )
@@ -209,7 +212,7 @@ class Layer(nn.Module):
       return y_btd, (max_logits_h, new_cache)
 
     state, (max_logits_h, new_cache) = sublayer(state, 0, 'mixer', run_mixer)
-    mlp = make_mlp(cfg, self.index, dtype)
+    mlp = make_mlp(cfg, self.index, dtype, self.kernels)
     state, _ = sublayer(state, 1, 'mlp', lambda x: (mlp(x), None))
     return state, max_logits_h, (stats if self.log else None), new_cache
 

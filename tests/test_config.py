@@ -92,6 +92,7 @@ def test_renamed_and_new_keys():
     'attnres_phase1': '',
     'attnres_merge_norm': '',
     'mla_decode': '',
+    'moe': '',
   }
 
 
@@ -147,6 +148,7 @@ def test_impl_keys_allow_the_names_of_the_ops_implementation_tables(key, impls):
       {'model.kernels.mla_decode': 'block_s=24'},
       "model.kernels.mla_decode='block_s=24': mla_decode pallas: block_s must be a power of two >= 16, got 24",
     ),
+    ({'model.kernels.moe': 'block_m=24'}, "model.kernels.moe='block_m=24': moe pallas: block_m must be a power of two"),
   ],
 )
 def test_each_declaration_brings_its_checks(values, message):
@@ -283,6 +285,7 @@ MOE = {'model.mlp_kind': 'moe'}
     ({'model.moe.impl': 'tokamax', 'model.d_model': 96, 'model.num_heads': 3}, 'needs d_model (96) to be a multiple'),
     ({'model.moe.score_func': 'relu'}, "model.moe.score_func='relu' is not allowed"),
     ({'model.moe.impl': 'megablox'}, "model.moe.impl='megablox' is not allowed; allowed values: ['xla', 'xla_blocked'"),
+    ({'model.moe.impl': 'pallas', 'model.moe.expert_hidden': 40}, "model.moe.impl='pallas' needs expert hidden (40)"),
     ({'mesh.expert': -1}, 'mesh.expert=-1 must be positive'),
     ({'mesh.rules': (('expert', 'experts'),)}, "names mesh axis 'experts'"),
   ],

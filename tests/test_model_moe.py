@@ -113,6 +113,29 @@ def test_remat_keeps_the_router_statistics_and_the_gradients():
     assert rel_err(b, np.asarray(a, np.float64)) <= 1e-5, jax.tree_util.keystr(path)
 
 
+def test_pallas_runs_the_model_with_the_configs_kernel_settings():
+  """model.moe.impl='pallas' (interpreted) with model.kernels.moe reaching each MoE layer as a
+  MoeSettings: the logits equal lax.ragged_dot's ('xla') on the same variables."""
+  from kernels_pallas.moe.settings import MoeSettings
+  from kimijax.model import make_mlp
+
+  c = config_lib.base_config()
+  c.model.update(
+    vocab_size=V, d_model=D, num_layers=2, num_heads=H, mlp_dim=F_DENSE, compute_dtype='float32', mlp_kind='moe'
+  )
+  c.model.moe.update(num_experts=4, top_k=2, impl='pallas')
+  c.model.kernels.moe = 'block_m=16/block_n=16/block_k=16'
+  cfg = config_lib.validate(c).model
+  assert make_mlp(cfg, 1, jnp.float32).settings == MoeSettings(block_m=16, block_n=16, block_k=16)
+  xla = cfg.copy_and_resolve_references()
+  xla.moe.impl = 'xla'
+  params, moe_state = random_variables(cfg, seed=3)
+  tokens = random_tokens(cfg, b=2, t=9)
+  logits = lambda model: jax.jit(model.apply)(variables(params, moe_state), tokens)[0]
+  with jax.default_matmul_precision('highest'):
+    assert rel_err(logits(Transformer(cfg)), np.asarray(logits(Transformer(xla)), np.float64)) <= 1e-5
+
+
 def test_an_apply_without_the_biases_fails_naming_them():
   cfg = moe_config()
   params, _ = random_variables(cfg)

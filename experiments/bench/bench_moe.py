@@ -21,7 +21,8 @@ Table 2, the parts of the routed path (kimijax.ops.moe) at the same shapes: 'rou
 logits and top-k), 'sort' (sort_by_expert), 'permute' (the gather of the T K rows),
 'grouped swiglu' (expert_swiglu: the two grouped matmuls), 'combine' (inverse permutation and
 weighted sum, float32), forward and forward+backward where there is a gradient. 'xla_blocked'
-runs permute, grouped swiglu and combine as one padded-layout function in the layer (the rows
+(and 'pallas', the same layout with Triton kernels: kernels_pallas/moe/, at its default
+MoeSettings) runs permute, grouped swiglu and combine as one padded-layout function in the layer (the rows
 never in sorted order; kimijax/ops/moe.py): its row 'padded swiglu' times that, from the tokens to
 the weighted sum, so that route + sort + padded swiglu are its routed path; its 'grouped swiglu'
 row times it as a plain grouped matmul (expert_swiglu). An impl that

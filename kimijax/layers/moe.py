@@ -60,7 +60,8 @@ class MoE(nn.Module, kw_only=True):
       their sum. scaling_factor: the routed scaling factor. n_group, topk_group: group-limited
       routing (1, 1: off). aux_loss_alpha: the sequence-wise balance loss weight (0: off).
     init_std: N(0, init_std) for every weight. dtype: the compute dtype. impl: the grouped
-      matmul, a key of kimijax.ops.moe.IMPLS. remat: recompute the routed experts in the backward
+      matmul, a key of kimijax.ops.moe.IMPLS. settings: its kernels' settings ('pallas': a
+      MoeSettings, model.kernels.moe; None: the defaults). remat: recompute the routed experts in the backward
       from their inputs (the tokens and the routing) instead of keeping their top_k copies of each
       token's rows (model.moe.remat).
   """
@@ -78,6 +79,7 @@ class MoE(nn.Module, kw_only=True):
   init_std: float = 0.02
   dtype: Any = jnp.float32
   impl: str = 'xla'
+  settings: Any = None
   remat: bool = False
 
   @nn.compact
@@ -116,7 +118,7 @@ class MoE(nn.Module, kw_only=True):
       renormalize=self.renormalize,
       scaling_factor=self.scaling_factor,
     )
-    routed = functools.partial(moe_ops.routed_experts, impl=self.impl, token_axes=_token_axes())
+    routed = functools.partial(moe_ops.routed_experts, impl=self.impl, token_axes=_token_axes(), settings=self.settings)
     if self.remat:  # keeps only the arguments: no [T * K, .] rows between the forward and the backward
       routed = jax.checkpoint(routed, prevent_cse=True)
     y_td = routed(x_td.astype(self.dtype), routing.weights_tk, routing.experts_tk, w_gate_edf, w_up_edf, w_down_efd)

@@ -63,6 +63,15 @@ IMPLS, the grouped matmul (ragged dot) by name:
                weight gradients are several times further off than the bf16 rounding that 'xla'
                and 'xla_blocked' show (experiments/tools/moe_accuracy.py; figures in
                experiments/results/moe.md), so no config selects it.
+    'pallas'   the padded layout of 'xla_blocked' with blocks of settings.block_m rows (128 by
+               default: the kernels' row tile) and Pallas (Triton) kernels between the same XLA
+               gathers (kernels_pallas/moe/; interpreted off an NVIDIA GPU): the tile matmul reads
+               each tile's expert matrix in place (no per-block weight copy), gate|up runs with
+               the SwiGLU epilogue in float32 (h written once, gate|up kept for the backward),
+               the weight gradients by one kernel that walks each expert's tiles. The same
+               maths and residuals as `_padded_swiglu`; its backward shares its SwiGLU part
+               (`_swiglu_backward`). D and F multiples of 16; settings: a MoeSettings
+               (model.kernels.moe). Untimed on a GPU: no config selects it yet.
 """
 
 from __future__ import annotations
@@ -268,11 +277,18 @@ def _weighted_sum(weights_tk, y_tkd):
 # ----------------------------------------------------------------------------- the grouped matmul
 
 
-def _xla_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g):
+def swiglu(gate, up):
+  """An expert's activation h = silu(gate) * up, elementwise (the padded layouts run it in float32)."""
+  return jax.nn.silu(gate) * up
+
+
+def _xla_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, settings=None):
+  del settings  # no kernels
   return jax.lax.ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, preferred_element_type=lhs_mk.dtype)
 
 
-def _tokamax_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g):
+def _tokamax_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, settings=None):
+  del settings  # tokamax's own kernels, not configured here
   import tokamax  # lazily: only the GPU path needs it
 
   return tokamax.ragged_dot(
@@ -305,9 +321,11 @@ class _Blocks(NamedTuple):
     return self.src_p.shape[0] // self.group_b.shape[0]
 
 
-def _blocked_layout(m: int, group_sizes_g) -> _Blocks:
+def _blocked_layout(m: int, group_sizes_g, b: int | None = None) -> _Blocks:
+  """The padded layout of m rows in the groups of group_sizes_g [G], blocks of b rows (None:
+  _block_rows' choice)."""
   g = group_sizes_g.shape[0]
-  b = _block_rows(m, g)
+  b = _block_rows(m, g) if b is None else b
   blocks = -(-m // b) + g  # enough for every group padded up to whole blocks
   sizes = group_sizes_g.astype(jnp.int32)
   ends = jnp.cumsum(sizes)
@@ -404,26 +422,44 @@ def _blocked_matmul_bwd(res, g_ibn):
 _blocked_matmul.defvjp(_blocked_matmul_fwd, _blocked_matmul_bwd)
 
 
-def _blocked_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g):
+def _padded_ragged_dot(lhs_mk, rhs_gkn, layout: _Blocks, slot_matmul):
+  """A grouped matmul through the padded layout: the rows gathered into the slots, slot_matmul(x
+  [slots, K], rhs, group_b) -> [slots, N] (differentiable in x and rhs), a gather back. Rows past
+  the groups' total come out zero and their cotangent reaches nothing."""
+  x_pk = _take_rows(lhs_mk, layout.src_p, layout.dest_r[:, None])
+  y_pn = slot_matmul(x_pk, rhs_gkn, layout.group_b)
+  return _take_rows(y_pn, layout.dest_r, layout.src_p[:, None])
+
+
+def _blocked_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, settings=None):
   """'xla_blocked' as a grouped matmul (module docstring): the rows gathered into whole blocks,
   one batched matmul, a gather back; the backward gathers and multiplies, with no scatter-add.
-  Rows past the groups' total come out zero and their cotangent reaches nothing."""
+  Rows past the groups' total come out zero and their cotangent reaches nothing. No kernels: no
+  settings."""
+  del settings
   m, k = lhs_mk.shape
   layout = _blocked_layout(m, group_sizes_g)
-  x_ibk = _take_rows(lhs_mk, layout.src_p, layout.dest_r[:, None]).reshape(layout.blocks, layout.b, k)
-  y_ibn = _blocked_matmul(x_ibk, rhs_gkn, layout.group_b)
-  return _take_rows(y_ibn.reshape(layout.blocks * layout.b, -1), layout.dest_r, layout.src_p[:, None])
+
+  def slot_matmul(x_pk, w_gkn, group_b):
+    return _blocked_matmul(x_pk.reshape(layout.blocks, layout.b, k), w_gkn, group_b).reshape(x_pk.shape[0], -1)
+
+  return _padded_ragged_dot(lhs_mk, rhs_gkn, layout, slot_matmul)
 
 
-def _blocked_routed(x_td, weights_tk, dispatch: Dispatch, w_gate_edf, w_up_edf, w_down_efd):
+def _slot_maps(layout: _Blocks, dispatch: Dispatch, t: int, k: int):
+  """(row_p [slots]: the (token, k) row in slot p, t * k in padding slots; slot_tk [T, K]: the slot
+  of row (t, k), blocks * b (none) for rows of other shards' experts)."""
+  row_p = dispatch.order_m.at[layout.src_p].get(mode='fill', fill_value=t * k)
+  return row_p, layout.dest_r[dispatch.inverse_m].reshape(t, k)
+
+
+def _blocked_routed(x_td, weights_tk, dispatch: Dispatch, w_gate_edf, w_up_edf, w_down_efd, settings=None):
   """'xla_blocked''s routed experts in the padded layout (module docstring). Rows of other shards'
-  experts have no slot and count zero."""
+  experts have no slot and count zero. No kernels: no settings."""
+  del settings
   t, k = weights_tk.shape
   layout = _blocked_layout(t * k, dispatch.group_sizes_e)
-  # The (token, k) row in slot p, t * k in padding slots; the slot of row (t, k), blocks * b (none)
-  # for rows of other shards' experts.
-  row_p = dispatch.order_m.at[layout.src_p].get(mode='fill', fill_value=t * k)
-  slot_tk = layout.dest_r[dispatch.inverse_m].reshape(t, k)
+  row_p, slot_tk = _slot_maps(layout, dispatch, t, k)
   w_in_ed2f = jnp.concatenate([w_gate_edf, w_up_edf], axis=-1)
   return _padded_swiglu(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, layout.group_b)
 
@@ -448,7 +484,7 @@ def _padded_swiglu_fwd(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, 
   gate_up_ib2f = _block_products(x_ibd, w_in_ed2f, group_b)
   f = gate_up_ib2f.shape[-1] // 2
   gate, up = gate_up_ib2f[..., :f].astype(jnp.float32), gate_up_ib2f[..., f:].astype(jnp.float32)
-  h_ibf = (jax.nn.silu(gate) * up).astype(x_td.dtype)  # zero in padding slots
+  h_ibf = swiglu(gate, up).astype(x_td.dtype)  # zero in padding slots
   y_pd = _block_products(h_ibf, w_down_efd, group_b).reshape(-1, x_td.shape[-1])
   y_td = _weighted_sum(weights_tk, _rows(y_pd, slot_tk))
   return y_td, (x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, gate_up_ib2f)
@@ -466,15 +502,8 @@ def _padded_swiglu_bwd(res, g_td):
   g_ibd = _slots(g_td.astype(dtype), row_p, k, blocks)
   w_ib1 = _rows(weights_tk.reshape(-1), row_p).reshape(blocks, -1, 1)  # zero in padding slots
   u_ibf = _block_products_t(g_ibd, w_down_efd, group_b, out_dtype=jnp.float32)
-  f = gate_up_ib2f.shape[-1] // 2
-  gate, up = gate_up_ib2f[..., :f].astype(jnp.float32), gate_up_ib2f[..., f:].astype(jnp.float32)
-  sig = jax.nn.sigmoid(gate)
-  silu = gate * sig
-  h_ibf = silu * up
-  d_weights_tk = _rows(jnp.sum(u_ibf * h_ibf, axis=-1).reshape(-1), slot_tk)
-  dh_ibf = w_ib1 * u_ibf
-  d_gate_up_ib2f = jnp.concatenate([dh_ibf * up * sig * (1 + gate * (1 - sig)), dh_ibf * silu], axis=-1).astype(dtype)
-  d_w_down = _block_weight_grad((w_ib1 * h_ibf).astype(dtype), g_ibd, group_b, w_down_efd)
+  d_weights_tk, wh_ibf, d_gate_up_ib2f = _swiglu_backward(gate_up_ib2f, u_ibf, w_ib1, slot_tk, dtype)
+  d_w_down = _block_weight_grad(wh_ibf, g_ibd, group_b, w_down_efd)
   d_w_in = _block_weight_grad(_slots(x_td, row_p, k, blocks), d_gate_up_ib2f, group_b, w_in_ed2f)
   dx_pd = _block_products_t(d_gate_up_ib2f, w_in_ed2f, group_b).reshape(-1, x_td.shape[-1])
   dx_td = jnp.sum(_rows(dx_pd, slot_tk), axis=1, dtype=jnp.float32).astype(dtype)
@@ -484,21 +513,155 @@ def _padded_swiglu_bwd(res, g_td):
 _padded_swiglu.defvjp(_padded_swiglu_fwd, _padded_swiglu_bwd)
 
 
+def _swiglu_backward(gate_up_x2f, u_xf, w_x1, slot_tk, dtype):
+  """The padded layout's SwiGLU backward in float32, for slots of any leading shape x: gate|up
+  [x, 2F] (saved, the compute dtype), u = W_down_e g [x, F] float32 and each slot's mixing weight
+  w [x, 1] (zero in padding slots) -> (d weights_tk [T, K] float32 = <u, h> of each row's slot;
+  w h [x, F] and d gate|up [x, 2F] in dtype), h = silu(gate) * up, dh = w u."""
+  f = gate_up_x2f.shape[-1] // 2
+  gate, up = gate_up_x2f[..., :f].astype(jnp.float32), gate_up_x2f[..., f:].astype(jnp.float32)
+  sig = jax.nn.sigmoid(gate)
+  silu = gate * sig
+  h_xf = silu * up
+  d_weights_tk = _rows(jnp.sum(u_xf * h_xf, axis=-1).reshape(-1), slot_tk)
+  dh_xf = w_x1 * u_xf
+  d_gate_up_x2f = jnp.concatenate([dh_xf * up * sig * (1 + gate * (1 - sig)), dh_xf * silu], axis=-1).astype(dtype)
+  return d_weights_tk, (w_x1 * h_xf).astype(dtype), d_gate_up_x2f
+
+
+# ----------------------------------------------------------------------------- 'pallas': the padded layout's kernels
+
+
+def _pallas_settings(text: str):
+  from kernels_pallas.moe.settings import MoeSettings
+
+  return MoeSettings.from_string(text)
+
+
+def _pallas_kernels(settings):
+  """(the settings, None -> the defaults; run(name, *args, **kw): the kernel `name` of
+  kernels_pallas.moe with those settings, interpreted off the GPU)."""
+  import kernels_pallas.moe as kernels
+  from kernels_pallas.common import kernels_interpreted
+  from kernels_pallas.moe.settings import MoeSettings
+
+  settings = MoeSettings() if settings is None else settings
+  if not isinstance(settings, MoeSettings):
+    raise TypeError(f"moe impl='pallas': settings must be a MoeSettings or None, got {type(settings)}")
+  interpret = kernels_interpreted()
+
+  def run(name, *args, **kw):
+    return getattr(kernels, name)(*args, settings=settings, interpret=interpret, **kw)
+
+  return settings, run
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tile_matmul(x_pk, w_gkn, group_b, settings):
+  """The tile matmul kernel (each tile of block_m slots times its group's matrix, [slots, N] in x's
+  dtype), differentiable in x and w by the same kernel transposed and the expert weight gradient
+  kernel."""
+  _, run = _pallas_kernels(settings)
+  return run('tile_matmul', x_pk, w_gkn.astype(x_pk.dtype), group_b)
+
+
+def _tile_matmul_fwd(x_pk, w_gkn, group_b, settings):
+  return _tile_matmul(x_pk, w_gkn, group_b, settings), (x_pk, w_gkn, group_b)
+
+
+def _tile_matmul_bwd(settings, res, g_pn):
+  x_pk, w_gkn, group_b = res
+  _, run = _pallas_kernels(settings)
+  g_pn = g_pn.astype(x_pk.dtype)
+  dx_pk = run('tile_matmul', g_pn, w_gkn.astype(x_pk.dtype), group_b, transpose=True)
+  dw = run('expert_weight_grad', x_pk, g_pn, group_b, num_experts=w_gkn.shape[0])
+  return dx_pk, dw.astype(w_gkn.dtype), None
+
+
+_tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
+
+
+def _pallas_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, settings=None):
+  """'pallas' as a grouped matmul: the rows gathered into the padded layout's slots (blocks of
+  block_m rows), the tile matmul kernel, a gather back; its backward the same kernel on the
+  transposed weights and the expert weight gradient kernel (no scatter-add)."""
+  settings, _ = _pallas_kernels(settings)
+  layout = _blocked_layout(lhs_mk.shape[0], group_sizes_g, settings.block_m)
+  slot_matmul = lambda x_pk, w_gkn, group_b: _tile_matmul(x_pk, w_gkn, group_b, settings)
+  return _padded_ragged_dot(lhs_mk, rhs_gkn, layout, slot_matmul)
+
+
+def _pallas_routed(x_td, weights_tk, dispatch: Dispatch, w_gate_edf, w_up_edf, w_down_efd, settings=None):
+  """'pallas''s routed experts (module docstring): the padded layout with blocks of block_m rows,
+  the kernels of kernels_pallas/moe between XLA's gathers, the maths and residuals of
+  _padded_swiglu. Rows of other shards' experts have no slot and count zero."""
+  settings, _ = _pallas_kernels(settings)
+  t, k = weights_tk.shape
+  layout = _blocked_layout(t * k, dispatch.group_sizes_e, settings.block_m)
+  row_p, slot_tk = _slot_maps(layout, dispatch, t, k)
+  w_in_ed2f = jnp.concatenate([w_gate_edf, w_up_edf], axis=-1)
+  return _tiled_swiglu(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, layout.group_b, settings)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _tiled_swiglu(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, settings):
+  """_padded_swiglu's output with the kernels: group_b [tiles] the expert of each tile of
+  settings.block_m slots."""
+  return _tiled_swiglu_fwd(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, settings)[0]
+
+
+def _tiled_swiglu_fwd(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, settings):
+  _, run = _pallas_kernels(settings)
+  k = weights_tk.shape[1]
+  dtype = x_td.dtype
+  x_pd = _rows(x_td, row_p // k)
+  gate_up_p2f, h_pf = run('gate_up_swiglu', x_pd, w_in_ed2f.astype(dtype), group_b)
+  y_pd = run('tile_matmul', h_pf, w_down_efd.astype(dtype), group_b)
+  y_td = _weighted_sum(weights_tk, _rows(y_pd, slot_tk))
+  return y_td, (x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, gate_up_p2f)
+
+
+def _tiled_swiglu_bwd(settings, res, g_td):
+  """_padded_swiglu_bwd's formulas: u by the tile matmul on W_down transposed (float32), SwiGLU's
+  backward in XLA (_swiglu_backward), the weight gradients by the expert weight gradient kernel,
+  dx by the tile matmul on W_in transposed, each token's K slots summed in float32."""
+  x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, gate_up_p2f = res
+  _, run = _pallas_kernels(settings)
+  k = weights_tk.shape[1]
+  e, dtype = w_in_ed2f.shape[0], x_td.dtype
+  g_pd = _rows(g_td.astype(dtype), row_p // k)
+  w_p1 = _rows(weights_tk.reshape(-1), row_p)[:, None]  # zero in padding slots
+  u_pf = run('tile_matmul', g_pd, w_down_efd.astype(dtype), group_b, transpose=True, out_dtype=jnp.float32)
+  d_weights_tk, wh_pf, d_gate_up_p2f = _swiglu_backward(gate_up_p2f, u_pf, w_p1, slot_tk, dtype)
+  d_w_down = run('expert_weight_grad', wh_pf, g_pd, group_b, num_experts=e).astype(w_down_efd.dtype)
+  x_pd = _rows(x_td, row_p // k)
+  d_w_in = run('expert_weight_grad', x_pd, d_gate_up_p2f, group_b, num_experts=e).astype(w_in_ed2f.dtype)
+  dx_pd = run('tile_matmul', d_gate_up_p2f, w_in_ed2f.astype(dtype), group_b, transpose=True)
+  dx_td = jnp.sum(_rows(dx_pd, slot_tk), axis=1, dtype=jnp.float32).astype(dtype)
+  return dx_td, d_weights_tk.astype(weights_tk.dtype), d_w_in, d_w_down, None, None, None
+
+
+_tiled_swiglu.defvjp(_tiled_swiglu_fwd, _tiled_swiglu_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-  """One grouped matmul. ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G] int32) -> [M, N] in
-  lhs's dtype: rows of group g (consecutive, in order) times rhs[g]; rows past the groups' total
-  are unspecified (callers mask them, so their cotangent is zero). Differentiable in lhs and rhs.
-  gpu_only: needs an NVIDIA GPU. dims_multiple: D and F must be multiples of it (1: any). dtypes:
-  the operand dtypes it takes. routed: None, or the routed experts of one device in the
-  implementation's own layout, (x_td, weights_tk, dispatch, w_gate, w_up, w_down) -> y_td float32,
-  run instead of permute / expert_swiglu / combine."""
+  """One grouped matmul. ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G] int32, settings=None)
+  -> [M, N] in lhs's dtype: rows of group g (consecutive, in order) times rhs[g]; rows past the
+  groups' total are unspecified (callers mask them, so their cotangent is zero). Differentiable in
+  lhs and rhs. gpu_only: needs an NVIDIA GPU. dims_multiple: D and F must be multiples of it (1:
+  any). dtypes: the operand dtypes it takes. routed: None, or the routed experts of one device in
+  the implementation's own layout, (x_td, weights_tk, dispatch, w_gate, w_up, w_down, settings=None)
+  -> y_td float32, run instead of permute / expert_swiglu / combine. parse_settings: 'key=int/key=int'
+  -> the settings its kernels take (None: it has no kernels of this repository and ignores
+  `settings`)."""
 
   ragged_dot: Callable
   gpu_only: bool
   dims_multiple: int = 1
   dtypes: tuple[str, ...] = ('bfloat16', 'float16', 'float32')
   routed: Callable | None = None
+  parse_settings: Callable[[str], object] | None = None
 
 
 IMPLS = types.MappingProxyType(
@@ -506,6 +669,9 @@ IMPLS = types.MappingProxyType(
     'xla': Implementation(_xla_ragged_dot, gpu_only=False),
     'xla_blocked': Implementation(_blocked_ragged_dot, gpu_only=False, routed=_blocked_routed),
     'tokamax': Implementation(_tokamax_ragged_dot, gpu_only=True, dims_multiple=64, dtypes=('bfloat16', 'float16')),
+    'pallas': Implementation(
+      _pallas_ragged_dot, gpu_only=False, dims_multiple=16, routed=_pallas_routed, parse_settings=_pallas_settings
+    ),
   }
 )
 
@@ -532,25 +698,28 @@ def unsupported(
   return None
 
 
-def expert_swiglu(x_md, group_sizes_e, w_gate_edf, w_up_edf, w_down_efd, *, impl: str = 'xla'):
+def expert_swiglu(x_md, group_sizes_e, w_gate_edf, w_up_edf, w_down_efd, *, impl: str = 'xla', settings=None):
   """The experts' SwiGLU on sorted rows: row r of expert e -> W_down_e^T (silu(W_gate_e^T x_r) *
-  (W_up_e^T x_r)), [M, D] in x's dtype; gate and up as one grouped matmul of width 2F."""
-  ragged_dot = IMPLS[impl].ragged_dot
+  (W_up_e^T x_r)), [M, D] in x's dtype; gate and up as one grouped matmul of width 2F. settings:
+  the kernels' settings of an implementation that has them (None: their defaults)."""
+  ragged_dot = functools.partial(IMPLS[impl].ragged_dot, settings=settings)
   f = w_gate_edf.shape[-1]
   w_in_ed2f = jnp.concatenate([w_gate_edf, w_up_edf], axis=-1).astype(x_md.dtype)
   gate_up_m2f = ragged_dot(x_md, w_in_ed2f, group_sizes_e)
-  h_mf = jax.nn.silu(gate_up_m2f[:, :f]) * gate_up_m2f[:, f:]
+  h_mf = swiglu(gate_up_m2f[:, :f], gate_up_m2f[:, f:])
   return ragged_dot(h_mf, w_down_efd.astype(x_md.dtype), group_sizes_e)
 
 
-def _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl, first_expert=0, all_local=True):
+def _routed_local(
+  x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl, settings, first_expert=0, all_local=True
+):
   """Dispatch, experts and combine on one device for its experts first_expert .. + E_local - 1."""
   top_k = experts_tk.shape[1]
   dispatch = sort_by_expert(experts_tk, w_gate_edf.shape[0], first_expert=first_expert)
   if IMPLS[impl].routed is not None:
-    return IMPLS[impl].routed(x_td, weights_tk, dispatch, w_gate_edf, w_up_edf, w_down_efd)
+    return IMPLS[impl].routed(x_td, weights_tk, dispatch, w_gate_edf, w_up_edf, w_down_efd, settings=settings)
   x_md = permute(x_td, dispatch, top_k, all_local=all_local)
-  y_md = expert_swiglu(x_md, dispatch.group_sizes_e, w_gate_edf, w_up_edf, w_down_efd, impl=impl)
+  y_md = expert_swiglu(x_md, dispatch.group_sizes_e, w_gate_edf, w_up_edf, w_down_efd, impl=impl, settings=settings)
   return combine(y_md, dispatch, weights_tk, all_local=all_local)
 
 
@@ -625,6 +794,7 @@ def routed_experts(
   *,
   impl: str = 'xla',
   token_axes: tuple[str, ...] | None = None,
+  settings=None,
 ):
   """The routed experts' output y_td [T, D] float32 (module docstring), dropless.
 
@@ -633,10 +803,13 @@ def routed_experts(
       int32: the routing (`route`).
     w_gate_edf, w_up_edf: [E, D, F]; w_down_efd: [E, F, D], the stacked expert weights (cast to
       x's dtype).
-    impl: a key of IMPLS ('xla' | 'xla_blocked' | 'tokamax'); an implementation with its own
-      `routed` ('xla_blocked': the padded layout) runs it instead of permute / expert_swiglu / combine.
+    impl: a key of IMPLS ('xla' | 'xla_blocked' | 'tokamax' | 'pallas'); an implementation with its
+      own `routed` ('xla_blocked', 'pallas': the padded layout) runs it instead of permute /
+      expert_swiglu / combine.
     token_axes: under a mesh, the mesh axes the token axis of x is split over, major first (the
       layer passes those of its batch; None: see shard_layout).
+    settings: the kernels' settings of an implementation that has them ('pallas': a MoeSettings of
+      kernels_pallas/moe/settings.py); None: their defaults.
 
   Under a current mesh of several devices (jax.set_mesh) the op runs per shard (shard_map): each
   device sorts its own rows and runs its grouped matmuls (a sort or a kernel split by XLA would
@@ -662,20 +835,29 @@ def routed_experts(
   _check_experts(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
-    return _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl)
+    return _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl, settings)
   token_axes, expert_axis = shard_layout(x_td.shape[0], w_gate_edf.shape[0], token_axes)
   gather = expert_axis is not None and expert_axis in token_axes
 
   def per_shard(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd):
     if expert_axis is None:
-      return _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl)
+      return _routed_local(x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl, settings)
     if gather:
       x_td, weights_tk, experts_tk = (
         jax.lax.all_gather(a, expert_axis, axis=0, tiled=True) for a in (x_td, weights_tk, experts_tk)
       )
     first = jax.lax.axis_index(expert_axis) * w_gate_edf.shape[0]
     y_td = _routed_local(
-      x_td, weights_tk, experts_tk, w_gate_edf, w_up_edf, w_down_efd, impl, first_expert=first, all_local=False
+      x_td,
+      weights_tk,
+      experts_tk,
+      w_gate_edf,
+      w_up_edf,
+      w_down_efd,
+      impl,
+      settings,
+      first_expert=first,
+      all_local=False,
     )
     if gather:
       return jax.lax.psum_scatter(y_td, expert_axis, scatter_dimension=0, tiled=True)

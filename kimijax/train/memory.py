@@ -88,7 +88,7 @@ def _mlp_bytes(model: ml_collections.ConfigDict, c: int) -> int:
   shared = 3 * hidden * model.moe.num_shared  # the shared experts as a SwiGLU
   if model.moe.remat:  # the routed experts keep only their input
     return c * (shared + model.d_model)
-  if model.moe.impl == 'xla_blocked':  # gate|up of the top_k rows in the padded slots (kimijax/ops/moe.py)
+  if model.moe.impl in ('xla_blocked', 'pallas'):  # gate|up of the top_k rows in the padded slots (kimijax/ops/moe.py)
     return c * (shared + 2 * hidden * model.moe.top_k)
   return c * (shared + 3 * hidden * model.moe.top_k + model.moe.top_k * model.d_model)
 

@@ -2,7 +2,8 @@
 closed forms: the released routing, the dispatch parts, experts that receive no token, the bias
 update balancing a deliberately imbalanced router, the sequence-wise balance loss, the router
 statistics, the input checks, expert parallelism on the 8 fake CPU devices (tests/conftest.py)
-against one device, and on a GPU (marked gpu) tokamax's grouped matmul against lax.ragged_dot."""
+against one device, and on a GPU (marked gpu) tokamax's grouped matmul against lax.ragged_dot and
+'pallas' in bf16 against float32. 'pallas' runs interpreted here, at tiles of 16."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from oracles_moe import np_route, np_routed_experts, np_sequence_balance_loss
 
+from kernels_pallas.moe.settings import MoeSettings
 from kimijax.ops import moe
+
+# 'pallas' at tiles of 16 rows and columns (fast when interpreted); its D and F multiples of 16
+PALLAS = MoeSettings(block_m=16, block_n=16, block_k=16)
 
 
 def rel_max(got, want):
@@ -151,17 +156,20 @@ def _expert_weights(rng, e, d, f):
   return _normal(rng, e, d, f, scale=0.5), _normal(rng, e, d, f, scale=0.5), _normal(rng, e, f, d, scale=0.5)
 
 
+@pytest.mark.parametrize('impl,d,f', [('xla', 8, 6), ('pallas', 16, 32)])
 @pytest.mark.parametrize('used', [(1, 4), (3,)], ids=['two_of_six', 'all_to_one'])
-def test_experts_that_receive_no_token(used):
+def test_experts_that_receive_no_token(used, impl, d, f):
   rng = np.random.default_rng(3)
-  t, d, f, e = 12, 8, 6, 6
+  t, e = 12, 6
   k = len(used)
   experts = jnp.asarray(np.stack([rng.permutation(used) for _ in range(t)]), jnp.int32)
   weights = _normal(rng, t, k)
   x, dy = _normal(rng, t, d), _normal(rng, t, d)
   wg, wu, wd = _expert_weights(rng, e, d, f)
-  loss = lambda x, w, wg, wu, wd: jnp.sum(moe.routed_experts(x, w, experts, wg, wu, wd) * dy)
-  y = jax.jit(moe.routed_experts)(x, weights, experts, wg, wu, wd)
+  settings = PALLAS if impl == 'pallas' else None
+  routed = lambda x, w, wg, wu, wd: moe.routed_experts(x, w, experts, wg, wu, wd, impl=impl, settings=settings)
+  loss = lambda x, w, wg, wu, wd: jnp.sum(routed(x, w, wg, wu, wd) * dy)
+  y = jax.jit(routed)(x, weights, wg, wu, wd)
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, weights, wg, wu, wd)
   ref = np_routed_experts(x, weights, np.asarray(experts), wg, wu, wd, np.asarray(dy))
   assert rel_max(y, ref[0]) < 2e-6
@@ -246,7 +254,9 @@ def test_router_stats_and_entropy_closed_forms():
 def test_routed_experts_checks_its_inputs():
   x, w, ex = jnp.zeros((4, 8)), jnp.zeros((4, 2)), jnp.zeros((4, 2), jnp.int32)
   wg, wd = jnp.zeros((3, 8, 6)), jnp.zeros((3, 6, 8))
-  with pytest.raises(ValueError, match=r"impl='triton' is unknown; allowed: \('xla', 'xla_blocked', 'tokamax'\)"):
+  with pytest.raises(
+    ValueError, match=r"impl='triton' is unknown; allowed: \('xla', 'xla_blocked', 'tokamax', 'pallas'\)"
+  ):
     moe.routed_experts(x, w, ex, wg, wg, wd, impl='triton')
   with pytest.raises(
     ValueError,
@@ -267,8 +277,10 @@ def test_routed_experts_checks_its_inputs():
   assert moe.unsupported('tokamax', jnp.bfloat16, 1024, 512, platform='gpu') is None
   assert 'needs bfloat16 or float16 inputs, got float32' in moe.unsupported('tokamax', jnp.float32, 1024, 512, 'gpu')
   assert moe.unsupported('xla', jnp.float32, 7, 3) is None
-  assert set(moe.IMPLS) == {'xla', 'xla_blocked', 'tokamax'} and moe.IMPLS['tokamax'].gpu_only
-  assert not moe.IMPLS['xla'].gpu_only and not moe.IMPLS['xla_blocked'].gpu_only
+  assert "impl='pallas' needs expert hidden (24) to be a multiple of 16" in moe.unsupported('pallas', 'float32', 32, 24)
+  assert moe.unsupported('pallas', jnp.float32, 32, 48, platform='cpu') is None
+  assert set(moe.IMPLS) == {'xla', 'xla_blocked', 'tokamax', 'pallas'} and moe.IMPLS['tokamax'].gpu_only
+  assert not any(moe.IMPLS[name].gpu_only for name in ('xla', 'xla_blocked', 'pallas'))
   with pytest.raises(TypeError):
     moe.IMPLS['other'] = moe.IMPLS['xla']
 
@@ -356,13 +368,17 @@ def test_blocked_ragged_dot_gradients(m, sizes, dtype):
   assert 'scatter' not in grad.lower(lhs, rhs).as_text()
 
 
-def test_blocked_routed_experts_match_the_oracle():
+@pytest.mark.parametrize('impl,d,f', [('xla_blocked', 8, 6), ('pallas', 32, 16)])
+def test_blocked_routed_experts_match_the_oracle(impl, d, f):
+  """The padded layouts' routed experts (one custom VJP each) against the float64 oracle, the
+  output and the five gradients; 'pallas' interpreted, tiles of 16 rows (6 experts, 48 rows)."""
   rng = np.random.default_rng(4)
-  t, d, f, e, k = 24, 8, 6, 6, 2
+  t, e, k = 24, 6, 2
   logits, x, dy = _normal(rng, t, e), _normal(rng, t, d), _normal(rng, t, d)
   r = moe.route(logits, None, top_k=k, scaling_factor=2.0)
   ws = _expert_weights(rng, e, d, f)
-  fwd = lambda x, w, *ws: moe.routed_experts(x, w, r.experts_tk, *ws, impl='xla_blocked')
+  settings = PALLAS if impl == 'pallas' else None
+  fwd = lambda x, w, *ws: moe.routed_experts(x, w, r.experts_tk, *ws, impl=impl, settings=settings)
   y = jax.jit(fwd)(x, r.weights_tk, *ws)
   ref = np_routed_experts(x, r.weights_tk, np.asarray(r.experts_tk), *ws, np.asarray(dy))
   assert rel_max(y, ref[0]) < 2e-6
@@ -372,6 +388,33 @@ def test_blocked_routed_experts_match_the_oracle():
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, r.weights_tk, *ws)
     for got, want, name in zip(grads, ref[1:], ('x', 'weights', 'w_gate', 'w_up', 'w_down')):
       assert rel_max(got, want) < 2e-6, name
+
+
+@pytest.mark.parametrize(
+  'm,sizes',
+  [(60, (0, 19, 0, 8, 13)), (50, (5, 45, 0, 0))],
+  ids=['total_below_m', 'all_rows_last_groups_empty'],
+)
+def test_pallas_ragged_dot_matches_float64(m, sizes):
+  """'pallas' as a grouped matmul (the ragged_dot contract, kernels interpreted, tiles of 16 rows):
+  the groups' rows and both gradients against a float64 loop over the groups; rows past the groups'
+  total come out zero and their cotangent reaches nothing."""
+  rng = np.random.default_rng(13)
+  g, k, n = len(sizes), 32, 16
+  lhs, rhs, dy = _normal(rng, m, k), _normal(rng, g, k, n), _normal(rng, m, n)
+  sizes_g = jnp.asarray(sizes, jnp.int32)
+  ragged_dot = lambda a, b: moe.IMPLS['pallas'].ragged_dot(a, b, sizes_g, settings=PALLAS)
+  y = jax.jit(ragged_dot)(lhs, rhs)
+  dl, dr = jax.jit(jax.grad(lambda a, b: jnp.sum(ragged_dot(a, b) * dy), (0, 1)))(lhs, rhs)
+  want_dl, want_dr = _np_grouped_matmul_grads(lhs, rhs, sizes, dy)
+  total = sum(sizes)
+  starts = np.cumsum((0,) + sizes)
+  want = np.zeros((m, n))
+  for i in range(g):
+    want[starts[i] : starts[i + 1]] = np.asarray(lhs, np.float64)[starts[i] : starts[i + 1]] @ np.asarray(rhs[i])
+  assert y.shape == (m, n) and y.dtype == jnp.float32
+  assert rel_max(y, want) < 2e-6 and not np.any(np.asarray(y)[total:])
+  assert rel_max(dl, want_dl) < 2e-6 and rel_max(dr, want_dr) < 2e-6
 
 
 def _gathers(text):
@@ -426,18 +469,22 @@ MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
   ],
   ids=['data2xexpert4_tokens_over_data', 'fsdp2xexpert4_uneven', 'data4xtensor2'],
 )
-@pytest.mark.parametrize('impl', ['xla', 'xla_blocked'])
+@pytest.mark.parametrize('impl', ['xla', 'xla_blocked', pytest.param('pallas', marks=pytest.mark.long)])
 def test_sharded_op_matches_one_device(shape, token_axes, t, layout, impl):
   """The layer test (tests/layers/test_moe_layer.py) covers tokens split over 'expert' (all-gather /
-  reduce-scatter); these are the other layouts. Outputs and gradients of every input, float32."""
+  reduce-scatter); these are the other layouts. Outputs and gradients of every input, float32
+  ('pallas': D and F of 16, tiles of 16 rows)."""
   rng = np.random.default_rng(5)
-  d, f, e, k = 8, 6, 8, 3
+  (d, f), e, k = ((16, 16) if impl == 'pallas' else (8, 6)), 8, 3
+  settings = PALLAS if impl == 'pallas' else None
   x, logits, dy = _normal(rng, t, d), _normal(rng, t, e), _normal(rng, t, d)
   ws = _expert_weights(rng, e, d, f)
 
   def loss(x, logits, wg, wu, wd):
     r = moe.route(logits, None, top_k=k, scaling_factor=2.0)
-    y = moe.routed_experts(x, r.weights_tk, r.experts_tk, wg, wu, wd, impl=impl, token_axes=token_axes)
+    y = moe.routed_experts(
+      x, r.weights_tk, r.experts_tk, wg, wu, wd, impl=impl, token_axes=token_axes, settings=settings
+    )
     return jnp.sum(y * dy)
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
@@ -528,3 +575,39 @@ def test_tokamax_layer_forward_backward_bf16():
   assert abs(float(loss) - float(ref_loss)) <= 1e-2 * abs(float(ref_loss))
   for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(ref_g)):
     assert rel_rmse(got, want) <= 1e-2, jax.tree_util.keystr(path)
+
+
+# ----------------------------------------------------------------------------- GPU: pallas
+
+
+@pytest.mark.gpu
+def test_pallas_bf16_as_close_to_float32_as_xla_blocked():
+  """'pallas' compiled (Triton) in bf16 at the default tiles against 'xla' in float32 at full
+  precision: the output and the gradients of x, the weights and the three expert weights no
+  further off (relative RMSE) than 1.25x 'xla_blocked''s bf16 error + 1e-2; experts 3 and 7
+  receive no token and get exactly no gradient."""
+  dtype = jnp.bfloat16
+  rng = np.random.default_rng(8)
+  t, d, f, e, k = 4096, 256, 128, 16, 4
+  x, logits, dy = _normal(rng, t, d), _normal(rng, t, e), _normal(rng, t, d)
+  bias = jnp.zeros(e).at[jnp.asarray([3, 7])].set(-1e3)
+  r = moe.route(logits, bias, top_k=k, scaling_factor=2.446)
+  ws = tuple(w * d**-0.5 * 2 for w in _expert_weights(rng, e, d, f))
+
+  def run(impl, dtype):
+    def loss(x, w, wg, wu, wd):
+      y = moe.routed_experts(x.astype(dtype), w, r.experts_tk, *(a.astype(dtype) for a in (wg, wu, wd)), impl=impl)
+      return jnp.sum(y * dy), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, r.weights_tk, *ws)
+    return (y, *grads)
+
+  with jax.default_matmul_precision('highest'):
+    ref = run('xla', jnp.float32)
+  blocked, pallas = run('xla_blocked', dtype), run('pallas', dtype)
+  for got, base, want, name in zip(pallas, blocked, ref, ('y', 'x', 'weights', 'w_gate', 'w_up', 'w_down')):
+    assert np.all(np.isfinite(np.asarray(got, np.float32))), name
+    bound = 1.25 * rel_rmse(np.asarray(base, np.float32), want) + 1e-2
+    assert rel_rmse(np.asarray(got, np.float32), want) <= bound, name
+  for got in pallas[3:]:
+    assert not np.any(np.asarray(got, np.float32)[[3, 7]])

@@ -1,0 +1,33 @@
+"""Triton settings of the MoE grouped-matmul kernels (grouped.py). The config takes them as
+model.kernels.moe; the op as `routed_experts(..., impl='pallas', settings=MoeSettings(...))`. The
+defaults are untimed on a GPU (experiments/bench/bench_moe.py runs every implementation of
+kimijax/ops/moe.py's IMPLS)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kernels_pallas.common import Settings
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSettings(Settings):
+  """Rows per tile (block_m: also the padded layout's block, each expert's rows padded to whole
+  tiles), output columns per program (block_n), the contraction chunk (block_k), each a power of
+  two >= 16 (the dots' smallest side; block_n and block_k shrink to the largest power of two that
+  divides the dim); Triton warps and pipelining stages."""
+
+  FAMILY = 'moe pallas'
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  warps: int = 4
+  stages: int = 3
+
+  def __post_init__(self):
+    super().__post_init__()
+    for name in ('block_m', 'block_n', 'block_k'):
+      value = getattr(self, name)
+      if value < 16 or value & (value - 1):
+        raise ValueError(f'{self.FAMILY}: {name} must be a power of two >= 16, got {value}')

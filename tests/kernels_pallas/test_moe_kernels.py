@@ -1,0 +1,154 @@
+"""The MoE grouped-matmul Pallas kernels (kernels_pallas/moe/) interpreted on the CPU against
+float64 NumPy transcriptions over the padded layout of kimijax/ops/moe.py (tiles of 16 rows, an
+expert with no rows, trailing tiles past the last expert holding nonzero rows that must be
+ignored), their settings, and the Triton lowering of each for an H200. The op is tested against the
+float64 oracle in tests/ops/test_moe_ops.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.moe import expert_weight_grad, gate_up_swiglu, tile_matmul
+from kernels_pallas.moe.settings import MoeSettings
+from kimijax.ops import moe
+
+SETTINGS = MoeSettings(block_m=16, block_n=16, block_k=16)
+SIZES = (23, 0, 40, 9)  # E = 4 experts, the second with no row: 2 + 3 + 1 tiles, then 3 trailing ones
+
+
+def _layout(sizes=SIZES, b=16):
+  """The expert of each tile [tiles] (E past the last expert) and each slot's expert or -1 (padding)."""
+  sizes_g = jnp.asarray(sizes, jnp.int32)
+  layout = moe._blocked_layout(sum(sizes), sizes_g, b)
+  expert_t = np.asarray(layout.group_b)
+  src_p = np.asarray(layout.src_p)
+  owner_p = np.where(src_p < sum(sizes), np.repeat(expert_t, b), -1)
+  return expert_t, owner_p
+
+
+def _slot_rows(rng, owner_p, cols, trailing_value=1.0):
+  """[slots, cols] float32: random rows in the experts' slots, zero in padding slots of an expert's
+  last tile, `trailing_value` in the trailing tiles' slots (rows a kernel must not read)."""
+  rows = rng.standard_normal((owner_p.shape[0], cols))
+  expert_p = np.repeat(_layout()[0], 16)
+  rows = np.where((owner_p >= 0)[:, None], rows, 0.0)
+  rows = np.where((expert_p >= len(SIZES))[:, None], trailing_value, rows)
+  return jnp.asarray(rows, jnp.float32)
+
+
+def test_layout_has_an_empty_expert_and_trailing_tiles():
+  expert_t, owner_p = _layout()
+  assert list(expert_t) == [0, 0, 2, 2, 2, 3] + [4] * 3
+  assert np.sum(owner_p >= 0) == sum(SIZES)
+
+
+@pytest.mark.parametrize('transpose', [False, True])
+def test_tile_matmul_matches_float64(transpose):
+  rng = np.random.default_rng(0)
+  expert_t, owner_p = _layout()
+  k, n, e = 32, 48, len(SIZES)
+  a = _slot_rows(rng, owner_p, k)
+  w = jnp.asarray(rng.standard_normal((e, n, k) if transpose else (e, k, n)), jnp.float32)
+  out_dtype = jnp.float32 if transpose else None
+  got = tile_matmul(
+    a, w, jnp.asarray(expert_t), transpose=transpose, out_dtype=out_dtype, settings=SETTINGS, interpret=True
+  )
+  a64, w64 = np.asarray(a, np.float64), np.asarray(w, np.float64)
+  w64 = np.swapaxes(w64, 1, 2) if transpose else w64
+  expert_p = np.repeat(expert_t, 16)
+  want = np.stack([a64[p] @ w64[q] if q < e else np.zeros(n) for p, q in enumerate(expert_p)])
+  assert got.shape == (a.shape[0], n) and got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert not np.any(np.asarray(got)[expert_p == e])  # trailing tiles are zero whatever their rows hold
+
+
+def test_tile_matmul_keeps_the_dtype_of_its_rows():
+  rng = np.random.default_rng(1)
+  expert_t, owner_p = _layout()
+  a = _slot_rows(rng, owner_p, 16).astype(jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((4, 16, 32)), jnp.bfloat16)
+  got = tile_matmul(a, w, jnp.asarray(expert_t), settings=SETTINGS, interpret=True)
+  expert_p = np.repeat(expert_t, 16)
+  a64, w64 = np.asarray(a, np.float64), np.asarray(w, np.float64)
+  want = np.stack([a64[p] @ w64[q] if q < 4 else np.zeros(32) for p, q in enumerate(expert_p)])
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
+def test_gate_up_swiglu_matches_float64():
+  """gate|up [slots, 2F] and h = silu(gate) * up [slots, F]; D = 48 runs three contraction chunks
+  of 16 and F = 32 two output tiles of 16."""
+  rng = np.random.default_rng(2)
+  expert_t, owner_p = _layout()
+  d, f, e = 48, 32, len(SIZES)
+  x = _slot_rows(rng, owner_p, d)
+  w_in = jnp.asarray(rng.standard_normal((e, d, 2 * f)) * d**-0.5, jnp.float32)
+  gate_up, h = gate_up_swiglu(x, w_in, jnp.asarray(expert_t), settings=SETTINGS, interpret=True)
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w_in, np.float64)
+  expert_p = np.repeat(expert_t, 16)
+  want = np.stack([x64[p] @ w64[q] if q < e else np.zeros(2 * f) for p, q in enumerate(expert_p)])
+  gate, up = want[:, :f], want[:, f:]
+  want_h = gate / (1 + np.exp(-gate)) * up
+  assert gate_up.shape == (x.shape[0], 2 * f) and h.shape == (x.shape[0], f)
+  np.testing.assert_allclose(gate_up, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-5)
+  assert not np.any(np.asarray(gate_up)[expert_p == e]) and not np.any(np.asarray(h)[expert_p == e])
+
+
+def test_expert_weight_grad_matches_float64():
+  """Each expert's sum of a_tile^T b_tile over its tiles (expert 2 has three); zero for the expert
+  with no row; the trailing tiles' rows (nonzero here) reach nothing."""
+  rng = np.random.default_rng(3)
+  expert_t, owner_p = _layout()
+  k, n, e = 32, 48, len(SIZES)
+  a, b = _slot_rows(rng, owner_p, k), _slot_rows(rng, owner_p, n)
+  got = expert_weight_grad(a, b, jnp.asarray(expert_t), num_experts=e, settings=SETTINGS, interpret=True)
+  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  expert_p = np.repeat(expert_t, 16)
+  want = np.stack([a64[expert_p == q].T @ b64[expert_p == q] for q in range(e)])
+  assert got.shape == (e, k, n) and got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert not np.any(np.asarray(got)[1])
+
+
+def test_settings_are_checked():
+  s = MoeSettings.from_string('block_m=64/warps=8')
+  assert (s.block_m, s.warps, s.block_n) == (64, 8, 128) and hash(s) == hash(MoeSettings(block_m=64, warps=8))
+  with pytest.raises(ValueError, match='moe pallas: block_k must be a power of two >= 16, got 24'):
+    MoeSettings(block_k=24)
+  with pytest.raises(ValueError, match=r"moe pallas: unknown keys \['block'\]"):
+    MoeSettings.from_string('block=32')
+  x, w = jnp.zeros((4, 16)), jnp.zeros((4, 1))
+  wg, wd = jnp.zeros((2, 16, 16)), jnp.zeros((2, 16, 16))
+  with pytest.raises(TypeError, match='settings must be a MoeSettings'):
+    moe.routed_experts(x, w, jnp.zeros((4, 1), jnp.int32), wg, wg, wd, impl='pallas', settings={'block_m': 16})
+
+
+def test_kernels_lower_to_triton_for_an_h200():
+  """Each kernel (both forms of the tile matmul) goes through the Pallas Triton lowering for an H200
+  here, in bf16 at the default tiles, with D = 256 and F = 192 (output tiles of 64 where 128 does
+  not divide)."""
+  from experiments.tools.triton_report import lower_for_h200
+
+  s, d, f, e = 1024, 256, 192, 4
+  bf16, sds = jnp.bfloat16, jax.ShapeDtypeStruct
+  expert_t = sds((s // MoeSettings().block_m,), jnp.int32)
+  cases = [
+    ('moe_tile_matmul', lambda a, w, t: tile_matmul(a, w, t, settings=MoeSettings()), (s, d), (e, d, f)),
+    (
+      'moe_tile_matmul',
+      lambda a, w, t: tile_matmul(a, w, t, transpose=True, out_dtype=jnp.float32, settings=MoeSettings()),
+      (s, d),
+      (e, f, d),
+    ),
+    ('moe_gate_up_swiglu', lambda a, w, t: gate_up_swiglu(a, w, t, settings=MoeSettings()), (s, d), (e, d, 2 * f)),
+    (
+      'moe_expert_weight_grad',
+      lambda a, b, t: expert_weight_grad(a, b, t, num_experts=e, settings=MoeSettings()),
+      (s, d),
+      (s, 2 * f),
+    ),
+  ]
+  for name, fn, a_shape, b_shape in cases:
+    assert name in lower_for_h200(fn, sds(a_shape, bf16), sds(b_shape, bf16), expert_t), name
