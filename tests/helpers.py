@@ -2,6 +2,7 @@
 steps on a mesh. The float64 oracles the tests compare against are in tests/oracles.py."""
 
 import contextlib
+import os
 
 import flax.linen as nn
 import jax
@@ -13,6 +14,23 @@ from kimijax import config as config_lib
 from kimijax.model import Transformer
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.step import build_training
+
+# ----------------------------------------------------------------------------- child processes
+
+
+def cpu_subprocess_env(**extra: str) -> dict:
+  """This process's environment for a child process on one CPU device: JAX_PLATFORMS=cpu and
+  XLA_FLAGS without conftest's 8 fake devices (its other flags kept), then `extra`."""
+  flags = [
+    f for f in os.environ.get('XLA_FLAGS', '').split() if not f.startswith('--xla_force_host_platform_device_count')
+  ]
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  if flags:
+    env['XLA_FLAGS'] = ' '.join(flags)
+  env['JAX_PLATFORMS'] = 'cpu'
+  env.update(extra)
+  return env
+
 
 # ----------------------------------------------------------------------------- a tiny model
 

@@ -1,7 +1,6 @@
 """kimijax/config.py and kimijax/schema.py: the declarations, the checks derived from them, the rules
 between keys, and loading a config file by path with variants and overrides."""
 
-import os
 import pathlib
 import re
 import subprocess
@@ -10,6 +9,7 @@ import sys
 import ml_collections
 import pytest
 from absl import flags
+from helpers import cpu_subprocess_env
 from tiny_config import TINY
 
 from kimijax import config as config_lib, schema
@@ -464,8 +464,7 @@ def test_validate_rejects_bad_config(override, fragments):
 
 
 def run_py(workdir, flags):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device, not 8 fake
-  env['JAX_PLATFORMS'] = 'cpu'
+  env = cpu_subprocess_env()
   command = [
     sys.executable,
     str(ROOT / 'run.py'),
@@ -492,8 +491,7 @@ def test_run_py_rejects_bad_config_before_training(tmp_path):
 
 
 def test_run_py_takes_integral_floats_and_names_a_bad_type_in_one_line():
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  env['JAX_PLATFORMS'] = 'cpu'
+  env = cpu_subprocess_env()
   base = [sys.executable, str(ROOT / 'run.py'), '--mode=config', '--config=configs/default.py']
   procs = [
     subprocess.Popen(base + [flag], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -2,12 +2,12 @@
 whose segment ids and positions reach the model, and the flag's errors."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from helpers import cpu_subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = [
@@ -27,8 +27,7 @@ TINY = [
 def bench(tmp_path, *extra):
   out = tmp_path / 'bench.json'
   cmd = [sys.executable, '-m', 'experiments.bench.bench_train', *TINY, f'--json_out={out}', *extra]
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device, not 8 fake
-  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600), out
+  return subprocess.run(cmd, cwd=ROOT, env=cpu_subprocess_env(), capture_output=True, text=True, timeout=600), out
 
 
 @pytest.mark.long  # ~50 s

@@ -10,6 +10,7 @@ import statistics
 
 import jax
 import pytest
+from helpers import cpu_subprocess_env
 from tiny_config import make_config
 
 from experiments import runs, sweep
@@ -145,7 +146,6 @@ def test_sweep_eval_and_generate_on_bpe_shards_with_document_masking(tmp_path):
   the tokenizer's vocabulary taken by model.vocab_size=0, documents kept apart in a hybrid (KDA and
   attention); the sweep trains, reports epochs of the manifest's training tokens and the loss by
   position; --mode=eval and --mode=generate read the run's tokenizer."""
-  import os
   import subprocess
   import sys
 
@@ -182,12 +182,12 @@ def test_sweep_eval_and_generate_on_bpe_shards_with_document_masking(tmp_path):
   assert stored['model']['vocab_size'] == 640 and stored['data']['document_mask'] is True
   assert evaluate_run(run_dir, 1)['eval_loss'] == pytest.approx(run['final_eval_loss'], rel=1e-4)
 
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cpu_subprocess_env()
   generated = subprocess.run(
     [sys.executable, 'run.py', '--mode=generate', f'--workdir={run_dir}', '--prompt=def ', '--max_new_tokens=6'],
     capture_output=True,
     text=True,
-    env={**env, 'JAX_PLATFORMS': 'cpu'},
+    env=env,
     cwd=str(pathlib.Path(__file__).resolve().parents[2]),
   )
   assert generated.returncode == 0, generated.stderr[-2000:]

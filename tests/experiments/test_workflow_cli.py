@@ -4,12 +4,12 @@ need --helpfull), and an ablation takes --config.KEY=VALUE overrides of its base
 does, refusing an unknown key or a key its arms set with one line, before any training."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from helpers import cpu_subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ABLATION_FLAGS = ['--scale', '--workdir', '--seeds', '--arms', '--publish']
@@ -34,9 +34,7 @@ WORKFLOWS = {
 
 
 def _env():
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  env['JAX_PLATFORMS'] = 'cpu'
-  return env
+  return cpu_subprocess_env()
 
 
 def _popen(args):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import cpu_subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY_FLAGS = [
@@ -26,9 +27,7 @@ TINY_FLAGS = [
 
 
 def _env():
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device
-  env['JAX_PLATFORMS'] = 'cpu'
-  return env
+  return cpu_subprocess_env()
 
 
 def _free_port() -> int:

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import CACHE_OPTIONS, persistent_compile_cache
+from helpers import CACHE_OPTIONS, cpu_subprocess_env, persistent_compile_cache
 from tiny_config import TINY, make_config
 
 from kimijax.train.checkpoint import CheckpointError
@@ -152,8 +152,7 @@ def run_py_command(workdir, flags):
 
 
 def subprocess_env(cache_dir):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device, not 8 fake
-  env['JAX_PLATFORMS'] = 'cpu'
+  env = cpu_subprocess_env()
   env.update({name.upper(): str(value) for name, value in CACHE_OPTIONS.items()})
   env['JAX_COMPILATION_CACHE_DIR'] = cache_dir
   return env

@@ -3,7 +3,6 @@ completes, the run exits 130 naming the step reached and the last complete check
 workdir lock is released."""
 
 import json
-import os
 import pathlib
 import re
 import signal
@@ -12,6 +11,7 @@ import sys
 import time
 
 import pytest
+from helpers import cpu_subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLAGS = [
@@ -32,8 +32,7 @@ FLAGS = [
 
 @pytest.mark.slow
 def test_sigint_exits_130_with_step_and_last_checkpoint(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  env['JAX_PLATFORMS'] = 'cpu'
+  env = cpu_subprocess_env()
   command = [sys.executable, str(ROOT / 'run.py'), '--config=configs/default.py', f'--workdir={tmp_path}'] + FLAGS
   proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   metrics = tmp_path / 'metrics.jsonl'
@@ -68,8 +67,7 @@ SIGTERM_FLAGS = [
 
 
 def _run_py(workdir, flags=SIGTERM_FLAGS):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  env['JAX_PLATFORMS'] = 'cpu'
+  env = cpu_subprocess_env()
   command = [sys.executable, str(ROOT / 'run.py'), '--config=configs/default.py', f'--workdir={workdir}'] + flags
   return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

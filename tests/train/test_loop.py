@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import cpu_subprocess_env
 from tiny_config import TINY, make_config
 
 from kimijax.model import Transformer
@@ -40,8 +41,7 @@ def read_metrics(workdir):
 
 
 def run_py(workdir, flags, **kwargs):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one CPU device, not 8 fake
-  env['JAX_PLATFORMS'] = 'cpu'
+  env = cpu_subprocess_env()
   command = [
     sys.executable,
     str(ROOT / 'run.py'),

@@ -10,7 +10,6 @@ processes, then one, then two again) and still follow the single-process curve.
 """
 
 import importlib.util
-import os
 import pathlib
 import re
 import subprocess
@@ -20,7 +19,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import eval_losses, run_py_args, tiny_run_overrides, train_losses
+from helpers import cpu_subprocess_env, eval_losses, run_py_args, tiny_run_overrides, train_losses
 
 from kimijax import config as config_lib
 from kimijax.model import Transformer
@@ -52,12 +51,8 @@ def free_port() -> int:
 
 
 def child_env() -> dict:
-  """The test process's env without the 8-fake-device XLA_FLAGS: each child sees 1 CPU device."""
-  env = dict(os.environ)
-  env.pop('XLA_FLAGS', None)
-  env['JAX_PLATFORMS'] = 'cpu'
-  env['PYTHONUNBUFFERED'] = '1'
-  return env
+  """Each child sees 1 CPU device and writes its output unbuffered."""
+  return cpu_subprocess_env(PYTHONUNBUFFERED='1')
 
 
 def command(workdir, steps, *extra):
