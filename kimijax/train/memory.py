@@ -15,9 +15,9 @@ The estimate is a sum of the arrays a step keeps alive at its peak, per device:
                  SwiGLU: gate, up and their product                    3 c F
                    (MoE: the num_shared experts' as a SwiGLU,          3 c F_e s
                    plus the top_k routed rows' gate|up with             + 2 c F_e k
-                   model.moe.impl='xla_blocked', else their gate,       + 3 c F_e k + c k D
-                   up, product and input copies; with model.moe.remat  + c D
-                   only the routed experts' input)
+                   model.moe.impl='xla_blocked' or 'pallas', else       + 3 c F_e k + c k D
+                   their gate, up, product and input copies; with       + c D
+                   model.moe.remat only the routed experts' input)
                  attention: q, k, v and the output                     c (2 H Dh + 2 Hkv Dh)
                    with model.attn_impl='xla' also the logits and      8 H T (float32, all T keys)
                    the probabilities
