@@ -383,15 +383,17 @@ def kda_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
 
 
 def portable(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """A copy of the model config with the implementations that run on any machine ('xla' attention
-  and AttnRes, 'xla' KDA unless 'xla_recurrent', 'xla' short convs and MLA decoding): same parameters, so shapes and
-  counts of a GPU config can be traced on a CPU."""
+  """A copy of the model config with XLA implementations of the same maths, which run at speed on
+  any machine ('xla' attention, AttnRes, short convs and MLA decoding; 'xla' KDA unless
+  'xla_recurrent'; 'xla_blocked' grouped matmuls unless 'xla'): the same parameters, so a GPU
+  config's shapes and counts are traced, and a GPU run evaluates and generates, on a CPU."""
   model = model.copy_and_resolve_references()
   model.attn_impl, model.attnres_impl = 'xla', 'xla'
   if model.kda_impl not in ('xla', 'xla_recurrent'):
     model.kda_impl = 'xla'
   model.short_conv_impl = model.mla_decode_impl = 'xla'
-  model.moe.impl = 'xla'
+  if model.moe.impl not in ('xla', 'xla_blocked'):
+    model.moe.impl = 'xla_blocked'
   return model
 
 

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kimijax import config as config_lib
 from kimijax.infer.cache import init_cache
 from kimijax.infer.sampling import sample
 from kimijax.model import Transformer, as_variables, inference_variables
@@ -188,14 +189,11 @@ def timed_generate(model: nn.Module, params, prompt_bt, *, max_new_tokens: int, 
 def load_for_generation(workdir):
   """(config, model, params) from the latest checkpoint in workdir (its config.json), laid out
   data-parallel over this host's devices; params as generate takes them (with the MoE biases for
-  a model with MoE layers). Off a GPU, the run's GPU implementations become portable ones (attn_impl
-  'cudnn' or 'tokamax', attnres_impl 'pallas' and mla_decode_impl 'pallas' become 'xla'; moe.impl
-  'tokamax' becomes 'xla_blocked'), so a GPU run generates on a CPU."""
+  a model with MoE layers). Off a GPU, the run's implementations become XLA ones
+  (kimijax.config.portable: the same parameters), so a GPU run generates on a CPU."""
   config = load_run_config(workdir)
   if jax.default_backend() != 'gpu':
-    config.model.attn_impl = config.model.attnres_impl = config.model.mla_decode_impl = 'xla'
-    if config.model.moe.impl == 'tokamax':
-      config.model.moe.impl = 'xla_blocked'
+    config.model = config_lib.portable(config.model)
   model = Transformer(config.model)
   state, _ = restore_latest_state(workdir, config, model, mesh_lib.make_mesh(config.mesh))
   return config, model, inference_variables(state.params, state.moe_state)

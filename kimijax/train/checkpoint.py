@@ -33,7 +33,9 @@ MAY_DIFFER = (
   'model.short_conv_impl',
   'model.kda_recompute_projections',
   'model.attnres_impl',
+  'model.mla_decode_impl',
   'model.moe.impl',
+  'model.moe.remat',
   'model.remat',
   'model.kernels',
 )

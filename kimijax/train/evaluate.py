@@ -3,7 +3,7 @@
     result = evaluate_run('runs/default')   # {'step', 'eval_loss', 'eval_batches', 'tokens'}
 
 The run's config.json decides the data and model; the mesh is data-parallel over this host's
-devices (and GPU-only implementation choices become 'xla' off a GPU, as for generation). Each
+devices (and off a GPU the implementations become kimijax.config.portable's, as for generation). Each
 call appends one line to DIR/eval.jsonl; metrics.jsonl, the checkpoints and TensorBoard are left
 as training wrote them.
 """
@@ -16,6 +16,7 @@ import time
 
 import jax
 
+from kimijax import config as config_lib
 from kimijax.data import eval_batches
 from kimijax.model import Transformer, inference_variables
 from kimijax.parallel import mesh as mesh_lib
@@ -30,7 +31,7 @@ def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None) ->
   workdir = pathlib.Path(workdir)
   config = load_run_config(workdir)
   if jax.default_backend() != 'gpu':
-    config.model.attn_impl = config.model.attnres_impl = config.model.moe.impl = 'xla'
+    config.model = config_lib.portable(config.model)
   num_batches = num_batches or config.train.eval_batches
   batches = eval_batches(config, num_batches)  # fails on bad data before the restore
   # Data-parallel over as many of this host's devices as divide the batch (the run may have

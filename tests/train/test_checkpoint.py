@@ -18,6 +18,7 @@ import pytest
 from helpers import CACHE_OPTIONS, cpu_subprocess_env, persistent_compile_cache
 from tiny_config import TINY, make_config
 
+from kimijax import config as config_lib
 from kimijax.train.checkpoint import CheckpointError
 from kimijax.train.loop import train
 
@@ -282,25 +283,32 @@ def test_mismatched_config_stops_before_training(reference, tmp_path):
 # ------------------------------------------------------- 5. generation from a trained run
 
 
-def test_generation_loads_a_gpu_run_on_the_cpu(reference, tmp_path):
-  """run.py --mode=generate's loader on a run whose config.json says cuDNN attention, Pallas
-  AttnRes and MLA decoding, tokamax's grouped matmul and remat, as a GPU run's would: on the CPU it
-  switches to the portable implementations and restores the
-  checkpoint anyway (implementation keys need not match the checkpoint's config); the params are
-  the saved arrays bit for bit and greedy generation gives what the run's own config gives."""
+def test_a_gpu_run_evaluates_and_generates_on_the_cpu(reference, tmp_path):
+  """run.py --mode=eval's and --mode=generate's loaders on a run trained with a GPU config's
+  implementations (configs_common.gpu_kernels, cuDNN attention, Pallas AttnRes, tokamax's grouped
+  matmul, remat), written both into config.json and into the checkpoint's own saved config: on the
+  CPU both switch to the XLA implementations and restore the checkpoint (implementation keys need
+  not match the saved config); the params are the saved arrays bit for bit, greedy generation gives
+  what the run's own config gives, and so does the eval loss."""
+  from kimijax.configs_common import gpu_kernels
   from kimijax.infer.generate import generate, load_for_generation
+  from kimijax.train.evaluate import evaluate_run
 
   workdir = tmp_path / 'w'
   shutil.copytree(reference, workdir)
-  saved = json.loads((workdir / 'config.json').read_text())
-  saved['model'].update(attn_impl='cudnn', attnres_impl='pallas', mla_decode_impl='pallas', remat=True)
-  saved['model']['moe']['impl'] = 'tokamax'
-  (workdir / 'config.json').write_text(json.dumps(saved))
+  gpu = config_lib.base_config().model
+  gpu_kernels(gpu, attn_impl='cudnn')
+  implementations = {k: gpu[k] for k in ('attn_impl', 'kda_impl', 'short_conv_impl', 'mla_decode_impl')}
+  for path in (workdir / 'config.json', workdir / 'checkpoints' / '8' / 'config' / 'metadata'):
+    saved = json.loads(path.read_text())
+    saved['model'].update(implementations, attnres_impl='pallas', remat=True)
+    saved['model']['moe'].update(impl='tokamax', remat=True)
+    path.write_text(json.dumps(saved))
 
   config, model, params = load_for_generation(workdir)
   m = config.model
-  impls = (m.attn_impl, m.attnres_impl, m.mla_decode_impl, m.moe.impl)
-  assert impls == ('xla', 'xla', 'xla', 'xla_blocked') and m.remat
+  impls = (m.attn_impl, m.kda_impl, m.short_conv_impl, m.attnres_impl, m.mla_decode_impl, m.moe.impl)
+  assert impls == ('xla', 'xla', 'xla', 'xla', 'xla', 'xla_blocked') and m.remat and m.moe.remat
   on_disk = saved_arrays(workdir, 8)
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     np.testing.assert_array_equal(np.asarray(leaf), on_disk["['params']" + jax.tree_util.keystr(path)])
@@ -309,3 +317,6 @@ def test_generation_loads_a_gpu_run_on_the_cpu(reference, tmp_path):
   prompt = np.array([[5, 9, 2, 7]], np.int32)
   greedy = lambda m, p: generate(m, p, prompt, max_new_tokens=6, temperature=0.0)
   np.testing.assert_array_equal(greedy(model, params), greedy(ref_model, ref_params))
+
+  copy = shutil.copytree(reference, tmp_path / 'reference')  # evaluate_run appends to DIR/eval.jsonl
+  assert evaluate_run(workdir)['eval_loss'] == pytest.approx(evaluate_run(copy)['eval_loss'], rel=1e-6)
