@@ -3,7 +3,7 @@ layer, trained with Muon (Moonlight-16B-A3B, arXiv 2502.16982; docs/moe.md).
 
 Run:      python run.py --config=configs/moonlight_small.py --workdir=runs/moonlight_small
 Variants: :gpu      one H200: d 768, 12 layers, 64 routed experts top-6 + 2 shared of hidden 512
-                    (Moonlight's 64 / 6 / 2, expert hidden ~0.69 d, dense hidden 5.5 d; 147M
+                    (Moonlight's 64 / 6 / 2; expert hidden 2/3 d against its 0.69 d, dense 5.5 d; 147M
                     active of 899M), bf16, tokamax attention, the 'xla_blocked' grouped matmul,
                     the site-packages corpus, 2000 steps of 16 x 2048 tokens
           :adamw    AdamW instead of Muon (Moonlight's comparison)
