@@ -17,23 +17,35 @@ Ladders (the file's variants, one at a time; each with its expected result and i
   gpu_hybrid   the gpu rungs x {all attention, 3:1 KDA:attention}, KDA on the fused Pallas kernels;
                depth 4 * ceil(d / 256) so that every rung holds whole 'KKKA' groups; about 20 min
                on one H200 (experiments/results/ladder_hybrid.md)
+  smoke_moe    the smoke rungs x {dense, moe}, both with Muon, the moe arm of gpu_moe (MOE_ARM) on the
+               'xla_blocked' grouped matmul (XLA:CPU runs lax.ragged_dot many times slower): 6 runs
+               in about 3.5 min on a 2-core CPU with other jobs beside them; moe's eval loss beside
+               dense's at every rung (the same tokens and active parameters), its compute
+               multiplier below 1, Muon's Newton-Schulz on all 16 experts being a large share of its
+               compute at these widths (experiments/results/ladder_smoke_moe.md)
   gpu_moe      the gpu rungs x {dense, moe}, both with Muon: every MLP a Mixture-of-Experts of 16
                routed experts, top-2, + 1 shared, expert hidden d (so a token's 3 experts are as
                wide as the dense SwiGLU's 3 d), sigmoid routing renormalised and scaled by 2.446
-               (the released factor), the bias update at 1e-3, no balance loss, the 'xla_blocked'
-               grouped matmul; dense = gpu's muon rungs (copy runs/ladder_gpu/muon to DIR/dense to reuse
-               them); about 15 min of rung wall time for the moe arm on one H200 (an estimate, not
-               yet measured; the report is published with --publish=experiments/results/ladder_moe)
+               (the released factor), the bias update at its default 1e-3, no balance loss, the
+               'xla_blocked' grouped matmul. Run both arms in one workdir: the site-packages corpus
+               is whatever the machine has installed, so rungs trained on another machine or day
+               (runs/ladder_gpu/muon) need not have seen the same data. About 7 min of rung wall
+               time for dense (the gpu ladder's muon arm) and about 15 min for moe (an estimate, not
+               yet measured) on one H200, over calls of --time_budget_s=540 that resume; the report
+               is published with --publish=experiments/results/ladder_moe
 
 Rule for every ladder: width d sets the rest. Depth = d / 64 layers (smoke: d / 16), heads = d / 64
 (head dim 64; smoke: 16), SwiGLU width 3 d, byte vocabulary 258 (tied embeddings). Tokens per
 rung = tokens_per_param x N, with N the baseline variant's active parameter count (its total
 for a dense model), so every variant of a rung sees the same tokens; steps = ceil(tokens /
-(batch x seq_len)). MoE (gpu_moe): rungs are matched on active parameters (the active
-non-embedding parameters of the two arms of a rung differ only by the routers' 16 d per layer,
-< 0.2%), tokens are per active parameter, and compute is counted on active parameters
-(kimijax/train/flops.py), so the multiplier is MoE's at equal active compute; the moe arm's MLPs
-hold 17 / 3 = 5.7x their active parameters. Learning rate per rung:
+(batch x seq_len)). MoE (smoke_moe, gpu_moe): rungs are matched on active parameters (the two
+arms of a rung differ only by the routers' 16 d per layer, about 1.2 / d of a layer's
+parameters: 2-4% in smoke_moe, 0.3-1% in gpu_moe), tokens are per active parameter, and the
+model's compute is counted on active parameters (kimijax/train/flops.py), so the arms of a rung
+have nearly the same model FLOPs. Muon's Newton-Schulz, part of C too, runs on every expert, active or
+not, so the moe arm's C is the larger by that: ~d^3 per expert matrix per step against the
+model's ~d^2 per token, the most where a step holds few tokens (smoke_moe's 1-2k). The moe arm's
+MLPs hold 17 / 3 = 5.7x their active parameters. Learning rate per rung:
 lr(d) = lr_256 * sqrt(256 / d) (lr_256 = 3e-3, the CPU default's tuned lr at d = 256), warmup 5%
 of the steps, cosine to 10%. Muon uses the same lr (Moonlight's update-RMS matching,
 docs/optimizers.md#muon). Batch per rung is in its entry. Nothing here is tuned per variant.
@@ -113,27 +125,43 @@ def _gpu_hybrid(c: ml_collections.ConfigDict) -> None:
   c.baseline = 'attention'
 
 
-def _gpu_moe(c: ml_collections.ConfigDict) -> None:
-  _gpu(c)
-  muon = ('optimizer.name', 'muon')
-  c.variants = {
-    'dense': (muon,),
-    'moe': (
-      muon,
-      ('model.mlp_kind', 'moe'),
-      ('model.moe.num_experts', 16),
-      ('model.moe.top_k', 2),
-      ('model.moe.num_shared', 1),
-      ('model.moe.expert_hidden', 0),  # mlp_dim // (top_k + num_shared) = d
-      ('model.moe.first_dense_layers', 0),  # 2-6 layers: a dense first layer would be a third to half of them
-      ('model.moe.scaling_factor', 2.446),
-    ),
-  }
+# The moe arm of gpu_moe and smoke_moe: every MLP (no dense first layer: the rungs have 2-6 layers,
+# a dense first one would be a third to half of them) 16 routed experts top-2 + 1 shared of hidden
+# mlp_dim // 3 = d, sigmoid routing renormalised and scaled by Moonlight's and Kimi Linear's 2.446,
+# the bias update at its default rate, no balance loss. The grouped matmul is the ladder's base
+# model.moe.impl.
+MOE_ARM = (
+  ('model.mlp_kind', 'moe'),
+  ('model.moe.num_experts', 16),
+  ('model.moe.top_k', 2),
+  ('model.moe.num_shared', 1),
+  ('model.moe.expert_hidden', 0),  # mlp_dim // (top_k + num_shared) = d
+  ('model.moe.first_dense_layers', 0),
+  ('model.moe.scaling_factor', 2.446),
+)
+
+
+def _dense_and_moe(c: ml_collections.ConfigDict) -> None:
+  """{dense, moe}, both with Muon, on the ladder's rungs; baseline dense."""
+  muon = OPTIMIZERS['muon']
+  c.variants = {'dense': muon, 'moe': (*muon, *MOE_ARM)}
   c.baseline = 'dense'
+
+
+def _smoke_moe(c: ml_collections.ConfigDict) -> None:
+  _smoke(c)
+  c.base.model.moe.impl = 'xla_blocked'  # lax.ragged_dot ('xla') runs many times slower on XLA:CPU
+  _dense_and_moe(c)
+
+
+def _gpu_moe(c: ml_collections.ConfigDict) -> None:
+  _gpu(c)  # its kernels include model.moe.impl = 'xla_blocked' (configs_common.gpu_kernels)
+  _dense_and_moe(c)
 
 
 VARIANTS = {
   'smoke': _smoke,
+  'smoke_moe': _smoke_moe,
   'gpu': _gpu,
   'gpu_attnres': _gpu_attnres,
   'gpu_hybrid': _gpu_hybrid,

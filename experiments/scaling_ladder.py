@@ -156,6 +156,12 @@ def _params_cell(r: dict) -> str:
   return f'{r["params"]:,}' + (f' ({active:,} active)' if active != r['params'] else '')
 
 
+def _params_text(step_flops: dict) -> str:
+  """'N params', and ', M active' where they differ (MoE), for the line before each rung."""
+  n, active = step_flops['params'], step_flops['active_params']
+  return f'{n:,} params' + (f', {active:,} active' if active != n else '')
+
+
 def _rung_row(r: dict) -> dict:
   figs = r['figures']
   return {
@@ -389,7 +395,7 @@ def run_ladder(
         break
     print(
       f'ladder: rung {n} of {len(runs)}: {run["variant"]} {run["rung"]["name"]} '
-      f'({run["step_flops"]["params"]:,} params, {run["config"].train.steps} steps, {total:.3g} FLOPs); '
+      f'({_params_text(run["step_flops"])}, {run["config"].train.steps} steps, {total:.3g} FLOPs); '
       f'{eta_text(predict_seconds(model, remaining))}',
       flush=True,
     )

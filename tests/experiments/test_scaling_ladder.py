@@ -153,7 +153,7 @@ def test_a_run_saved_under_a_former_key_name_is_the_same_run(tmp_path):
 
 
 @pytest.mark.parametrize(
-  'name', ['smoke', 'gpu', 'gpu_attnres', 'gpu_hybrid', 'gpu_moe'], ids=lambda n: f'ladder_{n}'
+  'name', ['smoke', 'smoke_moe', 'gpu', 'gpu_attnres', 'gpu_hybrid', 'gpu_moe'], ids=lambda n: f'ladder_{n}'
 )  # an id 'gpu' would mark it GPU-only
 def test_every_named_ladder_plans_by_its_rule(tmp_path, name):
   """Every rung of every ladder is a valid config (GPU ones too, counted on the CPU), tokens are
@@ -171,6 +171,30 @@ def test_every_named_ladder_plans_by_its_rule(tmp_path, name):
     assert m.d_model // m.num_heads in (16, 64) and m.mlp_dim == 3 * m.d_model
   widths = [r['config'].model.d_model for r in base_runs]
   assert widths == sorted(widths)
+
+
+@pytest.mark.parametrize(
+  'name,platform', [('smoke_moe', 'cpu'), ('gpu_moe', 'gpu')], ids=['ladder_smoke_moe', 'ladder_gpu_moe']
+)  # an id 'gpu' would mark it GPU-only
+def test_moe_ladders_match_the_arms_on_active_parameters(tmp_path, name, platform):
+  """dense against moe: the same tokens per rung, active parameters apart by the routers alone
+  (D x 16 per layer), the 14 idle experts' 3 D F (F = D) per layer on top of them in the total,
+  the same moe arm in both ladders, and a grouped matmul that runs on the ladder's platform."""
+  from kimijax.ops import moe as moe_ops
+
+  ladder = get_config(name)
+  assert ladder.baseline == 'dense' and ladder.variants['moe'] == get_config('gpu_moe').variants['moe']
+  planned = {(r['variant'], r['rung']['name']): r for r in scaling_ladder.plan(ladder, tmp_path)}
+  for rung_ in ladder.rungs:
+    dense, moe = planned['dense', rung_['name']], planned['moe', rung_['name']]
+    assert dense['config'].train.steps == moe['config'].train.steps
+    assert dense['config'].optimizer.name == moe['config'].optimizer.name == 'muon'
+    d, layers = rung_['d_model'], rung_['num_layers']
+    assert moe['step_flops']['active_params'] - dense['step_flops']['params'] == layers * 16 * d
+    assert moe['step_flops']['params'] - moe['step_flops']['active_params'] == layers * 14 * 3 * d * d
+    m = moe['config'].model
+    assert moe_ops.unsupported(m.moe.impl, m.compute_dtype, m.d_model, d, platform=platform) is None
+    assert m.moe.impl == 'xla_blocked'  # on a CPU many times faster than 'xla' (experiments/results/moe.md)
 
 
 def test_a_run_saved_before_a_key_changed_type_reads_as_the_same_config(tmp_path):
