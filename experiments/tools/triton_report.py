@@ -1,25 +1,47 @@
-"""Registers, spills, shared memory and instruction mix of the AttnRes Pallas kernels, from their
+"""Registers, spills, shared memory and instruction mix of the Pallas kernels of one op, from their
 Triton compilation for an H200, on a machine without a GPU.
 
     pip install triton==3.6.0      # once: Triton's compiler with its ptxas and cuobjdump
-    python -m experiments.tools.triton_report [--sources=8] [--queries=6] [--dtype=bfloat16] \
-        [--phase1_tiles=bt_grads=16/dc_grads=64] [--merge_tiles=...] [--out_dir=DIR]
+    python -m experiments.tools.triton_report [--op=attnres] [--sources=8] [--queries=6] \
+        [--phase1_tiles=bt_grads=16/dc_grads=64] [--merge_tiles=...]
+    python -m experiments.tools.triton_report --op=kda [--batch=16 --seq_len=4096 --heads=8 --head_dim=128]
+    python -m experiments.tools.triton_report --op=short_conv [--batch=16 --seq_len=4096 --heads=8 --head_dim=128]
+    python -m experiments.tools.triton_report --op=mla_decode [--batch=16 --heads=8 --context=131072 \
+        --rank=512 --rope_dim=64]
+    python -m experiments.tools.triton_report --op=moe [--tokens=65536 --d_model=1024 --experts=64 \
+        --top_k=8 --expert_hidden=512] [--settings=block_m=64/stages=2]
 
-It lowers one block's kernels for an H200 through jax.export (phase 1 of n sources for S
-queries, then merge_norm of its first output, forward and backward), at the bench_350m shape
-by default. pallas_call(debug=True) prints each kernel's Triton IR during that lowering; each IR
-is compiled in a subprocess (--triton_python: a Python with `triton`, this one by default) for
-sm_90 with the kernel's own warps and stages, then read with `ptxas -v` (registers, spills) and
-`cuobjdump -sass` (instruction counts). XLA builds the running kernels with its own fork of
-Triton, so these figures are close to theirs, not equal. --out_dir keeps each kernel's IR,
-PTX and SASS. Its figures for the AttnRes kernels: experiments/results/bench_attnres.md.
+with [--dtype=bfloat16] [--triton_python=PYTHON] [--out_dir=DIR] for every op. Each op runs at its
+benchmark shape by default, its kernels at the settings of its family, changed by --settings
+('key=int/key=int' of KdaSettings, ShortConvSettings, MlaDecodeSettings or MoeSettings; AttnRes
+takes --phase1_tiles and --merge_tiles):
+
+  attnres     one block's kernels, forward and backward: phase 1 of n sources for S queries, then
+              merge_norm of its first output (bench_350m's shape: M = 16 x 4096 rows of D = 1024)
+  kda         kda(impl='pallas') as the KDA layer calls it in training, the decay gate's
+              pre-activation with a_log and dt_bias (fused into the kernels), forward and backward
+              (the hybrid step's (16, 4096, 8 heads, 128))
+  short_conv  short_conv(impl='pallas') with the silu_l2 activation (the KDA layer's q and k),
+              forward and backward, at the same shape
+  mla_decode  mla_decode(impl='pallas'), one decode step (no backward): batch 16, 8 heads, latent
+              rank 512, 64 decoupled dims, a cache of 131072 positions
+  moe         routed_experts(impl='pallas'), forward and backward: 65,536 tokens of d 1024, 64
+              experts top-8, expert hidden 512
+
+The op's jitted value (and gradient) is lowered for an H200 through jax.export, its kernels forced
+to the Triton lowering (not interpret mode) on this machine; every distinct Triton custom call of
+the module gives one kernel: its Triton IR (verified by jaxlib's Triton dialect: an IR that does
+not verify is an error naming the kernel) and its warps, stages and grid. Each IR is compiled in a
+subprocess (--triton_python: a Python with `triton`, this one by default) for sm_90 with the
+kernel's own warps and stages, then read with `ptxas -v` (registers, spills) and `cuobjdump -sass`
+(instruction counts). XLA builds the running kernels with its own fork of Triton, so these figures
+are close to theirs, not equal. --out_dir keeps each kernel's IR, PTX and SASS. An H200 SM has
+228 KB of shared memory (227 KB at most per block) and 65536 registers (255 at most per thread).
+Figures: experiments/results/bench_attnres.md (AttnRes), bench_kda.md (KDA), moe.md (MoE).
 """
 
 import collections
-import contextlib
 import dataclasses
-import functools
-import io
 import json
 import pathlib
 import re
@@ -30,21 +52,38 @@ import tempfile
 import jax
 import jax.numpy as jnp
 from absl import app, flags
-from jax.experimental import pallas as pl
 
 FLAGS = flags.FLAGS
 SASS_COLUMNS = ('FFMA', 'FADD', 'FMUL', 'HMMA', 'HGMMA', 'LDG', 'LDGSTS', 'STG', 'SHFL', 'BAR')
+OPS = ('attnres', 'kda', 'short_conv', 'mla_decode', 'moe')
+TRITON_CALL = '__gpu$xla.gpu.triton'
 
 
 def define_flags():
   """The command line (defined only when run as a script, so that tests can import the module)."""
-  flags.DEFINE_integer('sources', 8, 'n: sources of phase 1')
-  flags.DEFINE_integer('queries', 6, 'S: consumers per block')
-  flags.DEFINE_integer('tokens', 16 * 4096, 'M: rows of each source')
-  flags.DEFINE_integer('d_model', 1024, 'D')
-  flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'dtype of the sources')
-  flags.DEFINE_string('phase1_tiles', '', "phase-1 tiles, 'key=int/key=int'")
-  flags.DEFINE_string('merge_tiles', '', 'merge_norm tiles, the same form')
+  flags.DEFINE_enum('op', 'attnres', OPS, 'whose kernels')
+  flags.DEFINE_string(
+    'settings', '', "kda, short_conv, mla_decode, moe: the kernels' settings, 'key=int/key=int' ('': the defaults)"
+  )
+  flags.DEFINE_enum('dtype', 'bfloat16', ['bfloat16', 'float32'], 'dtype of the inputs')
+  # attnres
+  flags.DEFINE_integer('sources', 8, 'attnres: n, sources of phase 1')
+  flags.DEFINE_integer('queries', 6, 'attnres: S, consumers per block')
+  flags.DEFINE_string('phase1_tiles', '', "attnres: phase-1 tiles, 'key=int/key=int'")
+  flags.DEFINE_string('merge_tiles', '', 'attnres: merge_norm tiles, the same form')
+  # shared by several ops
+  flags.DEFINE_integer('tokens', 16 * 4096, 'attnres: M, rows of each source; moe: T, tokens')
+  flags.DEFINE_integer('d_model', 1024, 'attnres, moe: D')
+  flags.DEFINE_integer('batch', 16, 'kda, short_conv, mla_decode: B')
+  flags.DEFINE_integer('heads', 8, 'kda, short_conv, mla_decode: H')
+  flags.DEFINE_integer('seq_len', 4096, 'kda, short_conv: T')
+  flags.DEFINE_integer('head_dim', 128, 'kda, short_conv: K = V')
+  flags.DEFINE_integer('context', 131072, 'mla_decode: cached positions S')
+  flags.DEFINE_integer('rank', 512, 'mla_decode: latent rank r')
+  flags.DEFINE_integer('rope_dim', 64, 'mla_decode: decoupled dims dr (0: none)')
+  flags.DEFINE_integer('experts', 64, 'moe: routed experts E')
+  flags.DEFINE_integer('top_k', 8, 'moe: experts per token')
+  flags.DEFINE_integer('expert_hidden', 512, "moe: F, an expert's hidden width")
   flags.DEFINE_string('triton_python', sys.executable, 'a Python that can import triton')
   flags.DEFINE_string('out_dir', None, "keep each kernel's .ttir, .ttgir, .ptx and .sass here")
 
@@ -60,9 +99,12 @@ def lower_for_h200(fn, *args) -> str:
   h200 = AbstractMesh(
     (1,), ('x',), axis_types=(AxisType.Auto,), abstract_device=AbstractDevice('NVIDIA H200', 132, 'gpu')
   )
-  triton = export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')
+  triton = export.DisabledSafetyCheck.custom_call(TRITON_CALL)
   with use_abstract_mesh(h200):
     return export.export(jax.jit(fn), platforms=['cuda'], disabled_checks=[triton])(*args).mlir_module()
+
+
+# ----------------------------------------------------------------------------- one builder per op
 
 
 def attnres_block(n, s, m, d, dtype, phase1_settings=None, merge_settings=None):
@@ -104,6 +146,85 @@ def attnres_block(n, s, m, d, dtype, phase1_settings=None, merge_settings=None):
   return jax.value_and_grad(block, argnums=(0, 1, 2, 3, 4)), args
 
 
+def kda_op(b, t, h, d, dtype, settings=None):
+  """(fn, args): value and gradient of kda(impl='pallas') as the KDA layer calls it in training:
+  q, k, v and the decay gate's pre-activation f [B, T, H, K] in dtype, beta [B, T, H] float32,
+  a_log [H] and dt_bias [H, K] float32 (the gate formed inside the kernels at fused_gate=1);
+  gradients of all seven. settings: a KdaSettings (None: the defaults)."""
+  from kimijax.ops.kda import kda
+
+  def loss(q, k, v, f, beta, a_log, dt_bias):
+    o, _ = kda(q, k, v, f, beta, impl='pallas', a_log=a_log, dt_bias=dt_bias, settings=settings)
+    return jnp.sum(o.astype(jnp.float32))
+
+  x = jax.ShapeDtypeStruct((b, t, h, d), dtype)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  return jax.value_and_grad(loss, argnums=tuple(range(7))), (x, x, x, x, f32(b, t, h), f32(h), f32(h, d))
+
+
+def short_conv_op(b, t, h, d, dtype, settings=None):
+  """(fn, args): value and gradient of short_conv(impl='pallas') with the silu_l2 activation (the
+  KDA layer's q and k convs): x [B, T, H, K] in dtype, taps [4, H, K] float32; gradients of both.
+  settings: a ShortConvSettings (None: the defaults)."""
+  from kimijax.layers.kda import CONV_WIDTH
+  from kimijax.ops.short_conv import short_conv
+
+  def loss(x, w):
+    y, _ = short_conv(x, w, 'silu_l2', impl='pallas', settings=settings)
+    return jnp.sum(y.astype(jnp.float32))
+
+  args = (jax.ShapeDtypeStruct((b, t, h, d), dtype), jax.ShapeDtypeStruct((CONV_WIDTH, h, d), jnp.float32))
+  return jax.value_and_grad(loss, argnums=(0, 1)), args
+
+
+def mla_decode_op(b, h, s, r, dr, dtype, settings=None):
+  """(fn, args): one decode step of mla_decode(impl='pallas') (it has no backward): queries
+  q_latent [B, H, r] and q_rope [B, H, dr], a cache of S positions, latent [B, S, r] and k_rope
+  [B, S, dr] (dr = 0: no decoupled dims), lengths [B] int32. settings: an MlaDecodeSettings (None:
+  the defaults)."""
+  from kimijax.ops.mla_decode import mla_decode
+
+  scale = (128 + dr) ** -0.5  # as bench_mla_decode: the query heads' nope and rope dims
+  decode = lambda q, q_rope, c, k_rope, length: mla_decode(
+    q, q_rope, c, k_rope, length, scale=scale, impl='pallas', settings=settings
+  )
+  sds = jax.ShapeDtypeStruct
+  length = sds((b,), jnp.int32)
+  if not dr:
+    return (lambda q, c, length: decode(q, None, c, None, length)), (
+      sds((b, h, r), dtype),
+      sds((b, s, r), dtype),
+      length,
+    )
+  return decode, (sds((b, h, r), dtype), sds((b, h, dr), dtype), sds((b, s, r), dtype), sds((b, s, dr), dtype), length)
+
+
+def moe_op(t, d, e, k, f, dtype, settings=None):
+  """(fn, args): value and gradient of routed_experts(impl='pallas') (kimijax/ops/moe.py): T tokens
+  x [T, D] in dtype routed to k of E experts (weights [T, k] float32, experts [T, k] int32), expert
+  weights w_gate, w_up [E, D, F] and w_down [E, F, D] in dtype; gradients of x, the routing weights
+  and the expert weights. settings: a MoeSettings (None: the defaults)."""
+  from kimijax.ops.moe import routed_experts
+
+  def loss(x, weights, experts, w_gate, w_up, w_down):
+    y = routed_experts(x, weights, experts, w_gate, w_up, w_down, impl='pallas', settings=settings)
+    return jnp.sum(y)
+
+  sds = jax.ShapeDtypeStruct
+  args = (
+    sds((t, d), dtype),
+    sds((t, k), jnp.float32),
+    sds((t, k), jnp.int32),
+    sds((e, d, f), dtype),
+    sds((e, d, f), dtype),
+    sds((e, f, d), dtype),
+  )
+  return jax.value_and_grad(loss, argnums=(0, 1, 3, 4, 5)), args
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+
 @dataclasses.dataclass
 class Kernel:
   name: str  # the pallas_call's name; '#2' etc. for later variants of one name
@@ -114,47 +235,62 @@ class Kernel:
 
 
 def kernel_irs(fn, *args) -> list[Kernel]:
-  """Every Pallas kernel in fn lowered for an H200: its Triton IR (from pallas_call(debug=True))
-  with the warps, stages and grid of its custom call."""
-  original = pl.pallas_call
-  pl.pallas_call = functools.partial(original, debug=True)
-  printed = io.StringIO()
+  """Every distinct Pallas kernel in fn lowered for an H200, each Triton custom call of the module
+  once (in module order, identical calls once): its Triton IR without locations, verified by
+  jaxlib's Triton dialect (else a ValueError naming the kernel, with MLIR's diagnostic), and the
+  warps, stages and grid of that call. The kernels are lowered through Triton even off the GPU
+  (kernels_pallas.common.kernels_interpreted is False meanwhile)."""
+  from jax._src.interpreters import mlir
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.triton import dialect as tt_dialect
+
+  from kernels_pallas import common
+
+  interpreted = common.kernels_interpreted
+  common.kernels_interpreted = lambda: False
   try:
-    with contextlib.redirect_stdout(printed):
-      module = lower_for_h200(fn, *args)
+    module_text = lower_for_h200(fn, *args)
   finally:
-    pl.pallas_call = original
-  launch = {}
-  for config in re.findall(r'mhlo\.backend_config = \{debug = true, (.*?)\}', _drop_ir(module)):
-    fields = dict(re.findall(r'(\w+) = "?([\w.]+)"?', config))
-    launch[fields['name']] = (
-      int(fields['num_warps']),
-      int(fields['num_stages']),
-      tuple(int(fields[f'grid_{a}']) for a in 'xyz'),
-    )
-  kernels, seen = [], collections.Counter()
-  for chunk in printed.getvalue().split('The Triton module for pallas_call')[1:]:
-    ir = clean_ir(chunk)
-    name = re.search(r'module @(\w+)', ir).group(1)
-    seen[name] += 1
-    label = name if seen[name] == 1 else f'{name}#{seen[name]}'
-    kernels.append(Kernel(label, ir, *launch[name]))
+    common.kernels_interpreted = interpreted
+  context = mlir.make_ir_context()
+  tt_dialect.register_dialect(context)
+  kernels, seen, names = [], set(), collections.Counter()
+  with context:
+    for call in _triton_calls(ir.Module.parse(module_text).operation):
+      config = ir.DictAttr(call.attributes['mhlo.backend_config'])
+      name = ir.StringAttr(config['name']).value
+      warps, stages, *grid = (
+        ir.IntegerAttr(config[key]).value for key in ('num_warps', 'num_stages', 'grid_x', 'grid_y', 'grid_z')
+      )
+      try:
+        kernel_module = ir.Module.parse(ir.StringAttr(config['ir']).value_bytes)
+      except ir.MLIRError as e:
+        raise ValueError(f'the Triton IR of kernel {name} does not verify: {e}') from None
+      text = kernel_module.operation.get_asm(enable_debug_info=False)
+      key = (name, text, warps, stages, tuple(grid))
+      if key in seen:
+        continue
+      seen.add(key)
+      names[name] += 1
+      label = name if names[name] == 1 else f'{name}#{names[name]}'
+      kernels.append(Kernel(label, text, warps, stages, tuple(grid)))
   return kernels
 
 
-def _drop_ir(module: str) -> str:
-  """The module text without the serialized kernels (strings that may hold any byte)."""
-  return re.sub(r'ir = "(\\.|[^"\\])*", ', '', module)
+def _triton_calls(op):
+  """The Triton custom calls under op, in module order."""
+  from jax._src.lib.mlir import ir
 
-
-def clean_ir(printed: str) -> str:
-  """One module as pallas_call(debug=True) prints it -> text Triton's parser accepts: from
-  'module @' to its closing brace, without the source locations (pretty-printed, they are not
-  MLIR syntax)."""
-  text = printed[printed.index('module @') :]
-  text = text[: text.index('\n}') + 2] + '\n'
-  text = re.sub(r' \[unknown\]| "[^"\n]*"\(#loc\d*\)| \(#loc\d*\)| loc\([^)\n]*\)', '', text)
-  return re.sub(r'^#loc.*\n', '', text, flags=re.M)
+  for region in op.regions:
+    for block in region.blocks:
+      for inner in block.operations:
+        inner = inner.operation
+        if (
+          inner.name == 'stablehlo.custom_call'
+          and ir.StringAttr(inner.attributes['call_target_name']).value == TRITON_CALL
+        ):
+          yield inner
+        yield from _triton_calls(inner)
 
 
 # Run by --triton_python: compiles one IR file for sm_90, writes .ttgir/.ptx/.cubin beside it and
@@ -211,28 +347,73 @@ def sass_counts(sass: str) -> collections.Counter:
   return collections.Counter(ops)
 
 
+def parse_settings(text: str, flag: str, cls):
+  """cls parsed from --flag's text; a bad key or value is one error naming the flag."""
+  try:
+    return cls.from_string(text)
+  except ValueError as e:
+    raise SystemExit(f'triton_report.py: --{flag}={text!r}: {e}') from None
+
+
+def op_call(op: str):
+  """(fn, args, a line saying the shape) of --op at the flags' sizes and settings, the settings
+  checked before anything is lowered."""
+  dtype = jnp.dtype(FLAGS.dtype)
+  if op != 'attnres' and (FLAGS.phase1_tiles or FLAGS.merge_tiles):
+    raise SystemExit(f'triton_report.py: --phase1_tiles and --merge_tiles are for --op=attnres, not --op={op}')
+  if op == 'attnres':
+    from kernels_pallas.attnres.settings import MergeNormSettings, Phase1Settings
+
+    if FLAGS.settings:
+      raise SystemExit('triton_report.py: --op=attnres takes --phase1_tiles and --merge_tiles, not --settings')
+    phase1 = parse_settings(FLAGS.phase1_tiles, 'phase1_tiles', Phase1Settings)
+    merge = parse_settings(FLAGS.merge_tiles, 'merge_tiles', MergeNormSettings)
+    n, s, m, d = FLAGS.sources, FLAGS.queries, FLAGS.tokens, FLAGS.d_model
+    return (*attnres_block(n, s, m, d, dtype, phase1, merge), f'n = {n}, S = {s}, M = {m}, D = {d}, {dtype} sources')
+  b, h, t, k = FLAGS.batch, FLAGS.heads, FLAGS.seq_len, FLAGS.head_dim
+  if op == 'kda':
+    from kernels_pallas.kda.settings import KdaSettings
+
+    settings = parse_settings(FLAGS.settings, 'settings', KdaSettings)
+    return (*kda_op(b, t, h, k, dtype, settings), f'kda, gated, (B, T, H, K) = ({b}, {t}, {h}, {k}), {dtype}')
+  if op == 'short_conv':
+    from kernels_pallas.short_conv.settings import ShortConvSettings
+
+    settings = parse_settings(FLAGS.settings, 'settings', ShortConvSettings)
+    return (
+      *short_conv_op(b, t, h, k, dtype, settings),
+      f'short_conv silu_l2, (B, T, H, K) = ({b}, {t}, {h}, {k}), {dtype}',
+    )
+  if op == 'mla_decode':
+    from kernels_pallas.mla_decode.settings import MlaDecodeSettings
+
+    settings = parse_settings(FLAGS.settings, 'settings', MlaDecodeSettings)
+    s, r, dr = FLAGS.context, FLAGS.rank, FLAGS.rope_dim
+    fn, args = mla_decode_op(b, h, s, r, dr, dtype, settings)
+    return fn, args, f'mla_decode, B = {b}, H = {h}, S = {s}, r = {r}, dr = {dr}, {dtype}'
+  from kernels_pallas.moe.settings import MoeSettings
+
+  settings = parse_settings(FLAGS.settings, 'settings', MoeSettings)
+  t, d, e, k, f = FLAGS.tokens, FLAGS.d_model, FLAGS.experts, FLAGS.top_k, FLAGS.expert_hidden
+  fn, args = moe_op(t, d, e, k, f, dtype, settings)
+  return fn, args, f'moe, T = {t}, D = {d}, E = {e}, top-{k}, F = {f}, {dtype}'
+
+
 def main(argv):
   del argv
-  from kernels_pallas.attnres.settings import MergeNormSettings, Phase1Settings
-
-  # Tile flags checked here, before anything is lowered: one error that names the bad key.
-  phase1_settings = Phase1Settings.from_string(FLAGS.phase1_tiles)
-  merge_settings = MergeNormSettings.from_string(FLAGS.merge_tiles)
+  # Settings checked here, before anything is lowered: one error that names the flag.
+  fn, args, shape = op_call(FLAGS.op)
+  if FLAGS.op != 'attnres' and FLAGS.settings:
+    shape += f', settings {FLAGS.settings}'
   if subprocess.run([FLAGS.triton_python, '-c', 'import triton'], capture_output=True).returncode:
     raise SystemExit(
       f'triton_report.py: {FLAGS.triton_python} cannot import triton; '
       'pip install triton==3.6.0 there, or pass --triton_python'
     )
-  fn, args = attnres_block(
-    FLAGS.sources, FLAGS.queries, FLAGS.tokens, FLAGS.d_model, jnp.dtype(FLAGS.dtype), phase1_settings, merge_settings
-  )
   kernels = kernel_irs(fn, *args)
   out_dir = pathlib.Path(FLAGS.out_dir or tempfile.mkdtemp(prefix='triton_report_'))
   out_dir.mkdir(parents=True, exist_ok=True)
-  print(
-    f'n = {FLAGS.sources}, S = {FLAGS.queries}, M = {FLAGS.tokens}, D = {FLAGS.d_model}, '
-    f'{FLAGS.dtype} sources, sm_90; files in {out_dir}\n'
-  )
+  print(f'{shape}, sm_90; files in {out_dir}\n')
   print(
     '| kernel | grid | warps / stages | registers | spill bytes (st / ld) | shared bytes '
     '| layout conversions | SASS | ' + ' | '.join(SASS_COLUMNS) + ' |'

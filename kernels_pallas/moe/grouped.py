@@ -47,8 +47,11 @@ def _dot_tn(a, b):
 
 
 def _steps(expert, num_experts: int, total: int, block_k: int):
-  """The contraction chunks of a tile: none for a trailing tile (expert E), whose output is zero."""
-  return jnp.where(expert < num_experts, total // block_k, 0)
+  """The contraction chunks of a tile: none for a trailing tile (expert E), whose output is zero.
+  The counts are typed int32: the Triton lowering of jnp.where gives two weakly typed Python ints
+  the condition's type (i1), which leaves the loop's bounds of different types (IR that does not
+  verify)."""
+  return jnp.where(expert < num_experts, jnp.int32(total // block_k), jnp.int32(0))
 
 
 def _tile_matmul_kernel(expert_ref, a_ref, w_ref, o_ref, *, num_experts, block_k, transpose):
