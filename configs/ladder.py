@@ -21,8 +21,9 @@ Ladders (the file's variants, one at a time; each with its expected result and i
                'xla_blocked' grouped matmul (XLA:CPU runs lax.ragged_dot many times slower): 6 runs
                in about 3.5 min on a 2-core CPU with other jobs beside them; moe's eval loss beside
                dense's at every rung (the same tokens and active parameters), its compute
-               multiplier below 1, Muon's Newton-Schulz on all 16 experts being a large share of its
-               compute at these widths (experiments/results/ladder_smoke_moe.md)
+               multiplier on model FLOPs (the verdict's) near 1 and on model + optimizer FLOPs
+               below 1, Muon's Newton-Schulz on all 16 experts being a large share of that C at
+               these widths (experiments/results/ladder_smoke_moe.md)
   gpu_moe      the gpu rungs x {dense, moe}, both with Muon: every MLP a Mixture-of-Experts of 16
                routed experts, top-2, + 1 shared, expert hidden d (so a token's 3 experts are as
                wide as the dense SwiGLU's 3 d), sigmoid routing renormalised and scaled by 2.446
@@ -42,13 +43,19 @@ for a dense model), so every variant of a rung sees the same tokens; steps = cei
 arms of a rung differ only by the routers' 16 d per layer, about 1.2 / d of a layer's
 parameters: 2-4% in smoke_moe, 0.3-1% in gpu_moe), tokens are per active parameter, and the
 model's compute is counted on active parameters (kimijax/train/flops.py), so the arms of a rung
-have nearly the same model FLOPs. Muon's Newton-Schulz, part of C too, runs on every expert, active or
-not, so the moe arm's C is the larger by that: ~d^3 per expert matrix per step against the
-model's ~d^2 per token, the most where a step holds few tokens (smoke_moe's 1-2k). The moe arm's
-MLPs hold 17 / 3 = 5.7x their active parameters. Learning rate per rung:
-lr(d) = lr_256 * sqrt(256 / d) (lr_256 = 3e-3, the CPU default's tuned lr at d = 256), warmup 5%
-of the steps, cosine to 10%. Muon uses the same lr (Moonlight's update-RMS matching,
-docs/optimizers.md#muon). Batch per rung is in its entry. Nothing here is tuned per variant.
+have nearly the same model FLOPs; Muon's Newton-Schulz runs on every expert, active or not: ~d^3
+per expert matrix per step against the model's ~d^2 per token, the most where a step holds few
+tokens (smoke_moe's 1-2k). The moe arm's MLPs hold 17 / 3 = 5.7x their active parameters. Learning
+rate per rung: lr(d) = lr_256 * sqrt(256 / d) (lr_256 = 3e-3, the CPU default's tuned lr at
+d = 256), warmup 5% of the steps, cosine to 10%. Muon uses the same lr (Moonlight's update-RMS
+matching, docs/optimizers.md#muon). Batch per rung is in its entry. Nothing here is tuned per
+variant.
+
+Compute C (kimijax/train/flops.py, docs/scaling_ladders.md#compute) is counted two ways: model
+FLOPs (6 N_active + attention + KDA state products per token, forward and backward) and model +
+optimizer FLOPs (adding Muon's Newton-Schulz per step; AdamW adds none). The report fits both
+and gives both multipliers; its verdict reads the one on model FLOPs, the count of the Moonlight,
+Kimi Linear and Attention Residuals reports whose multipliers ours are set beside.
 """
 
 import math

@@ -56,19 +56,74 @@ def test_offset_form_recovers_the_irreducible_loss():
     ladder_fit.fit_power_law_offset(C[:3], loss[:3])
 
 
-def test_ladder_analysis_fits_both_forms_from_five_rungs():
-  class Ladder:
-    baseline = 'adamw'
+def synthetic_rows(opt_share: float = 0.25) -> list[dict]:
+  """Five rungs per variant on a known power law in model FLOPs: adamw (no optimizer FLOPs) and
+  muon, which reaches each loss with 1 / MULT of adamw's model FLOPs and adds optimizer FLOPs of
+  opt_share x its model FLOPs."""
+  rows = []
+  for v, k, share in (('adamw', 1.0, 0.0), ('muon', MULT, opt_share)):
+    for c in C:
+      model = c * ladder_fit.PFLOPS_DAY
+      rows.append(
+        {
+          'variant': v,
+          'model_flops': model,
+          'optimizer_flops': share * model,
+          'flops': (1 + share) * model,
+          'final_eval_loss': float(A * (k * c) ** -ALPHA),
+        }
+      )
+  return rows
 
-  rows = [
-    {'variant': v, 'flops': c * ladder_fit.PFLOPS_DAY, 'final_eval_loss': float(A * (k * c) ** -ALPHA)}
-    for v, k in (('adamw', 1.0), ('muon', MULT))
-    for c in C
-  ]
+
+class Ladder:
+  baseline = 'adamw'
+
+
+def test_ladder_analysis_fits_both_forms_from_five_rungs_on_both_counts_of_compute():
+  # On model FLOPs muon's multiplier is MULT; C = model + optimizer FLOPs is (1 + share) x muon's
+  # model FLOPs and adamw's alone, so there it is MULT / (1 + share), in closed form.
+  analysis = scaling_ladder.analyse(Ladder, synthetic_rows(0.25))
+  for compute in ('model', 'total'):
+    assert set(analysis['fits'][compute]['muon']) == {'power_law', 'with_offset'}
+    assert analysis['fits'][compute]['muon']['power_law']['alpha'] == pytest.approx(ALPHA, rel=1e-8)
+  assert analysis['multipliers']['model']['muon']['multiplier'] == pytest.approx([MULT] * 3, rel=1e-6)
+  assert analysis['multipliers']['total']['muon']['multiplier'] == pytest.approx([MULT / 1.25] * 3, rel=1e-6)
+  # The verdict reads model FLOPs, at the largest rungs' loss (the lower end of the range).
+  reading = analysis['verdict']['muon']
+  assert analysis['verdict_compute'] == 'model' and reading['multiplier'] == pytest.approx(MULT, rel=1e-6)
+  assert reading['loss'] == min(analysis['multipliers']['model']['muon']['losses'])
+
+
+def test_the_report_gives_both_multipliers_and_the_verdicts_basis():
+  rows = synthetic_rows(0.25)
   analysis = scaling_ladder.analyse(Ladder, rows)
-  assert set(analysis['fits']['muon']) == {'power_law', 'with_offset'}
-  assert analysis['fits']['muon']['power_law']['alpha'] == pytest.approx(ALPHA, rel=1e-8)
-  assert analysis['multipliers']['muon']['multiplier'] == pytest.approx([MULT] * 3, rel=1e-6)
+  assert scaling_ladder.shown_computes(rows) == ['model', 'total']
+  # no optimizer FLOPs anywhere: the two counts are equal and the report shows one
+  assert scaling_ladder.shown_computes(synthetic_rows(0.0)) == ['model']
+  lines = scaling_ladder._verdict_lines(Ladder, analysis)
+  assert lines[0].startswith('Verdict basis: the multiplier on C = model FLOPs')
+  assert lines[2].startswith(f'- `muon` at L* = {analysis["verdict"]["muon"]["loss"]:.3f}: **1.92x**')
+
+
+@pytest.mark.parametrize(
+  'ci,reading',
+  [
+    ([1.1, 2.0], 'less compute'),
+    ([0.5, 0.9], 'more compute'),
+    ([0.6, 1.6], 'inside the noise'),
+    ([None] * 2, 'undefined'),
+  ],
+)
+def test_the_verdict_reads_the_interval_against_one(ci, reading):
+  m = {'losses': [1.8, 2.0], 'multiplier': [1.0, 1.1], 'multiplier_ci95': [ci, [0.0, 9.0]]}
+  assert scaling_ladder.verdict_reading(m) == {
+    'loss': 1.8,
+    'multiplier': 1.0,
+    'multiplier_ci95': ci,
+    'reading': reading,
+  }
+  assert scaling_ladder.verdict_reading({'losses': [], 'multiplier': [], 'multiplier_ci95': []}) is None
 
 
 def test_offset_form_keeps_the_irreducible_loss_non_negative():

@@ -35,7 +35,7 @@ def test_ladder_runs_every_rung_reports_and_resumes(tmp_path, capsys):
   first = scaling_ladder.run_ladder(ladder, tmp_path, variants=['rope'], time_budget_s=0, devices=ONE)
   assert 'stopping before rung 2 of 2' in capsys.readouterr().out
   assert first['finished_rungs'] == 1 and first['planned_rungs'] == 4
-  assert not first['multipliers'] and (tmp_path / 'ladder.md').exists()
+  assert first['multipliers'] == {'model': {}, 'total': {}} and (tmp_path / 'ladder.md').exists()
   mtime = (tmp_path / 'rope' / 'd8' / 'done.json').stat().st_mtime
   data = scaling_ladder.run_ladder(ladder, tmp_path, devices=ONE, drop_checkpoints=True)
   out = capsys.readouterr().out
@@ -57,15 +57,17 @@ def test_ladder_runs_every_rung_reports_and_resumes(tmp_path, capsys):
     assert [r['tokens'] for r in rows] == [r['tokens'] for r in saved['rungs'][:2]]
     assert all(a['params'] < b['params'] for a, b in zip(rows, rows[1:]))
     assert all(r['epochs'] is not None and 0 < r['epochs'] < 1 for r in rows)
-    # The reported fit is the least-squares line through the rungs it lists.
-    x = np.log([r['flops'] / ladder_fit.PFLOPS_DAY for r in rows])
-    y = np.log([r['final_eval_loss'] for r in rows])
-    slope, intercept = np.polyfit(x, y, 1)
-    fit = saved['fits'][variant]['power_law']
-    assert fit['alpha'] == pytest.approx(-slope, rel=1e-6, abs=1e-9)
-    assert fit['A'] == pytest.approx(np.exp(intercept), rel=1e-6)
-    assert 'with_offset' not in saved['fits'][variant]  # 2 rungs: the pure power law only
-  assert set(saved['multipliers']) == {'nope'}
+    # The reported fits are the least-squares lines through the rungs it lists, on each count of C.
+    for compute, key in (('model', 'model_flops'), ('total', 'flops')):
+      x = np.log([r[key] / ladder_fit.PFLOPS_DAY for r in rows])
+      y = np.log([r['final_eval_loss'] for r in rows])
+      slope, intercept = np.polyfit(x, y, 1)
+      fit = saved['fits'][compute][variant]['power_law']
+      assert fit['alpha'] == pytest.approx(-slope, rel=1e-6, abs=1e-9)
+      assert fit['A'] == pytest.approx(np.exp(intercept), rel=1e-6)
+      assert 'with_offset' not in saved['fits'][compute][variant]  # 2 rungs: the pure power law only
+  assert set(saved['multipliers']['model']) == set(saved['multipliers']['total']) == {'nope'}
+  assert set(saved['verdict']) == {'nope'} and saved['verdict_compute'] == 'model'
   md = (tmp_path / 'ladder.md').read_text()
   assert '4 of 4 rungs finished' in md and 'Compute multiplier' in md
 
@@ -84,8 +86,10 @@ def fake_finished_run(run_dir, config, eval_loss, hardware, split_tokens):
 
 def test_report_only_states_where_the_rungs_ran_and_their_epochs(tmp_path):
   """A ladder trained elsewhere (on a GPU) and brought back: --report_only trains nothing, fits the
-  rungs it finds, and takes each rung's hardware and training-split size from its done.json."""
+  rungs it finds, takes each rung's hardware and training-split size from its done.json, and
+  counts each rung's model and optimizer FLOPs from its config."""
   ladder = tiny_ladder()
+  ladder.variants['nope'] = (('model.position', 'nope'), ('optimizer.name', 'muon'))
   planned = scaling_ladder.plan(ladder, tmp_path)
   losses = {('rope', 'd8'): 3.0, ('rope', 'd16'): 2.5, ('nope', 'd8'): 3.1}  # nope d16 unfinished
   for r in planned:
@@ -96,12 +100,79 @@ def test_report_only_states_where_the_rungs_ran_and_their_epochs(tmp_path):
   rows = {(r['variant'], r['rung']): r for r in data['rungs']}
   assert rows['rope', 'd16']['hardware'] == 'GPU X x 1'
   assert rows['rope', 'd16']['epochs'] == pytest.approx(rows['rope', 'd16']['tokens'] / 10**9)
-  # Two rungs of the baseline: its power law is the line through them.
-  c = [rows['rope', n]['flops'] / ladder_fit.PFLOPS_DAY for n in ('d8', 'd16')]
+  # Model FLOPs in closed form: a dense MHA model with tied embeddings does 6 N + 6 L T d per token
+  # (docs/scaling_ladders.md#compute); AdamW adds none, Muon its Newton-Schulz.
+  for (variant, _), r in rows.items():
+    seq_len = ladder.base.train.seq_len
+    per_token = 6 * r['params'] + 6 * r['num_layers'] * seq_len * r['d_model']
+    assert r['model_flops'] == pytest.approx(r['tokens'] * per_token, rel=1e-12)
+    assert r['model_flops'] + r['optimizer_flops'] == pytest.approx(r['flops'], rel=1e-12)
+    assert (r['optimizer_flops'] > 0) == (variant == 'nope')
+  # Two rungs of the baseline: its power law is the line through them (AdamW: the same on both counts).
+  c = [rows['rope', n]['model_flops'] / ladder_fit.PFLOPS_DAY for n in ('d8', 'd16')]
   alpha = -np.log(2.5 / 3.0) / np.log(c[1] / c[0])
-  assert data['fits']['rope']['power_law']['alpha'] == pytest.approx(alpha, rel=1e-9)
+  for compute in ('model', 'total'):
+    assert data['fits'][compute]['rope']['power_law']['alpha'] == pytest.approx(alpha, rel=1e-9)
   md = (tmp_path / 'ladder.md').read_text()
   assert 'Rungs trained on: GPU X x 1 (report written on' in md and '3 of 4 rungs finished' in md
+  share = rows['nope', 'd8']['optimizer_flops'] / rows['nope', 'd8']['flops']
+  assert f'({100 * share:.0f}%)' in md  # the optimizer's share of the muon rung's C
+
+
+# The rung keys of a ladder.json from before the model/optimizer split (experiments/results/ladder_smoke.json).
+OLD_ROW_KEYS = (
+  'variant rung d_model num_layers num_heads batch_size learning_rate params tokens steps flops '
+  'final_eval_loss final_train_loss epochs tokens_per_sec wall_seconds loss_by_position run_dir'
+).split()
+
+
+def test_a_ladder_json_from_before_the_split_still_reports(tmp_path):
+  """--from_json on a ladder.json whose rungs hold only C = model + optimizer FLOPs: the split
+  shows '-', the model + optimizer fits and multiplier are made (the known power law's multiplier
+  in closed form), the verdict, which reads model FLOPs, says it has nothing to read."""
+  c = np.geomspace(1e-9, 1e-7, 3)  # PFLOP/s-days
+  rows = [
+    {
+      **dict.fromkeys(OLD_ROW_KEYS),
+      'variant': v,
+      'rung': f'd{16 * (i + 2)}',
+      'd_model': 16 * (i + 2),
+      'num_layers': i + 2,
+      'num_heads': i + 2,
+      'batch_size': 8,
+      'learning_rate': 0.008,
+      'params': 10**5 * (i + 1),
+      'tokens': 3 * 10**5 * (i + 1),
+      'steps': 100,
+      'flops': ci * ladder_fit.PFLOPS_DAY,
+      'final_eval_loss': float(2.6 * (k * ci) ** -0.05),
+      'final_train_loss': 2.0,
+    }
+    for v, k in (('adamw', 1.0), ('muon', 1.5))
+    for i, ci in enumerate(c)
+  ]
+  old = {
+    'ladder': 'old',
+    'rule': 'a rule',
+    'tokens_per_param': 3.0,
+    'baseline': 'adamw',
+    'variants': {'adamw': [['optimizer.name', 'adamw']], 'muon': [['optimizer.name', 'muon']]},
+    'rungs': rows,
+    'fits': {},
+    'multipliers': {},
+    'planned_rungs': 6,
+    'finished_rungs': 6,
+  }
+  (tmp_path / 'old.json').write_text(json.dumps(old))
+  data = scaling_ladder.report_from_json(tmp_path / 'old.json', tmp_path / 'out')
+  assert data['multipliers']['total']['muon']['multiplier'] == pytest.approx([1.5] * 3, rel=1e-6)
+  assert data['fits']['model'] == {'adamw': {}, 'muon': {}} and data['multipliers']['model'] == {}
+  assert data['verdict'] == {}
+  md = (tmp_path / 'out' / 'ladder.md').read_text()
+  assert '| - | - | - / 1e-09 |' in md  # model FLOPs, optimizer FLOPs, C model / total
+  assert '| muon | model + optimizer | ' in md and '**1.5x**' in md
+  assert 'no reading' in md and '6 of 6 rungs finished' in md and 'Rungs trained on: not recorded' in md
+  assert (tmp_path / 'out' / 'ladder.png').exists()
 
 
 def test_ladder_refuses_unknown_variant_and_folder_of_another_config(tmp_path):

@@ -23,6 +23,7 @@ WORKFLOWS = {
     '--publish',
     '--report_only',
     '--drop_finished_checkpoints',
+    '--from_json',
   ],
   'experiments.compare_optimizers': ['--config', '--optimizers', '--seeds', '--workdir', '--publish'],
   **{
