@@ -14,7 +14,9 @@ that the measured FLOP rate says would end past the budget (the report then cove
 --report_only trains nothing and rewrites the report from the finished rungs. Each run's done.json
 records its hardware and training-split size, so a report written elsewhere states where the
 rungs ran and how many epochs they saw. --from_json=PATH rewrites the report from a ladder.json
-alone (no run folders; --config not needed).
+alone (no run folders; --config not needed), keeping its date and hardware; for a ladder.json from
+before the model / optimizer split it counts the split again from configs/ladder.py where that
+count reproduces each rung's recorded FLOPs exactly, and says which rungs it cannot.
 
 Training FLOPs per rung come from kimijax.train.flops (the count bench_train's MFU uses): model
 FLOPs (6 N_active + attention + KDA state products per token) and optimizer FLOPs (Muon's
@@ -78,22 +80,15 @@ def rung_config(ladder: ml_collections.ConfigDict, rung: dict, overrides=(), ste
   return validate(c)
 
 
-def plan(ladder: ml_collections.ConfigDict, workdir: pathlib.Path, variants: list[str] | None = None) -> list[dict]:
-  """[{variant, rung, config, run_dir, step_flops, chosen}] in run order (variant by variant, small
-  rungs first) for every variant; `chosen` marks those of `variants` (default all), the ones to
-  train. All configs are validated and run folders checked before any training."""
+def planned_rungs(ladder: ml_collections.ConfigDict) -> list[dict]:
+  """[{variant, rung, config, step_flops}] for every rung of every variant, in run order (variant
+  by variant, small rungs first); every config validated, nothing read or written."""
   from kimijax.train import flops as flops_lib
 
   if ladder.baseline not in ladder.variants:
     raise WorkflowError(
       f'ladder {ladder.name!r}: baseline {ladder.baseline!r} is not one of its variants {list(ladder.variants)}'
     )
-  chosen = list(ladder.variants) if not variants else variants
-  for v in chosen:
-    if v not in ladder.variants:
-      raise WorkflowError(
-        f'--variants: {v!r} is not a variant of ladder {ladder.name!r}; allowed: {list(ladder.variants)}'
-      )
   steps_of = {}
   for rung in ladder.rungs:  # tokens from the baseline's active parameter count: the same for all variants
     probe = rung_config(ladder, rung, ladder.variants[ladder.baseline])
@@ -104,18 +99,24 @@ def plan(ladder: ml_collections.ConfigDict, workdir: pathlib.Path, variants: lis
   for v in ladder.variants:
     for rung in ladder.rungs:
       c = rung_config(ladder, rung, ladder.variants[v], steps_of[rung['name']])
-      run_dir = workdir / v / rung['name']
-      runs_lib.check_folder(run_dir, c)
-      out.append(
-        {
-          'variant': v,
-          'rung': dict(rung),
-          'config': c,
-          'run_dir': run_dir,
-          'chosen': v in chosen,
-          'step_flops': flops_lib.training_flops_per_step(c),
-        }
+      out.append({'variant': v, 'rung': dict(rung), 'config': c, 'step_flops': flops_lib.training_flops_per_step(c)})
+  return out
+
+
+def plan(ladder: ml_collections.ConfigDict, workdir: pathlib.Path, variants: list[str] | None = None) -> list[dict]:
+  """planned_rungs with {run_dir, chosen}: `chosen` marks those of `variants` (default all), the
+  ones to train. All configs are validated and run folders checked before any training."""
+  chosen = list(ladder.variants) if not variants else variants
+  for v in chosen:
+    if v not in ladder.variants:
+      raise WorkflowError(
+        f'--variants: {v!r} is not a variant of ladder {ladder.name!r}; allowed: {list(ladder.variants)}'
       )
+  out = []
+  for r in planned_rungs(ladder):
+    run_dir = workdir / r['variant'] / r['rung']['name']
+    runs_lib.check_folder(run_dir, r['config'])
+    out.append({**r, 'run_dir': run_dir, 'chosen': r['variant'] in chosen})
   return out
 
 
@@ -313,11 +314,16 @@ def _verdict_lines(ladder, analysis) -> list[str]:
   return lines
 
 
-def markdown(ladder, rows, analysis, prov, png_name: str, planned: int) -> str:
+def markdown(ladder, rows, analysis, prov, png_name: str, planned: int, notes: list[str] = ()) -> str:
   trained_on = sorted({r.get('hardware') or 'not recorded' for r in rows})
   where = '; '.join(trained_on) if trained_on else prov['hardware']
   if trained_on and trained_on != [prov['hardware']]:
-    where += f' (report written on {prov["hardware"]})'
+    written_by = f' by `{prov["ladder_command"]}`' if prov.get('ladder_command') else ''
+    where += (
+      f' (their ladder.json was written on {prov["hardware"]}{written_by})'
+      if 'not recorded' in trained_on and written_by
+      else f' (report written on {prov["hardware"]})'
+    )
   shown = shown_computes(rows)
   lines = [
     f'# Scaling ladder `{ladder.name}`',
@@ -347,6 +353,8 @@ def markdown(ladder, rows, analysis, prov, png_name: str, planned: int) -> str:
       f'{epochs} | {_flops_cells(r)} | '
       f'{r["final_eval_loss"]:.4f} | {r["final_train_loss"]:.4f} | {rate} | {wall} |'
     )
+  for note in notes:
+    lines += ['', note]
   lines += [
     '',
     '## Fits (C in PFLOP/s-days, loss = final eval loss in nats per token)',
@@ -537,15 +545,26 @@ def run_ladder(
   return write_report(ladder, rows, len(planned), workdir, publish, started)
 
 
-def write_report(ladder, rows: list[dict], planned: int, workdir: pathlib.Path, publish: str | None, started: float):
+def write_report(
+  ladder,
+  rows: list[dict],
+  planned: int,
+  workdir: pathlib.Path,
+  publish: str | None,
+  started: float,
+  *,
+  prov: dict | None = None,
+  notes: list[str] = (),
+):
   """Fits the rungs' rows and writes workdir/ladder.json / .md / .png (and publishes them); returns
-  the json data."""
+  the json data. prov: the header's date, hardware and command (default: this call's); notes:
+  lines for the report under the rung table."""
   analysis = analyse(ladder, rows)
-  prov = runs_lib.provenance()
+  prov = prov or runs_lib.provenance()
   workdir.mkdir(parents=True, exist_ok=True)
   png = plot(ladder, rows, analysis, workdir / 'ladder.png') if rows else None
   md = workdir / 'ladder.md'
-  md.write_text(markdown(ladder, rows, analysis, prov, png.name if png else '', planned))
+  md.write_text(markdown(ladder, rows, analysis, prov, png.name if png else '', planned, notes))
   data = {
     'ladder': ladder.name,
     **prov,
@@ -569,11 +588,69 @@ def write_report(ladder, rows: list[dict], planned: int, workdir: pathlib.Path, 
   return data
 
 
-def report_from_json(path: str | pathlib.Path, workdir: str | pathlib.Path, *, publish: str | None = None) -> dict:
+# A rung's recorded C (model + optimizer FLOPs) and the plan's count of it agree to this relative
+# difference where the plan counts the rung's config (the same float sum, in another order at most).
+SPLIT_TOLERANCE = 1e-9
+
+
+def split_from_plan(data: dict, ladder_file: str = 'configs/ladder.py') -> tuple[dict, str | None]:
+  """The model / optimizer split of the rungs of a ladder.json that hold only its sum ('flops'),
+  counted again where that is exact: ladder_file's ladder of the json's name is planned, and a rung
+  whose variant and rung it plans with the same steps and parameters, and whose planned FLOPs x
+  steps equal its recorded 'flops' (SPLIT_TOLERANCE), takes the plan's model and optimizer FLOPs
+  and active parameters. Returns ({(variant, rung): those three}, a line naming the rungs left
+  without the split and why, None where none is)."""
+  from kimijax.config import ConfigError, load_file
+
+  lacking = [r for r in data['rungs'] if r.get('model_flops') is None]
+  if not lacking:
+    return {}, None
+  spec = f'{ladder_file}:{data["ladder"]}'
+  head = f"Model and optimizer FLOPs '-': the ladder.json holds only their sum, and {spec}"
+  try:
+    planned = {(p['variant'], p['rung']['name']): p for p in planned_rungs(load_file(spec))}
+  except (ConfigError, WorkflowError) as e:
+    return {}, f'{head} does not plan its rungs ({e}).'
+  split, why = {}, []
+  for r in lacking:
+    p = planned.get((r['variant'], r['rung']))
+    if p is None:
+      why.append(f'{r["variant"]} {r["rung"]}: not planned')
+      continue
+    steps, step_flops = p['config'].train.steps, p['step_flops']
+    counted = step_flops['total'] * steps
+    if steps != r['steps'] or step_flops['params'] != r['params']:
+      why.append(
+        f'{r["variant"]} {r["rung"]}: planned steps={steps}, params={step_flops["params"]}; '
+        f'recorded steps={r["steps"]}, params={r["params"]}'
+      )
+    elif abs(counted - r['flops']) > SPLIT_TOLERANCE * abs(r['flops']):
+      why.append(
+        f'{r["variant"]} {r["rung"]}: planned {counted:.12g} FLOPs, recorded {r["flops"]:.12g} '
+        f'(relative difference {abs(counted - r["flops"]) / r["flops"]:.2g})'
+      )
+    else:
+      split[r['variant'], r['rung']] = {
+        'model_flops': step_flops['model'] * steps,
+        'optimizer_flops': step_flops['optimizer'] * steps,
+        'active_params': step_flops['active_params'],
+      }
+  return split, f'{head} does not reproduce these rungs: {"; ".join(why)}.' if why else None
+
+
+def report_from_json(
+  path: str | pathlib.Path,
+  workdir: str | pathlib.Path,
+  *,
+  publish: str | None = None,
+  ladder_file: str = 'configs/ladder.py',
+) -> dict:
   """Rewrites the report from a ladder.json alone (a published one, say, whose run folders are
-  gone): its rungs' rows, fitted again. A ladder.json from before the model/optimizer split holds
-  only C = model + optimizer FLOPs ('flops') and no config to count the split from: its rows show
-  '-' for it, and only the model + optimizer fits and multipliers are made."""
+  gone): its rungs' rows, fitted again. The report keeps the json's date and hardware, and the
+  command of the call that wrote it ('ladder_command'). A ladder.json from before the
+  model/optimizer split holds only C = model + optimizer FLOPs ('flops'): split_from_plan counts
+  the split again from ladder_file where that reproduces a rung's recorded C exactly; a rung where
+  it does not shows '-' for it (the report says why) and is left out of the model FLOPs fits."""
   started = time.time()
   data = json.loads(pathlib.Path(path).read_text())
   ladder = ml_collections.ConfigDict(
@@ -585,11 +662,32 @@ def report_from_json(path: str | pathlib.Path, workdir: str | pathlib.Path, *, p
       'variants': {v: [tuple(kv) for kv in o] for v, o in data['variants'].items()},
     }
   )
+  split, note = split_from_plan(data, ladder_file)
   rows = [
-    {'model_flops': None, 'optimizer_flops': None, 'active_params': r['params'], 'hardware': None, **r}
+    {
+      'model_flops': None,
+      'optimizer_flops': None,
+      'active_params': r['params'],
+      'hardware': None,
+      **r,
+      **split.get((r['variant'], r['rung']), {}),
+    }
     for r in data['rungs']
   ]
-  return write_report(ladder, rows, data['planned_rungs'], pathlib.Path(workdir), publish, started)
+  prov = runs_lib.provenance()
+  prov.update({k: data[k] for k in ('date', 'hardware') if data.get(k)})
+  if data.get('ladder_command') or data.get('command'):
+    prov['ladder_command'] = data.get('ladder_command') or data['command']
+  return write_report(
+    ladder,
+    rows,
+    data['planned_rungs'],
+    pathlib.Path(workdir),
+    publish,
+    started,
+    prov=prov,
+    notes=[note] if note else [],
+  )
 
 
 def define_flags():

@@ -3,28 +3,22 @@ each run costs its compilations, so the fits' intervals are tested on synthetic 
 resume of a half-finished ladder, and the report's fits against the rungs it lists."""
 
 import json
+import pathlib
 
 import jax
 import numpy as np
 import pytest
 
-from configs.ladder import get_config, rung
+from configs.ladder import get_config
 from experiments import ladder_fit, runs, scaling_ladder
+from kimijax.config import load_file
 
 ONE = jax.devices()[:1]
+LADDERS = str(pathlib.Path(__file__).with_name('ladder_tiny.py'))  # the tiny ladders, a ladder file
 
 
-def tiny_ladder():
-  c = get_config('smoke')
-  c.name = 'tiny'
-  b = c.base
-  b.train.seq_len, b.train.eval_batches, b.train.log_every, b.train.plot = 32, 1, 2, False
-  c.tokens_per_param = 0.02
-  c.rungs = [rung(d, head_dim=8, depth_per_width=8, batch_size=4) for d in (8, 16)]
-  # Variants that compile as fast as the baseline (the test times compilation, not training).
-  c.variants = {'rope': (), 'nope': (('model.position', 'nope'),)}
-  c.baseline = 'rope'
-  return c
+def tiny_ladder(name='tiny'):
+  return load_file(f'{LADDERS}:{name}')
 
 
 @pytest.mark.long
@@ -88,8 +82,7 @@ def test_report_only_states_where_the_rungs_ran_and_their_epochs(tmp_path):
   """A ladder trained elsewhere (on a GPU) and brought back: --report_only trains nothing, fits the
   rungs it finds, takes each rung's hardware and training-split size from its done.json, and
   counts each rung's model and optimizer FLOPs from its config."""
-  ladder = tiny_ladder()
-  ladder.variants['nope'] = (('model.position', 'nope'), ('optimizer.name', 'muon'))
+  ladder = tiny_ladder('tiny_muon')
   planned = scaling_ladder.plan(ladder, tmp_path)
   losses = {('rope', 'd8'): 3.0, ('rope', 'd16'): 2.5, ('nope', 'd8'): 3.1}  # nope d16 unfinished
   for r in planned:
@@ -172,7 +165,74 @@ def test_a_ladder_json_from_before_the_split_still_reports(tmp_path):
   assert '| - | - | - / 1e-09 |' in md  # model FLOPs, optimizer FLOPs, C model / total
   assert '| muon | model + optimizer | ' in md and '**1.5x**' in md
   assert 'no reading' in md and '6 of 6 rungs finished' in md and 'Rungs trained on: not recorded' in md
+  assert "configs/ladder.py:old does not plan its rungs (configs/ladder.py: unknown variant 'old'" in md
   assert (tmp_path / 'out' / 'ladder.png').exists()
+
+
+def before_the_split(data: dict) -> dict:
+  """A ladder.json as it was written before the model/optimizer split: rungs with OLD_ROW_KEYS
+  (no model_flops, optimizer_flops, active_params, hardware), no compute counts or verdict."""
+  old = {k: v for k, v in data.items() if k not in ('compute', 'verdict_compute', 'verdict')}
+  return {**old, 'rungs': [{k: r[k] for k in OLD_ROW_KEYS} for r in data['rungs']]}
+
+
+def same(a, b) -> bool:
+  """Equal as written to ladder.json (NaN equal to NaN)."""
+  return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_from_json_counts_the_split_again_where_the_ladder_file_reproduces_the_recorded_flops(tmp_path):
+  """A ladder.json from before the split, of a ladder its ladder file still plans: --from_json gets
+  back exactly the split a fresh report counted from the run folders (AdamW's model FLOPs also in
+  closed form), and so the model FLOPs fits, multiplier and verdict; the header keeps the date and
+  hardware of the call that wrote the ladder.json. A rung whose recorded steps or FLOPs the plan
+  does not reproduce keeps '-', and the report says why."""
+  ladder = tiny_ladder('tiny_muon')
+  losses = {('rope', 'd8'): 3.0, ('rope', 'd16'): 2.5, ('nope', 'd8'): 2.9, ('nope', 'd16'): 2.3}
+  for r in scaling_ladder.plan(ladder, tmp_path / 'runs'):
+    fake_finished_run(r['run_dir'], r['config'], losses[r['variant'], r['rung']['name']], 'GPU X x 1', 10**9)
+  fresh = scaling_ladder.run_ladder(ladder, tmp_path / 'runs', report_only=True, devices=ONE)
+  command = 'python -m experiments.scaling_ladder --config=L:tiny_muon --workdir=W'
+  old = {**before_the_split(fresh), 'date': '2020-01-02 03:04 UTC', 'hardware': 'CPU Y', 'command': command}
+  (tmp_path / 'old.json').write_text(json.dumps(old))
+  data = scaling_ladder.report_from_json(tmp_path / 'old.json', tmp_path / 'out', ladder_file=LADDERS)
+  for got, want in zip(data['rungs'], fresh['rungs'], strict=True):
+    assert (got['variant'], got['rung']) == (want['variant'], want['rung'])
+    assert [got[k] for k in ('model_flops', 'optimizer_flops', 'active_params')] == [
+      want[k] for k in ('model_flops', 'optimizer_flops', 'active_params')
+    ]
+    per_token = 6 * got['params'] + 6 * got['num_layers'] * ladder.base.train.seq_len * got['d_model']
+    assert got['model_flops'] == pytest.approx(got['tokens'] * per_token, rel=1e-12)
+    assert (got['optimizer_flops'] > 0) == (got['variant'] == 'nope')
+  for key in ('fits', 'multipliers', 'verdict'):
+    assert same(data[key], fresh[key])
+  assert set(data['verdict']) == {'nope'}
+  assert (data['date'], data['hardware'], data['ladder_command']) == ('2020-01-02 03:04 UTC', 'CPU Y', command)
+  md = (tmp_path / 'out' / 'ladder.md').read_text()
+  header = 'Date: 2020-01-02 03:04 UTC. Rungs trained on: not recorded (their ladder.json was written on CPU Y by'
+  assert f'{header} `{command}`)' in md
+  assert "FLOPs '-'" not in md
+
+  rows = {(r['variant'], r['rung']): r for r in old['rungs']}
+  rows['rope', 'd8']['steps'] += 1
+  rows['nope', 'd16']['flops'] *= 1 + 1e-6
+  rows['rope', 'd16']['flops'] *= 1 + 1e-12  # inside SPLIT_TOLERANCE
+  (tmp_path / 'off.json').write_text(json.dumps(old))
+  data = scaling_ladder.report_from_json(tmp_path / 'off.json', tmp_path / 'off', ladder_file=LADDERS)
+  got = {(r['variant'], r['rung']): r for r in data['rungs']}
+  want = {(r['variant'], r['rung']): r for r in fresh['rungs']}
+  for key in (('rope', 'd8'), ('nope', 'd16')):
+    assert got[key]['model_flops'] is None and got[key]['optimizer_flops'] is None
+  for key in (('rope', 'd16'), ('nope', 'd8')):
+    for split in ('model_flops', 'optimizer_flops'):
+      assert got[key][split] == want[key][split]
+  assert data['verdict'] == {}  # one rung per variant left on model FLOPs: no fit
+  md = (tmp_path / 'off' / 'ladder.md').read_text()
+  [why] = [line for line in md.splitlines() if line.startswith("Model and optimizer FLOPs '-'")]
+  assert f'{LADDERS}:tiny_muon does not reproduce these rungs: ' in why
+  assert 'rope d8: planned steps=1, params=2920; recorded steps=2, params=2920' in why
+  assert 'nope d16: planned ' in why and '(relative difference 1e-06)' in why
+  assert 'rope d16' not in why and 'nope d8' not in why
 
 
 def test_ladder_refuses_unknown_variant_and_folder_of_another_config(tmp_path):
