@@ -20,8 +20,8 @@ Config files and their variants (--config=FILE:VARIANT, several as FILE:a,b; eac
     configs/kimi_linear_moe.py    3:1 KDA:MLA + MoE as Kimi Linear: gpu (one H200), muon
     configs/bpe_shards.py         3:1 KDA:attention on prepared BPE shards, documents kept apart:
                                   no_mask (packed across documents), gpu (one H200)
-    configs/ladder.py             smoke, gpu, gpu_attnres, gpu_hybrid, gpu_moe (ladders, for
-                                  experiments/scaling_ladder.py)
+    configs/ladder.py             smoke, smoke_moe, gpu, gpu_attnres, gpu_hybrid, gpu_moe (ladders,
+                                  for experiments/scaling_ladder.py)
 
 Re-running the same training command resumes from DIR/checkpoints (and does nothing once the run
 has reached train.steps). Ctrl-C, SIGTERM (a scheduler's preemption) or SIGUSR1 stops after the
