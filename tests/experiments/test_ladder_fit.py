@@ -1,10 +1,11 @@
 """experiments/ladder_fit.py on synthetic ladders with a known exponent, offset and compute
-multiplier (the published Moonlight-like numbers), and the ladder report's analysis of 5 rungs."""
+multiplier (the published Moonlight-like numbers), the ladder report's analysis of 5 rungs
+(experiments/ladder_report.py) and the ladder's time model (experiments/scaling_ladder.py)."""
 
 import numpy as np
 import pytest
 
-from experiments import ladder_fit, scaling_ladder
+from experiments import ladder_fit, ladder_report, scaling_ladder
 
 C = np.geomspace(3e-6, 3e-3, 5)  # PFLOP/s-days, a 1000x ladder
 A, ALPHA, MULT = 2.608, 0.054, 1.92  # a variant that needs 1/1.92 = 52% of the compute
@@ -83,7 +84,7 @@ class Ladder:
 def test_ladder_analysis_fits_both_forms_from_five_rungs_on_both_counts_of_compute():
   # On model FLOPs muon's multiplier is MULT; C = model + optimizer FLOPs is (1 + share) x muon's
   # model FLOPs and adamw's alone, so there it is MULT / (1 + share), in closed form.
-  analysis = scaling_ladder.analyse(Ladder, synthetic_rows(0.25))
+  analysis = ladder_report.analyse(Ladder, synthetic_rows(0.25))
   for compute in ('model', 'total'):
     assert set(analysis['fits'][compute]['muon']) == {'power_law', 'with_offset'}
     assert analysis['fits'][compute]['muon']['power_law']['alpha'] == pytest.approx(ALPHA, rel=1e-8)
@@ -97,11 +98,11 @@ def test_ladder_analysis_fits_both_forms_from_five_rungs_on_both_counts_of_compu
 
 def test_the_report_gives_both_multipliers_and_the_verdicts_basis():
   rows = synthetic_rows(0.25)
-  analysis = scaling_ladder.analyse(Ladder, rows)
-  assert scaling_ladder.shown_computes(rows) == ['model', 'total']
+  analysis = ladder_report.analyse(Ladder, rows)
+  assert ladder_report.shown_computes(rows) == ['model', 'total']
   # no optimizer FLOPs anywhere: the two counts are equal and the report shows one
-  assert scaling_ladder.shown_computes(synthetic_rows(0.0)) == ['model']
-  lines = scaling_ladder._verdict_lines(Ladder, analysis)
+  assert ladder_report.shown_computes(synthetic_rows(0.0)) == ['model']
+  lines = ladder_report._verdict_lines(Ladder, analysis)
   assert lines[0].startswith('Verdict basis: the multiplier on C = model FLOPs')
   assert lines[2].startswith(f'- `muon` at L* = {analysis["verdict"]["muon"]["loss"]:.3f}: **1.92x**')
 
@@ -117,13 +118,13 @@ def test_the_report_gives_both_multipliers_and_the_verdicts_basis():
 )
 def test_the_verdict_reads_the_interval_against_one(ci, reading):
   m = {'losses': [1.8, 2.0], 'multiplier': [1.0, 1.1], 'multiplier_ci95': [ci, [0.0, 9.0]]}
-  assert scaling_ladder.verdict_reading(m) == {
+  assert ladder_report.verdict_reading(m) == {
     'loss': 1.8,
     'multiplier': 1.0,
     'multiplier_ci95': ci,
     'reading': reading,
   }
-  assert scaling_ladder.verdict_reading({'losses': [], 'multiplier': [], 'multiplier_ci95': []}) is None
+  assert ladder_report.verdict_reading({'losses': [], 'multiplier': [], 'multiplier_ci95': []}) is None
 
 
 def test_offset_form_keeps_the_irreducible_loss_non_negative():

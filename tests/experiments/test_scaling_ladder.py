@@ -1,6 +1,7 @@
 """experiments/scaling_ladder.py end to end on tiny rungs (2 variants x 2 rungs, one or two steps each:
 each run costs its compilations, so the fits' intervals are tested on synthetic ladders instead),
-resume of a half-finished ladder, and the report's fits against the rungs it lists."""
+resume of a half-finished ladder, and the report's fits against the rungs it lists; the report
+rebuilt from a ladder.json alone (experiments/ladder_report.py)."""
 
 import json
 import pathlib
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from configs.ladder import get_config
-from experiments import ladder_fit, runs, scaling_ladder
+from experiments import ladder_fit, ladder_report, runs, scaling_ladder
 from kimijax.config import load_file
 
 ONE = jax.devices()[:1]
@@ -157,7 +158,7 @@ def test_a_ladder_json_from_before_the_split_still_reports(tmp_path):
     'finished_rungs': 6,
   }
   (tmp_path / 'old.json').write_text(json.dumps(old))
-  data = scaling_ladder.report_from_json(tmp_path / 'old.json', tmp_path / 'out')
+  data = ladder_report.report_from_json(tmp_path / 'old.json', tmp_path / 'out')
   assert data['multipliers']['total']['muon']['multiplier'] == pytest.approx([1.5] * 3, rel=1e-6)
   assert data['fits']['model'] == {'adamw': {}, 'muon': {}} and data['multipliers']['model'] == {}
   assert data['verdict'] == {}
@@ -195,7 +196,7 @@ def test_from_json_counts_the_split_again_where_the_ladder_file_reproduces_the_r
   command = 'python -m experiments.scaling_ladder --config=L:tiny_muon --workdir=W'
   old = {**before_the_split(fresh), 'date': '2020-01-02 03:04 UTC', 'hardware': 'CPU Y', 'command': command}
   (tmp_path / 'old.json').write_text(json.dumps(old))
-  data = scaling_ladder.report_from_json(tmp_path / 'old.json', tmp_path / 'out', ladder_file=LADDERS)
+  data = ladder_report.report_from_json(tmp_path / 'old.json', tmp_path / 'out', ladder_file=LADDERS)
   for got, want in zip(data['rungs'], fresh['rungs'], strict=True):
     assert (got['variant'], got['rung']) == (want['variant'], want['rung'])
     assert [got[k] for k in ('model_flops', 'optimizer_flops', 'active_params')] == [
@@ -218,7 +219,7 @@ def test_from_json_counts_the_split_again_where_the_ladder_file_reproduces_the_r
   rows['nope', 'd16']['flops'] *= 1 + 1e-6
   rows['rope', 'd16']['flops'] *= 1 + 1e-12  # inside SPLIT_TOLERANCE
   (tmp_path / 'off.json').write_text(json.dumps(old))
-  data = scaling_ladder.report_from_json(tmp_path / 'off.json', tmp_path / 'off', ladder_file=LADDERS)
+  data = ladder_report.report_from_json(tmp_path / 'off.json', tmp_path / 'off', ladder_file=LADDERS)
   got = {(r['variant'], r['rung']): r for r in data['rungs']}
   want = {(r['variant'], r['rung']): r for r in fresh['rungs']}
   for key in (('rope', 'd8'), ('nope', 'd16')):
