@@ -7,6 +7,9 @@ loss_by_position.png) and, once train() has returned, done.json (its summary and
 A folder that holds a run of a different model or optimizer is an error naming the keys that
 differ, never overwritten; any other change (a longer train.steps, say) continues or reuses the run
 with a notice, by the rule run.py applies on resume (kimijax.train.checkpoint.resume_differences).
+
+Also the provenance of what a workflow or benchmark prints: provenance() for a report's header,
+bench_provenance() / print_header() for the header line every benchmark in experiments/bench/ prints.
 """
 
 from __future__ import annotations
@@ -233,28 +236,100 @@ def to_json(data) -> str:
   return json.dumps(clean(data), indent=1, default=str, allow_nan=False)
 
 
+def _device_kind() -> str:
+  import jax
+
+  dev = jax.devices()[0]
+  return dev.device_kind if dev.platform != 'cpu' else f'CPU ({platform.machine() or "unknown"})'
+
+
+def devices() -> str:
+  """'<device kind> x <count>' of this process's JAX devices."""
+  import jax
+
+  return f'{_device_kind()} x {jax.device_count()}'
+
+
 def hardware() -> str:
   """'<device kind> x <count> JAX device(s), <n>-core host, jax <version>'."""
   import jax
 
-  dev = jax.devices()[0]
-  kind = dev.device_kind if dev.platform != 'cpu' else f'CPU ({platform.machine() or "unknown"})'
-  return f'{kind} x {jax.device_count()} JAX device(s), {os.cpu_count()}-core host, jax {jax.__version__}'
+  return f'{devices()} JAX device(s), {os.cpu_count()}-core host, jax {jax.__version__}'
 
 
-def provenance() -> dict:
-  """Date, hardware and the command line of this process, for a report's header."""
+def utc_now() -> str:
+  return datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')
+
+
+def command() -> str:
+  """This process's command line as run, a script of this repository as its module
+  ('python -m experiments.bench.bench_kda --batch=1'), each argument shell-quoted."""
   argv = [sys.argv[0]] + sys.argv[1:]
   if argv[0].endswith('.py'):
     module = pathlib.Path(argv[0]).resolve()
     root = pathlib.Path(__file__).resolve().parents[1]
     if module.is_relative_to(root):
       argv[0] = '-m ' + '.'.join(module.relative_to(root).with_suffix('').parts)
+  return 'python ' + ' '.join([argv[0]] + [shlex.quote(a) for a in argv[1:]])
+
+
+def provenance() -> dict:
+  """Date, hardware and the command line of this process, for a report's header."""
+  return {'date': utc_now(), 'hardware': hardware(), 'command': command()}
+
+
+def package_version(name: str) -> str:
+  """The installed version of a package, by its distribution name or its import name ('fla' for
+  flash-linear-attention); 'not installed' if neither is installed. Imports nothing."""
+  from importlib import metadata
+
+  for dist in [name, *metadata.packages_distributions().get(name, [])]:
+    try:
+      return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+      continue
+  return 'not installed'
+
+
+def bench_provenance(packages: tuple[str, ...] | list[str] = (), *, devices_from: dict | None = None) -> dict:
+  """A benchmark's provenance, in its header's order: date (UTC), command (as run, normalised as in
+  command()), jax's version, 'packages' {name: version or 'not installed'} of the optional packages
+  the run uses, backend, device ('<kind> x <count>') and host name. devices_from: the provenance of
+  the process that ran on the devices (a benchmark's subprocess), whose backend and device are
+  taken ('unknown' where it lacks them) so that this process does not start JAX on them."""
+  if devices_from is None:
+    import jax
+
+    backend, device = jax.default_backend(), devices()
+  else:
+    backend, device = devices_from.get('backend', 'unknown'), devices_from.get('device', 'unknown')
   return {
-    'date': datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC'),
-    'hardware': hardware(),
-    'command': 'python ' + ' '.join([argv[0]] + [shlex.quote(a) for a in argv[1:]]),
+    'date': utc_now(),
+    'command': command(),
+    'jax': package_version('jax'),
+    'packages': {name: package_version(name) for name in packages},
+    'backend': backend,
+    'device': device,
+    'host': platform.node() or 'unknown',
   }
+
+
+def header_line(prov: dict) -> str:
+  """bench_provenance's fields on one line, in its order:
+  'date 2026-12-01 14:03 UTC; command `python -m ...`; jax 0.11.2; tokamax 0.0.17; backend gpu;
+  device NVIDIA H200 x 1; host NAME'."""
+  fields = [f'date {prov["date"]}', f'command `{prov["command"]}`', f'jax {prov["jax"]}']
+  fields += [f'{name} {version}' for name, version in prov['packages'].items()]
+  fields += [f'backend {prov["backend"]}', f'device {prov["device"]}', f'host {prov["host"]}']
+  return '; '.join(fields)
+
+
+def print_header(packages: tuple[str, ...] | list[str] = (), *, devices_from: dict | None = None) -> dict:
+  """Prints a benchmark's header line (header_line of bench_provenance) and returns the provenance,
+  for its JSON. A benchmark prints its own settings on the next line."""
+  prov = bench_provenance(packages, devices_from=devices_from)
+  print(header_line(prov), flush=True)
+  return prov
 
 
 def mean_spread(values: list[float]) -> tuple[float, float | None]:
