@@ -24,10 +24,6 @@ lists (experiments/bench/bench_compare.py: bench_350m and its 3:1 KDA:MLA hybrid
 against 'cudnn', with and without max logits).
 """
 
-import datetime
-import platform
-import sys
-
 SHAPES = {  # name: (B, T, S, H, Hkv, D, Dv)
   'mha_4k': (8, 4096, 4096, 16, 16, 128, 128),
   'mha_16k': (2, 16384, 16384, 16, 16, 128, 128),
@@ -141,23 +137,12 @@ def rows(shape_names, impls, dtype_name=None, repeats=10, warmup=2, skip_xla_abo
 
 def main(argv):
   del argv
-  import jax
   from absl import flags
 
-  FLAGS = flags.FLAGS
-  try:
-    import tokamax
+  from experiments import runs
 
-    tokamax_version = tokamax.__version__
-  except ImportError:
-    tokamax_version = 'not installed'
-  device = jax.devices()[0]
-  print(
-    f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; tokamax {tokamax_version}; '
-    f'backend {jax.default_backend()}; device {device.device_kind} x{jax.device_count()}; '
-    f'host {platform.node()}'
-  )
-  print(f'command: python -m experiments.bench.bench_attention {" ".join(sys.argv[1:])}')
+  FLAGS = flags.FLAGS
+  runs.print_header(['tokamax'] if 'tokamax' in FLAGS.impls else [])  # the optional package a run uses
   print(
     f'causal; median (min) of {FLAGS.repeats} calls in ms after {FLAGS.warmup}; forward TFLOP/s over unmasked pairs\n'
   )

@@ -30,10 +30,6 @@ cannot run here, or a cell out of memory, is a cell saying so, not a crash. Prin
 Results go to experiments/results/moe.md.
 """
 
-import datetime
-import platform
-import sys
-
 CONFIGS = ('64x8x512', '64x8x1024', '256x8x512', '256x8x1024')
 IMPLS = ('tokamax',)
 
@@ -274,23 +270,12 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
 
 def main(argv):
   del argv
-  import jax
   from absl import flags
 
-  FLAGS = flags.FLAGS
-  try:
-    import tokamax
+  from experiments import runs
 
-    tokamax_version = tokamax.__version__
-  except ImportError:
-    tokamax_version = 'not installed'
-  device = jax.devices()[0]
-  print(
-    f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; tokamax {tokamax_version}; '
-    f'backend {jax.default_backend()}; device {device.device_kind} x{jax.device_count()}; '
-    f'host {platform.node()}'
-  )
-  print(f'command: python -m experiments.bench.bench_moe {" ".join(sys.argv[1:])}')
+  FLAGS = flags.FLAGS
+  runs.print_header(['tokamax'] if 'tokamax' in FLAGS.impls else [])  # the optional package a run uses
   print(
     f'{FLAGS.tokens} tokens, d_model {FLAGS.d_model}; median (min) of {FLAGS.repeats} calls in ms after '
     f'{FLAGS.warmup}; TFLOP/s over the active FLOPs\n'
