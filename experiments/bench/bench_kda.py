@@ -28,11 +28,9 @@ around them, with the host's events inside it: where a waited call's time outsid
 goes. Prints a Markdown table.
 """
 
-import datetime
-import platform
-import sys
-
 from absl import app, flags
+
+from experiments import runs
 
 flags.DEFINE_integer('batch', 8, 'B')
 flags.DEFINE_integer('seq_len', 4096, 'T')
@@ -425,12 +423,7 @@ def main(argv):
   shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.heads, FLAGS.head_dim)
   backend = jax.default_backend()
   dtype = FLAGS.dtype or ('float32' if backend == 'cpu' else 'bfloat16')
-  device = jax.devices()[0]
-  print(
-    f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; backend {backend}; '
-    f'device {device.device_kind} x{jax.device_count()}; host {platform.processor() or platform.machine()}'
-  )
-  print(f'command: python {" ".join(sys.argv)}')
+  runs.print_header(['torch', 'fla'] if 'fla' in FLAGS.impls else [])  # fla's chunk_kda runs on PyTorch
   print(
     f'shape B={shape[0]} T={shape[1]} H={shape[2]} K=V={shape[3]}; inputs {dtype} (g float32); '
     f'chunk_size {FLAGS.chunk_size}; median (min) of {FLAGS.repeats} calls in ms, each waited for; '

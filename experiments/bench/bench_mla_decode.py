@@ -20,10 +20,6 @@ kernels_pallas/mla_decode/settings.py). Prints
 Markdown; results go to experiments/results/.
 """
 
-import datetime
-import platform
-import sys
-
 CONTEXTS = ('4096', '32768', '131072')
 IMPLS = ('pallas', 'xla')
 
@@ -136,20 +132,15 @@ def rows(
 
 def main(argv):
   del argv
-  import jax
   from absl import app, flags
 
+  from experiments import runs
   from experiments.bench import timing
 
   FLAGS = flags.FLAGS
   if message := flag_error(FLAGS.contexts, FLAGS.rope_dims, FLAGS.tiles, FLAGS.dtype, FLAGS.copy_mib):
     raise app.UsageError(message)
-  device = jax.devices()[0]
-  print(
-    f'date {datetime.date.today().isoformat()}; jax {jax.__version__}; backend {jax.default_backend()}; '
-    f'device {device.device_kind}; host {platform.node()}'
-  )
-  print(f'command: python -m experiments.bench.bench_mla_decode {" ".join(sys.argv[1:])}')
+  runs.print_header()
   copy_gbs = timing.copy_bytes_per_s(FLAGS.copy_mib * 2**20) / 1e9
   print(
     f'batch {FLAGS.batch}, {FLAGS.heads} heads, rank {FLAGS.rank}; settings {FLAGS.tiles or "defaults"}; mean of '
