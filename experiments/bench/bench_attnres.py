@@ -17,10 +17,9 @@ Before timing, each impl's outputs and gradients are checked against impl 'xla' 
 Each figure is the median of --repeats timed calls after --warmup calls; prints a Markdown table.
 """
 
-import datetime
-import platform
-
 from absl import app, flags
+
+from experiments import runs
 
 flags.DEFINE_integer('batch', 16, 'B')
 flags.DEFINE_integer('seq_len', 4096, 'T')
@@ -248,11 +247,8 @@ def main(_):
   dtype = jnp.dtype(FLAGS.dtype)
   s = FLAGS.queries
   shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.d_model)
-  print(
-    f'# AttnRes phase 1 / phase 2, {datetime.date.today()}, {jax.devices()[0].device_kind}, '
-    f'jax {jax.__version__}, {platform.python_version()}'
-  )
-  print(f'B={FLAGS.batch} T={FLAGS.seq_len} D={FLAGS.d_model} S={s} {FLAGS.dtype}\n')
+  runs.print_header()
+  print(f'AttnRes phase 1 / phase 2: B={FLAGS.batch} T={FLAGS.seq_len} D={FLAGS.d_model} S={s} {FLAGS.dtype}\n')
   x = jnp.ones(shape, dtype)
   scales = 20  # in one call, so that the launch overhead does not count
   loop_ms = _time(jax.jit(lambda a: jax.lax.fori_loop(0, scales, lambda i, y: y * 1.5, a)), x)
