@@ -3,9 +3,10 @@
     python -m experiments.bench.bench_train --config=configs/bench_350m.py [--config.a.b=v] [--steps=20]
 
 Runs the real jitted train step (same code as run.py) on synthetic token batches, after warm-up,
-and prints one line per figure: device, params_M, step_ms, tokens_per_sec, model_tflops_per_device,
-mfu, peak_memory_GiB, loss, init_s (creating the train state), first_step_s (the first step with its
-compilation or cache load), ... With --documents=MIN,MAX each row packs documents of MIN to MAX
+and prints the benchmarks' header line (experiments/runs.py print_header), then one line per
+figure: device, params_M, step_ms, tokens_per_sec, model_tflops_per_device, mfu, peak_memory_GiB,
+loss, init_s (creating the train state), first_step_s (the first step with its compilation or cache
+load), ... With --documents=MIN,MAX each row packs documents of MIN to MAX
 tokens (kimijax.data.documents.random_documents) and the batch carries their segment ids and
 positions, as with data.document_mask: the step keeps them apart (docs/data.md#document-masking);
 bench_compare runs it against the same config without it.
@@ -34,7 +35,7 @@ define_config_flag('config', None, 'config file, FILE[:VARIANT[,VARIANT]].')
 flags.DEFINE_integer('steps', 20, 'timed steps')
 flags.DEFINE_integer('warmup', 3, 'untimed steps (the first compiles)')
 flags.DEFINE_float('peak_tflops', 989.0, 'dense bf16 peak of one device, TFLOP/s')
-flags.DEFINE_string('json_out', None, 'also write the figures to this JSON file')
+flags.DEFINE_string('json_out', None, "also write the figures and the header's 'provenance' to this JSON file")
 flags.DEFINE_string('profile_dir', None, 'write a profiler trace (perfetto JSON too) of 3 extra steps here')
 flags.DEFINE_string(
   'phase1_tiles',
@@ -102,6 +103,7 @@ def main(argv):
   import jax
   import jax.numpy as jnp
 
+  from experiments import runs
   from experiments.bench import timing
   from kimijax.config import config_from_flags, validate
   from kimijax.model import count_params
@@ -118,6 +120,10 @@ def main(argv):
     config = validate(config)
   except ValueError as e:  # a bad file, variant, key or tile setting: one line naming it
     raise SystemExit(f'ConfigError: {e}') from None
+  uses_tokamax = config.model.attn_impl in ('tokamax', 'gpu') or (
+    config.model.mlp_kind == 'moe' and config.model.moe.impl == 'tokamax'
+  )
+  prov = runs.print_header(['tokamax'] if uses_tokamax else [])
   t = config.train
   mesh = mesh_lib.make_mesh(config.mesh)
   run = build_training(config, mesh)
@@ -186,7 +192,7 @@ def main(argv):
     print(f'{key:>24}: {value:.4g}' if isinstance(value, float) else f'{key:>24}: {value}')
   if FLAGS.json_out:
     with open(FLAGS.json_out, 'w') as f:
-      json.dump(result, f, indent=1)
+      json.dump({**result, 'provenance': prov}, f, indent=1)
 
 
 if __name__ == '__main__':

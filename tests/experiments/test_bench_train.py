@@ -36,6 +36,8 @@ def test_a_step_on_packed_documents(tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   result = json.loads(out.read_text())
   assert result['documents'] == '8,24' and result['loss'] > 0
+  assert result['provenance']['command'].startswith('python -m experiments.bench.bench_train --config=')
+  assert result['provenance']['backend'] == 'cpu' and result['provenance']['packages'] == {}
 
 
 def test_bad_documents_flag_is_one_line(tmp_path):
