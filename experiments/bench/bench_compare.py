@@ -21,11 +21,9 @@ pairs that run one setup per GPU side by side mislead. To use two GPUs, run two 
 one per GPU, and read each table on its own.
 """
 
-import datetime
 import json
 import os
 import pathlib
-import platform
 import shlex
 import statistics
 import subprocess
@@ -34,6 +32,8 @@ import tempfile
 import time
 
 from absl import app, flags
+
+from experiments import runs as runs_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -94,6 +94,15 @@ def bench_once(args: str, out: pathlib.Path, *, steps: int, warmup: int, cache_d
   return json.loads(out.read_text())
 
 
+def header(results: list[dict]) -> dict:
+  """Prints the shared header (runs.print_header) over the bench_train.py runs this process started,
+  given their figures: their backend and device (this process does not start JAX on the devices they
+  use) and the optional packages any of them used. Returns the provenance."""
+  provs = [r.get('provenance', {}) for r in results]
+  packages = sorted({name for p in provs for name in p.get('packages', {})})
+  return runs_lib.print_header(packages, devices_from=next((p for p in provs if p), {}))
+
+
 def main(argv):
   del argv
   if FLAGS.rounds < 1:
@@ -126,9 +135,10 @@ def main(argv):
 
   median = {s: statistics.median(r['step_ms'] for r in runs if r['setup'] == s) for s in ('base', 'other')}
   overhead = median['other'] / median['base'] - 1
+  print()
+  prov = header(runs)
   print(
-    f'\n{datetime.date.today()}, {runs[0]["device"]} x {runs[0]["num_devices"]}, '
-    f'host {platform.node()}; {FLAGS.steps} timed steps per run'
+    f'{FLAGS.steps} timed steps per run'
     + (f'; {len(runs)} of {len(order)} runs (time budget)' if len(runs) < len(order) else '')
     + '\n'
   )
@@ -147,7 +157,9 @@ def main(argv):
       'overhead': overhead,
       'runs_planned': len(order),
     }
-    pathlib.Path(FLAGS.json_out).write_text(json.dumps({'summary': summary, 'runs': runs}, indent=1))
+    pathlib.Path(FLAGS.json_out).write_text(
+      json.dumps({'provenance': prov, 'summary': summary, 'runs': runs}, indent=1)
+    )
 
 
 if __name__ == '__main__':

@@ -15,9 +15,7 @@ trained and its first that did not. A length that fits could still be followed b
 that fits between the last two tried: give finer --seq_lens there.
 """
 
-import datetime
 import pathlib
-import platform
 import tempfile
 
 from absl import app, flags
@@ -110,8 +108,9 @@ def main(argv):
     for setup in setups:
       rows += (setup_rows := longest(setup, lengths, run))
       print(table(setup_rows), flush=True)
-  device = next((r['device'] for r in rows if r['status'] == 'trained'), 'unknown device')
-  print(f'\n{datetime.date.today()}, {device}, host {platform.node()}; {FLAGS.steps} timed steps per run\n')
+  print()
+  bench_compare.header([r for r in rows if r['status'] == 'trained'])
+  print(f'{FLAGS.steps} timed steps per run\n')
   print(table(rows) + '\n')
   for setup in setups:
     print(summary(setup, [r for r in rows if r['setup'] == setup]))

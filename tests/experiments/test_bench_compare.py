@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from experiments import runs
 from experiments.bench import bench_compare
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -53,6 +54,12 @@ def test_a_cut_short_comparison_still_reports_its_runs(tmp_path):
   report = json.loads(out.read_text())
   assert [r['setup'] for r in report['runs']] == ['base', 'other'] and report['summary']['runs_planned'] == 4
   assert 'stopping before run 3 of 4' in proc.stdout and '2 of 4 runs (time budget)' in proc.stdout
+  # the header: this process's command, the device its bench_train.py runs ran on
+  child = report['runs'][0]['provenance']
+  assert child['command'].startswith('python -m experiments.bench.bench_train --steps=1 ')
+  assert report['provenance']['command'].startswith('python -m experiments.bench.bench_compare --rounds=2 ')
+  assert (report['provenance']['backend'], report['provenance']['device']) == (child['backend'], child['device'])
+  assert runs.header_line(report['provenance']) in proc.stdout
 
 
 @pytest.mark.long
