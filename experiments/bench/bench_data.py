@@ -189,6 +189,11 @@ def bench_loader(path: pathlib.Path, spec: str) -> None:
 
 def main(argv):
   del argv
+  from experiments import runs
+
+  tokenizers = FLAGS.tokenizers.split(',')
+  packages = ['tokenizers'] if {'hf', 'tiktoken'} & set(tokenizers) else []  # trains the BPE both use
+  runs.print_header(packages + (['tiktoken'] if 'tiktoken' in tokenizers else []))
   work = pathlib.Path(FLAGS.keep) if FLAGS.keep else pathlib.Path(tempfile.mkdtemp(prefix='bench_data_'))
   try:
     files = corpus_files(FLAGS.corpus, FLAGS.corpus_mb)

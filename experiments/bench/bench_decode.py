@@ -28,7 +28,8 @@ layer pattern sets). The MLA layers decode with model.mla_decode_impl
 (--config.model.mla_decode_impl=pallas: the split-context kernel of kernels_pallas/mla_decode/, its
 settings as --config.model.kernels.mla_decode=...).
 
-Prints Markdown: the copy bandwidth, then one table row per context and pattern. On an H200 at
+Prints the benchmarks' header line (experiments/runs.py print_header), then Markdown: the settings
+and the copy bandwidth, then one table row per context and pattern. On an H200 at
 ~350M, one context (both models) took about 4.5 minutes without the loop, most of it
 initialisation and compilation. Results: experiments/results/bench_decode.md.
 """
@@ -201,6 +202,7 @@ def table(config, contexts: list[int], batch: int, steps: int, hybrid: str, base
 
 def main(argv):
   del argv
+  from experiments import runs
   from experiments.cli import user_errors
   from kimijax.config import config_from_flags
 
@@ -210,6 +212,7 @@ def main(argv):
     raise app.UsageError(message)
   hybrid = FLAGS.hybrid_pattern or config.model.layer_pattern
   contexts = [int(c) for c in FLAGS.contexts]
+  runs.print_header()
   for line in table(config, contexts, FLAGS.batch, FLAGS.steps, hybrid, FLAGS.baseline_pattern, FLAGS.copy_gib):
     print(line, flush=True)
 

@@ -10,6 +10,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 
+from experiments import runs
 from experiments.bench import timing
 from kernels_pallas.attention.max_logits import max_logits
 
@@ -21,6 +22,7 @@ def timeit(fn, *args, n=20):
 def main():
   if jax.default_backend() != 'gpu':  # cuDNN's attention and the Triton kernel need one
     raise SystemExit(f'bench_max_logits needs an NVIDIA GPU; JAX runs on {jax.default_backend()!r} here')
+  runs.print_header()
   b, t, h, d = 8, 4096, 8, 128
   kq, kk, kv = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(kq, (b, t, h, d), jnp.bfloat16)
