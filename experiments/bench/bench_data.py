@@ -193,7 +193,9 @@ def main(argv):
 
   tokenizers = FLAGS.tokenizers.split(',')
   packages = ['tokenizers'] if {'hf', 'tiktoken'} & set(tokenizers) else []  # trains the BPE both use
-  runs.print_header(packages + (['tiktoken'] if 'tiktoken' in tokenizers else []))
+  # Host work only: no JAX backend is started (on a GPU machine it would take the GPU's memory).
+  host_only = {'backend': 'none (host only)', 'device': f'{os.cpu_count()}-core host'}
+  runs.print_header(packages + (['tiktoken'] if 'tiktoken' in tokenizers else []), devices_from=host_only)
   work = pathlib.Path(FLAGS.keep) if FLAGS.keep else pathlib.Path(tempfile.mkdtemp(prefix='bench_data_'))
   try:
     files = corpus_files(FLAGS.corpus, FLAGS.corpus_mb)
