@@ -1,7 +1,8 @@
 """experiments/ablations/: the fixed verdict rule on hand-made seed values, every arm of every
 ablation file is a valid config at both scales and a different experiment from its other arms,
-with each claim naming arms that exist, and the
-AttnRes file's arms are the paper table's, the two ablated switches included."""
+with each claim naming arms that exist, the
+AttnRes file's arms are the paper table's, the two ablated switches included, and the late MoE load
+metric is the mean of the last fifth's logged loads."""
 
 import pytest
 
@@ -104,3 +105,52 @@ def test_attention_residuals_runs_every_arm_of_the_paper_table(scale):
     ('no_key_norm', '<', 'standard'),
     ('sigmoid', '<', 'standard'),
   } <= claims
+
+
+def test_late_moe_load_is_the_mean_of_the_last_fifth():
+  """100 steps logged every 10 (and at step 1): the last fifth is the steps past 80, i.e. 90 and 100,
+  so the figure is (1.5 + 1.25) / 2 = 1.375 for the first seed and (2.0 + 3.0) / 2 = 2.5 for the second."""
+  steps = [1] + list(range(10, 101, 10))
+  first = [9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.75, 1.5, 1.25]
+  second = [9.0, 9.0, 9.0, 9.0, 9.0, 9.0, 9.0, 9.0, 9.0, 2.0, 3.0]
+  point = {
+    'runs': [
+      {'run_dir': 'a', 'steps': 100, 'curves': {'moe_load_max_mean': list(zip(steps, first))}},
+      {'run_dir': 'b', 'steps': 100, 'curves': {'moe_load_max_mean': list(zip(steps, second))}},
+    ]
+  }
+  assert common.metric_values(point, 'moe_load_max_mean_late') == [1.375, 2.5]
+  dense = {'runs': [{'run_dir': 'c', 'steps': 100, 'curves': {'moe_load_max_mean': []}}]}
+  with pytest.raises(ValueError, match='no moe_load_max_mean'):
+    common.metric_values(dense, 'moe_load_max_mean_late')
+
+
+def test_read_run_keeps_the_moe_load_curve(tmp_path):
+  """runs.read_run records metrics.jsonl's moe_load_max_mean as a curve and its last value, and an
+  empty curve for a run that logged none."""
+  import json
+
+  from experiments import runs
+  from kimijax.config import load
+
+  config = validate(load('configs/moonlight_small.py'))
+  config.train.steps = 20
+  lines = [
+    {'step': 1, 'loss': 5.0, 'moe_load_max_mean': 9.0},
+    {'step': 10, 'loss': 3.0, 'moe_load_max_mean': 4.0},
+    {'step': 20, 'loss': 2.5, 'moe_load_max_mean': 2.5},
+    {'step': 20, 'eval_loss': 2.4, 'eval_accuracy': 0.4},
+  ]
+  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(line) + '\n' for line in lines))
+  (tmp_path / 'done.json').write_text(json.dumps({'train_split_tokens': 10**6}))
+  figures = runs.read_run(config, tmp_path)
+  assert figures['curves']['moe_load_max_mean'] == [(1, 9.0), (10, 4.0), (20, 2.5)]
+  assert figures['moe_load_max_mean_final'] == 2.5
+
+  dense = validate(load('configs/default.py'))
+  dense.train.steps = 20
+  for line in lines:
+    line.pop('moe_load_max_mean', None)
+  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(line) + '\n' for line in lines))
+  figures = runs.read_run(dense, tmp_path)
+  assert figures['curves']['moe_load_max_mean'] == [] and figures['moe_load_max_mean_final'] is None
