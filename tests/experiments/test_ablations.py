@@ -1,8 +1,9 @@
 """experiments/ablations/: the fixed verdict rule on hand-made seed values, every arm of every
 ablation file is a valid config at both scales and a different experiment from its other arms,
 with each claim naming arms that exist, the
-AttnRes file's arms are the paper table's, the two ablated switches included, and the late MoE load
-metric is the mean of the last fifth's logged loads."""
+AttnRes file's arms are the paper table's, the two ablated switches included, the MoE balancing
+arms differ from their base in the two balancing keys alone, and the late MoE load metric is the
+mean of the last fifth's logged loads."""
 
 import pytest
 
@@ -11,6 +12,7 @@ from experiments.ablations import (
   common,
   kimi_linear_table1,
   long_context,
+  moe_balance,
   mqar_recall,
   muon_update_rms,
   qk_clip,
@@ -61,7 +63,10 @@ CASES = [
 
 @pytest.mark.parametrize('scale', ['cpu', 'gpu'], ids=['cpu_scale', 'h200_scale'])  # an id 'gpu' would mark it GPU-only
 def test_every_arm_is_a_valid_config_and_every_claim_names_arms(scale):
-  cases = CASES + [(mqar_recall, mqar_recall.arms(scale), mqar_recall.claims(scale))]
+  cases = CASES + [
+    (mqar_recall, mqar_recall.arms(scale), mqar_recall.claims(scale)),
+    (moe_balance, moe_balance.arms(scale), moe_balance.CLAIMS),
+  ]
   for module, arms, claims in cases:
     base = validate(module.base(scale))
     names = [a.name for a in arms]
@@ -105,6 +110,45 @@ def test_attention_residuals_runs_every_arm_of_the_paper_table(scale):
     ('no_key_norm', '<', 'standard'),
     ('sigmoid', '<', 'standard'),
   } <= claims
+
+
+def _flat(config) -> dict:
+  out = {}
+
+  def walk(node, prefix):
+    for key, value in node.items():
+      if isinstance(value, dict):
+        walk(value, f'{prefix}{key}.')
+      else:
+        out[prefix + key] = value
+
+  walk(config.to_dict(), '')
+  return out
+
+
+@pytest.mark.parametrize('scale', ['cpu', 'gpu'], ids=['cpu_scale', 'h200_scale'])
+def test_moe_balance_arms_differ_only_in_the_balancing_keys(scale):
+  """Each arm is the base MoE model with its bias step (model.moe.bias_rate) and balance-loss weight
+  (model.moe.aux_loss_alpha) as the docstring states them, every other key the base's: the loss-free
+  paper's expert layout, and the 'xla_blocked' grouped matmul at both scales."""
+  base = validate(moe_balance.base(scale))
+  gamma = {'cpu': 1e-2, 'gpu': 1e-3}[scale]
+  want = {'bias': (gamma, 0.0), 'aux_loss': (0.0, 1e-3), 'none': (0.0, 0.0), 'bias+aux': (gamma, 1e-4)}
+  arms = {a.name: a for a in moe_balance.arms(scale)}
+  assert list(arms) == list(want) and all(a.runnable and a.published for a in arms.values())
+  reference = _flat(run_config(base, {}, 0))
+  for name, arm in arms.items():
+    config = run_config(base, arm.overrides, 0)
+    flat = _flat(config)
+    assert flat.keys() == reference.keys(), name
+    changed = {k for k in reference if flat[k] != reference[k]}
+    assert changed <= {'model.moe.bias_rate', 'model.moe.aux_loss_alpha'}, (name, changed)
+    assert (config.model.moe.bias_rate, config.model.moe.aux_loss_alpha) == want[name], name
+  m = base.model
+  layout = (m.mlp_kind, m.moe.num_experts, m.moe.top_k, m.moe.num_shared, m.moe.score_func)
+  assert layout == ('moe', 64, 6, 2, 'sigmoid')
+  assert m.moe.impl == 'xla_blocked'
+  assert {c.metric for c in moe_balance.CLAIMS} == {'moe_load_max_mean_late', 'final_eval_loss'}
 
 
 def test_late_moe_load_is_the_mean_of_the_last_fifth():
