@@ -165,7 +165,8 @@ def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> 
   """The figures of a finished run from its metrics.jsonl: final train loss (the last logged step,
   not an average), final eval loss and accuracy (the eval at the last step; on MQAR the recall
   accuracy), tokens, training FLOPs (kimijax.train.flops), median logged tokens/s, max logit
-  (final and peak), epochs of the training split seen, and the curves."""
+  (final and peak), with MoE layers the last logged moe_load_max_mean (docs/moe.md#metrics), epochs
+  of the training split seen, and the curves (the MoE loads' too: [] for a dense model)."""
   from kimijax.train import flops as flops_lib
   from kimijax.train.metrics import read_metrics
 
@@ -183,6 +184,7 @@ def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> 
   tokens = t.steps * t.batch_size * t.seq_len
   rates = [r['tokens_per_sec'] for r in logged if r.get('tokens_per_sec')]
   max_logits = [r['max_logit'] for r in logged if 'max_logit' in r]
+  loads = [(r['step'], r['moe_load_max_mean']) for r in logged if 'moe_load_max_mean' in r]
   done = json.loads((run_dir / 'done.json').read_text()) if is_finished(run_dir) else {}
   split = done['train_split_tokens'] if 'train_split_tokens' in done else train_split_tokens(config)
   last_eval = evals[-1]
@@ -202,6 +204,7 @@ def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> 
     'tokens_per_sec': statistics.median(rates) if rates else None,
     'max_logit_final': max_logits[-1] if max_logits else None,
     'max_logit_peak': max(max_logits) if max_logits else None,
+    'moe_load_max_mean_final': loads[-1][1] if loads else None,
     'epochs': tokens / split if split else None,
     'wall_seconds': done.get('wall_seconds'),
     'hardware': done.get('hardware'),
@@ -213,6 +216,7 @@ def read_run(config: ml_collections.ConfigDict, run_dir: str | pathlib.Path) -> 
       'train': [(r['step'], r['loss']) for r in logged],
       'eval': [(r['step'], r['eval_loss']) for r in evals],
       'max_logit': [(r['step'], r['max_logit']) for r in logged if 'max_logit' in r],
+      'moe_load_max_mean': loads,
     },
   }
 

@@ -17,6 +17,7 @@ the sweep with the keys that differ (nothing is deleted). Then it writes
                          exactly), tokens, training FLOPs (kimijax.train.flops), median tokens/s,
                          max logit (final / peak), wall time
   DIR/loss_curves.png    train loss against step, eval loss against training FLOPs, max logit
+                         against step, for MoE models the worst layer's max / mean expert load
                          against step, and the final eval loss by token position (log axis: does
                          the model keep improving with context?); one colour per point, one line
                          per seed
@@ -189,7 +190,10 @@ def plot(rows: list[dict], out: pathlib.Path, title: str) -> pathlib.Path:
   import matplotlib.pyplot as plt
 
   has_logits = any(r['figures']['curves']['max_logit'] for row in rows for r in row['runs'])
-  panels = 4 if has_logits else 3
+  # MoE runs: the worst layer's max / mean expert load against step (absent from older sweep.json)
+  has_loads = any(r['figures']['curves'].get('moe_load_max_mean') for row in rows for r in row['runs'])
+  panels = 3 + has_logits + has_loads
+  load_ax = 2 + has_logits
   fig, axes = plt.subplots(1, panels, figsize=(5.6 * panels, 4.5))
   for i, row in enumerate(rows):
     color = f'C{i % 10}'
@@ -201,6 +205,8 @@ def plot(rows: list[dict], out: pathlib.Path, title: str) -> pathlib.Path:
       axes[1].plot([s * step_flops for s in es], el, 'o-', color=color, ms=4, lw=1.5, label=label)
       if has_logits and curves['max_logit']:
         axes[2].plot(*zip(*curves['max_logit']), color=color, lw=1.2, label=label)
+      if has_loads and curves.get('moe_load_max_mean'):
+        axes[load_ax].plot(*zip(*curves['moe_load_max_mean']), color=color, lw=1.2, label=label)
       by_position = r['figures']['loss_by_position']
       points = [
         (last + 1, loss)
@@ -213,6 +219,8 @@ def plot(rows: list[dict], out: pathlib.Path, title: str) -> pathlib.Path:
   axes[1].set(xlabel='training FLOPs', ylabel='eval loss (nats/token)', xscale='log')
   if has_logits:
     axes[2].set(xlabel='step', ylabel='max logit (all layers, heads)', yscale='log')
+  if has_loads:
+    axes[load_ax].set(xlabel='step', ylabel='MoE load max / mean (worst layer)', yscale='log')
   axes[-1].set(xlabel='token position (context seen, bucket end)', ylabel='final eval loss by position', xscale='log')
   for ax in axes:
     ax.grid(alpha=0.3)

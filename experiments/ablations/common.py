@@ -67,13 +67,32 @@ def verdict(a: list[float], b: list[float], relation: str) -> str:
   return 'reproduces' if (gap < 0 if relation == '<' else gap > 0) else 'refuted'
 
 
+LATE_FRACTION = 0.2  # 'moe_load_max_mean_late' averages the logged steps of the run's last fifth
+
+
+def late_mean(curve: list, steps: int) -> float:
+  """Mean of a curve's [(step, value)] at the steps past (1 - LATE_FRACTION) * steps: a figure for
+  the end of a run from several logged steps rather than one batch."""
+  values = [v for s, v in curve if s > (1 - LATE_FRACTION) * steps]
+  if not values:
+    raise ValueError(f'no logged step past {(1 - LATE_FRACTION) * steps:g} of {steps} in the curve')
+  return statistics.fmean(values)
+
+
 def metric_values(point: dict, metric: str) -> list[float]:
   """Per-seed values of `metric` for one arm of sweep.json; 'long_context_loss' is the eval loss of
-  the last position bucket (the longest contexts)."""
+  the last position bucket (the longest contexts); 'moe_load_max_mean_late' is the logged
+  moe_load_max_mean (the most loaded expert's load over the mean load, in the MoE layer where that
+  is largest, per training batch; 1 is balanced) averaged over the run's last fifth of steps."""
   out = []
   for run in point['runs']:
     if metric == 'long_context_loss':
       out.append(run['loss_by_position']['loss'][-1])
+    elif metric == 'moe_load_max_mean_late':
+      curve = run['curves'].get('moe_load_max_mean')
+      if not curve:
+        raise ValueError(f'{run["run_dir"]}: no moe_load_max_mean logged (not a MoE model?)')
+      out.append(late_mean(curve, run['steps']))
     else:
       out.append(run[metric])
   return out

@@ -1,7 +1,9 @@
 """experiments/ablations/: the fixed verdict rule on hand-made seed values, every arm of every
 ablation file is a valid config at both scales and a different experiment from its other arms,
-with each claim naming arms that exist, and the
-AttnRes file's arms are the paper table's, the two ablated switches included."""
+with each claim naming arms that exist, the
+AttnRes file's arms are the paper table's, the two ablated switches included, the MoE balancing
+arms differ from their base in the two balancing keys alone, and the late MoE load metric is the
+mean of the last fifth's logged loads."""
 
 import pytest
 
@@ -10,6 +12,7 @@ from experiments.ablations import (
   common,
   kimi_linear_table1,
   long_context,
+  moe_balance,
   mqar_recall,
   muon_update_rms,
   qk_clip,
@@ -60,7 +63,10 @@ CASES = [
 
 @pytest.mark.parametrize('scale', ['cpu', 'gpu'], ids=['cpu_scale', 'h200_scale'])  # an id 'gpu' would mark it GPU-only
 def test_every_arm_is_a_valid_config_and_every_claim_names_arms(scale):
-  cases = CASES + [(mqar_recall, mqar_recall.arms(scale), mqar_recall.claims(scale))]
+  cases = CASES + [
+    (mqar_recall, mqar_recall.arms(scale), mqar_recall.claims(scale)),
+    (moe_balance, moe_balance.arms(scale), moe_balance.CLAIMS),
+  ]
   for module, arms, claims in cases:
     base = validate(module.base(scale))
     names = [a.name for a in arms]
@@ -104,3 +110,91 @@ def test_attention_residuals_runs_every_arm_of_the_paper_table(scale):
     ('no_key_norm', '<', 'standard'),
     ('sigmoid', '<', 'standard'),
   } <= claims
+
+
+def _flat(config) -> dict:
+  out = {}
+
+  def walk(node, prefix):
+    for key, value in node.items():
+      if isinstance(value, dict):
+        walk(value, f'{prefix}{key}.')
+      else:
+        out[prefix + key] = value
+
+  walk(config.to_dict(), '')
+  return out
+
+
+@pytest.mark.parametrize('scale', ['cpu', 'gpu'], ids=['cpu_scale', 'h200_scale'])
+def test_moe_balance_arms_differ_only_in_the_balancing_keys(scale):
+  """Each arm is the base MoE model with its bias step (model.moe.bias_rate) and balance-loss weight
+  (model.moe.aux_loss_alpha) as the docstring states them, every other key the base's: the loss-free
+  paper's expert layout, and the 'xla_blocked' grouped matmul at both scales."""
+  base = validate(moe_balance.base(scale))
+  gamma = {'cpu': 1e-2, 'gpu': 1e-3}[scale]
+  want = {'bias': (gamma, 0.0), 'aux_loss': (0.0, 1e-3), 'none': (0.0, 0.0), 'bias+aux': (gamma, 1e-4)}
+  arms = {a.name: a for a in moe_balance.arms(scale)}
+  assert list(arms) == list(want) and all(a.runnable and a.published for a in arms.values())
+  reference = _flat(run_config(base, {}, 0))
+  for name, arm in arms.items():
+    config = run_config(base, arm.overrides, 0)
+    flat = _flat(config)
+    assert flat.keys() == reference.keys(), name
+    changed = {k for k in reference if flat[k] != reference[k]}
+    assert changed <= {'model.moe.bias_rate', 'model.moe.aux_loss_alpha'}, (name, changed)
+    assert (config.model.moe.bias_rate, config.model.moe.aux_loss_alpha) == want[name], name
+  m = base.model
+  layout = (m.mlp_kind, m.moe.num_experts, m.moe.top_k, m.moe.num_shared, m.moe.score_func)
+  assert layout == ('moe', 64, 6, 2, 'sigmoid')
+  assert m.moe.impl == 'xla_blocked'
+  assert {c.metric for c in moe_balance.CLAIMS} == {'moe_load_max_mean_late', 'final_eval_loss'}
+
+
+def test_late_moe_load_is_the_mean_of_the_last_fifth():
+  """100 steps logged every 10 (and at step 1): the last fifth is the steps past 80, i.e. 90 and 100,
+  so the figure is (1.5 + 1.25) / 2 = 1.375 for the first seed and (2.0 + 3.0) / 2 = 2.5 for the second."""
+  steps = [1] + list(range(10, 101, 10))
+  first = [9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.75, 1.5, 1.25]
+  second = [9.0, 9.0, 9.0, 9.0, 9.0, 9.0, 9.0, 9.0, 9.0, 2.0, 3.0]
+  point = {
+    'runs': [
+      {'run_dir': 'a', 'steps': 100, 'curves': {'moe_load_max_mean': list(zip(steps, first))}},
+      {'run_dir': 'b', 'steps': 100, 'curves': {'moe_load_max_mean': list(zip(steps, second))}},
+    ]
+  }
+  assert common.metric_values(point, 'moe_load_max_mean_late') == [1.375, 2.5]
+  dense = {'runs': [{'run_dir': 'c', 'steps': 100, 'curves': {'moe_load_max_mean': []}}]}
+  with pytest.raises(ValueError, match='no moe_load_max_mean'):
+    common.metric_values(dense, 'moe_load_max_mean_late')
+
+
+def test_read_run_keeps_the_moe_load_curve(tmp_path):
+  """runs.read_run records metrics.jsonl's moe_load_max_mean as a curve and its last value, and an
+  empty curve for a run that logged none."""
+  import json
+
+  from experiments import runs
+  from kimijax.config import load
+
+  config = validate(load('configs/moonlight_small.py'))
+  config.train.steps = 20
+  lines = [
+    {'step': 1, 'loss': 5.0, 'moe_load_max_mean': 9.0},
+    {'step': 10, 'loss': 3.0, 'moe_load_max_mean': 4.0},
+    {'step': 20, 'loss': 2.5, 'moe_load_max_mean': 2.5},
+    {'step': 20, 'eval_loss': 2.4, 'eval_accuracy': 0.4},
+  ]
+  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(line) + '\n' for line in lines))
+  (tmp_path / 'done.json').write_text(json.dumps({'train_split_tokens': 10**6}))
+  figures = runs.read_run(config, tmp_path)
+  assert figures['curves']['moe_load_max_mean'] == [(1, 9.0), (10, 4.0), (20, 2.5)]
+  assert figures['moe_load_max_mean_final'] == 2.5
+
+  dense = validate(load('configs/default.py'))
+  dense.train.steps = 20
+  for line in lines:
+    line.pop('moe_load_max_mean', None)
+  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(line) + '\n' for line in lines))
+  figures = runs.read_run(dense, tmp_path)
+  assert figures['curves']['moe_load_max_mean'] == [] and figures['moe_load_max_mean_final'] is None
