@@ -31,10 +31,10 @@ paper's Figure 4 finds 1e-2 worse than 1e-3 late in a 100B-token run (the bias o
 steps are all early.
 Expected runtime: cpu, 4 arms x 2 seeds, 1.6-2.1 min a run (about 0.35 s a step), 15 min in all on
 the 2-core CPU (measured 2026-12-04, other jobs on it part of the time; 0.6 s a step beside a
-test run). gpu (an estimate,
-not yet run): 4 arms x 2 seeds of d 512, 8 layers (1 dense + 7 MoE of 64 experts top-6 + 2 shared,
-expert hidden 352), 44M active of 263M parameters, 1500 steps of 16 x 1024 tokens, bf16,
-'xla_blocked': ~5-8 min a run, ~40-60 min on one H200 (split it with --arms).
+test run). gpu (an estimate, not yet run): 4 arms x 2 seeds of d 512, 8 layers (1 dense + 7 MoE
+of 64 experts top-6 + 2 shared, expert hidden 352), 44M active of 263M parameters, 1500 steps of
+16 x 1024 tokens, bf16, 'xla_blocked': ~5-8 min a run, ~40-60 min on one H200 (split it with
+--arms).
 """
 
 from experiments.ablations import common
