@@ -117,7 +117,8 @@ def _compute_label(compute: str, shown: list[str]) -> str:
 
 
 def _flops_cells(r: dict) -> str:
-  """'model FLOPs | optimizer FLOPs (share of C) | C model / total (PF-days)', '-' where not held."""
+  """'model FLOPs | optimizer FLOPs (share of model + optimizer) | C model / total (PF-days)', '-'
+  where not held."""
   model, opt, total = r.get('model_flops'), r.get('optimizer_flops'), r['flops']
   day = ladder_fit.PFLOPS_DAY
   opt_cell = '-' if opt is None else f'{opt:.3g} ({100 * opt / total:.0f}%)' if opt else '0'
@@ -143,10 +144,13 @@ def _verdict_lines(ladder, analysis) -> list[str]:
         f'- `{v}` at L* = {reading["loss"]:.3f}: **{reading["multiplier"]:.3g}x** '
         f'{_ci(reading["multiplier_ci95"])}: {reading["reading"]}'
       )
-  if not analysis['verdict']:
+  # Variants with a multiplier on model + optimizer FLOPs alone (rungs without the split) get none.
+  unread = [v for v in analysis['multipliers']['total'] if v not in analysis['verdict']]
+  if not analysis['verdict'] or unread:
+    who = ', '.join(f'`{v}`' for v in unread) + ': ' if unread and analysis['verdict'] else ''
     lines.append(
-      '- no reading: needs >= 2 finished rungs of the baseline and of a variant, each with its model FLOPs '
-      '(a ladder.json from before the model/optimizer split has only their sum)'
+      f'- {who}no reading: needs >= 2 finished rungs of the baseline and of a variant, each with its model '
+      'FLOPs (a ladder.json from before the model/optimizer split has only their sum)'
     )
   return lines
 
@@ -229,7 +233,10 @@ def markdown(ladder, rows, analysis, prov, png_name: str, planned: int, notes: l
     '| variant | C counts | L* range | multiplier at L* (95% interval) | extrapolated |',
     '|---|---|---|---|---|',
   ]
-  for v in analysis['multipliers'][shown[0]]:
+  # Every variant with a multiplier on any shown count: where some rungs lack the split, a variant
+  # may have one on model + optimizer FLOPs alone.
+  with_multiplier = [v for v in analysis['fits'][shown[0]] if any(v in analysis['multipliers'][c] for c in shown)]
+  for v in with_multiplier:
     for compute in shown:
       m = analysis['multipliers'][compute].get(v)
       if m is None:
@@ -244,7 +251,7 @@ def markdown(ladder, rows, analysis, prov, png_name: str, planned: int, notes: l
         f'| {v} | {_compute_label(compute, shown)} | {m["loss_range"][0]:.3f}-{m["loss_range"][1]:.3f} | '
         f'{cells} | {note} |'
       )
-  if not analysis['multipliers'][shown[0]]:
+  if not with_multiplier:
     lines.append('| - | - | - | needs >= 2 finished rungs of the baseline and of a variant | - |')
   lines += ['', *_verdict_lines(ladder, analysis)]
   lines += [

@@ -107,6 +107,45 @@ def test_the_report_gives_both_multipliers_and_the_verdicts_basis():
   assert lines[2].startswith(f'- `muon` at L* = {analysis["verdict"]["muon"]["loss"]:.3f}: **1.92x**')
 
 
+def test_a_variant_without_the_split_keeps_its_model_plus_optimizer_multiplier_in_the_report():
+  """A ladder.json where the split was counted again for the baseline and one variant but not for
+  another ('muon_old': only C = model + optimizer FLOPs): the table still gives muon_old's
+  multiplier on model + optimizer FLOPs, MULT / 1.25 in closed form (optimizer FLOPs 0.25 x its
+  model FLOPs, none for adamw), and the verdict says it has no reading for muon_old."""
+  rows = synthetic_rows(0.25)
+  unsplit = {'variant': 'muon_old', 'model_flops': None, 'optimizer_flops': None}
+  old = [{**r, **unsplit} for r in rows if r['variant'] == 'muon']
+  rows = [
+    {
+      **r,
+      'rung': f'r{i % 5}',
+      **dict.fromkeys(('d_model', 'num_layers', 'num_heads', 'params', 'batch_size', 'steps', 'tokens'), 1),
+      'learning_rate': 1e-3,
+      'final_train_loss': r['final_eval_loss'],
+      **dict.fromkeys(('epochs', 'tokens_per_sec', 'wall_seconds')),
+    }
+    for i, r in enumerate(rows + old)
+  ]
+  ladder = Ladder()
+  ladder.name, ladder.rule, ladder.tokens_per_param = 'synthetic', 'a rule', 20
+  ladder.variants = {'adamw': (), 'muon': (), 'muon_old': ()}
+  analysis = ladder_report.analyse(ladder, rows)
+  assert set(analysis['multipliers']['model']) == {'muon'} and set(analysis['verdict']) == {'muon'}
+  assert analysis['multipliers']['total']['muon_old']['multiplier'] == pytest.approx([MULT / 1.25] * 3, rel=1e-6)
+  prov = {'date': 'today', 'hardware': 'here', 'command': 'python -m experiments.scaling_ladder'}
+  md = ladder_report.markdown(ladder, rows, analysis, prov, 'ladder.png', len(rows))
+  table = md.split('## Compute multiplier')[1].split('Verdict basis')[0]
+  assert [line.split(' | ')[:2] for line in table.splitlines() if line.startswith('| muon')] == [
+    ['| muon', 'model'],
+    ['| muon', 'model + optimizer'],
+    ['| muon_old', 'model + optimizer'],
+  ]
+  assert f'**{MULT / 1.25:.3g}x**' in table.splitlines()[-2]
+  verdicts = [line for line in md.splitlines() if line.startswith('- `')]
+  assert verdicts[0].startswith('- `muon` at L* = ') and verdicts[1].startswith('- `muon_old`: no reading')
+  assert len(verdicts) == 2
+
+
 @pytest.mark.parametrize(
   'ci,reading',
   [
