@@ -426,6 +426,33 @@ def split_from_plan(data: dict, ladder_file: str = 'configs/ladder.py') -> tuple
   return split, f'{head} does not reproduce these rungs: {"; ".join(why)}.' if why else None
 
 
+# What report_from_json reads of a ladder.json: its keys, and each rung's (those of a ladder.json from
+# before the model/optimizer split too).
+JSON_KEYS = ('ladder', 'rule', 'tokens_per_param', 'baseline', 'variants', 'rungs', 'planned_rungs')
+RUNG_KEYS = (
+  'variant rung d_model num_layers num_heads batch_size learning_rate params tokens steps flops '
+  'final_eval_loss final_train_loss epochs tokens_per_sec wall_seconds'
+).split()
+
+
+def read_ladder_json(path: str | pathlib.Path) -> dict:
+  """A ladder.json's data; a WorkflowError naming --from_json and the path where it cannot be read,
+  is not JSON, or lacks a key the report needs."""
+  where = f'--from_json={path}'
+  try:
+    data = json.loads(pathlib.Path(path).read_text())
+  except (OSError, ValueError) as e:
+    raise WorkflowError(f'{where}: cannot read it as JSON ({e})') from None
+  missing = [k for k in JSON_KEYS if k not in data] if isinstance(data, dict) else list(JSON_KEYS)
+  if missing:
+    raise WorkflowError(f'{where}: not a ladder.json of experiments/scaling_ladder.py (it lacks {missing})')
+  for i, rung in enumerate(data['rungs']):
+    lacking = [k for k in RUNG_KEYS if k not in rung] if isinstance(rung, dict) else RUNG_KEYS
+    if lacking:
+      raise WorkflowError(f'{where}: its rung {i} lacks {lacking}')
+  return data
+
+
 def report_from_json(
   path: str | pathlib.Path,
   workdir: str | pathlib.Path,
@@ -440,7 +467,7 @@ def report_from_json(
   the split again from ladder_file where that reproduces a rung's recorded C exactly; a rung where
   it does not shows '-' for it (the report says why) and is left out of the model FLOPs fits."""
   started = time.time()
-  data = json.loads(pathlib.Path(path).read_text())
+  data = read_ladder_json(path)
   ladder = ml_collections.ConfigDict(
     {
       'name': data['ladder'],

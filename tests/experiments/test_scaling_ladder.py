@@ -170,6 +170,38 @@ def test_a_ladder_json_from_before_the_split_still_reports(tmp_path):
   assert (tmp_path / 'out' / 'ladder.png').exists()
 
 
+@pytest.mark.parametrize(
+  'text,message',
+  [
+    (None, r'--from_json=\S+missing.json: cannot read it as JSON \(\[Errno 2\]'),
+    ('{"ladder": ', r'--from_json=\S+: cannot read it as JSON \(Expecting value'),
+    ('[1, 2]', r"--from_json=\S+: not a ladder.json of experiments/scaling_ladder.py \(it lacks \['ladder', "),
+    (
+      '{"ladder": "x", "rungs": []}',
+      r"\(it lacks \['rule', 'tokens_per_param', 'baseline', 'variants', 'planned_rungs'\]",
+    ),
+  ],
+  ids=['no file', 'not json', 'not an object', 'keys missing'],
+)
+def test_from_json_names_the_flag_and_path_of_a_file_it_cannot_use(tmp_path, text, message):
+  path = tmp_path / 'missing.json'
+  if text is not None:
+    path = tmp_path / 'bad.json'
+    path.write_text(text)
+  with pytest.raises(runs.WorkflowError, match=message):
+    ladder_report.report_from_json(path, tmp_path / 'out')
+  assert not (tmp_path / 'out').exists()
+
+
+def test_from_json_names_a_rung_that_lacks_a_key(tmp_path):
+  rung = dict.fromkeys(OLD_ROW_KEYS, 1)
+  del rung['final_eval_loss']
+  data = {k: 1 for k in ladder_report.JSON_KEYS} | {'rungs': [dict.fromkeys(OLD_ROW_KEYS, 1), rung]}
+  (tmp_path / 'l.json').write_text(json.dumps(data))
+  with pytest.raises(runs.WorkflowError, match=r"l.json: its rung 1 lacks \['final_eval_loss'\]"):
+    ladder_report.report_from_json(tmp_path / 'l.json', tmp_path / 'out')
+
+
 def before_the_split(data: dict) -> dict:
   """A ladder.json as it was written before the model/optimizer split: rungs with OLD_ROW_KEYS
   (no model_flops, optimizer_flops, active_params, hardware), no compute counts or verdict."""

@@ -100,3 +100,13 @@ def test_an_ablation_trains_under_config_overrides(tmp_path):
   assert saved['train']['steps'] == 2 and saved['model']['d_model'] == 32
   assert saved['optimizer']['name'] == 'muon' and saved['optimizer']['qk_clip_tau'] == 5.0  # the ablation's own
   assert (tmp_path / 'ablation.md').exists()
+
+
+def test_ladder_from_json_of_a_missing_file_is_one_line(tmp_path):
+  proc = _popen(['experiments.scaling_ladder', f'--from_json={tmp_path}/none.json', f'--workdir={tmp_path}/out'])
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 1 and 'Traceback' not in err, err[-2000:]
+  assert err.strip() == (
+    f'WorkflowError: --from_json={tmp_path}/none.json: cannot read it as JSON ([Errno 2] No such file or '
+    f"directory: '{tmp_path}/none.json')"
+  )
