@@ -410,7 +410,10 @@ def main(argv):
       f'triton_report.py: {FLAGS.triton_python} cannot import triton; '
       'pip install triton==3.6.0 there, or pass --triton_python'
     )
-  kernels = kernel_irs(fn, *args)
+  try:
+    kernels = kernel_irs(fn, *args)
+  except ValueError as e:  # sizes the op's kernels do not take (the op names them), or an IR that does not verify
+    raise SystemExit(f'triton_report.py: --op={FLAGS.op} at {shape}: {e}') from None
   out_dir = pathlib.Path(FLAGS.out_dir or tempfile.mkdtemp(prefix='triton_report_'))
   out_dir.mkdir(parents=True, exist_ok=True)
   print(f'{shape}, sm_90; files in {out_dir}\n')

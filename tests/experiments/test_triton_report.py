@@ -5,9 +5,14 @@ and each IR is valid Triton IR (parsed by jaxlib's own Triton dialect; compiling
 
 import collections
 import math
+import pathlib
+import shutil
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import pytest
+from helpers import cpu_subprocess_env
 
 from experiments.tools import triton_report
 from kernels_pallas.attnres.settings import MergeNormSettings, Phase1Settings
@@ -164,6 +169,32 @@ def test_moe_kernels_forward_and_backward(text):
 def test_a_bad_settings_key_is_one_error_naming_the_flag():
   with pytest.raises(SystemExit, match=r"--settings='block=32': moe pallas: unknown keys \['block'\]"):
     triton_report.parse_settings('block=32', 'settings', MoeSettings)
+
+
+def test_sizes_the_kernels_do_not_take_are_one_line_naming_the_op():
+  """A width the MoE kernels cannot tile: one line from the command, no traceback (lowering fails
+  before any compilation, so a stand-in for the Triton Python is enough)."""
+  sizes = ['--tokens=64', '--d_model=1000', '--experts=4', '--top_k=2', '--expert_hidden=64']
+  proc = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'experiments.tools.triton_report',
+      '--op=moe',
+      *sizes,
+      f'--triton_python={shutil.which("true")}',
+    ],
+    cwd=pathlib.Path(__file__).resolve().parents[2],
+    env=cpu_subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr[-2000:]
+  assert proc.stderr.strip() == (
+    'triton_report.py: --op=moe at moe, T = 64, D = 1000, E = 4, top-2, F = 64, bfloat16: '
+    "moe impl='pallas' needs d_model (1000) to be a multiple of 16"
+  )
 
 
 def test_sass_counts_read_opcodes_without_modifiers_or_predicates():
