@@ -135,6 +135,12 @@ def rows(shape_names, impls, dtype_name=None, repeats=10, warmup=2, skip_xla_abo
         yield [shape_text, what, 'yes' if max_logits else ('-' if shape[1] == 1 else 'no'), *cells]
 
 
+def header_packages(impls) -> list[str]:
+  """The optional packages that --impls runs, for the header: tokamax for 'tokamax', and for 'gpu',
+  which runs tokamax where it returns the max logits (kimijax.ops.attention.gpu_choice)."""
+  return ['tokamax'] if {'tokamax', 'gpu'} & set(impls) else []
+
+
 def main(argv):
   del argv
   from absl import flags
@@ -142,7 +148,7 @@ def main(argv):
   from experiments import runs
 
   FLAGS = flags.FLAGS
-  runs.print_header(['tokamax'] if 'tokamax' in FLAGS.impls else [])  # the optional package a run uses
+  runs.print_header(header_packages(FLAGS.impls))
   print(
     f'causal; median (min) of {FLAGS.repeats} calls in ms after {FLAGS.warmup}; forward TFLOP/s over unmasked pairs\n'
   )

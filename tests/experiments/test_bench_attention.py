@@ -39,3 +39,20 @@ def test_shapes_and_flops():
   assert bench_attention.forward_tflop((1, 2, 5, 1, 1, 3, 2)) == 2 * (2 * 3 + 3) * 5 / 1e12
   # experiments/results/bench_attention.md's cuDNN figure: 0.96 ms at (8, 4096, 16, 128) is ~575 TFLOP/s.
   assert abs(bench_attention.forward_tflop(bench_attention.SHAPES['mha_4k']) / 0.96e-3 - 573) < 2
+
+
+@pytest.mark.parametrize('impls', [['xla'], ['cudnn', 'xla'], ['tokamax'], ['gpu']])
+def test_the_header_names_tokamax_where_an_impl_runs_it(impls):
+  """'gpu' runs tokamax for the rows with max logits (every shape but a decode step's), so its
+  header states tokamax's version as 'tokamax''s does."""
+  import jax
+  import jax.numpy as jnp
+
+  from kimijax.ops import attention as attention_ops
+
+  q = jax.ShapeDtypeStruct((1, 8, 2, 16), jnp.bfloat16)
+  runs_tokamax = any(
+    impl == 'tokamax' or (impl == 'gpu' and attention_ops.gpu_choice(q, q, return_max_logits=True) == 'tokamax')
+    for impl in impls
+  )
+  assert bench_attention.header_packages(impls) == (['tokamax'] if runs_tokamax else [])
