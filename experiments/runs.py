@@ -247,7 +247,7 @@ def _device_kind() -> str:
   return dev.device_kind if dev.platform != 'cpu' else f'CPU ({platform.machine() or "unknown"})'
 
 
-def devices() -> str:
+def devices_text() -> str:
   """'<device kind> x <count>' of this process's JAX devices."""
   import jax
 
@@ -258,7 +258,7 @@ def hardware() -> str:
   """'<device kind> x <count> JAX device(s), <n>-core host, jax <version>'."""
   import jax
 
-  return f'{devices()} JAX device(s), {os.cpu_count()}-core host, jax {jax.__version__}'
+  return f'{devices_text()} JAX device(s), {os.cpu_count()}-core host, jax {jax.__version__}'
 
 
 def utc_now() -> str:
@@ -304,7 +304,7 @@ def bench_provenance(packages: tuple[str, ...] | list[str] = (), *, devices_from
   if devices_from is None:
     import jax
 
-    backend, device = jax.default_backend(), devices()
+    backend, device = jax.default_backend(), devices_text()
   else:
     backend, device = devices_from.get('backend', 'unknown'), devices_from.get('device', 'unknown')
   return {
