@@ -285,6 +285,14 @@ def run(
 ) -> dict:
   from experiments import runs as runs_lib, sweep
 
+  if any(c.metric == 'moe_load_max_mean_late' for c in claims):  # checked before any arm trains
+    for arm in chosen:
+      kind = arm.overrides.get('model.mlp_kind', config.model.mlp_kind)
+      if kind != 'moe':
+        raise runs_lib.WorkflowError(
+          f'arm {arm.name!r} has model.mlp_kind={kind!r}: the claims on moe_load_max_mean_late need '
+          'MoE layers to read the expert loads from'
+        )
   workdir = pathlib.Path(workdir)
   data = sweep.run_points(
     config,

@@ -3,7 +3,7 @@ ablation file is a valid config at both scales and a different experiment from i
 with each claim naming arms that exist, the
 AttnRes file's arms are the paper table's, the two ablated switches included, the MoE balancing
 arms differ from their base in the two balancing keys alone, and the late MoE load metric is the
-mean of the last fifth's logged loads."""
+mean of the last fifth's logged loads (a dense model under its claims stops before training)."""
 
 import pytest
 
@@ -198,3 +198,15 @@ def test_read_run_keeps_the_moe_load_curve(tmp_path):
   (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(line) + '\n' for line in lines))
   figures = runs.read_run(dense, tmp_path)
   assert figures['curves']['moe_load_max_mean'] == [] and figures['moe_load_max_mean_final'] is None
+
+
+def test_moe_load_claims_on_a_dense_model_stop_before_training(tmp_path):
+  """--config.model.mlp_kind=dense on the MoE balancing ablation: one WorkflowError naming the arm and
+  the key, before any arm trains (the workdir holds no run)."""
+  from experiments.runs import WorkflowError, with_overrides
+
+  config = with_overrides(moe_balance.base('cpu'), {'model.mlp_kind': 'dense'})
+  arms = moe_balance.arms('cpu')
+  with pytest.raises(WorkflowError, match=r"arm 'bias' has model.mlp_kind='dense'"):
+    common.run('t', config, arms, arms, moe_balance.CLAIMS, '', seeds=1, workdir=tmp_path)
+  assert not any(tmp_path.iterdir())
