@@ -14,7 +14,7 @@ that the measured FLOP rate says would end past the budget (the report then cove
 --report_only trains nothing and rewrites the report from the finished rungs. Each run's done.json
 records its hardware and training-split size, so a report written elsewhere states where the
 rungs ran and how many epochs they saw. --from_json=PATH rewrites the report from a ladder.json
-alone (no run folders; --config not needed), keeping its date and hardware; for a ladder.json from
+alone (no run folders; no flag that plans or trains rungs), keeping its date and hardware; for a ladder.json from
 before the model / optimizer split it counts the split again from configs/ladder.py where that
 count reproduces each rung's recorded FLOPs exactly, and says which rungs it cannot.
 
@@ -267,7 +267,7 @@ def define_flags():
     'from_json',
     None,
     'train nothing and read no run folder: rewrite the report from this ladder.json alone (e.g. a '
-    'published one; --config is then not needed)',
+    'published one; no flag that plans or trains rungs goes with it)',
   )
   flags.mark_flags_as_required(['workdir'])
 
@@ -282,6 +282,13 @@ def main(argv):
   with user_errors():
     f = flags.FLAGS
     if f.from_json:
+      ignored = [
+        n for n in ('config', 'variants', 'report_only', 'time_budget_s', 'drop_finished_checkpoints') if f[n].present
+      ]
+      if ignored:
+        raise WorkflowError(
+          f'--from_json rewrites the report of a ladder.json alone; it takes no --{", --".join(ignored)}'
+        )
       ladder_report.report_from_json(f.from_json, f.workdir, publish=f.publish)
       return
     run_ladder(

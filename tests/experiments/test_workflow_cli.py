@@ -110,3 +110,13 @@ def test_ladder_from_json_of_a_missing_file_is_one_line(tmp_path):
     f'WorkflowError: --from_json={tmp_path}/none.json: cannot read it as JSON ([Errno 2] No such file or '
     f"directory: '{tmp_path}/none.json')"
   )
+
+
+def test_ladder_from_json_with_a_training_flag_is_one_line(tmp_path):
+  """--from_json takes nothing that plans or trains rungs: --variants beside it is one error, not ignored."""
+  proc = _popen(
+    ['experiments.scaling_ladder', f'--from_json={tmp_path}/l.json', f'--workdir={tmp_path}/out', '--variants=moe']
+  )
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 1 and 'Traceback' not in err, err[-2000:]
+  assert err.strip() == 'WorkflowError: --from_json rewrites the report of a ladder.json alone; it takes no --variants'
