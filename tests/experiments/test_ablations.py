@@ -3,7 +3,9 @@ ablation file is a valid config at both scales and a different experiment from i
 with each claim naming arms that exist, the
 AttnRes file's arms are the paper table's, the two ablated switches included, the MoE balancing
 arms differ from their base in the two balancing keys alone, and the late MoE load metric is the
-mean of the last fifth's logged loads (a dense model under its claims stops before training)."""
+mean of the last fifth's logged loads (a dense model under its claims stops before training), and
+the MoE sparsity arms differ in the number of routed experts alone, at equal active parameters but
+for the router."""
 
 import pytest
 
@@ -13,6 +15,7 @@ from experiments.ablations import (
   kimi_linear_table1,
   long_context,
   moe_balance,
+  moe_sparsity,
   mqar_recall,
   muon_update_rms,
   qk_clip,
@@ -66,6 +69,7 @@ def test_every_arm_is_a_valid_config_and_every_claim_names_arms(scale):
   cases = CASES + [
     (mqar_recall, mqar_recall.arms(scale), mqar_recall.claims(scale)),
     (moe_balance, moe_balance.arms(scale), moe_balance.CLAIMS),
+    (moe_sparsity, moe_sparsity.arms(scale), moe_sparsity.CLAIMS),
   ]
   for module, arms, claims in cases:
     base = validate(module.base(scale))
@@ -149,6 +153,71 @@ def test_moe_balance_arms_differ_only_in_the_balancing_keys(scale):
   assert layout == ('moe', 64, 6, 2, 'sigmoid')
   assert m.moe.impl == 'xla_blocked'
   assert {c.metric for c in moe_balance.CLAIMS} == {'moe_load_max_mean_late', 'final_eval_loss'}
+
+
+def _model_parameters(config) -> int:
+  """The parameters of the model the config builds, summed from its initialised shapes."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  from kimijax.config import portable
+  from kimijax.model import Transformer
+
+  model = Transformer(portable(config.model))
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+  return sum(leaf.size for leaf in jax.tree.leaves(nn.unbox(shapes['params'])))
+
+
+@pytest.mark.parametrize('scale', ['cpu', 'gpu'], ids=['cpu_scale', 'h200_scale'])
+def test_moe_sparsity_arms_differ_only_in_the_number_of_experts(scale):
+  """Each arm is the base MoE model with model.moe.num_experts = 12, 24, 48, 96 at top-6 (sparsity 2,
+  4, 8, 16), every other key the base's. From the config's sizes (D, F, K, the MoE layers), the
+  model's parameters grow by (3 D F + D) per expert per MoE layer (an expert's SwiGLU and its router
+  column) and a token's parameters, the total less the (E - K) 3 D F of the experts it does not use,
+  are equal across arms but for the router's D E; kimijax's counts (parameter_counts, the FLOPs'
+  active_params) agree with these."""
+  from kimijax.model import parameter_counts
+  from kimijax.train.flops import training_flops_per_step
+
+  base = validate(moe_sparsity.base(scale))
+  arms = {a.name: a for a in moe_sparsity.arms(scale)}
+  assert list(arms) == ['e12', 'e24', 'e48', 'e96'] and all(a.runnable and a.published for a in arms.values())
+  m = base.model
+  layout = (m.mlp_kind, m.moe.top_k, m.moe.num_shared, m.moe.score_func, m.moe.n_group, m.moe.bias_rate)
+  assert layout == ('moe', 6, 2, 'sigmoid', 1, 1e-3)
+  assert m.moe.impl == 'xla_blocked'
+  d, f, k = m.d_model, m.moe.expert_hidden, m.moe.top_k
+  moe_layers = m.num_layers - m.moe.first_dense_layers
+  assert f > 0 and moe_layers > 0
+
+  reference = _flat(run_config(base, {}, 0))
+  totals, tokens_parameters = {}, {}
+  for name, arm in arms.items():
+    config = run_config(base, arm.overrides, 0)
+    flat = _flat(config)
+    assert flat.keys() == reference.keys(), name
+    changed = {key for key in reference if flat[key] != reference[key]}
+    assert changed <= {'model.moe.num_experts'}, (name, changed)
+    e = config.model.moe.num_experts
+    assert (f'e{e}', e // k, e % k) == (name, {12: 2, 24: 4, 48: 8, 96: 16}[e], 0)
+    total = _model_parameters(config)
+    active = total - moe_layers * (e - k) * 3 * d * f
+    totals[e], tokens_parameters[e] = total, active - moe_layers * d * e  # the router aside
+    counts = parameter_counts(config.model)
+    assert (counts['total'], counts['active']) == (total, active), name
+    assert training_flops_per_step(config)['active_params'] == active, name
+    assert counts['moe router'] == moe_layers * d * e, name
+  assert len(set(tokens_parameters.values())) == 1, tokens_parameters
+  experts = sorted(totals)
+  for fewer, more in zip(experts, experts[1:]):
+    assert totals[more] - totals[fewer] == moe_layers * (more - fewer) * (3 * d * f + d)
+  assert {(c.a, c.relation, c.b) for c in moe_sparsity.CLAIMS} == {
+    ('e24', '<', 'e12'),
+    ('e48', '<', 'e24'),
+    ('e96', '<', 'e48'),
+    ('e96', '<', 'e12'),
+  }
 
 
 def test_late_moe_load_is_the_mean_of_the_last_fifth():
