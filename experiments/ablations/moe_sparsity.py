@@ -26,13 +26,13 @@ loss_curves.png plots every arm's max / mean load beside its loss.
 Scale cpu: moe_balance's CPU model (d 128, 1 dense + 3 MoE layers of expert hidden 88, MLA) at
 batch 8 x 256, 300 steps (0.61M tokens): 1.40M (e12) to 1.43M (e96) active parameters, 2.0M to
 10.6M in all.
-Expected runtime: cpu, 4 arms x 2 seeds: 0.22 s a step for e12, 0.43 s for e96 (Muon
-orthogonalises every expert's matrices; measured 2026-12-04 on the idle 2-core CPU over 40
-steps), 1.5-3 min a run, about 16 min in all. gpu (an estimate, not yet run): moe_balance's gpu
-model (d 512, 8 layers: 1 dense + 7 MoE, expert hidden 352), 1500 steps of 16 x 1024 tokens,
-bf16, 'xla_blocked': 43.4M (e12) to 43.7M (e96) active parameters, 66M to 384M in all; 5-9 min a
-run (Muon's Newton-Schulz on every expert grows with E), 50-70 min for 8 runs on one H200 (split
-it with --arms).
+Expected runtime: cpu, 4 arms x 2 seeds: 0.2 s a step for e12, 0.46 s for e96 (Muon
+orthogonalises every expert's matrices), 1.3-2.8 min a run, 14.8 min in all (measured
+2026-12-04, the 2-core CPU otherwise idle; experiments/results/ablation_moe_sparsity.md). gpu (an
+estimate, not yet run): moe_balance's gpu model (d 512, 8 layers: 1 dense + 7 MoE, expert hidden
+352), 1500 steps of 16 x 1024 tokens, bf16, 'xla_blocked': 43.4M (e12) to 43.7M (e96) active
+parameters, 66M to 384M in all; 5-9 min a run (Muon's Newton-Schulz on every expert grows with
+E), 50-70 min for 8 runs on one H200 (split it with --arms).
 """
 
 from experiments.ablations import common
