@@ -75,11 +75,14 @@ CLAIMS = [
 ]
 
 
-def base(scale: str):
+def moe_model(scale: str, *, cpu_steps: int):
+  """configs/moonlight_small.py (64 routed experts top-6 + 2 shared, MLA, Muon) at the MoE
+  ablations' sizes: on the CPU the config's own model at half its batch ('xla_blocked', expert
+  hidden 88) for cpu_steps steps; on a GPU the docstring's d 512 model for 1500 steps."""
   from kimijax.config import load
 
-  config = load('configs/moonlight_small.py')  # 64 routed experts top-6 + 2 shared, MLA, Muon
-  if scale == 'cpu':  # the config's CPU model at half its batch: 'xla_blocked', expert hidden 88
+  config = load('configs/moonlight_small.py')
+  if scale == 'cpu':
     return common.sized(
       config,
       scale,
@@ -88,7 +91,7 @@ def base(scale: str):
       num_heads=2,
       seq_len=256,
       batch_size=8,
-      steps=250,
+      steps=cpu_steps,
       model__mlp_dim=704,  # the dense first layer's width, 5.5 d as Moonlight's
     )
   return common.sized(
@@ -106,6 +109,10 @@ def base(scale: str):
     model__moe__expert_hidden=352,  # 0.6875 d, as 1408 / 2048
     optimizer__learning_rate=2e-3,
   )
+
+
+def base(scale: str):
+  return moe_model(scale, cpu_steps=250)
 
 
 if __name__ == '__main__':

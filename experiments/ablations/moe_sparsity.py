@@ -35,7 +35,7 @@ parameters, 66M to 384M in all; 5-9 min a run (Muon's Newton-Schulz on every exp
 E), 50-70 min for 8 runs on one H200 (split it with --arms).
 """
 
-from experiments.ablations import common
+from experiments.ablations import common, moe_balance
 
 EXPERTS = (12, 24, 48, 96)  # at top-6: sparsity 2, 4, 8, 16
 
@@ -57,36 +57,7 @@ CLAIMS = [common.Claim(f'e{sparse}', '<', f'e{dense}', source=SOURCE) for sparse
 
 
 def base(scale: str):
-  from kimijax.config import load
-
-  config = load('configs/moonlight_small.py')  # 64 routed experts top-6 + 2 shared, MLA, Muon, bias rate 1e-3
-  if scale == 'cpu':  # moe_balance's CPU model: the config's at half its batch, 'xla_blocked', expert hidden 88
-    return common.sized(
-      config,
-      scale,
-      d_model=128,
-      num_layers=4,
-      num_heads=2,
-      seq_len=256,
-      batch_size=8,
-      steps=300,
-      model__mlp_dim=704,  # the dense first layer's width, 5.5 d as Moonlight's
-    )
-  return common.sized(  # moe_balance's gpu model
-    config,
-    scale,
-    d_model=512,
-    num_layers=8,
-    num_heads=4,  # head dim 128, as the :gpu variant
-    seq_len=1024,
-    batch_size=16,
-    steps=1500,
-    model__mlp_dim=2816,  # 5.5 d
-    model__mla_kv_lora_rank=256,
-    model__mla_qk_rope_head_dim=64,
-    model__moe__expert_hidden=352,  # 0.6875 d, as 1408 / 2048
-    optimizer__learning_rate=2e-3,
-  )
+  return moe_balance.moe_model(scale, cpu_steps=300)  # moe_balance's model, with bias rate 1e-3
 
 
 if __name__ == '__main__':
