@@ -3,6 +3,8 @@
     python run.py --config=configs/default.py[:variant] --workdir=DIR [--config.a.b=v]
     python run.py --mode=eval --workdir=DIR            # latest checkpoint on the validation split
     python run.py --mode=generate --workdir=DIR --prompt='def main(' [--max_new_tokens=200]
+    python run.py --mode=eval|generate --config=configs/released.py:FOLDER --workdir=DIR
+                                                       # a released checkpoint (docs/released.md)
     python run.py --mode=config --config=configs/default.py[:variant] [--config.a.b=v]
                                                        # resolved config + parameter counts, no training
 
@@ -22,6 +24,7 @@ Config files and their variants (--config=FILE:VARIANT, several as FILE:a,b; eac
                                   no_mask (packed across documents), gpu (one H200)
     configs/ladder.py             smoke, smoke_moe, gpu, gpu_attnres, gpu_hybrid, gpu_moe (ladders,
                                   for experiments/scaling_ladder.py)
+    configs/released.py:FOLDER    a released checkpoint folder (docs/released.md): gpu, adamw
 
 Re-running the same training command resumes from DIR/checkpoints (and does nothing once the run
 has reached train.steps). Ctrl-C, SIGTERM (a scheduler's preemption) or SIGUSR1 stops after the
@@ -85,7 +88,9 @@ def main(argv):
       raise UsageError(f'--workdir=DIR is required for --mode={FLAGS.mode}')
     if FLAGS.mode in ('train', 'config') and FLAGS.config is None:
       raise ConfigError(f'--config=FILE[:variant] is required for --mode={FLAGS.mode}')
-    config = config_from_flags('config') if FLAGS.mode in ('train', 'config') else None
+    # eval and generate take the run's config.json unless --config is given (then
+    # train.init_from, a released checkpoint, stands in while DIR has no checkpoint)
+    config = config_from_flags('config') if FLAGS.mode in ('train', 'config') or FLAGS.config else None
   except (ConfigError, UsageError) as e:
     sys.exit(f'{type(e).__name__}: {e}')
   if FLAGS.coordinator_address or FLAGS.distributed:
@@ -94,6 +99,7 @@ def main(argv):
     join_processes(jax)
 
   from kimijax.data import DataError
+  from kimijax.hf.safetensors import HfError
   from kimijax.train.checkpoint import CheckpointError
   from kimijax.train.interrupt import Interrupted, exit_status
   from kimijax.train.lock import WorkdirError
@@ -101,9 +107,9 @@ def main(argv):
 
   try:  # these errors carry one message naming the key or path; a traceback would bury it
     if FLAGS.mode == 'generate':
-      return generate_text()
+      return generate_text(config)
     if FLAGS.mode == 'eval':
-      return evaluate_run()
+      return evaluate_run(config)
     if FLAGS.mode == 'config':
       return print_config(config)
     summary = train(config, FLAGS.workdir)
@@ -116,7 +122,7 @@ def main(argv):
       f'kimijax: interrupted ({what}); a run resumes from its last complete checkpoint', file=sys.stderr, flush=True
     )
     sys.exit(exit_status(getattr(e, 'signum', 2)))
-  except (ConfigError, DataError, CheckpointError, WorkdirError, NonFiniteError, UsageError) as e:
+  except (ConfigError, DataError, CheckpointError, WorkdirError, NonFiniteError, UsageError, HfError) as e:
     sys.exit(f'{type(e).__name__}: {e}')
   if jax.process_index() == 0:
     print_summary(summary)
@@ -220,15 +226,16 @@ def generate_flag_errors(prompt: str) -> str | None:
   return None
 
 
-def generate_text():
-  """Prints num_samples continuations of --prompt from the latest checkpoint in --workdir."""
+def generate_text(config=None):
+  """Prints num_samples continuations of --prompt from the latest checkpoint in --workdir (or, with
+  --config, the released checkpoint its train.init_from names while --workdir has none)."""
   if message := generate_flag_errors(FLAGS.prompt):
     raise UsageError(message)
   from kimijax.data import load_tokenizer
   from kimijax.data.pipeline import tokenizer_spec
   from kimijax.infer.generate import load_for_generation, timed_generate
 
-  config, model, params = load_for_generation(FLAGS.workdir)
+  config, model, params = load_for_generation(FLAGS.workdir, config)
   tokenizer = load_tokenizer(tokenizer_spec(config))  # the run's (data.tokenizer)
   prompt = tokenizer.encode(FLAGS.prompt or '\n')
   tokens, timing = timed_generate(
@@ -258,13 +265,14 @@ def timing_line(timing, batch: int, prompt_len: int) -> str:
   )
 
 
-def evaluate_run():
-  """--mode=eval: prints (and appends to DIR/eval.jsonl) the latest checkpoint's validation loss."""
+def evaluate_run(config=None):
+  """--mode=eval: prints (and appends to DIR/eval.jsonl) the latest checkpoint's validation loss
+  (with --config, the released weights of its train.init_from while DIR has no checkpoint)."""
   if FLAGS.eval_batches < 0:
     raise UsageError(f'--eval_batches={FLAGS.eval_batches} must be >= 0')
   from kimijax.train.evaluate import evaluate_run as run_eval
 
-  r = run_eval(FLAGS.workdir, FLAGS.eval_batches or None)
+  r = run_eval(FLAGS.workdir, FLAGS.eval_batches or None, config)
   print(
     f'step {r["step"]}: eval loss {r["eval_loss"]:.4f} nats/token over {r["eval_batches"]} validation '
     f'batches ({r["tokens"]:,} tokens); appended to {pathlib.Path(FLAGS.workdir) / "eval.jsonl"}'

@@ -312,6 +312,11 @@ SCHEMA = {
     ),
     'check_memory': Key(True, "stop before compiling when the step's estimated memory exceeds the device's"),
     'print_routing': Key(False, "print Muon's routing table at start-up (always in DIR/optimizer_routing.txt)"),
+    'init_from': Key(
+      '',
+      'a released checkpoint folder (config.json, *.safetensors; docs/released.md) whose weights start a '
+      "fresh run, and stand in for a checkpoint in --mode=eval / generate; '': random initialisation",
+    ),
   },
   'optimizer': {
     'name': Key(

@@ -322,3 +322,20 @@ def restore_latest_state(workdir: str | pathlib.Path, config: ml_collections.Con
   state, _ = checkpointer.restore(step, abstract, config)
   checkpointer.close()
   return state, step
+
+
+def latest_weights(workdir: str | pathlib.Path, config: ml_collections.ConfigDict, model, mesh):
+  """(params, moe_state, step) for evaluation and generation: the latest checkpoint in
+  DIR/checkpoints, or, while DIR has none and config.train.init_from names a released checkpoint,
+  its weights (step 0; kimijax.hf.weights)."""
+  directory = pathlib.Path(workdir) / 'checkpoints'
+  if config.train.init_from and not (directory.is_dir() and any(directory.iterdir())):
+    from kimijax.hf.weights import load_sharded
+    from kimijax.optim import make_optimizer
+    from kimijax.train.state import state_shardings
+
+    abstract, _ = state_shardings(model, make_optimizer(config), config, mesh)
+    params, moe_state = load_sharded(config.train.init_from, config.model, abstract.params, abstract.moe_state)
+    return params, moe_state, 0
+  state, step = restore_latest_state(workdir, config, model, mesh)
+  return state.params, state.moe_state, step

@@ -18,21 +18,24 @@ import jax
 
 from kimijax import config as config_lib
 from kimijax.data import eval_batches
+from kimijax.data.tokenizer import config_vocab_size
 from kimijax.model import Transformer, inference_variables
 from kimijax.parallel import mesh as mesh_lib
-from kimijax.train.checkpoint import load_run_config, restore_latest_state
+from kimijax.train.checkpoint import latest_weights, load_run_config
 from kimijax.train.loop import evaluate
 from kimijax.train.step import in_mesh, make_eval_step
 
 
-def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None) -> dict:
+def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None, config=None) -> dict:
   """Mean validation nll of the latest checkpoint in `workdir` over `num_batches` batches
-  (default: the run's train.eval_batches)."""
+  (default: the run's train.eval_batches). `config` in place of the run's config.json: then a
+  released checkpoint named by its train.init_from stands in while workdir has no checkpoint."""
   workdir = pathlib.Path(workdir)
-  config = load_run_config(workdir)
+  config = load_run_config(workdir) if config is None else config.copy_and_resolve_references()
   if jax.default_backend() != 'gpu':
     config.model = config_lib.portable(config.model)
   num_batches = num_batches or config.train.eval_batches
+  config_vocab_size(config)  # a tokenizer with ids past the model's vocabulary is a DataError naming both
   batches = eval_batches(config, num_batches)  # fails on bad data before the restore
   # Data-parallel over as many of this host's devices as divide the batch (the run may have
   # trained on another number of devices).
@@ -40,17 +43,18 @@ def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None) ->
   count = max(n for n in range(1, len(devices) + 1) if config.train.batch_size % n == 0)
   mesh = mesh_lib.make_mesh(config.mesh, devices[:count])
   model = Transformer(config.model)
-  state, step = restore_latest_state(workdir, config, model, mesh)
+  params, moe_state, step = latest_weights(workdir, config, model, mesh)
   sharding = mesh_lib.batch_sharding(mesh, config.mesh)
   eval_step = in_mesh(jax.jit(make_eval_step(model, config.train.loss_chunk)), mesh, config.mesh)
   batches = [{k: jax.device_put(v, sharding) for k, v in b.items()} for b in batches]
   result = {
     'step': step,
-    'eval_loss': evaluate(eval_step, inference_variables(state.params, state.moe_state), batches),
+    'eval_loss': evaluate(eval_step, inference_variables(params, moe_state), batches),
     'eval_batches': num_batches,
     'tokens': int(sum(float(b['mask'].sum()) for b in batches)),
     'time': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
   }
+  workdir.mkdir(parents=True, exist_ok=True)
   with (workdir / 'eval.jsonl').open('a') as f:
     f.write(json.dumps(result) + '\n')
   return result

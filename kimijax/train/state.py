@@ -89,7 +89,8 @@ HOST_INIT_MAX_BYTES = 16 * 2**30
 def init_state(
   model, optimizer, config: ml_collections.ConfigDict, abstract: TrainState, *, on_host: bool | None = None
 ) -> TrainState:
-  """Fresh state from config.seed in the layout of `abstract` (state_shardings' first result).
+  """Fresh state from config.seed in the layout of `abstract` (state_shardings' first result), its
+  parameters and MoE biases read from config.train.init_from where that names a released checkpoint.
 
   on_host True: the initialisers run on the host CPU and the state is then copied to its shards;
   False: each array is created on its own shards. None (default): on the host when this is the
@@ -112,6 +113,14 @@ def init_state(
   key = jax.random.key(config.seed)
   build = lambda rng: nn.unbox(init(rng))
   if not on_host:
-    return jax.jit(build, out_shardings=shardings)(key)
-  host = jax.jit(build)(jax.device_put(key, jax.devices('cpu')[0]))
-  return jax.device_put(host, shardings)
+    state = jax.jit(build, out_shardings=shardings)(key)
+  else:
+    host = jax.jit(build)(jax.device_put(key, jax.devices('cpu')[0]))
+    state = jax.device_put(host, shardings)
+  if config.train.init_from:  # a released checkpoint's weights; the optimizer state at init (zero
+    # moments, step counts) does not depend on the parameters' values
+    from kimijax.hf.weights import load_sharded
+
+    params, moe_state = load_sharded(config.train.init_from, config.model, abstract.params, abstract.moe_state)
+    state = state.replace(params=params, moe_state=moe_state)
+  return state
