@@ -1,0 +1,202 @@
+"""Released checkpoints (kimijax.hf, configs/released.py) against the released modeling code: small
+random checkpoints of Kimi Linear, Moonlight and DeepSeek-V3 in the released layout, with the logits
+and greedy continuations that transformers 5.17's modeling code computed for them
+(tests/fixtures/released/make_fixtures.py), must come out of kimijax's model the same."""
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimijax import config as config_lib
+from kimijax.hf.config import model_overrides, read_config
+from kimijax.hf.safetensors import HfError, SafetensorsFolder
+from kimijax.hf.weights import load_numpy
+from kimijax.infer.generate import generate
+from kimijax.model import Transformer, inference_variables
+
+FIXTURES = pathlib.Path(__file__).parent / 'fixtures' / 'released'
+FAMILIES = ('kimi_linear', 'moonlight', 'deepseek_v3')
+
+
+def released_config(folder, **overrides):
+  return config_lib.load(f'configs/released.py:{folder}', overrides=overrides)
+
+
+def rel_rmse(x, ref):
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.sqrt(np.mean((x - ref) ** 2) / np.mean(ref**2)))
+
+
+@pytest.fixture(scope='module', params=FAMILIES)
+def released(request):
+  folder = FIXTURES / request.param
+  config = released_config(folder)
+  params, moe_state = load_numpy(folder, config.model)
+  model = Transformer(config.model)
+  return request.param, config, model, inference_variables(params, moe_state), np.load(folder / 'reference.npz')
+
+
+def test_logits_match_the_released_modeling_code(released):
+  name, _, model, variables, ref = released
+  logits, _ = model.apply(variables, jnp.asarray(ref['tokens']))
+  err = rel_rmse(logits, ref['logits'])
+  assert err < 1e-5, f'{name}: logits relative RMSE {err:.2e} against transformers'
+  # the same choice of next token everywhere, not only close values
+  np.testing.assert_array_equal(np.argmax(logits, -1), np.argmax(ref['logits'], -1))
+
+
+def test_greedy_generation_matches_the_released_modeling_code(released):
+  """Prefill, then the decode path with its caches (KDA state and conv state, MLA latents)."""
+  name, _, model, variables, ref = released
+  prompt, expected = ref['prompt'], ref['generated']
+  tokens = generate(model, variables, prompt, max_new_tokens=expected.shape[1] - prompt.shape[1], temperature=0.0)
+  np.testing.assert_array_equal(tokens, expected, err_msg=f'{name}: greedy tokens differ from transformers')
+
+
+def test_decode_logits_match_the_released_modeling_code(released):
+  """Each greedy step's logits from kimijax's decode path (prefill the prompt into the caches, then
+  one token per step), against the logits transformers' cached generation chose each token from."""
+  from kimijax.infer.cache import init_cache
+
+  name, config, model, variables, ref = released
+  prompt, generated, steps = ref['prompt'], ref['generated'], ref['logits_decode'].shape[1]
+  b, p = prompt.shape
+  positions = lambda start, n: jnp.broadcast_to(jnp.arange(start, start + n), (b, n))
+  cache = init_cache(config.model, b, p + steps)
+  logits, aux = model.apply(variables, jnp.asarray(prompt), positions(0, p), cache=cache)
+  step_logits = [logits[:, -1]]
+  for t in range(p, p + steps - 1):
+    logits, aux = model.apply(variables, jnp.asarray(generated[:, t : t + 1]), positions(t, 1), cache=aux['cache'])
+    step_logits.append(logits[:, -1])
+  err = rel_rmse(jnp.stack(step_logits, 1), ref['logits_decode'])
+  assert err < 1e-5, f'{name}: decode-step logits relative RMSE {err:.2e}'
+
+
+def test_config_mapping_of_each_family():
+  kimi = model_overrides(read_config(FIXTURES / 'kimi_linear'))
+  assert kimi['model.layer_pattern'] == 'KKKA' and kimi['model.mla_rope'] is False
+  assert kimi['model.moe.first_dense_layers'] == 1 and kimi['model.moe.n_group'] == 2
+  moon = model_overrides(read_config(FIXTURES / 'moonlight'))
+  assert moon['model.layer_pattern'] == 'AAA' and moon['model.mla_rope'] is True
+  assert moon['model.mla_q_lora_rank'] == 0 and moon['model.moe.num_shared'] == 2
+  assert model_overrides(read_config(FIXTURES / 'deepseek_v3'))['model.mla_q_lora_rank'] == 24
+
+
+def test_bf16_tensors_are_read_exactly():
+  files = SafetensorsFolder(FIXTURES / 'deepseek_v3')
+  name = 'model.embed_tokens.weight'
+  w = files.get(name)
+  assert str(w.dtype) == 'bfloat16' and w.shape == files.shape(name)
+  raw = np.fromfile(next((FIXTURES / 'deepseek_v3').glob('*.safetensors')), np.uint8)
+  # bf16 is the top half of float32: the upcast's low 16 bits are zero and its values finite
+  as_f32 = np.asarray(w, np.float32)
+  assert np.all(as_f32.view(np.uint32) & 0xFFFF == 0) and np.isfinite(as_f32).all() and raw.size > 0
+
+
+def copy_fixture(tmp_path, name):
+  folder = tmp_path / name
+  shutil.copytree(FIXTURES / name, folder)
+  return folder
+
+
+def test_a_missing_or_misshapen_tensor_is_one_error_naming_it(tmp_path):
+  import struct
+
+  folder = copy_fixture(tmp_path, 'moonlight')
+  path = folder / 'model.safetensors'
+  data = path.read_bytes()
+  n = struct.unpack('<Q', data[:8])[0]
+  header = json.loads(data[8 : 8 + n])
+  header['model.norm.weight_renamed'] = header.pop('model.norm.weight')
+  text = json.dumps(header).encode()
+  path.write_bytes(struct.pack('<Q', len(text)) + text + data[8 + n :])
+  config = released_config(folder)
+  with pytest.raises(HfError, match=r"no tensor 'model.norm.weight'"):
+    load_numpy(folder, config.model)
+
+  config = released_config(FIXTURES / 'moonlight', **{'model.mlp_dim': 96})  # the checkpoint's dense layer is wider
+  with pytest.raises(HfError, match=r'layer_0/mlp/wi_gate .*shape'):
+    load_numpy(FIXTURES / 'moonlight', config.model)
+
+
+def test_an_unsupported_config_value_is_one_error_naming_the_key(tmp_path):
+  folder = copy_fixture(tmp_path, 'deepseek_v3')
+  hf = json.loads((folder / 'config.json').read_text())
+  hf['rope_scaling'] = {'type': 'yarn', 'factor': 40}
+  (folder / 'config.json').write_text(json.dumps(hf))
+  with pytest.raises(config_lib.ConfigError, match='rope_scaling'):
+    released_config(folder)
+  with pytest.raises(config_lib.ConfigError, match='no such folder'):
+    released_config(tmp_path / 'nowhere')
+  (folder / 'config.json').write_text(json.dumps({**hf, 'rope_scaling': None, 'model_type': 'llama'}))
+  with pytest.raises(config_lib.ConfigError, match="model_type 'llama'"):
+    released_config(folder)
+
+
+def test_a_run_starts_from_the_released_weights_with_a_fresh_optimizer(tmp_path):
+  """train.init_from: the train state's parameters and MoE biases are the checkpoint's, the
+  optimizer state is the optimizer's init, and the first step trains from there."""
+  from kimijax.optim import make_optimizer
+  from kimijax.parallel import mesh as mesh_lib
+  from kimijax.train.step import build_training
+
+  folder = FIXTURES / 'kimi_linear'
+  config = released_config(folder, **{'train.seq_len': 16, 'train.batch_size': 2})
+  run = build_training(config, mesh_lib.make_mesh(config.mesh), Transformer(config.model))
+  state = run.init_state(config)
+  files = SafetensorsFolder(folder)
+  np.testing.assert_array_equal(state.params['embed'], files.get('model.embed_tokens.weight'))
+  np.testing.assert_array_equal(
+    state.moe_state['layer_1']['mlp']['bias'], files.get('model.layers.1.block_sparse_moe.gate.e_score_correction_bias')
+  )
+  fresh = make_optimizer(config).init(state.params)
+  jax.tree.map(np.testing.assert_array_equal, state.opt_state, fresh)
+
+
+def test_run_py_evaluates_fine_tunes_and_resumes_from_a_released_folder(tmp_path):
+  """run.py end to end on the Kimi Linear folder with the byte corpus: --mode=eval with --config
+  reads the released weights (step 0) while DIR has no checkpoint; training starts from them, its
+  first loss is theirs; after training, eval reads DIR's checkpoint instead."""
+  import re
+  import subprocess
+  import sys
+
+  from helpers import cpu_subprocess_env
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  workdir = tmp_path / 'ft'
+  config = [
+    f'--config=configs/released.py:{FIXTURES / "kimi_linear"}',
+    f'--workdir={workdir}',
+    '--config.train.batch_size=4',
+    '--config.train.seq_len=64',
+    '--config.train.eval_batches=2',
+    '--config.train.plot=False',
+  ]
+
+  def run(*argv):
+    proc = subprocess.run(
+      [sys.executable, 'run.py', *config, *argv], cwd=root, env=cpu_subprocess_env(), capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+  def eval_line(out):
+    step, loss = re.search(r'step (\d+): eval loss ([\d.]+)', out).groups()
+    return int(step), float(loss)
+
+  step, released_loss = eval_line(run('--mode=eval'))
+  assert step == 0 and not (workdir / 'checkpoints').exists()
+  # the released weights, not an initialisation: a fresh model's loss is near log(vocab)
+  assert abs(released_loss - np.log(384)) > 0.5, released_loss
+  run('--config.train.steps=2', '--config.train.eval_every=2', '--config.train.checkpoint_every=2')
+  first = json.loads((workdir / 'metrics.jsonl').read_text().splitlines()[0])
+  # step 1 runs at learning rate 0 (warmup): the released weights' loss on a training batch
+  assert abs(first['loss'] - released_loss) < 0.5 < abs(first['loss'] - np.log(384)), (first, released_loss)
+  step, trained_loss = eval_line(run('--mode=eval'))
+  assert step == 2 and trained_loss != released_loss
