@@ -200,3 +200,18 @@ def test_run_py_evaluates_fine_tunes_and_resumes_from_a_released_folder(tmp_path
   assert abs(first['loss'] - released_loss) < 0.5 < abs(first['loss'] - np.log(384)), (first, released_loss)
   step, trained_loss = eval_line(run('--mode=eval'))
   assert step == 2 and trained_loss != released_loss
+
+
+def test_released_weights_too_big_for_a_device_stop_before_any_read(tmp_path, monkeypatch):
+  """--mode=eval / generate hold the released parameters on each device: one error, naming the
+  folder and the sizes, when they cannot fit, before any tensor is read or eval.jsonl written."""
+  from kimijax.train import memory
+  from kimijax.train.evaluate import evaluate_run
+
+  folder = FIXTURES / 'moonlight'
+  monkeypatch.setattr(memory, 'device_memory', lambda devices: (100_000, 'a 100 kB test limit'))
+  monkeypatch.setattr(SafetensorsFolder, 'get', lambda *a: pytest.fail('a tensor was read'))
+  config = released_config(folder, **{'train.batch_size': 2, 'train.seq_len': 16})
+  with pytest.raises(memory.MemoryLimitError, match=r'parameters of .*moonlight take 0\.0 GiB .*a 100 kB test limit'):
+    evaluate_run(tmp_path / 'w', 1, config)
+  assert not (tmp_path / 'w' / 'eval.jsonl').exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import pathlib
 
 import jax
@@ -335,7 +336,22 @@ def latest_weights(workdir: str | pathlib.Path, config: ml_collections.ConfigDic
     from kimijax.train.state import state_shardings
 
     abstract, _ = state_shardings(model, make_optimizer(config), config, mesh)
+    _check_released_fit(config.train.init_from, abstract.params, mesh)
     params, moe_state = load_sharded(config.train.init_from, config.model, abstract.params, abstract.moe_state)
     return params, moe_state, 0
   state, step = restore_latest_state(workdir, config, model, mesh)
   return state.params, state.moe_state, step
+
+
+def _check_released_fit(folder: str, abstract_params, mesh) -> None:
+  """MemoryLimitError before any tensor is read when one device's share of the released
+  parameters (float32, laid out as `abstract_params` says) exceeds its memory."""
+  from kimijax.train.memory import GiB, MemoryLimitError, device_memory
+
+  limit = device_memory(mesh.devices.flat)
+  per_device = sum(4 * math.prod(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(abstract_params))
+  if limit is not None and per_device > limit[0]:
+    raise MemoryLimitError(
+      f'the parameters of {folder} take {per_device / GiB:.1f} GiB on each device in float32 '
+      f'(mesh {dict(mesh.shape)}), more than {limit[1]}'
+    )

@@ -89,8 +89,9 @@ HOST_INIT_MAX_BYTES = 16 * 2**30
 def init_state(
   model, optimizer, config: ml_collections.ConfigDict, abstract: TrainState, *, on_host: bool | None = None
 ) -> TrainState:
-  """Fresh state from config.seed in the layout of `abstract` (state_shardings' first result), its
-  parameters and MoE biases read from config.train.init_from where that names a released checkpoint.
+  """Fresh state from config.seed in the layout of `abstract` (state_shardings' first result); where
+  config.train.init_from names a released checkpoint, its parameters and MoE biases instead of
+  random ones (the optimizer state is fresh either way).
 
   on_host True: the initialisers run on the host CPU and the state is then copied to its shards;
   False: each array is created on its own shards. None (default): on the host when this is the
@@ -100,8 +101,10 @@ def init_state(
   size, while the copy is a few GiB over the host link (not yet timed on a GPU). The random bits
   are the same either way; the float transforms of them may differ in the last bit between
   backends."""
-  init = _init_fn(model, optimizer, config.train.seq_len)
   shardings = jax.tree.map(lambda a: a.sharding, abstract)
+  if config.train.init_from:
+    return _released_state(optimizer, config, abstract, shardings)
+  init = _init_fn(model, optimizer, config.train.seq_len)
   if on_host is None:
     nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
     on_host = (
@@ -113,14 +116,17 @@ def init_state(
   key = jax.random.key(config.seed)
   build = lambda rng: nn.unbox(init(rng))
   if not on_host:
-    state = jax.jit(build, out_shardings=shardings)(key)
-  else:
-    host = jax.jit(build)(jax.device_put(key, jax.devices('cpu')[0]))
-    state = jax.device_put(host, shardings)
-  if config.train.init_from:  # a released checkpoint's weights; the optimizer state at init (zero
-    # moments, step counts) does not depend on the parameters' values
-    from kimijax.hf.weights import load_sharded
+    return jax.jit(build, out_shardings=shardings)(key)
+  host = jax.jit(build)(jax.device_put(key, jax.devices('cpu')[0]))
+  return jax.device_put(host, shardings)
 
-    params, moe_state = load_sharded(config.train.init_from, config.model, abstract.params, abstract.moe_state)
-    state = state.replace(params=params, moe_state=moe_state)
-  return state
+
+def _released_state(optimizer, config: ml_collections.ConfigDict, abstract: TrainState, shardings) -> TrainState:
+  """Step 0 with the parameters and MoE biases of the released checkpoint config.train.init_from,
+  read into their shards, and the optimizer's initial state for them. Nothing is drawn at random,
+  and the read arrays are donated into the state, so the parameters are held once."""
+  from kimijax.hf.weights import load_sharded
+
+  params, moe_state = load_sharded(config.train.init_from, config.model, abstract.params, abstract.moe_state)
+  fresh = lambda p, m: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p), moe_state=m)
+  return jax.jit(fresh, out_shardings=shardings, donate_argnums=(0, 1))(params, moe_state)
