@@ -387,6 +387,12 @@ def kda_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
   return model.kda_num_heads or model.num_heads, model.kda_head_dim or model.d_model // model.num_heads
 
 
+def mla_dims(model: ml_collections.ConfigDict) -> tuple[int, int, int]:
+  """(no-position, decoupled, value) head dims of the MLA layers, their 0 defaults resolved."""
+  nope = model.mla_qk_nope_head_dim or model.d_model // model.num_heads
+  return nope, model.mla_qk_rope_head_dim, model.mla_v_head_dim or nope
+
+
 def portable(model: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A copy of the model config with XLA implementations of the same maths, which run at speed on
   any machine ('xla' attention, AttnRes, short convs and MLA decoding; 'xla' KDA unless

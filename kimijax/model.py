@@ -113,7 +113,7 @@ def make_mixer(
     return MultiHeadLatentAttention(
       num_heads=cfg.num_heads,
       kv_lora_rank=cfg.mla_kv_lora_rank,
-      qk_nope_head_dim=cfg.mla_qk_nope_head_dim or cfg.d_model // cfg.num_heads,
+      qk_nope_head_dim=config_lib.mla_dims(cfg)[0],
       qk_rope_head_dim=cfg.mla_qk_rope_head_dim,
       v_head_dim=cfg.mla_v_head_dim,
       q_lora_rank=cfg.mla_q_lora_rank,

@@ -58,8 +58,8 @@ def attention_head_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
   """(Dqk, Dv) per query head of the full-attention layers."""
   head_dim = model.d_model // model.num_heads
   if model.attention_kind == 'mla':
-    nope = model.mla_qk_nope_head_dim or head_dim
-    return nope + model.mla_qk_rope_head_dim, model.mla_v_head_dim or nope
+    nope, rope, v = config_lib.mla_dims(model)
+    return nope + rope, v
   return head_dim, head_dim
 
 

@@ -102,8 +102,8 @@ def layer_activation_bytes(model: ml_collections.ConfigDict, kind: str, seq_len:
     return total + 5 * c * heads * head_dim + 4 * heads * head_dim
   heads = model.num_heads
   if model.attention_kind == 'mla':
-    nope = model.mla_qk_nope_head_dim or d // heads
-    qk, v = nope + model.mla_qk_rope_head_dim, model.mla_v_head_dim or nope
+    nope, rope, v = config_lib.mla_dims(model)
+    qk = nope + rope
     total += c * (heads * (2 * qk + 2 * v) + model.mla_kv_lora_rank)
   else:
     head_dim = d // heads
