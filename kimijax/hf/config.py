@@ -134,7 +134,7 @@ def _moe_overrides(config: dict) -> dict:
   experts = config.get('n_routed_experts') or config.get('num_experts') or config.get('num_local_experts') or 0
   if not experts:
     return {'model.mlp_kind': 'dense'}
-  _require(config, 'scoring_func', ('sigmoid', 'softmax'), 'sigmoid')
+  _require(config, 'scoring_func', ('sigmoid',), 'sigmoid')  # noaux_tc routing, and Kimi's router, score by sigmoid
   _require(config, 'moe_layer_freq', (1,), 1)
   top_k = config.get('num_experts_per_tok') or config.get('num_experts_per_token')
   dense = config.get('first_k_dense_replace', 1)
@@ -149,7 +149,7 @@ def _moe_overrides(config: dict) -> dict:
     'model.moe.top_k': top_k,
     'model.moe.num_shared': config.get('n_shared_experts') or config.get('num_shared_experts') or 0,
     'model.moe.expert_hidden': config['moe_intermediate_size'],
-    'model.moe.score_func': config.get('scoring_func', 'sigmoid'),
+    'model.moe.score_func': 'sigmoid',
     'model.moe.renormalize': bool(config.get('norm_topk_prob', config.get('moe_renormalize', True))),
     'model.moe.scaling_factor': float(config.get('routed_scaling_factor', 1.0)),
     'model.moe.n_group': config.get('n_group') or config.get('num_expert_group') or 1,

@@ -61,8 +61,7 @@ def _interleaved_to_halves(d: int) -> np.ndarray:
 
 
 def _mla(read: _Reader, prefix: str, m: ml_collections.ConfigDict, interleaved: bool) -> dict[tuple, Build]:
-  h, dn, dr = m.num_heads, m.mla_qk_nope_head_dim, m.mla_qk_rope_head_dim
-  r, dv = m.mla_kv_lora_rank, m.mla_v_head_dim or dn
+  h, r, (dn, dr, dv) = m.num_heads, m.mla_kv_lora_rank, config_lib.mla_dims(m)
   order = _interleaved_to_halves(dr) if interleaved else np.arange(dr)
 
   def q_parts(which):
@@ -162,8 +161,16 @@ def sources(folder: str | pathlib.Path, model: ml_collections.ConfigDict) -> tup
   interleaved = family == 'deepseek_v3' and hf.get('rope_interleave', True)
   moe_prefix = 'block_sparse_moe.' if family == 'kimi_linear' else 'mlp.'
   expert_names = ('w1', 'w3', 'w2') if family == 'kimi_linear' else ('gate_proj', 'up_proj', 'down_proj')
+
+  def embed():
+    value = read('model.embed_tokens.weight')
+    # a tied model's folder may still hold the head (transformers' Kimi Linear never ties): it must be the same
+    if model.tie_embeddings and read.has('lm_head.weight') and not np.array_equal(read('lm_head.weight'), value):
+      raise HfError(f'{folder}: tie_word_embeddings is true but lm_head.weight is not model.embed_tokens.weight')
+    return value
+
   params: dict[tuple, Build] = {
-    ('embed',): lambda: read('model.embed_tokens.weight'),
+    ('embed',): embed,
     ('final_norm', 'scale'): lambda: read('model.norm.weight'),
   }
   if not model.tie_embeddings:
