@@ -5,6 +5,8 @@
     python run.py --mode=generate --workdir=DIR --prompt='def main(' [--max_new_tokens=200]
     python run.py --mode=eval|generate --config=configs/released.py:FOLDER --workdir=DIR
                                                        # a released checkpoint (docs/released.md)
+    python run.py --mode=export --workdir=DIR --export_dir=OUT
+                                                       # the latest checkpoint as a Hugging Face folder
     python run.py --mode=config --config=configs/default.py[:variant] [--config.a.b=v]
                                                        # resolved config + parameter counts, no training
 
@@ -58,9 +60,10 @@ flags.DEFINE_integer(
 flags.DEFINE_enum(
   'mode',
   'train',
-  ['train', 'eval', 'generate', 'config'],
+  ['train', 'eval', 'generate', 'config', 'export'],
   'train the config; eval or generate from the latest checkpoint in --workdir; config: '
-  'print the resolved config and parameter counts without training.',
+  'print the resolved config and parameter counts without training; export: write the latest '
+  'checkpoint as a Hugging Face folder (--export_dir).',
 )
 flags.DEFINE_string('prompt', '', 'generate: the text to continue.')
 flags.DEFINE_integer('max_new_tokens', 200, "generate: tokens to add (> 0), in the run's tokenizer.")
@@ -69,6 +72,13 @@ flags.DEFINE_integer('top_k', 0, 'generate: keep the k most likely tokens (0: al
 flags.DEFINE_float('top_p', 0.95, 'generate: keep the smallest set of tokens with this probability, in (0, 1].')
 flags.DEFINE_integer('num_samples', 1, 'generate: continuations of the prompt, as one batch (> 0).')
 flags.DEFINE_integer('eval_batches', 0, "eval: validation batches (0: the run's train.eval_batches).")
+flags.DEFINE_string('export_dir', '', 'export: the new folder to write (config.json, *.safetensors, tokenizer).')
+flags.DEFINE_enum(
+  'export_dtype',
+  'auto',
+  ['auto', 'bfloat16', 'float32'],
+  "export: the tensors' dtype (auto: a released source's, else bfloat16).",
+)
 FLAGS = flags.FLAGS
 
 
@@ -112,6 +122,8 @@ def main(argv):
       return evaluate_run(config)
     if FLAGS.mode == 'config':
       return print_config(config)
+    if FLAGS.mode == 'export':
+      return export_run()
     summary = train(config, FLAGS.workdir)
   except Interrupted as e:
     print(f'kimijax: {e}', file=sys.stderr, flush=True)
@@ -263,6 +275,17 @@ def timing_line(timing, batch: int, prompt_len: int) -> str:
     f'prefill {timing.prefill_s * 1e3:.1f} ms ({batch} x {prompt_len} tokens); decode {speed} '
     f'({batch} x {steps} steps in {timing.decode_s * 1e3:.1f} ms, sampling included; compilation excluded)'
   )
+
+
+def export_run():
+  """--mode=export: writes the latest checkpoint in --workdir to --export_dir (kimijax.hf.export)."""
+  if not FLAGS.export_dir:
+    raise UsageError('--export_dir=OUT is required for --mode=export')
+  from kimijax.hf.export import export_run as run_export
+
+  dtype = None if FLAGS.export_dtype == 'auto' else FLAGS.export_dtype
+  out, step = run_export(FLAGS.workdir, FLAGS.export_dir, dtype)
+  print(f'step {step}: wrote {out} (config.json, {len(list(out.glob("*.safetensors")))} safetensors files)')
 
 
 def evaluate_run(config=None):

@@ -158,10 +158,11 @@ def test_a_run_starts_from_the_released_weights_with_a_fresh_optimizer(tmp_path)
   jax.tree.map(np.testing.assert_array_equal, state.opt_state, fresh)
 
 
-def test_run_py_evaluates_fine_tunes_and_resumes_from_a_released_folder(tmp_path):
+def test_run_py_evaluates_fine_tunes_resumes_and_exports_a_released_folder(tmp_path):
   """run.py end to end on the Kimi Linear folder with the byte corpus: --mode=eval with --config
   reads the released weights (step 0) while DIR has no checkpoint; training starts from them, its
-  first loss is theirs; after training, eval reads DIR's checkpoint instead."""
+  first loss is theirs; after training, eval reads DIR's checkpoint instead; --mode=export writes
+  that checkpoint as a released folder, whose validation loss is the checkpoint's."""
   import re
   import subprocess
   import sys
@@ -169,19 +170,21 @@ def test_run_py_evaluates_fine_tunes_and_resumes_from_a_released_folder(tmp_path
   from helpers import cpu_subprocess_env
 
   root = pathlib.Path(__file__).resolve().parents[1]
-  workdir = tmp_path / 'ft'
-  config = [
-    f'--config=configs/released.py:{FIXTURES / "kimi_linear"}',
-    f'--workdir={workdir}',
-    '--config.train.batch_size=4',
-    '--config.train.seq_len=64',
-    '--config.train.eval_batches=2',
-    '--config.train.plot=False',
-  ]
+  workdir, exported = tmp_path / 'ft', tmp_path / 'hf'
+
+  def flags(folder, workdir):
+    return [
+      f'--config=configs/released.py:{folder}',
+      f'--workdir={workdir}',
+      '--config.train.batch_size=4',
+      '--config.train.seq_len=64',
+      '--config.train.eval_batches=2',
+      '--config.train.plot=False',
+    ]
 
   def run(*argv):
     proc = subprocess.run(
-      [sys.executable, 'run.py', *config, *argv], cwd=root, env=cpu_subprocess_env(), capture_output=True, text=True
+      [sys.executable, 'run.py', *argv], cwd=root, env=cpu_subprocess_env(), capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -190,16 +193,21 @@ def test_run_py_evaluates_fine_tunes_and_resumes_from_a_released_folder(tmp_path
     step, loss = re.search(r'step (\d+): eval loss ([\d.]+)', out).groups()
     return int(step), float(loss)
 
-  step, released_loss = eval_line(run('--mode=eval'))
+  run_flags = flags(FIXTURES / 'kimi_linear', workdir)
+  step, released_loss = eval_line(run(*run_flags, '--mode=eval'))
   assert step == 0 and not (workdir / 'checkpoints').exists()
   # the released weights, not an initialisation: a fresh model's loss is near log(vocab)
   assert abs(released_loss - np.log(384)) > 0.5, released_loss
-  run('--config.train.steps=2', '--config.train.eval_every=2', '--config.train.checkpoint_every=2')
+  run(*run_flags, '--config.train.steps=2', '--config.train.eval_every=2', '--config.train.checkpoint_every=2')
   first = json.loads((workdir / 'metrics.jsonl').read_text().splitlines()[0])
   # step 1 runs at learning rate 0 (warmup): the released weights' loss on a training batch
   assert abs(first['loss'] - released_loss) < 0.5 < abs(first['loss'] - np.log(384)), (first, released_loss)
-  step, trained_loss = eval_line(run('--mode=eval'))
+  step, trained_loss = eval_line(run(*run_flags, '--mode=eval'))
   assert step == 2 and trained_loss != released_loss
+
+  assert 'step 2: wrote' in run('--mode=export', f'--workdir={workdir}', f'--export_dir={exported}')
+  step, exported_loss = eval_line(run(*flags(exported, tmp_path / 'eval_hf'), '--mode=eval'))
+  assert (step, exported_loss) == (0, trained_loss)
 
 
 def test_released_weights_too_big_for_a_device_stop_before_any_read(tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
-"""Read-only access to a folder of .safetensors files, memory-mapped, with no dependency beyond NumPy.
+"""Folders of .safetensors files, read memory-mapped and written, with no dependency beyond NumPy.
 
     files = SafetensorsFolder('/data/Moonlight-16B-A3B')
     files.names                      # every tensor name of the folder
     w = files.get('model.norm.weight')   # np.ndarray view of the file (bf16 as ml_dtypes.bfloat16)
+    write_file(path, {'model.norm.weight': w})   # one file, tensors in the order given
 
 A .safetensors file is an 8-byte little-endian header length, a JSON header mapping each name to
 its dtype, shape and byte range (after the header), then the raw little-endian bytes. A folder
@@ -30,6 +31,9 @@ DTYPES = {
   'U8': np.uint8,
   'BOOL': np.bool_,
 }
+
+
+NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
 class HfError(ValueError):
@@ -99,3 +103,26 @@ class SafetensorsFolder:
     if name not in self._where:
       raise HfError(f'{self.folder}: no tensor {name!r} in the checkpoint')
     return self._where[name]
+
+
+def write_file(path: str | pathlib.Path, tensors: dict[str, np.ndarray]) -> int:
+  """Writes `tensors` (C order) as one .safetensors file; returns the data bytes.
+  The header is padded with spaces to a multiple of 8 bytes, so every tensor starts aligned."""
+  header, offset = {}, 0
+  for name, value in tensors.items():
+    if value.dtype not in NAMES:
+      raise HfError(f'{path}: tensor {name!r} has dtype {value.dtype}, which safetensors files do not hold')
+    header[name] = {
+      'dtype': NAMES[value.dtype],
+      'shape': list(value.shape),
+      'data_offsets': [offset, offset + value.nbytes],
+    }
+    offset += value.nbytes
+  text = json.dumps({'__metadata__': {'format': 'pt'}, **header}, separators=(',', ':')).encode()
+  text += b' ' * (-len(text) % 8)
+  with open(path, 'wb') as f:
+    f.write(len(text).to_bytes(8, 'little'))
+    f.write(text)
+    for value in tensors.values():
+      f.write(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)  # little-endian hosts
+  return offset
