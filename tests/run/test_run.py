@@ -64,6 +64,11 @@ def _cases(tmp: pathlib.Path) -> dict:
     'prompt not utf-8': (gen + [os.fsdecode(b'--prompt=abc\xff\xfe')], '--prompt is not valid UTF-8'),
     'generate without a run': (gen, 'config.json not found'),
     'eval without a run': (run + ['--mode=eval', f'--workdir={no_run}'], 'config.json not found'),
+    'export without a folder': (run + ['--mode=export', f'--workdir={no_run}'], '--export_dir=OUT is required'),
+    'export without a run': (
+      run + ['--mode=export', f'--workdir={no_run}', f'--export_dir={tmp}/hf'],
+      'config.json not found',
+    ),
     'plot_attnres on a non-run': (
       [sys.executable, str(ROOT / 'experiments/tools/plot_attnres.py'), f'--workdir={no_run}'],
       f'--workdir={no_run}: {no_run}/config.json not found',
@@ -156,6 +161,8 @@ CASE_NAMES = [
   'prompt not utf-8',
   'generate without a run',
   'eval without a run',
+  'export without a folder',
+  'export without a run',
   'plot_attnres on a non-run',
   'nan stop',
   'tokamax off the gpu',
