@@ -33,12 +33,7 @@ def get_config(arg: str | None = None):
   except HfError as e:
     raise ConfigError(str(e)) from None
   c = base_config()
-  for key, value in overrides.items():
-    *groups, name = key.split('.')
-    node = c
-    for group in groups:
-      node = node[group]
-    node[name] = value
+  c.update_from_flattened_dict(overrides)
   c.model.compute_dtype = 'float32'
   c.model.moe.impl = 'xla_blocked'
   c.train.update(init_from=os.path.abspath(folder), steps=100, batch_size=8, seq_len=2048, eval_every=50)

@@ -291,14 +291,9 @@ def check_expresses(hf: dict, model: ml_collections.ConfigDict) -> None:
     overrides = model_overrides(hf)
   except HfError as e:
     raise HfError(f'the model cannot be written as a {hf["model_type"]} checkpoint: {e}') from None
-  back = config_lib.base_config().model
-  for key, value in overrides.items():
-    *groups, name = key.removeprefix('model.').split('.')
-    node = back
-    for group in groups:
-      node = node[group]
-    node[name] = value
-  want, got = _maths(model), _maths(back)
+  back = config_lib.base_config()
+  back.update_from_flattened_dict(overrides)
+  want, got = _maths(model), _maths(back.model)
   for key in want:
     if want[key] != got.get(key):
       raise HfError(
