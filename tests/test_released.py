@@ -223,3 +223,25 @@ def test_released_weights_too_big_for_a_device_stop_before_any_read(tmp_path, mo
   with pytest.raises(memory.MemoryLimitError, match=r'parameters of .*moonlight take 0\.0 GiB .*a 100 kB test limit'):
     evaluate_run(tmp_path / 'w', 1, config)
   assert not (tmp_path / 'w' / 'eval.jsonl').exists()
+
+
+def test_released_weights_sharded_over_fsdp_evaluate_and_generate_as_replicated(tmp_path):
+  """--config.mesh.fsdp shards the released parameters for eval and generate (a model larger than
+  one device): the same validation loss and greedy tokens as with every device holding them all."""
+  from kimijax.infer.generate import load_for_generation
+  from kimijax.train.evaluate import evaluate_run
+
+  n = jax.device_count()
+  if n < 2:
+    pytest.skip('needs several devices (tests/conftest.py makes 8 CPU devices)')
+  folder, out = FIXTURES / 'kimi_linear', {}
+  prompt = np.array([[5, 6, 7, 8]] * 2, np.int32)
+  for name, mesh in (('replicated', {'mesh.data': n}), ('fsdp', {'mesh.data': 1, 'mesh.fsdp': n})):
+    config = released_config(folder, **{'train.batch_size': n, 'train.seq_len': 32, **mesh})
+    loss = evaluate_run(tmp_path / name, 2, config)['eval_loss']
+    _, model, params = load_for_generation(tmp_path / name, config)
+    if name == 'fsdp':  # the expert weights are split over the devices
+      assert not params['params']['layer_1']['mlp']['wi_gate'].sharding.is_fully_replicated
+    out[name] = loss, generate(model, params, prompt, max_new_tokens=5, temperature=0.0)
+  np.testing.assert_allclose(out['fsdp'][0], out['replicated'][0], rtol=1e-5)
+  np.testing.assert_array_equal(out['fsdp'][1], out['replicated'][1])
