@@ -229,6 +229,19 @@ SCHEMA = {
       'kernel (kernels_pallas/mla_decode/; an NVIDIA GPU, interpreted elsewhere)',
       allowed=MLA_DECODE_IMPLS,
     ),
+    # YaRN's context extension of RoPE (docs/attention.md#yarn; DeepSeek-V3: 40, 4096, mscales 1)
+    'yarn': {
+      'factor': Key(0.0, 'context extension factor; 0: plain RoPE', bounds=NON_NEGATIVE),
+      'original_context': Key(4096, 'the context the model was trained at before the extension', bounds=POSITIVE),
+      'beta_fast': Key(
+        32.0, 'frequencies turning more than this often in the original context are kept', bounds=POSITIVE
+      ),
+      'beta_slow': Key(1.0, 'frequencies turning less than this often are divided by factor', bounds=POSITIVE),
+      'mscale': Key(
+        0.0, "the rotated dims' scale m(factor, mscale) / m(factor, mscale_all_dim); 0: unset", bounds=NON_NEGATIVE
+      ),
+      'mscale_all_dim': Key(0.0, 'the softmax scale times m(factor, mscale_all_dim)^2; 0: unset', bounds=NON_NEGATIVE),
+    },
     # Mixture-of-Experts MLPs (mlp_kind='moe'; docs/moe.md)
     'moe': {
       'num_experts': Key(8, 'routed experts per MoE layer', bounds=POSITIVE),
@@ -387,6 +400,23 @@ def kda_dims(model: ml_collections.ConfigDict) -> tuple[int, int]:
   return model.kda_num_heads or model.num_heads, model.kda_head_dim or model.d_model // model.num_heads
 
 
+def yarn(model: ml_collections.ConfigDict):
+  """model.yarn as kimijax.layers.rope.Yarn, or None when its factor is 0 (plain RoPE)."""
+  from kimijax.layers.rope import Yarn
+
+  y = model.yarn
+  if not y.factor:
+    return None
+  return Yarn(
+    float(y.factor),
+    int(y.original_context),
+    float(y.beta_fast),
+    float(y.beta_slow),
+    float(y.mscale),
+    float(y.mscale_all_dim),
+  )
+
+
 def mla_dims(model: ml_collections.ConfigDict) -> tuple[int, int, int]:
   """(no-position, decoupled, value) head dims of the MLA layers, their 0 defaults resolved."""
   nope = model.mla_qk_nope_head_dim or model.d_model // model.num_heads
@@ -441,6 +471,8 @@ def num_kv_heads(model: ml_collections.ConfigDict) -> int:
 def _model_rules(m: ml_collections.ConfigDict) -> None:
   if m.d_model % m.num_heads:
     raise ConfigError(f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}')
+  if 0 < m.yarn.factor < 1:
+    raise ConfigError(f'model.yarn.factor={m.yarn.factor} must be 0 (plain RoPE) or at least 1 (an extension)')
   if (m.d_model // m.num_heads) % 2 and m.position == 'rope':
     raise ConfigError(
       f"head_dim = model.d_model // model.num_heads = {m.d_model // m.num_heads} must be even for model.position='rope'"

@@ -126,6 +126,7 @@ def make_mixer(
       max_logits=max_logits,
       decode_impl=cfg.mla_decode_impl,
       decode_settings=kernels['mla_decode'],
+      yarn=config_lib.yarn(cfg),
       name='mla',
     )
   if kind == 'A':
@@ -138,6 +139,7 @@ def make_mixer(
       init_std=cfg.init_std,
       dtype=dtype,
       max_logits=max_logits,
+      yarn=config_lib.yarn(cfg),
       name='attention',
     )
   raise ValueError(f'unknown layer kind {kind!r}')

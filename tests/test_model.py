@@ -14,7 +14,7 @@ from helpers import B, T, cross_entropy, forward, init_params, random_tokens, re
 from oracles import matrix, np_forward, np_rope
 
 from kimijax import config as config_lib
-from kimijax.layers.attention import apply_rope
+from kimijax.layers.rope import Yarn, apply_rope
 from kimijax.model import Transformer, count_params
 
 
@@ -64,6 +64,30 @@ def test_rope_logits_depend_only_on_relative_offset():
     np.testing.assert_allclose(logits(pos + shift), base, rtol=1e-4, atol=1e-4)
   # ...whereas changing the offsets does change them.
   assert np.max(np.abs(logits(pos * 2) - base)) > 1e-1
+
+
+def test_yarn_keeps_fast_frequencies_and_interpolates_slow_ones():
+  """YaRN's closed forms (arXiv 2309.00071): a frequency turning more than beta_fast times over the
+  original context is kept, one turning fewer than beta_slow times is divided by the factor, those
+  between lie between; m(s) = 0.1 ln s + 1 scales the rotation; factor 1 is plain RoPE."""
+  d, theta, original, factor = 64, 1e4, 4096, 40.0
+  yarn = Yarn(factor, original)
+  freq = theta ** (-np.arange(0, d, 2) / d)
+  turns = original * freq / (2 * np.pi)
+  got = yarn.inv_freq(d, theta)
+  fast, slow = turns > 32 * 1.5, turns < 1 / 1.5  # clear of the ramp's rounded ends
+  assert fast.any() and slow.any() and (~fast & ~slow).any()
+  np.testing.assert_allclose(got[fast], freq[fast], rtol=1e-6)
+  np.testing.assert_allclose(got[slow], freq[slow] / factor, rtol=1e-6)
+  assert np.all((got <= freq * (1 + 1e-6)) & (got >= freq / factor * (1 - 1e-6)))
+  assert np.isclose(yarn.attention_factor(), 0.1 * np.log(factor) + 1) and yarn.softmax_multiplier() == 1.0
+  deepseek = Yarn(factor, original, mscale=1.0, mscale_all_dim=1.0)
+  assert deepseek.attention_factor() == 1.0 and np.isclose(deepseek.softmax_multiplier(), (0.1 * np.log(40) + 1) ** 2)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 5, 2, d)), jnp.float32)
+  positions = jnp.arange(0, 50, 10)[None]
+  np.testing.assert_allclose(
+    apply_rope(x, positions, theta, Yarn(1.0, original)), apply_rope(x, positions, theta), rtol=1e-5, atol=1e-5
+  )
 
 
 # ----------------------------------------------------------------------------- whole model

@@ -7,18 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from kimijax.layers.params import weight
+from kimijax.layers.rope import Yarn, apply_rope, softmax_scale
 from kimijax.ops.attention import attention, decode_attention
-
-
-def apply_rope(x_bthd, positions_bt, theta: float):
-  """Rotary embedding (rotate-half pairing of dims i and i + D/2), computed in float32."""
-  d = x_bthd.shape[-1]
-  inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
-  angles = positions_bt.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, D/2]
-  sin, cos = jnp.sin(angles), jnp.cos(angles)
-  x = x_bthd.astype(jnp.float32)
-  x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthd.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -42,11 +32,13 @@ class SelfAttention(nn.Module):
   init_std: float
   dtype: jnp.dtype = jnp.float32
   max_logits: bool = True  # return the per-head max logits in training (docs/optimizers.md#qk-clip)
+  yarn: Yarn | None = None  # YaRN's context extension of RoPE (kimijax/layers/rope.py)
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, cache=None, segment_ids_bt=None):
     d = x_btd.shape[-1]
     head_dim = d // self.num_heads
+    scale = softmax_scale(head_dim, self.yarn if self.rope else None)
     x_btd = x_btd.astype(self.dtype)
     w_q = weight(self, 'query', (d, self.num_heads, head_dim), ('embed', 'heads', 'head_dim'))
     w_k = weight(self, 'key', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
@@ -58,8 +50,8 @@ class SelfAttention(nn.Module):
     else:
       q_bthd, k_bthd, v_bthd = (jnp.einsum('btd,dhk->bthk', x_btd, w) for w in (w_q, w_k, w_v))
     if self.rope:
-      q_bthd = apply_rope(q_bthd, positions_bt, self.rope_theta)
-      k_bthd = apply_rope(k_bthd, positions_bt, self.rope_theta)
+      q_bthd = apply_rope(q_bthd, positions_bt, self.rope_theta, self.yarn)
+      k_bthd = apply_rope(k_bthd, positions_bt, self.rope_theta, self.yarn)
     names = ('act_batch', 'act_length', 'act_heads', None)
     q_bthd, k_bthd, v_bthd = (nn.with_logical_constraint(t, names) for t in (q_bthd, k_bthd, v_bthd))
     if cache is None:
@@ -69,6 +61,7 @@ class SelfAttention(nn.Module):
         v_bthd,
         causal=True,
         impl=self.impl,
+        scale=scale,
         return_max_logits=self.max_logits,
         spec=nn.logical_to_mesh_axes(names),
         segment_ids=segment_ids_bt,
@@ -82,9 +75,9 @@ class SelfAttention(nn.Module):
         for name, t in (('k', k_bthd), ('v', v_bthd))
       }
       if x_btd.shape[1] == 1:
-        o_bthd = decode_attention(q_bthd, new_cache['k'], new_cache['v'], start + 1)
+        o_bthd = decode_attention(q_bthd, new_cache['k'], new_cache['v'], start + 1, scale=scale)
       else:
-        o_bthd = attention(q_bthd, k_bthd, v_bthd, causal=True, impl=self.impl)
+        o_bthd = attention(q_bthd, k_bthd, v_bthd, causal=True, impl=self.impl, scale=scale)
       max_logits_h = None
     o_bthd = nn.with_logical_constraint(o_bthd, names)
     return jnp.einsum('bthk,hkd->btd', o_bthd, w_o), max_logits_h, new_cache

@@ -4,7 +4,7 @@
     k_h = [W_uk_h c ; RoPE(W_kr x)]                   per-head no-position part, shared rotary part
     v_h = W_uv_h c
     q_h = [W_uq_h cq ; RoPE(W_qr_h cq)],  cq = RMSNorm(W_dq x) (or cq = x without a q low rank)
-    y = W_o [softmax(scale q_h . k_h) v_h]_h,  scale = (d_nope + d_rope) ** -0.5
+    y = W_o [softmax(scale q_h . k_h) v_h]_h,  scale = (d_nope + d_rope) ** -0.5 (x YaRN's multiplier, if set)
 
 The decoupled dims (qk_rope_head_dim > 0: a per-head query part W_qr_h cq and a key part W_kr x
 shared by all heads) are rotated with RoPE when `rope` is True. With rope=False they are kept and
@@ -26,9 +26,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kimijax.layers.attention import apply_rope
 from kimijax.layers.norms import RMSNorm
 from kimijax.layers.params import weight
+from kimijax.layers.rope import Yarn, apply_rope, softmax_scale
 from kimijax.ops.attention import attention
 from kimijax.ops.mla_decode import mla_decode
 
@@ -63,6 +63,7 @@ class MultiHeadLatentAttention(nn.Module):
   max_logits: bool = True  # return the per-head max logits in training (docs/optimizers.md#qk-clip)
   decode_impl: str = 'xla'  # decoding's attention over the latents (kimijax/ops/mla_decode.py IMPLS)
   decode_settings: Any = None  # the settings of decode_impl's kernels (None: the defaults)
+  yarn: Yarn | None = None  # YaRN's context extension of the decoupled dims' RoPE (kimijax/layers/rope.py)
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, cache=None, segment_ids_bt=None):
@@ -70,7 +71,7 @@ class MultiHeadLatentAttention(nn.Module):
     dv = self.v_head_dim or dn
     d = x_btd.shape[-1]
     x_btd = x_btd.astype(self.dtype)
-    scale = (dn + dr) ** -0.5
+    scale = softmax_scale(dn + dr, self.yarn if self.rope and dr else None)
 
     if self.q_lora_rank:
       cq_btr = jnp.einsum('btd,dr->btr', x_btd, weight(self, 'q_down', (d, self.q_lora_rank), ('embed', 'latent')))
@@ -88,8 +89,8 @@ class MultiHeadLatentAttention(nn.Module):
       q_rope_bthk = jnp.einsum('btr,rhk->bthk', q_in, weight(self, 'q_rope', (q_in.shape[-1], h, dr), q_axes))
       k_rope_btk = jnp.einsum('btd,dk->btk', x_btd, weight(self, 'k_rope', (d, dr), ('embed', 'head_dim')))
       if self.rope:
-        q_rope_bthk = apply_rope(q_rope_bthk, positions_bt, self.rope_theta)
-        k_rope_btk = apply_rope(k_rope_btk[:, :, None], positions_bt, self.rope_theta)[:, :, 0]  # [B, T, dr]
+        q_rope_bthk = apply_rope(q_rope_bthk, positions_bt, self.rope_theta, self.yarn)
+        k_rope_btk = apply_rope(k_rope_btk[:, :, None], positions_bt, self.rope_theta, self.yarn)[:, :, 0]  # [B, T, dr]
 
     new_cache = None
     if cache is not None and x_btd.shape[1] == 1:
