@@ -127,7 +127,7 @@ def test_a_missing_or_misshapen_tensor_is_one_error_naming_it(tmp_path):
 def test_an_unsupported_config_value_is_one_error_naming_the_key(tmp_path):
   folder = copy_fixture(tmp_path, 'deepseek_v3')
   hf = json.loads((folder / 'config.json').read_text())
-  hf['rope_scaling'] = {'type': 'yarn', 'factor': 40}
+  hf['rope_scaling'] = {'type': 'linear', 'factor': 4.0}
   (folder / 'config.json').write_text(json.dumps(hf))
   with pytest.raises(config_lib.ConfigError, match='rope_scaling'):
     released_config(folder)

@@ -26,6 +26,15 @@ CASES = {
     'configs/moonlight_small.py',
     {'model.mlp_kind': 'dense', 'model.mla_q_lora_rank': 16, 'model.tie_embeddings': False},
   ),
+  'moonlight_yarn': (  # YaRN as DeepSeek-V3 sets it, over a short original context so that it bites here
+    'configs/moonlight_small.py',
+    {
+      'model.yarn.factor': 8.0,
+      'model.yarn.original_context': 16,
+      'model.yarn.mscale': 1.0,
+      'model.yarn.mscale_all_dim': 1.0,
+    },
+  ),
 }
 TOKENS = (2, 24)
 

@@ -6,14 +6,13 @@
 Two families, by config.json's model_type:
 - 'kimi_linear' (Kimi Linear): KDA layers and NoPE MLA layers as `linear_attn_config` lists them
   (1-indexed kda_layers / full_attn_layers), sigmoid-routed MoE MLPs after the first dense layers;
-- 'deepseek_v3' (Moonlight-16B-A3B; DeepSeek-V3 and Kimi K2 share the layout but their YaRN
-  rope_scaling is refused): MLA with RoPE on its decoupled dims, the same MoE with group-limited
-  routing.
+- 'deepseek_v3' (DeepSeek-V3, Moonlight-16B-A3B, Kimi K2): MLA with RoPE on its decoupled dims
+  (YaRN-extended as rope_scaling says), the same MoE with group-limited routing.
 
-Every key that changes the maths is read; a value kimijax does not implement (YaRN rope scaling,
-biases on the projections, an activation other than SiLU, ...) is one HfError naming the key and
-value, before any weight is read. Keys that only concern serving (max_position_embeddings, token
-ids, torch dtype) are ignored.
+Every key that changes the maths is read; a value kimijax does not implement (RoPE scaling other
+than YaRN, biases on the projections, an activation other than SiLU, ...) is one HfError naming the
+key and value, before any weight is read. Keys that only concern serving (token ids, torch dtype)
+are ignored.
 """
 
 from __future__ import annotations
@@ -79,9 +78,6 @@ def model_overrides(config: dict) -> dict:
   family = config['model_type']
   _require(config, 'hidden_act', ('silu',), 'silu')
   _require(config, 'attention_bias', (False,), False)
-  _require(config, 'rope_scaling', (None,), None)
-  if (config.get('rope_parameters') or {}).get('rope_type', 'default') != 'default':
-    raise HfError(f'config.json: rope_parameters={config["rope_parameters"]} (scaled RoPE) is not supported by kimijax')
   heads = config['num_attention_heads']
   if config.get('num_key_value_heads', heads) != heads:
     raise HfError(f'config.json: num_key_value_heads={config["num_key_value_heads"]} must equal num_attention_heads')
@@ -127,7 +123,31 @@ def model_overrides(config: dict) -> dict:
     out['model.mla_rope'] = True
     _require(config, 'topk_method', ('noaux_tc',), 'noaux_tc')  # sigmoid scores, bias for choosing, top-2 group scores
   out.update(_moe_overrides(config))
+  out.update(_yarn_overrides(config))
   return out
+
+
+def _yarn_overrides(config: dict) -> dict:
+  """model.yarn.* from rope_scaling (or transformers' rope_parameters) of type 'yarn'; {} for plain RoPE."""
+  params = config.get('rope_scaling') or {}
+  if not params and (config.get('rope_parameters') or {}).get('rope_type', 'default') != 'default':
+    params = config['rope_parameters']
+  if not params:
+    return {}
+  kind = params.get('rope_type', params.get('type'))
+  if kind != 'yarn':
+    raise HfError(f"config.json: rope_scaling of type {kind!r} is not supported by kimijax (supported: 'yarn')")
+  if params.get('attention_factor') is not None or params.get('truncate', True) is not True:
+    raise HfError(f'config.json: rope_scaling={params} sets attention_factor or truncate, which kimijax does not read')
+  original = int(params['original_max_position_embeddings'])
+  return {
+    'model.yarn.factor': float(params.get('factor') or config['max_position_embeddings'] / original),
+    'model.yarn.original_context': original,
+    'model.yarn.beta_fast': float(params.get('beta_fast') or 32.0),
+    'model.yarn.beta_slow': float(params.get('beta_slow') or 1.0),
+    'model.yarn.mscale': float(params.get('mscale') or 0.0),
+    'model.yarn.mscale_all_dim': float(params.get('mscale_all_dim') or 0.0),
+  }
 
 
 def _moe_overrides(config: dict) -> dict:

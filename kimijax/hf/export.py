@@ -179,7 +179,7 @@ def hf_config(model: ml_collections.ConfigDict, tokenizer=None, dtype: str = 'bf
     'tie_word_embeddings': m.tie_embeddings,
     'attention_bias': False,
     'rope_theta': m.rope_theta,
-    'rope_scaling': None,
+    'rope_scaling': _rope_scaling(config_lib.yarn(m), m.mla_qk_rope_head_dim),
     'q_lora_rank': m.mla_q_lora_rank or None,
     'kv_lora_rank': m.mla_kv_lora_rank,
     'qk_nope_head_dim': config_lib.mla_dims(m)[0],
@@ -235,6 +235,16 @@ def hf_config(model: ml_collections.ConfigDict, tokenizer=None, dtype: str = 'bf
   return out
 
 
+def _rope_scaling(yarn, rope_dims: int) -> dict | None:
+  """config.json's rope_scaling for model.yarn (None for plain RoPE)."""
+  if yarn is None or not rope_dims:
+    return None
+  out = {'type': 'yarn', 'factor': yarn.factor, 'original_max_position_embeddings': yarn.original_context}
+  out.update(beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow)
+  out.update({k: getattr(yarn, k) for k in ('mscale', 'mscale_all_dim') if getattr(yarn, k)})
+  return out
+
+
 def _maths(m: ml_collections.ConfigDict) -> dict:
   """The model keys that decide its function, with their 0 defaults resolved; implementation
   keys (impls, kernels, compute dtype, remat), initialisation and training-only MoE keys are left out."""
@@ -262,6 +272,7 @@ def _maths(m: ml_collections.ConfigDict) -> dict:
     )
     if m.mla_rope and m.mla_qk_rope_head_dim:
       out['model.rope_theta'] = m.rope_theta
+      out['model.yarn.*'] = config_lib.yarn(m)
   if 'K' in kinds:
     out.update(
       {
