@@ -84,7 +84,11 @@ def test_config_mapping_of_each_family():
   moon = model_overrides(read_config(FIXTURES / 'moonlight'))
   assert moon['model.layer_pattern'] == 'AAA' and moon['model.mla_rope'] is True
   assert moon['model.mla_q_lora_rank'] == 0 and moon['model.moe.num_shared'] == 2
-  assert model_overrides(read_config(FIXTURES / 'deepseek_v3'))['model.mla_q_lora_rank'] == 24
+  deepseek = read_config(FIXTURES / 'deepseek_v3')
+  assert model_overrides(deepseek)['model.mla_q_lora_rank'] == 24
+  assert model_overrides(deepseek)['model.yarn.factor'] == 40.0 and 'model.yarn.factor' not in moon
+  # Kimi K2's folders name DeepSeek-V3's layout 'kimi_k2'
+  assert model_overrides({**deepseek, 'model_type': 'kimi_k2'}) == model_overrides(deepseek)
 
 
 def test_bf16_tensors_are_read_exactly():

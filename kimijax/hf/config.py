@@ -22,7 +22,8 @@ import pathlib
 
 from kimijax.hf.safetensors import HfError
 
-FAMILIES = ('kimi_linear', 'deepseek_v3')
+# config.json's model_type -> the layout it is read in (Kimi K2's folders name DeepSeek-V3's layout 'kimi_k2')
+FAMILIES = {'kimi_linear': 'kimi_linear', 'deepseek_v3': 'deepseek_v3', 'kimi_k2': 'deepseek_v3'}
 CONV_WIDTH = 4  # kimijax.layers.kda.CONV_WIDTH, the released short conv's kernel size
 # The latent RMSNorms of MLA (q_a_layernorm, kv_a_layernorm) are built without the config's eps
 # in both families' modeling code, so they take the norm's default.
@@ -45,6 +46,16 @@ def read_config(folder: str | pathlib.Path) -> dict:
   return config
 
 
+def family(config: dict) -> str:
+  """The layout of a config.json: 'kimi_linear' or 'deepseek_v3'."""
+  return FAMILIES[config['model_type']]
+
+
+def rope_interleaved(config: dict) -> bool:
+  """Whether the checkpoint lays each rotated pair of dims side by side (DeepSeek-V3's layout)."""
+  return family(config) == 'deepseek_v3' and config.get('rope_interleave', True)
+
+
 def _require(config: dict, key: str, allowed, default=None) -> None:
   value = config.get(key, default)
   if value not in allowed:
@@ -54,7 +65,7 @@ def _require(config: dict, key: str, allowed, default=None) -> None:
 def layer_letters(config: dict) -> str:
   """The mixer of each layer as kimijax's layer_pattern letters ('K' KDA, 'A' MLA)."""
   n = config['num_hidden_layers']
-  if config['model_type'] == 'deepseek_v3':
+  if family(config) == 'deepseek_v3':
     return 'A' * n
   if config.get('layer_types'):
     kinds = {'linear_attention': 'K', 'full_attention': 'A'}
@@ -75,7 +86,6 @@ def layer_letters(config: dict) -> str:
 
 def model_overrides(config: dict) -> dict:
   """{'model.KEY': value} that make kimijax's model the released one of `config` (config.json)."""
-  family = config['model_type']
   _require(config, 'hidden_act', ('silu',), 'silu')
   _require(config, 'attention_bias', (False,), False)
   heads = config['num_attention_heads']
@@ -101,7 +111,7 @@ def model_overrides(config: dict) -> dict:
     'model.mla_latent_norm_eps': LATENT_NORM_EPS,
     'model.rope_theta': float(config.get('rope_theta') or (config.get('rope_parameters') or {}).get('rope_theta', 1e4)),
   }
-  if family == 'kimi_linear':
+  if family(config) == 'kimi_linear':
     _require(config, 'moe_router_activation_func', ('sigmoid',), 'sigmoid')
     out['model.mla_rope'] = False  # Kimi Linear's MLA is NoPE; its decoupled dims stay unrotated
     linear = config.get('linear_attn_config') or {}

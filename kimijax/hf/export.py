@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from kimijax import config as config_lib
-from kimijax.hf.config import CONV_WIDTH, model_overrides, read_config
+from kimijax.hf.config import CONV_WIDTH, family, model_overrides, read_config, rope_interleaved
 from kimijax.hf.safetensors import HfError, SafetensorsFolder, write_file
 
 Get = Callable[[tuple], np.ndarray]  # a parameter path -> its float32 value
@@ -161,7 +161,7 @@ def family_of(model: ml_collections.ConfigDict) -> str:
 
 def hf_config(model: ml_collections.ConfigDict, tokenizer=None, dtype: str = 'bfloat16') -> dict:
   """config.json for a model with no released folder behind it, in family_of(model)'s keys."""
-  m, family = model, family_of(model)
+  m, layout = model, family_of(model)
   kinds = config_lib.layer_kinds(m)
   expert_hidden, dense_hidden = config_lib.moe_hidden(m) if m.mlp_kind == 'moe' else (0, m.mlp_dim)
   moe = m.mlp_kind == 'moe'
@@ -194,7 +194,7 @@ def hf_config(model: ml_collections.ConfigDict, tokenizer=None, dtype: str = 'bf
     'eos_token_id': getattr(tokenizer, 'eos_id', None),
     'pad_token_id': getattr(tokenizer, 'pad_id', None),
   }
-  if family == 'kimi_linear':
+  if layout == 'kimi_linear':
     heads, head_dim = config_lib.kda_dims(m)
     out.update(
       {
@@ -379,8 +379,7 @@ def export_folder(
   out, hf = pathlib.Path(out), checked_config(out, config, dtype, tokenizer)
   model, source = config.model, config.train.init_from
   source_files = SafetensorsFolder(source) if source else None
-  interleaved = hf['model_type'] == 'deepseek_v3' and hf.get('rope_interleave', True)
-  groups = tensors(model, hf['model_type'], interleaved, _getter(_host_tree(params)), _getter(_host_tree(moe_state)))
+  groups = tensors(model, family(hf), rope_interleaved(hf), _getter(_host_tree(params)), _getter(_host_tree(moe_state)))
 
   def stored(name: str, value: np.ndarray) -> np.ndarray:
     if name.endswith(BIAS):

@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 
 from kimijax import config as config_lib
-from kimijax.hf.config import read_config
+from kimijax.hf.config import family, read_config, rope_interleaved
 from kimijax.hf.safetensors import HfError, SafetensorsFolder
 
 Build = Callable[[], np.ndarray]
@@ -157,10 +157,10 @@ def sources(folder: str | pathlib.Path, model: ml_collections.ConfigDict) -> tup
   """({param path: build}, {moe_state path: build}, the reader that records which tensors were read)."""
   hf = read_config(folder)
   read = _Reader(SafetensorsFolder(folder))
-  family = hf['model_type']
-  interleaved = family == 'deepseek_v3' and hf.get('rope_interleave', True)
-  moe_prefix = 'block_sparse_moe.' if family == 'kimi_linear' else 'mlp.'
-  expert_names = ('w1', 'w3', 'w2') if family == 'kimi_linear' else ('gate_proj', 'up_proj', 'down_proj')
+  kimi = family(hf) == 'kimi_linear'
+  interleaved = rope_interleaved(hf)
+  moe_prefix = 'block_sparse_moe.' if kimi else 'mlp.'
+  expert_names = ('w1', 'w3', 'w2') if kimi else ('gate_proj', 'up_proj', 'down_proj')
 
   def embed():
     value = read('model.embed_tokens.weight')
