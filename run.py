@@ -5,6 +5,8 @@
     python run.py --mode=generate --workdir=DIR --prompt='def main(' [--max_new_tokens=200]
     python run.py --mode=eval|generate --config=configs/released.py:FOLDER --workdir=DIR
                                                        # a released checkpoint (docs/released.md)
+    python run.py --mode=eval --config=configs/trained.py:DIR --workdir=DIR --config.train.seq_len=8192
+                                                       # DIR's checkpoint with keys changed
     python run.py --mode=export --workdir=DIR --export_dir=OUT
                                                        # the latest checkpoint as a Hugging Face folder
     python run.py --mode=config --config=configs/default.py[:variant] [--config.a.b=v]
@@ -27,6 +29,8 @@ Config files and their variants (--config=FILE:VARIANT, several as FILE:a,b; eac
     configs/ladder.py             smoke, smoke_moe, gpu, gpu_attnres, gpu_hybrid, gpu_moe (ladders,
                                   for experiments/scaling_ladder.py)
     configs/released.py:FOLDER    a released checkpoint folder (docs/released.md): gpu, adamw
+    configs/trained.py:DIR        a trained run's own config, to evaluate or generate from it with keys
+                                  changed (a longer context, YaRN: docs/attention.md#yarn)
 
 Re-running the same training command resumes from DIR/checkpoints (and does nothing once the run
 has reached train.steps). Ctrl-C, SIGTERM (a scheduler's preemption) or SIGUSR1 stops after the
@@ -300,6 +304,8 @@ def evaluate_run(config=None):
     f'step {r["step"]}: eval loss {r["eval_loss"]:.4f} nats/token over {r["eval_batches"]} validation '
     f'batches ({r["tokens"]:,} tokens); appended to {pathlib.Path(FLAGS.workdir) / "eval.jsonl"}'
   )
+  buckets = zip(r['position_buckets'], r['loss_by_position'])
+  print('by context length (tokens): ' + ', '.join(f'{a + 1}-{b + 1} {_fmt(loss)}' for (a, b), loss in buckets))
 
 
 def _fmt(x) -> str:

@@ -40,6 +40,10 @@ MAY_DIFFER = (
   'model.remat',
   'model.kernels',
 )
+# Keys inside MUST_MATCH that change what the positions mean, on purpose, for a trained model:
+# YaRN's context extension is applied to a model trained without it (or with another factor),
+# to evaluate it at a longer context or to continue training there (docs/attention.md#yarn).
+MAY_EXTEND = ('model.yarn',)
 
 
 # Saved values from before a key changed its type or its values were renamed, as the key's value
@@ -100,13 +104,12 @@ def _flatten(d, prefix=''):
 
 
 def config_mismatches(saved: dict, config: ml_collections.ConfigDict) -> list[str]:
-  """Keys under MUST_MATCH (less MAY_DIFFER) whose saved value differs from `config`, as
+  """Keys under MUST_MATCH (less MAY_DIFFER and MAY_EXTEND) whose saved value differs from `config`, as
   'key: saved -> now'. A key the saved config lacks (added to the schema after it was written)
   matches its default."""
   keys = set(_flatten(json.loads(config.to_json()))) | {LEGACY_KEYS.get(k, k) for k in _flatten(saved)}
-  keys = sorted(
-    k for k in keys if k.split('.')[0] in MUST_MATCH and not any(k == m or k.startswith(m + '.') for m in MAY_DIFFER)
-  )
+  free = lambda k: any(k == m or k.startswith(m + '.') for m in MAY_DIFFER + MAY_EXTEND)
+  keys = sorted(k for k in keys if k.split('.')[0] in MUST_MATCH and not free(k))
   return config_differences(saved, config, keys + list(MUST_MATCH_KEYS))
 
 

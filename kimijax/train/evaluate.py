@@ -1,11 +1,16 @@
 """--mode=eval: the latest checkpoint of a run on its validation split, printed and logged.
 
-    result = evaluate_run('runs/default')   # {'step', 'eval_loss', 'eval_batches', 'tokens'}
+    result = evaluate_run('runs/default')   # {'step', 'eval_loss', 'loss_by_position', ...}
+    result = evaluate_run('runs/default', config=load('configs/trained.py:runs/default',
+                          overrides={'train.seq_len': 8192, 'model.yarn.factor': 4.0}))
 
-The run's config.json decides the data and model; the mesh is data-parallel over this host's
-devices (and off a GPU the implementations become kimijax.config.portable's, as for generation). Each
-call appends one line to DIR/eval.jsonl; metrics.jsonl, the checkpoints and TensorBoard are left
-as training wrote them.
+The run's config.json decides the data and model, or `config` (the run's own with keys changed:
+configs/trained.py; a released folder's: configs/released.py), whose model must restore the
+checkpoint (kimijax.train.checkpoint.MUST_MATCH; YaRN may change, as for a context extension). The
+mesh is data-parallel over this host's devices (and off a GPU the implementations become
+kimijax.config.portable's, as for generation). Each call appends one line to DIR/eval.jsonl, with
+the loss by position bucket (kimijax.train.loop.position_buckets); metrics.jsonl, the checkpoints
+and TensorBoard are left as training wrote them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from kimijax.data.tokenizer import config_vocab_size
 from kimijax.model import Transformer, inference_variables
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train.checkpoint import latest_weights, load_run_config
-from kimijax.train.loop import evaluate
+from kimijax.train.loop import evaluate_details
 from kimijax.train.step import in_mesh, make_eval_step
 
 
@@ -47,11 +52,17 @@ def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None, co
   sharding = mesh_lib.batch_sharding(mesh, config.mesh)
   eval_step = in_mesh(jax.jit(make_eval_step(model, config.train.loss_chunk)), mesh, config.mesh)
   batches = [{k: jax.device_put(v, sharding) for k, v in b.items()} for b in batches]
+  details = evaluate_details(eval_step, inference_variables(params, moe_state), batches)
   result = {
     'step': step,
-    'eval_loss': evaluate(eval_step, inference_variables(params, moe_state), batches),
+    'eval_loss': details['eval_loss'],
     'eval_batches': num_batches,
     'tokens': int(sum(float(b['mask'].sum()) for b in batches)),
+    'seq_len': config.train.seq_len,
+    'yarn_factor': config.model.yarn.factor,
+    'accuracy': details['accuracy'],
+    'position_buckets': details['position_buckets'],
+    'loss_by_position': details['loss_by_position'],
     'time': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
   }
   workdir.mkdir(parents=True, exist_ok=True)

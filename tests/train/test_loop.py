@@ -234,6 +234,45 @@ def test_eval_mode_reproduces_the_final_eval_loss(finished_run):
   assert logged[-1]['eval_loss'] == result['eval_loss'] and logged[-1]['step'] == 3
 
 
+def test_eval_at_a_longer_context_with_yarn_restores_the_run_and_reports_each_position(finished_run, tmp_path):
+  """configs/trained.py:DIR with a longer context and YaRN: the run's checkpoint (YaRN may differ
+  from training, other model keys may not), the loss of every position bucket up to the new
+  length, logged to eval.jsonl."""
+  import shutil
+
+  from kimijax.config import load
+  from kimijax.train.evaluate import evaluate_run
+
+  workdir = shutil.copytree(finished_run[0], tmp_path / 'run')  # evaluate_run appends to DIR/eval.jsonl
+  trained = load(f'configs/trained.py:{workdir}')
+  longer = {'train.seq_len': 4 * trained.train.seq_len, 'model.yarn.original_context': trained.train.seq_len}
+  plain = evaluate_run(workdir, 1, load(f'configs/trained.py:{workdir}', overrides=longer))
+  yarn = evaluate_run(workdir, 1, load(f'configs/trained.py:{workdir}', overrides={**longer, 'model.yarn.factor': 4.0}))
+  assert plain['step'] == yarn['step'] == 3 and yarn['seq_len'] == 4 * trained.train.seq_len
+  assert yarn['position_buckets'] == [list(b) for b in position_buckets(4 * trained.train.seq_len)]
+  assert all(loss is not None for loss in yarn['loss_by_position']) and yarn['eval_loss'] != plain['eval_loss']
+  logged = [json.loads(line) for line in (workdir / 'eval.jsonl').read_text().splitlines()]
+  assert [r['yarn_factor'] for r in logged[-2:]] == [0.0, 4.0]
+  with pytest.raises(CheckpointError, match=r'model\.d_model'):
+    evaluate_run(workdir, 1, load(f'configs/trained.py:{workdir}', overrides={'model.d_model': 32}))
+
+
+def test_run_py_evaluates_and_generates_from_a_trained_run_with_keys_changed(finished_run, tmp_path):
+  import shutil
+
+  workdir = shutil.copytree(finished_run[0], tmp_path / 'run')
+  common = [sys.executable, str(ROOT / 'run.py'), f'--config=configs/trained.py:{workdir}', f'--workdir={workdir}']
+  common += ['--config.train.seq_len=128', '--config.model.yarn.factor=2', '--config.model.yarn.original_context=64']
+  run = lambda *argv: subprocess.run(
+    [*common, *argv], cwd=ROOT, env=cpu_subprocess_env(), capture_output=True, text=True
+  )
+  proc = run('--mode=eval')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert re.search(r'by context length \(tokens\): 1-1 [\d.]+, .*, 64-128 [\d.]+$', proc.stdout.strip()), proc.stdout
+  proc = run('--mode=generate', '--prompt=def ', '--max_new_tokens=8', '--temperature=0')
+  assert proc.returncode == 0 and proc.stdout.startswith('def '), proc.stderr[-2000:]
+
+
 def test_rerun_of_a_finished_run_writes_nothing(finished_run):
   workdir, summary, _ = finished_run
   before = {p: p.stat().st_mtime_ns for p in workdir.rglob('*') if p.is_file() and p.name != 'eval.jsonl'}
