@@ -327,8 +327,9 @@ SCHEMA = {
     'print_routing': Key(False, "print Muon's routing table at start-up (always in DIR/optimizer_routing.txt)"),
     'init_from': Key(
       '',
-      'a released checkpoint folder (config.json, *.safetensors; docs/released.md) whose weights start a '
-      "fresh run, and stand in for a checkpoint in --mode=eval / generate; '': random initialisation",
+      'a run folder (its latest checkpoint; the optimizer may differ) or a released checkpoint folder '
+      '(docs/released.md) whose weights start a fresh run, and stand in for a checkpoint in '
+      "--mode=eval / generate; '': random initialisation",
     ),
   },
   'optimizer': {

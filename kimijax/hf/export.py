@@ -5,7 +5,7 @@ loads a model trained or fine-tuned here (docs/released.md).
     export_folder(out, config, params, moe_state)            # config: the run's whole config
 
 The layout:
-- a run started from a released folder (train.init_from) is written as that folder: its
+- a run started from a released folder (train.init_from names one) is written as that folder: its
   config.json, tokenizer and other files are copied, and each tensor keeps its name and dtype;
 - any other run becomes a 'kimi_linear' folder when it has KDA layers or NoPE MLA, else a
   'deepseek_v3' one (MLA with RoPE on its decoupled dims), with a config.json written from the
@@ -334,6 +334,14 @@ def _getter(flat: dict) -> Get:
   return get
 
 
+def released_source(config: ml_collections.ConfigDict) -> str:
+  """config.train.init_from when it names a released folder ('' for none, or for a run folder)."""
+  from kimijax.train.checkpoint import is_run_folder
+
+  folder = config.train.init_from
+  return folder if folder and not is_run_folder(folder) else ''
+
+
 def checked_config(out, config: ml_collections.ConfigDict, dtype: str | None, tokenizer=None) -> dict:
   """The config.json the export of `config`'s model writes, after every check that needs no
   parameter: OUT is new, the dtype is known, the family expresses the model (HfError otherwise)."""
@@ -341,7 +349,7 @@ def checked_config(out, config: ml_collections.ConfigDict, dtype: str | None, to
     raise HfError(f'{out} exists; export writes a new folder (give another path, or remove it)')
   if dtype is not None and dtype not in EXPORT_DTYPES:
     raise HfError(f'export dtype {dtype!r} is not one of {sorted(EXPORT_DTYPES)}')
-  source = config.train.init_from
+  source = released_source(config)
   hf = read_config(source) if source else hf_config(config.model, tokenizer, dtype or 'bfloat16')
   check_expresses(hf, config.model)
   return hf
@@ -377,7 +385,7 @@ def export_folder(
   every tensor but the routers' correction bias (float32); None keeps a released source's dtypes,
   else bfloat16. tokenizer: the run's (its special ids go into a written config.json)."""
   out, hf = pathlib.Path(out), checked_config(out, config, dtype, tokenizer)
-  model, source = config.model, config.train.init_from
+  model, source = config.model, released_source(config)
   source_files = SafetensorsFolder(source) if source else None
   groups = tensors(model, family(hf), rope_interleaved(hf), _getter(_host_tree(params)), _getter(_host_tree(moe_state)))
 

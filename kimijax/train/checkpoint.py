@@ -330,25 +330,53 @@ def restore_latest_state(workdir: str | pathlib.Path, config: ml_collections.Con
 
 def latest_weights(workdir: str | pathlib.Path, config: ml_collections.ConfigDict, model, mesh):
   """(params, moe_state, step) for evaluation and generation: the latest checkpoint in
-  DIR/checkpoints, or, while DIR has none and config.train.init_from names a released checkpoint,
-  its weights (step 0; kimijax.hf.weights)."""
+  DIR/checkpoints, or, while DIR has none and config.train.init_from is set, the weights it names
+  (step 0; initial_weights)."""
   directory = pathlib.Path(workdir) / 'checkpoints'
   if config.train.init_from and not (directory.is_dir() and any(directory.iterdir())):
-    from kimijax.hf.weights import load_sharded
     from kimijax.optim import make_optimizer
     from kimijax.train.state import state_shardings
 
     abstract, _ = state_shardings(model, make_optimizer(config), config, mesh)
-    _check_released_fit(config.train.init_from, abstract.params, mesh)
-    params, moe_state = load_sharded(config.train.init_from, config.model, abstract.params, abstract.moe_state)
-    return params, moe_state, 0
+    return *initial_weights(config, abstract.params, abstract.moe_state), 0
   state, step = restore_latest_state(workdir, config, model, mesh)
   return state.params, state.moe_state, step
 
 
-def _check_released_fit(folder: str, abstract_params, mesh) -> None:
-  """MemoryLimitError before any tensor is read when one device's share of the released
-  parameters (float32, laid out as `abstract_params` says) exceeds its memory."""
+def is_run_folder(folder: str | pathlib.Path) -> bool:
+  """Whether `folder` is one that run.py trained into (it holds checkpoints/), not a released one."""
+  return (pathlib.Path(folder) / 'checkpoints').is_dir()
+
+
+def initial_weights(config: ml_collections.ConfigDict, abstract_params, abstract_moe_state) -> tuple:
+  """(params, moe_state) laid out as the abstract leaves' shardings say, from config.train.init_from:
+  a run folder's latest checkpoint (its model must be this config's but for MAY_DIFFER and
+  MAY_EXTEND; its optimizer may differ), or a released checkpoint folder (kimijax.hf.weights).
+  A MemoryLimitError, before anything is read, when one device cannot hold its share."""
+  folder = config.train.init_from
+  mesh = jax.tree.leaves(abstract_params)[0].sharding.mesh
+  _check_fit(folder, abstract_params, mesh)
+  if not is_run_folder(folder):
+    from kimijax.hf.weights import load_sharded
+
+    return load_sharded(folder, config.model, abstract_params, abstract_moe_state)
+  from kimijax import config as config_lib
+  from kimijax.model import Transformer
+
+  source = load_run_config(folder)
+  errors = [e for e in config_mismatches(json.loads(source.to_json()), config) if e.startswith('model.')]
+  if errors:
+    differences = '; '.join(errors)
+    raise CheckpointError(f'train.init_from={folder}: its model differs from this config (saved -> now): {differences}')
+  source.mesh = config.mesh  # its state laid out on this run's mesh
+  state, _ = restore_latest_state(folder, source, Transformer(config_lib.portable(source.model)), mesh)
+  place = lambda tree, abstract: jax.device_put(tree, jax.tree.map(lambda a: a.sharding, abstract))
+  return place(state.params, abstract_params), place(state.moe_state, abstract_moe_state)
+
+
+def _check_fit(folder: str, abstract_params, mesh) -> None:
+  """MemoryLimitError when one device's share of the parameters (float32, laid out as
+  `abstract_params` says) exceeds its memory."""
   from kimijax.train.memory import GiB, MemoryLimitError, device_memory
 
   limit = device_memory(mesh.devices.flat)

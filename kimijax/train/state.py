@@ -90,8 +90,8 @@ def init_state(
   model, optimizer, config: ml_collections.ConfigDict, abstract: TrainState, *, on_host: bool | None = None
 ) -> TrainState:
   """Fresh state from config.seed in the layout of `abstract` (state_shardings' first result); where
-  config.train.init_from names a released checkpoint, its parameters and MoE biases instead of
-  random ones (the optimizer state is fresh either way).
+  config.train.init_from names a run folder or a released checkpoint, its parameters and MoE
+  biases instead of random ones (the optimizer state is fresh either way).
 
   on_host True: the initialisers run on the host CPU and the state is then copied to its shards;
   False: each array is created on its own shards. None (default): on the host when this is the
@@ -103,7 +103,7 @@ def init_state(
   backends."""
   shardings = jax.tree.map(lambda a: a.sharding, abstract)
   if config.train.init_from:
-    return _released_state(optimizer, config, abstract, shardings)
+    return _initial_state(optimizer, config, abstract, shardings)
   init = _init_fn(model, optimizer, config.train.seq_len)
   if on_host is None:
     nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(abstract))
@@ -121,12 +121,13 @@ def init_state(
   return jax.device_put(host, shardings)
 
 
-def _released_state(optimizer, config: ml_collections.ConfigDict, abstract: TrainState, shardings) -> TrainState:
-  """Step 0 with the parameters and MoE biases of the released checkpoint config.train.init_from,
-  read into their shards, and the optimizer's initial state for them. Nothing is drawn at random,
-  and the read arrays are donated into the state, so the parameters are held once."""
-  from kimijax.hf.weights import load_sharded
+def _initial_state(optimizer, config: ml_collections.ConfigDict, abstract: TrainState, shardings) -> TrainState:
+  """Step 0 with the parameters and MoE biases that config.train.init_from names (a run's latest
+  checkpoint or a released folder: checkpoint.initial_weights), read into their shards, and the
+  optimizer's initial state for them. Nothing is drawn at random, and the read arrays are donated
+  into the state, so the parameters are held once."""
+  from kimijax.train.checkpoint import initial_weights
 
-  params, moe_state = load_sharded(config.train.init_from, config.model, abstract.params, abstract.moe_state)
+  params, moe_state = initial_weights(config, abstract.params, abstract.moe_state)
   fresh = lambda p, m: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p), moe_state=m)
   return jax.jit(fresh, out_shardings=shardings, donate_argnums=(0, 1))(params, moe_state)

@@ -273,6 +273,30 @@ def test_run_py_evaluates_and_generates_from_a_trained_run_with_keys_changed(fin
   assert proc.returncode == 0 and proc.stdout.startswith('def '), proc.stderr[-2000:]
 
 
+def test_a_new_run_starts_from_another_runs_checkpoint_under_another_optimizer(finished_run, tmp_path):
+  """train.init_from=DIR: the new run's parameters are DIR's latest checkpoint's, its optimizer
+  state is Muon's fresh one (DIR trained with AdamW); eval and generate of the new run, before it
+  saves a checkpoint, read DIR's weights; a model that differs is refused, naming the key."""
+  from kimijax.optim import make_optimizer
+  from kimijax.parallel import mesh as mesh_lib
+  from kimijax.train.evaluate import evaluate_run
+  from kimijax.train.step import build_training
+
+  source = finished_run[0]
+  config = make_config({**RUN, 'train.init_from': str(source), 'optimizer.name': 'muon'})
+  mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
+  state = build_training(config, mesh, Transformer(config.model)).init_state(config)
+  saved, _ = ckpt_lib.restore_latest_state(source, make_config(RUN), Transformer(make_config(RUN).model), mesh)
+  jax.tree.map(np.testing.assert_array_equal, state.params, saved.params)
+  jax.tree.map(np.testing.assert_array_equal, state.opt_state, make_optimizer(config).init(state.params))
+  assert int(state.step) == 0
+  fresh = evaluate_run(tmp_path / 'new', 1, config)
+  assert fresh['step'] == 0 and fresh['eval_loss'] == pytest.approx(finished_run[1]['eval_loss'], rel=1e-5)
+  wider = make_config({**RUN, 'train.init_from': str(source), 'model.mlp_dim': 256})
+  with pytest.raises(CheckpointError, match=r'model\.mlp_dim: 128 -> 256'):
+    build_training(wider, mesh, Transformer(wider.model)).init_state(wider)
+
+
 def test_rerun_of_a_finished_run_writes_nothing(finished_run):
   workdir, summary, _ = finished_run
   before = {p: p.stat().st_mtime_ns for p in workdir.rglob('*') if p.is_file() and p.name != 'eval.jsonl'}
