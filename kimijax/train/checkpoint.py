@@ -348,6 +348,25 @@ def is_run_folder(folder: str | pathlib.Path) -> bool:
   return (pathlib.Path(folder) / 'checkpoints').is_dir()
 
 
+def check_init_from(config: ml_collections.ConfigDict) -> None:
+  """One error naming train.init_from when it is not a run folder or a released checkpoint folder
+  that can be read (its config.json), before anything else is read."""
+  folder = config.train.init_from
+  if not folder:
+    return
+  if not pathlib.Path(folder).is_dir():
+    raise CheckpointError(
+      f'train.init_from={folder!r}: no such folder (a folder run.py trained into, or a released '
+      'checkpoint folder: docs/released.md)'
+    )
+  if is_run_folder(folder):
+    load_run_config(folder)
+  else:
+    from kimijax.hf.config import read_config
+
+    read_config(folder)
+
+
 def initial_weights(config: ml_collections.ConfigDict, abstract_params, abstract_moe_state) -> tuple:
   """(params, moe_state) laid out as the abstract leaves' shardings say, from config.train.init_from:
   a run folder's latest checkpoint (its model must be this config's but for MAY_DIFFER and

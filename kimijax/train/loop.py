@@ -236,6 +236,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
   check_moe_impl(config, devices)
   if (_latest_complete_step(workdir) or 0) < t.steps:  # a finished run only reports
     check_memory(config, devices)
+  if _latest_complete_step(workdir) is None:  # a fresh run reads train.init_from, if set
+    ckpt_lib.check_init_from(config)
   train_loader = make_loader(config, 'train', process_index=pid, process_count=nproc)
   if config.model.vocab_size < train_loader.vocab_size:
     raise config_lib.ConfigError(

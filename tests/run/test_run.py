@@ -64,6 +64,12 @@ def _cases(tmp: pathlib.Path) -> dict:
     'prompt not utf-8': (gen + [os.fsdecode(b'--prompt=abc\xff\xfe')], '--prompt is not valid UTF-8'),
     'generate without a run': (gen, 'config.json not found'),
     'eval without a run': (run + ['--mode=eval', f'--workdir={no_run}'], 'config.json not found'),
+    'init_from missing': (
+      run
+      + ['--config=configs/default.py', f'--workdir={tmp}/init', f'--config.train.init_from={tmp}/nowhere']
+      + TINY_FLAGS,
+      f"CheckpointError: train.init_from='{tmp}/nowhere': no such folder",
+    ),
     'export without a folder': (run + ['--mode=export', f'--workdir={no_run}'], '--export_dir=OUT is required'),
     'export without a run': (
       run + ['--mode=export', f'--workdir={no_run}', f'--export_dir={tmp}/hf'],
@@ -161,6 +167,7 @@ CASE_NAMES = [
   'prompt not utf-8',
   'generate without a run',
   'eval without a run',
+  'init_from missing',
   'export without a folder',
   'export without a run',
   'plot_attnres on a non-run',
@@ -184,6 +191,10 @@ def test_one_clear_message_and_nonzero_exit(results, name):
 
 def test_a_run_refused_on_its_memory_leaves_no_workdir(results):
   assert not (results['tmp'] / 'big').exists() and not (results['tmp'] / 'gpu').exists()
+
+
+def test_a_run_refused_on_its_init_from_leaves_no_workdir(results):
+  assert not (results['tmp'] / 'init').exists()
 
 
 def test_waiting_process_says_what_it_waits_for(results):
