@@ -76,6 +76,13 @@ flags.DEFINE_integer('top_k', 0, 'generate: keep the k most likely tokens (0: al
 flags.DEFINE_float('top_p', 0.95, 'generate: keep the smallest set of tokens with this probability, in (0, 1].')
 flags.DEFINE_integer('num_samples', 1, 'generate: continuations of the prompt, as one batch (> 0).')
 flags.DEFINE_integer('eval_batches', 0, "eval: validation batches (0: the run's train.eval_batches).")
+flags.DEFINE_enum(
+  'param_dtype',
+  'float32',
+  ['float32', 'bfloat16'],
+  'eval, generate: the dtype the weight matrices are held in (bfloat16 halves their memory; '
+  'with bf16 compute the result is that of the float32 weights rounded to bf16).',
+)
 flags.DEFINE_string('export_dir', '', 'export: the new folder to write (config.json, *.safetensors, tokenizer).')
 flags.DEFINE_enum(
   'export_dtype',
@@ -251,7 +258,7 @@ def generate_text(config=None):
   from kimijax.data.pipeline import tokenizer_spec
   from kimijax.infer.generate import load_for_generation, timed_generate
 
-  config, model, params = load_for_generation(FLAGS.workdir, config)
+  config, model, params = load_for_generation(FLAGS.workdir, config, FLAGS.param_dtype)
   tokenizer = load_tokenizer(tokenizer_spec(config))  # the run's (data.tokenizer)
   prompt = tokenizer.encode(FLAGS.prompt or '\n')
   tokens, timing = timed_generate(
@@ -299,7 +306,7 @@ def evaluate_run(config=None):
     raise UsageError(f'--eval_batches={FLAGS.eval_batches} must be >= 0')
   from kimijax.train.evaluate import evaluate_run as run_eval
 
-  r = run_eval(FLAGS.workdir, FLAGS.eval_batches or None, config)
+  r = run_eval(FLAGS.workdir, FLAGS.eval_batches or None, config, FLAGS.param_dtype)
   print(
     f'step {r["step"]}: eval loss {r["eval_loss"]:.4f} nats/token over {r["eval_batches"]} validation '
     f'batches ({r["tokens"]:,} tokens); appended to {pathlib.Path(FLAGS.workdir) / "eval.jsonl"}'

@@ -341,6 +341,24 @@ def inference_variables(params, moe_state=None):
   return variables(params, moe_state) if moe_state else params
 
 
+def inference_params(tree, dtype: str):
+  """Parameters (arrays, or ShapeDtypeStructs with their shardings) as evaluation and generation
+  may hold them: every matrix (ndim >= 2) in `dtype`, the vectors (norm gains, decay rates) kept
+  float32. 'bfloat16' halves their memory; each matrix is cast to the compute dtype where it is
+  used, or promoted back to float32 exactly, so with model.compute_dtype='bfloat16' the logits are
+  bitwise those of the float32 parameters rounded to bfloat16 (tests/test_model.py)."""
+  dtype = jnp.dtype(dtype)
+
+  def low(x):
+    if x.ndim < 2 or x.dtype == dtype:
+      return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+    return x.astype(dtype)
+
+  return jax.tree.map(low, tree)
+
+
 def parameter_counts(cfg: ml_collections.ConfigDict) -> dict[str, int]:
   """{part: parameters} of Transformer(cfg) from shapes alone (nothing is allocated): the
   embedding, the head, each mixer kind, the MLPs, the norm gains, AttnRes, and 'total'. With MoE

@@ -93,6 +93,31 @@ def test_yarn_keeps_fast_frequencies_and_interpolates_slow_ones():
 # ----------------------------------------------------------------------------- whole model
 
 
+@pytest.mark.parametrize('file', ['configs/kimi_linear_moe.py', 'configs/moonlight_small.py', 'configs/default.py'])
+def test_bfloat16_inference_params_give_the_logits_of_rounded_float32_ones(file):
+  """kimijax.model.inference_params with bf16 compute: the matrices held in bfloat16 give bitwise
+  the logits and the greedy tokens of float32 parameters rounded to bfloat16 (each matrix is cast
+  to the compute dtype where used, or promoted to float32 exactly; vectors stay float32)."""
+  from kimijax.infer.generate import generate
+  from kimijax.model import as_variables, inference_params, inference_variables
+
+  config = config_lib.load(file, overrides={'model.compute_dtype': 'bfloat16'})
+  model = Transformer(config_lib.portable(config.model))
+  variables = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  params, moe_state = nn.unbox(variables['params']), dict(variables.get('moe_state', {}))
+  held = inference_params(params, 'bfloat16')
+  assert {str(x.dtype) for x in jax.tree.leaves(held) if x.ndim >= 2} == {'bfloat16'}
+  assert {str(x.dtype) for x in jax.tree.leaves(held) if x.ndim < 2} == {'float32'}
+  rounded = jax.tree.map(lambda x, h: h.astype(jnp.float32) if x.ndim >= 2 else x, params, held)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 48)), jnp.int32)
+  logits = lambda p: model.apply(as_variables(inference_variables(p, moe_state)), tokens)[0]
+  np.testing.assert_array_equal(logits(held), logits(rounded))
+  greedy = lambda p: generate(
+    model, inference_variables(p, moe_state), tokens[:, :8], max_new_tokens=6, temperature=0.0
+  )
+  np.testing.assert_array_equal(greedy(held), greedy(rounded))
+
+
 MODEL_CASES = {
   'rope_gqa_tied': dict(),
   'rope_mha_untied': dict(num_kv_heads=0, attention_kind='mha', tie_embeddings=False),

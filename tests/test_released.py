@@ -229,6 +229,26 @@ def test_released_weights_too_big_for_a_device_stop_before_any_read(tmp_path, mo
   assert not (tmp_path / 'w' / 'eval.jsonl').exists()
 
 
+def test_released_weights_held_in_bfloat16_take_half_the_memory(tmp_path, monkeypatch):
+  """--param_dtype=bfloat16: the matrices are read straight into bf16, so a device that cannot
+  hold the float32 parameters holds these; the memory check counts 2 bytes for them."""
+  from kimijax.infer.generate import load_for_generation
+  from kimijax.train import memory
+
+  folder = FIXTURES / 'moonlight'
+  config = released_config(folder, **{'train.batch_size': 2, 'train.seq_len': 16})
+  float32_bytes = 4 * sum(x.size for x in jax.tree.leaves(load_numpy(folder, config.model)[0]))
+  monkeypatch.setattr(memory, 'device_memory', lambda devices: (int(0.7 * float32_bytes), 'a test limit'))
+  with pytest.raises(memory.MemoryLimitError, match='a test limit'):
+    load_for_generation(tmp_path, config)
+  _, _, variables = load_for_generation(tmp_path, config, 'bfloat16')
+  params = variables['params']
+  assert params['embed'].dtype == jnp.bfloat16 and params['final_norm']['scale'].dtype == jnp.float32
+  np.testing.assert_array_equal(
+    params['embed'], np.asarray(SafetensorsFolder(folder).get('model.embed_tokens.weight'), jnp.bfloat16)
+  )
+
+
 def test_released_weights_sharded_over_fsdp_evaluate_and_generate_as_replicated(tmp_path):
   """--config.mesh.fsdp shards the released parameters for eval and generate (a model larger than
   one device): the same validation loss and greedy tokens as with every device holding them all."""

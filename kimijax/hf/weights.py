@@ -281,6 +281,7 @@ def load_sharded(folder, model: ml_collections.ConfigDict, abstract_params, abst
   devices hold)."""
 
   def place(path, value, leaf):
+    value = value.astype(leaf.dtype, copy=False)  # float32, or the dtype inference holds it in
     return jax.make_array_from_callback(value.shape, leaf.sharding, lambda index: value[index])
 
   return load(folder, model, abstract_params, abstract_moe_state, place)

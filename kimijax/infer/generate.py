@@ -187,16 +187,17 @@ def timed_generate(model: nn.Module, params, prompt_bt, *, max_new_tokens: int, 
   return np.asarray(jax.device_get(tokens), np.int32), Timing(prefill_s, decode_s, int(steps))
 
 
-def load_for_generation(workdir, config=None):
+def load_for_generation(workdir, config=None, param_dtype: str = 'float32'):
   """(config, model, params) from the latest checkpoint in workdir (its config.json, or `config`
   where given: then a released checkpoint named by config.train.init_from stands in while workdir
   has no checkpoint), laid out data-parallel over this host's devices; params as generate takes
-  them (with the MoE biases for a model with MoE layers). Off a GPU, the run's implementations
-  become XLA ones (kimijax.config.portable: the same parameters), so a GPU run generates on a CPU."""
+  them (with the MoE biases for a model with MoE layers), the matrices in param_dtype
+  (kimijax.model.inference_params). Off a GPU, the run's implementations become XLA ones
+  (kimijax.config.portable: the same parameters), so a GPU run generates on a CPU."""
   config = load_run_config(workdir) if config is None else config.copy_and_resolve_references()
   if jax.default_backend() != 'gpu':
     config.model = config_lib.portable(config.model)
   config_vocab_size(config)  # a tokenizer with ids past the model's vocabulary is a DataError naming both
   model = Transformer(config.model)
-  params, moe_state, _ = latest_weights(workdir, config, model, mesh_lib.make_mesh(config.mesh))
+  params, moe_state, _ = latest_weights(workdir, config, model, mesh_lib.make_mesh(config.mesh), param_dtype)
   return config, model, inference_variables(params, moe_state)

@@ -328,19 +328,24 @@ def restore_latest_state(workdir: str | pathlib.Path, config: ml_collections.Con
   return state, step
 
 
-def latest_weights(workdir: str | pathlib.Path, config: ml_collections.ConfigDict, model, mesh):
+def latest_weights(
+  workdir: str | pathlib.Path, config: ml_collections.ConfigDict, model, mesh, param_dtype: str = 'float32'
+):
   """(params, moe_state, step) for evaluation and generation: the latest checkpoint in
   DIR/checkpoints, or, while DIR has none and config.train.init_from is set, the weights it names
-  (step 0; initial_weights)."""
+  (step 0; initial_weights). param_dtype: the matrices' dtype (kimijax.model.inference_params; a
+  released folder is read straight into it, a checkpoint is cast after its float32 restore)."""
+  from kimijax.model import inference_params
+
   directory = pathlib.Path(workdir) / 'checkpoints'
   if config.train.init_from and not (directory.is_dir() and any(directory.iterdir())):
     from kimijax.optim import make_optimizer
     from kimijax.train.state import state_shardings
 
     abstract, _ = state_shardings(model, make_optimizer(config), config, mesh)
-    return *initial_weights(config, abstract.params, abstract.moe_state), 0
+    return *initial_weights(config, inference_params(abstract.params, param_dtype), abstract.moe_state), 0
   state, step = restore_latest_state(workdir, config, model, mesh)
-  return state.params, state.moe_state, step
+  return inference_params(state.params, param_dtype), state.moe_state, step
 
 
 def is_run_folder(folder: str | pathlib.Path) -> bool:
@@ -389,19 +394,22 @@ def initial_weights(config: ml_collections.ConfigDict, abstract_params, abstract
     raise CheckpointError(f'train.init_from={folder}: its model differs from this config (saved -> now): {differences}')
   source.mesh = config.mesh  # its state laid out on this run's mesh
   state, _ = restore_latest_state(folder, source, Transformer(config_lib.portable(source.model)), mesh)
-  place = lambda tree, abstract: jax.device_put(tree, jax.tree.map(lambda a: a.sharding, abstract))
+  place = lambda tree, abstract: jax.tree.map(
+    lambda x, a: jax.device_put(x, a.sharding).astype(a.dtype), tree, abstract
+  )
   return place(state.params, abstract_params), place(state.moe_state, abstract_moe_state)
 
 
 def _check_fit(folder: str, abstract_params, mesh) -> None:
-  """MemoryLimitError when one device's share of the parameters (float32, laid out as
+  """MemoryLimitError when one device's share of the parameters (laid out and typed as
   `abstract_params` says) exceeds its memory."""
   from kimijax.train.memory import GiB, MemoryLimitError, device_memory
 
   limit = device_memory(mesh.devices.flat)
-  per_device = sum(4 * math.prod(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(abstract_params))
+  leaves = jax.tree.leaves(abstract_params)
+  per_device = sum(a.dtype.itemsize * math.prod(a.sharding.shard_shape(a.shape)) for a in leaves)
   if limit is not None and per_device > limit[0]:
     raise MemoryLimitError(
-      f'the parameters of {folder} take {per_device / GiB:.1f} GiB on each device in float32 '
+      f'the parameters of {folder} take {per_device / GiB:.1f} GiB on each device '
       f'(mesh {dict(mesh.shape)}), more than {limit[1]}'
     )

@@ -31,7 +31,9 @@ from kimijax.train.loop import evaluate_details
 from kimijax.train.step import in_mesh, make_eval_step
 
 
-def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None, config=None) -> dict:
+def evaluate_run(
+  workdir: str | pathlib.Path, num_batches: int | None = None, config=None, param_dtype: str = 'float32'
+) -> dict:
   """Mean validation nll of the latest checkpoint in `workdir` over `num_batches` batches
   (default: the run's train.eval_batches). `config` in place of the run's config.json: then a
   released checkpoint named by its train.init_from stands in while workdir has no checkpoint."""
@@ -48,7 +50,7 @@ def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None, co
   count = max(n for n in range(1, len(devices) + 1) if config.train.batch_size % n == 0)
   mesh = mesh_lib.make_mesh(config.mesh, devices[:count])
   model = Transformer(config.model)
-  params, moe_state, step = latest_weights(workdir, config, model, mesh)
+  params, moe_state, step = latest_weights(workdir, config, model, mesh, param_dtype)
   sharding = mesh_lib.batch_sharding(mesh, config.mesh)
   eval_step = in_mesh(jax.jit(make_eval_step(model, config.train.loss_chunk)), mesh, config.mesh)
   batches = [{k: jax.device_put(v, sharding) for k, v in b.items()} for b in batches]
@@ -60,6 +62,7 @@ def evaluate_run(workdir: str | pathlib.Path, num_batches: int | None = None, co
     'tokens': int(sum(float(b['mask'].sum()) for b in batches)),
     'seq_len': config.train.seq_len,
     'yarn_factor': config.model.yarn.factor,
+    'param_dtype': param_dtype,
     'accuracy': details['accuracy'],
     'position_buckets': details['position_buckets'],
     'loss_by_position': details['loss_by_position'],
