@@ -107,6 +107,8 @@ def main(argv):
   try:  # a mistake in the command stops here, before any process waits for the others or computes
     if FLAGS.mode != 'config' and not FLAGS.workdir:
       raise UsageError(f'--workdir=DIR is required for --mode={FLAGS.mode}')
+    if FLAGS.mode == 'export' and FLAGS.config is not None:
+      raise UsageError("--mode=export writes DIR's checkpoint under DIR's own config.json; drop --config")
     if FLAGS.mode in ('train', 'config') and FLAGS.config is None:
       raise ConfigError(f'--config=FILE[:variant] is required for --mode={FLAGS.mode}')
     # eval and generate take the run's config.json unless --config is given (then

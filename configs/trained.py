@@ -1,5 +1,6 @@
 """A trained run's own config (DIR/config.json), so that its checkpoint is evaluated or generated
-from with some keys changed: a longer context, YaRN's context extension, other data.
+from with some keys changed: a longer context, YaRN's context extension, other data; or, with
+--config.train.init_from=DIR and a new --workdir, continued as a new run (docs/training.md).
 
 Run:      python run.py --mode=eval --config=configs/trained.py:DIR --workdir=DIR \
               --config.train.seq_len=4096 --config.model.yarn.factor=4 --config.model.yarn.original_context=1024

@@ -238,7 +238,9 @@ SCHEMA = {
       ),
       'beta_slow': Key(1.0, 'frequencies turning less than this often are divided by factor', bounds=POSITIVE),
       'mscale': Key(
-        0.0, "the rotated dims' scale m(factor, mscale) / m(factor, mscale_all_dim); 0: unset", bounds=NON_NEGATIVE
+        0.0,
+        'rotated dims x m(factor, mscale) / m(factor, mscale_all_dim) with both set, else x m(factor, 1); 0: unset',
+        bounds=NON_NEGATIVE,
       ),
       'mscale_all_dim': Key(0.0, 'the softmax scale times m(factor, mscale_all_dim)^2; 0: unset', bounds=NON_NEGATIVE),
     },
@@ -474,6 +476,12 @@ def _model_rules(m: ml_collections.ConfigDict) -> None:
     raise ConfigError(f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}')
   if 0 < m.yarn.factor < 1:
     raise ConfigError(f'model.yarn.factor={m.yarn.factor} must be 0 (plain RoPE) or at least 1 (an extension)')
+  rotates = m.mla_rope and m.mla_qk_rope_head_dim if m.attention_kind == 'mla' else m.position == 'rope'
+  if m.yarn.factor and not ('A' in layer_kinds(m) and rotates):
+    raise ConfigError(
+      f'model.yarn.factor={m.yarn.factor} extends RoPE, but no layer of this model rotates its queries and keys '
+      "(model.position='nope', or MLA with mla_rope=False or no decoupled dims, or no attention layer)"
+    )
   if (m.d_model // m.num_heads) % 2 and m.position == 'rope':
     raise ConfigError(
       f"head_dim = model.d_model // model.num_heads = {m.d_model // m.num_heads} must be even for model.position='rope'"

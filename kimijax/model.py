@@ -343,10 +343,11 @@ def inference_variables(params, moe_state=None):
 
 def inference_params(tree, dtype: str):
   """Parameters (arrays, or ShapeDtypeStructs with their shardings) as evaluation and generation
-  may hold them: every matrix (ndim >= 2) in `dtype`, the vectors (norm gains, decay rates) kept
-  float32. 'bfloat16' halves their memory; each matrix is cast to the compute dtype where it is
-  used, or promoted back to float32 exactly, so with model.compute_dtype='bfloat16' the logits are
-  bitwise those of the float32 parameters rounded to bfloat16 (tests/test_model.py)."""
+  may hold them: every array of ndim >= 2 in `dtype` (the weight matrices, and arrays such as
+  dt_bias [H, K] and the conv taps), the vectors (norm gains, A_log) kept float32. 'bfloat16'
+  halves their memory; each such array is cast to the compute dtype where it is used, or promoted
+  back to float32 exactly, so with model.compute_dtype='bfloat16' the logits are bitwise those of
+  the float32 parameters rounded to bfloat16 (tests/test_model.py)."""
   dtype = jnp.dtype(dtype)
 
   def low(x):

@@ -451,6 +451,16 @@ BAD = [  # (override, fragments the one message must contain)
 BAD_IDS = ['unknown_key', 'negative_d_model', 'heads_not_dividing', 'unknown_optimizer', 'unknown_layer_letter']
 
 
+def test_yarn_needs_a_rotating_layer_and_a_factor_of_at_least_one():
+  from kimijax.config import load
+
+  with pytest.raises(ConfigError, match=r'model\.yarn\.factor=4\.0 extends RoPE, but no layer'):
+    load('configs/kimi_linear_moe.py', overrides={'model.yarn.factor': 4.0})  # its MLA is NoPE
+  with pytest.raises(ConfigError, match=r'model\.yarn\.factor=0\.5 must be 0'):
+    load('configs/default.py', overrides={'model.yarn.factor': 0.5})
+  assert load('configs/default.py', overrides={'model.yarn.factor': 4.0}).model.yarn.factor == 4.0
+
+
 @pytest.mark.parametrize('override,fragments', BAD, ids=BAD_IDS)
 def test_validate_rejects_bad_config(override, fragments):
   c = base_config()

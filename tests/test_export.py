@@ -113,3 +113,7 @@ def test_an_existing_folder_is_refused_and_left_alone(tmp_path):
   with pytest.raises(HfError, match='exists'):
     export_folder(tmp_path / 'out', config, params, moe_state)
   assert [p.name for p in (tmp_path / 'out').iterdir()] == ['keep.txt']
+  (tmp_path / 'new.partial').mkdir()  # an export that did not finish, or someone's folder
+  with pytest.raises(HfError, match='new.partial exists'):
+    export_folder(tmp_path / 'new', config, params, moe_state)
+  assert not (tmp_path / 'new').exists() and not list((tmp_path / 'new.partial').iterdir())

@@ -92,14 +92,19 @@ def test_config_mapping_of_each_family():
 
 
 def test_bf16_tensors_are_read_exactly():
-  files = SafetensorsFolder(FIXTURES / 'deepseek_v3')
-  name = 'model.embed_tokens.weight'
-  w = files.get(name)
-  assert str(w.dtype) == 'bfloat16' and w.shape == files.shape(name)
-  raw = np.fromfile(next((FIXTURES / 'deepseek_v3').glob('*.safetensors')), np.uint8)
-  # bf16 is the top half of float32: the upcast's low 16 bits are zero and its values finite
-  as_f32 = np.asarray(w, np.float32)
-  assert np.all(as_f32.view(np.uint32) & 0xFFFF == 0) and np.isfinite(as_f32).all() and raw.size > 0
+  """The reader's bf16 tensor is the file's bytes at the header's offsets, read independently here
+  (8-byte little-endian header length, JSON header, data), as each value's top 16 float32 bits."""
+  import struct
+
+  path = next((FIXTURES / 'deepseek_v3').glob('*.safetensors'))
+  data = path.read_bytes()
+  (n,) = struct.unpack('<Q', data[:8])
+  entry = json.loads(data[8 : 8 + n])['model.embed_tokens.weight']
+  begin, end = (8 + n + offset for offset in entry['data_offsets'])
+  bits = np.frombuffer(data[begin:end], '<u2').reshape(entry['shape'])
+  w = SafetensorsFolder(FIXTURES / 'deepseek_v3').get('model.embed_tokens.weight')
+  assert entry['dtype'] == 'BF16' and str(w.dtype) == 'bfloat16'
+  np.testing.assert_array_equal(np.asarray(w, np.float32).view(np.uint32), bits.astype(np.uint32) << 16)
 
 
 def copy_fixture(tmp_path, name):
@@ -140,6 +145,18 @@ def test_an_unsupported_config_value_is_one_error_naming_the_key(tmp_path):
   (folder / 'config.json').write_text(json.dumps({**hf, 'rope_scaling': None, 'model_type': 'llama'}))
   with pytest.raises(config_lib.ConfigError, match="model_type 'llama'"):
     released_config(folder)
+
+
+def test_a_model_key_that_disagrees_with_the_released_config_is_refused_before_reading(monkeypatch):
+  """train.init_from: a key that changes the maths but no shape (RoPE's base) is one error naming
+  it and both values, before any tensor is read; YaRN may be added (a context extension)."""
+  from kimijax.train.checkpoint import check_init_from
+
+  monkeypatch.setattr(SafetensorsFolder, 'get', lambda *a: pytest.fail('a tensor was read'))
+  folder = FIXTURES / 'moonlight'
+  with pytest.raises(HfError, match=r'model\.rope_theta: 50000\.0 -> 10000\.0'):
+    check_init_from(released_config(folder, **{'model.rope_theta': 10000.0}))
+  check_init_from(released_config(folder, **{'model.yarn.factor': 4.0}))
 
 
 def test_a_run_starts_from_the_released_weights_with_a_fresh_optimizer(tmp_path):

@@ -51,6 +51,13 @@ def family(config: dict) -> str:
   return FAMILIES[config['model_type']]
 
 
+def moe_names(layout: str) -> tuple[str, tuple[str, str, str]]:
+  """(the MoE block's prefix in a layer, the expert's gate, up and down projection names) of a layout."""
+  if layout == 'kimi_linear':
+    return 'block_sparse_moe.', ('w1', 'w3', 'w2')
+  return 'mlp.', ('gate_proj', 'up_proj', 'down_proj')
+
+
 def rope_interleaved(config: dict) -> bool:
   """Whether the checkpoint lays each rotated pair of dims side by side (DeepSeek-V3's layout)."""
   return family(config) == 'deepseek_v3' and config.get('rope_interleave', True)
@@ -86,6 +93,15 @@ def layer_letters(config: dict) -> str:
 
 def model_overrides(config: dict) -> dict:
   """{'model.KEY': value} that make kimijax's model the released one of `config` (config.json)."""
+  try:
+    return _overrides(config)
+  except KeyError as e:
+    raise HfError(f'config.json: the key {e} is missing (the {family(config)} layout needs it)') from None
+  except (TypeError, ValueError) as e:
+    raise HfError(f'config.json: a value does not have the expected type ({e})') from None
+
+
+def _overrides(config: dict) -> dict:
   _require(config, 'hidden_act', ('silu',), 'silu')
   _require(config, 'attention_bias', (False,), False)
   heads = config['num_attention_heads']
@@ -145,11 +161,14 @@ def _yarn_overrides(config: dict) -> dict:
   if not params:
     return {}
   kind = params.get('rope_type', params.get('type'))
+  if kind == 'default':
+    return {}
   if kind != 'yarn':
     raise HfError(f"config.json: rope_scaling of type {kind!r} is not supported by kimijax (supported: 'yarn')")
   if params.get('attention_factor') is not None or params.get('truncate', True) is not True:
     raise HfError(f'config.json: rope_scaling={params} sets attention_factor or truncate, which kimijax does not read')
-  original = int(params['original_max_position_embeddings'])
+  # transformers takes the model's max_position_embeddings where the original context is not given
+  original = int(params.get('original_max_position_embeddings') or config['max_position_embeddings'])
   return {
     'model.yarn.factor': float(params.get('factor') or config['max_position_embeddings'] / original),
     'model.yarn.original_context': original,

@@ -17,7 +17,8 @@ anything is written.
 
 The tensors go one layer per file (model-00001-of-0000N.safetensors, the embeddings, final norm
 and head last) with model.safetensors.index.json, so one layer is in host memory at a time. The
-folder is written under OUT.partial and renamed to OUT when complete; an existing OUT is refused.
+folder is written under OUT.partial, renamed to OUT when complete and removed on failure; an
+existing OUT or OUT.partial is refused.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from kimijax import config as config_lib
-from kimijax.hf.config import CONV_WIDTH, family, model_overrides, read_config, rope_interleaved
+from kimijax.hf.config import CONV_WIDTH, family, model_overrides, moe_names, read_config, rope_interleaved
 from kimijax.hf.safetensors import HfError, SafetensorsFolder, write_file
 
 Get = Callable[[tuple], np.ndarray]  # a parameter path -> its float32 value
@@ -114,11 +115,10 @@ def _moe(get: Get, prefix: str, m: ml_collections.ConfigDict, expert_names) -> d
   return out
 
 
-def tensors(model: ml_collections.ConfigDict, family: str, interleaved: bool, get: Get, get_state: Get):
+def tensors(model: ml_collections.ConfigDict, layout: str, interleaved: bool, get: Get, get_state: Get):
   """[(file group, {tensor name: build})]: each layer's tensors, then the embeddings, final norm
   and head; get / get_state read a parameter / moe_state path as float32."""
-  moe_prefix = 'block_sparse_moe.' if family == 'kimi_linear' else 'mlp.'
-  expert_names = ('w1', 'w3', 'w2') if family == 'kimi_linear' else ('gate_proj', 'up_proj', 'down_proj')
+  moe_prefix, expert_names = moe_names(layout)
   kinds = config_lib.layer_kinds(model)
   groups = []
   for i in range(model.num_layers):
@@ -145,7 +145,7 @@ def tensors(model: ml_collections.ConfigDict, family: str, interleaved: bool, ge
   }
   if not model.tie_embeddings:
     last['lm_head.weight'] = lambda: get(('head',)).T
-  elif family == 'kimi_linear':  # transformers' Kimi Linear never ties: the head is written out
+  elif layout == 'kimi_linear':  # transformers' Kimi Linear never ties: the head is written out
     last['lm_head.weight'] = lambda: get(('embed',))
   groups.append(last)
   return groups
@@ -180,6 +180,7 @@ def hf_config(model: ml_collections.ConfigDict, tokenizer=None, dtype: str = 'bf
     'attention_bias': False,
     'rope_theta': m.rope_theta,
     'rope_scaling': _rope_scaling(config_lib.yarn(m), m.mla_qk_rope_head_dim),
+    **_max_positions(config_lib.yarn(m)),
     'q_lora_rank': m.mla_q_lora_rank or None,
     'kv_lora_rank': m.mla_kv_lora_rank,
     'qk_nope_head_dim': config_lib.mla_dims(m)[0],
@@ -235,6 +236,12 @@ def hf_config(model: ml_collections.ConfigDict, tokenizer=None, dtype: str = 'bf
   return out
 
 
+def _max_positions(yarn) -> dict:
+  """max_position_embeddings for a YaRN model (the extended context: readers that derive the factor
+  from it and the original context agree with `factor`); {} otherwise, the model having no limit."""
+  return {'max_position_embeddings': int(yarn.factor * yarn.original_context)} if yarn else {}
+
+
 def _rope_scaling(yarn, rope_dims: int) -> dict | None:
   """config.json's rope_scaling for model.yarn (None for plain RoPE)."""
   if yarn is None or not rope_dims:
@@ -272,7 +279,7 @@ def _maths(m: ml_collections.ConfigDict) -> dict:
     )
     if m.mla_rope and m.mla_qk_rope_head_dim:
       out['model.rope_theta'] = m.rope_theta
-      out['model.yarn.*'] = config_lib.yarn(m)
+      out['model.yarn'] = config_lib.yarn(m)
   if 'K' in kinds:
     out.update(
       {
@@ -296,21 +303,26 @@ MOE_MATHS = ('num_experts', 'top_k', 'num_shared', 'score_func', 'renormalize', 
 MOE_MATHS += ('topk_group', 'first_dense_layers')
 
 
+def model_differences(hf: dict, model: ml_collections.ConfigDict, ignore=()) -> list[tuple[str, object, object]]:
+  """(key, the model's value, the value config.json `hf` gives) for each key of _maths that differs,
+  less the keys starting with one of `ignore`."""
+  back = config_lib.base_config()
+  back.update_from_flattened_dict(model_overrides(hf))
+  want, got = _maths(model), _maths(back.model)
+  return [(k, want[k], got.get(k)) for k in want if want[k] != got.get(k) and not k.startswith(tuple(ignore))]
+
+
 def check_expresses(hf: dict, model: ml_collections.ConfigDict) -> None:
   """HfError naming the first model key whose value `hf` (a config.json) does not give back."""
   try:
-    overrides = model_overrides(hf)
+    differences = model_differences(hf, model)
   except HfError as e:
     raise HfError(f'the model cannot be written as a {hf["model_type"]} checkpoint: {e}') from None
-  back = config_lib.base_config()
-  back.update_from_flattened_dict(overrides)
-  want, got = _maths(model), _maths(back.model)
-  for key in want:
-    if want[key] != got.get(key):
-      raise HfError(
-        f'{key}={want[key]!r} cannot be written as a {hf["model_type"]} checkpoint '
-        f'(its config.json gives {got.get(key)!r}); docs/released.md lists what the released families express'
-      )
+  for key, want, got in differences[:1]:
+    raise HfError(
+      f'{key}={want!r} cannot be written as a {hf["model_type"]} checkpoint (its config.json gives '
+      f'{got!r}); docs/released.md lists what the released families express'
+    )
 
 
 # ----------------------------------------------------------------------------- the folder
@@ -397,23 +409,32 @@ def export_folder(
     return value.astype(EXPORT_DTYPES[dtype or 'bfloat16'])
 
   partial = out.with_name(out.name + '.partial')
-  shutil.rmtree(partial, ignore_errors=True)
+  if partial.exists():
+    raise HfError(f'{partial} exists (an export that did not finish?); remove it, then export again')
   partial.mkdir(parents=True)
-  weight_map, total = {}, 0
-  for i, group in enumerate(groups):
-    file = f'model-{i + 1:05d}-of-{len(groups):05d}.safetensors'
-    total += write_file(partial / file, {name: stored(name, build()) for name, build in group.items()})
-    weight_map.update(dict.fromkeys(group, file))
-  index = {'metadata': {'total_size': total}, 'weight_map': dict(sorted(weight_map.items()))}
-  (partial / 'model.safetensors.index.json').write_text(json.dumps(index, indent=2) + '\n')
-  if source:
-    for path in sorted(pathlib.Path(source).iterdir()):
-      if path.is_file() and path.suffix != '.safetensors' and path.name != 'model.safetensors.index.json':
-        shutil.copy2(path, partial / path.name)
-  else:
-    (partial / 'config.json').write_text(json.dumps(hf, indent=2) + '\n')
-    _copy_tokenizer(config, partial)
-  partial.rename(out)
+  try:
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups):
+      file = f'model-{i + 1:05d}-of-{len(groups):05d}.safetensors'
+      total += write_file(partial / file, {name: stored(name, build()) for name, build in group.items()})
+      weight_map.update(dict.fromkeys(group, file))
+    index = {'metadata': {'total_size': total}, 'weight_map': dict(sorted(weight_map.items()))}
+    (partial / 'model.safetensors.index.json').write_text(json.dumps(index, indent=2) + '\n')
+    if source:
+      skip = {'model.safetensors.index.json'} | ({'config.json'} if dtype else set())
+      for path in sorted(pathlib.Path(source).iterdir()):
+        if path.is_file() and path.suffix != '.safetensors' and path.name not in skip:
+          shutil.copy2(path, partial / path.name)
+    if not source or dtype:  # a forced dtype is the folder's torch_dtype
+      (partial / 'config.json').write_text(
+        json.dumps({**hf, 'torch_dtype': dtype or hf['torch_dtype']}, indent=2) + '\n'
+      )
+    if not source:
+      _copy_tokenizer(config, partial)
+    partial.rename(out)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
   return out
 
 

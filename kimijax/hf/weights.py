@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 
 from kimijax import config as config_lib
-from kimijax.hf.config import family, read_config, rope_interleaved
+from kimijax.hf.config import family, moe_names, read_config, rope_interleaved
 from kimijax.hf.safetensors import HfError, SafetensorsFolder
 
 Build = Callable[[], np.ndarray]
@@ -157,10 +157,8 @@ def sources(folder: str | pathlib.Path, model: ml_collections.ConfigDict) -> tup
   """({param path: build}, {moe_state path: build}, the reader that records which tensors were read)."""
   hf = read_config(folder)
   read = _Reader(SafetensorsFolder(folder))
-  kimi = family(hf) == 'kimi_linear'
   interleaved = rope_interleaved(hf)
-  moe_prefix = 'block_sparse_moe.' if kimi else 'mlp.'
-  expert_names = ('w1', 'w3', 'w2') if kimi else ('gate_proj', 'up_proj', 'down_proj')
+  moe_prefix, expert_names = moe_names(family(hf))
 
   def embed():
     value = read('model.embed_tokens.weight')
@@ -212,6 +210,8 @@ def _flat(tree) -> dict[tuple, object]:
 
 
 def _check_all_read(read: _Reader, num_layers: int) -> None:
+  """HfError naming the tensors no parameter read; num_layers: the folder's own (config.json), the
+  layers past it being multi-token prediction."""
   extra = re.compile(r'model\.layers\.(\d+)\.')
   unused = [
     n
@@ -228,7 +228,9 @@ def _check_all_read(read: _Reader, num_layers: int) -> None:
 def _built(path: tuple, build: Build, want: tuple, folder) -> np.ndarray:
   try:
     value = build()
-  except ValueError as e:  # a reshape that does not fit: the checkpoint and the config disagree
+  except HfError:  # a missing tensor, an unreadable dtype: their own message
+    raise
+  except (ValueError, IndexError) as e:  # a reshape or an index that does not fit: config and checkpoint disagree
     raise HfError(f'{folder}: the tensors of {"/".join(path)} do not fit its shape {want} ({e})') from None
   if tuple(value.shape) != tuple(want):
     raise HfError(f'{folder}: {"/".join(path)} from the checkpoint has shape {value.shape}, the model wants {want}')
@@ -251,7 +253,7 @@ def load(folder, model: ml_collections.ConfigDict, abstract_params, abstract_moe
       )
     flat = {path: place(path, _built(path, src[path], want[path].shape, folder), want[path]) for path in want}
     out.append(_tree(flat))
-  _check_all_read(read, model.num_layers)
+  _check_all_read(read, read_config(folder)['num_hidden_layers'])
   return out[0], out[1]
 
 

@@ -156,9 +156,10 @@ def schedule_changes(saved: dict | None, config: ml_collections.ConfigDict) -> l
 def resume_differences(saved: dict | None, config: ml_collections.ConfigDict, since: str = 'the checkpoint'):
   """The one rule for continuing a run under `config`, run.py's resume and the workflows' run
   folders alike: (errors, notices) between `saved`, the config the run was saved with, and
-  `config`. A different model (MUST_MATCH less MAY_DIFFER) or optimizer.name is an error (the
+  `config`. A different model (MUST_MATCH less MAY_DIFFER and MAY_EXTEND) or optimizer.name is an error (the
   saved state means something else); any other difference is a notice, the run continuing under
-  the new value: the schedule keys (SCHEDULE_KEYS) first, e.g. a longer train.steps, then the rest."""
+  the new value: the schedule keys (SCHEDULE_KEYS) first, e.g. a longer train.steps, then the rest
+  (YaRN's keys among them: MAY_EXTEND)."""
   if not saved:
     return [], []
   errors = config_mismatches(saved, config)
@@ -301,13 +302,6 @@ def load_run_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   return validate(config)
 
 
-def restore_latest_params(workdir: str | pathlib.Path, config: ml_collections.ConfigDict, model, mesh):
-  """(params laid out on `mesh`, step) of the latest checkpoint in DIR/checkpoints; the whole
-  state is read (orbax restores whole items) and checked like a resume."""
-  state, step = restore_latest_state(workdir, config, model, mesh)
-  return state.params, step
-
-
 def restore_latest_state(workdir: str | pathlib.Path, config: ml_collections.ConfigDict, model, mesh):
   """(TrainState laid out on `mesh`, step) of the latest checkpoint in DIR/checkpoints, checked
   like a resume: evaluation and generation take its params and, for a model with MoE layers, its
@@ -338,7 +332,8 @@ def latest_weights(
   from kimijax.model import inference_params
 
   directory = pathlib.Path(workdir) / 'checkpoints'
-  if config.train.init_from and not (directory.is_dir() and any(directory.iterdir())):
+  saved = directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())  # a complete step's folder
+  if config.train.init_from and not saved:
     from kimijax.optim import make_optimizer
     from kimijax.train.state import state_shardings
 
@@ -355,7 +350,9 @@ def is_run_folder(folder: str | pathlib.Path) -> bool:
 
 def check_init_from(config: ml_collections.ConfigDict) -> None:
   """One error naming train.init_from when it is not a run folder or a released checkpoint folder
-  that can be read (its config.json), before anything else is read."""
+  that can be read (its config.json), or when a released folder's config.json gives another model
+  than config.model in any key that changes the maths (YaRN aside: MAY_EXTEND), before any
+  tensor is read."""
   folder = config.train.init_from
   if not folder:
     return
@@ -366,10 +363,15 @@ def check_init_from(config: ml_collections.ConfigDict) -> None:
     )
   if is_run_folder(folder):
     load_run_config(folder)
-  else:
-    from kimijax.hf.config import read_config
+    return
+  from kimijax.hf.config import read_config
+  from kimijax.hf.export import model_differences
+  from kimijax.hf.safetensors import HfError
 
-    read_config(folder)
+  differences = model_differences(read_config(folder), config.model, ignore=MAY_EXTEND)
+  if differences:
+    shown = '; '.join(f'{key}: {got!r} -> {want!r}' for key, want, got in differences)
+    raise HfError(f'train.init_from={folder}: the model differs from the checkpoint (config.json -> now): {shown}')
 
 
 def initial_weights(config: ml_collections.ConfigDict, abstract_params, abstract_moe_state) -> tuple:
@@ -378,6 +380,7 @@ def initial_weights(config: ml_collections.ConfigDict, abstract_params, abstract
   MAY_EXTEND; its optimizer may differ), or a released checkpoint folder (kimijax.hf.weights).
   A MemoryLimitError, before anything is read, when one device cannot hold its share."""
   folder = config.train.init_from
+  check_init_from(config)
   mesh = jax.tree.leaves(abstract_params)[0].sharding.mesh
   _check_fit(folder, abstract_params, mesh)
   if not is_run_folder(folder):

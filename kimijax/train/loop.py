@@ -153,11 +153,6 @@ def evaluate_details(eval_step, params, batches: list[dict]) -> dict:
   }
 
 
-def evaluate(eval_step, params, batches: list[dict]) -> float:
-  """Mean token nll over the fixed validation batches."""
-  return evaluate_details(eval_step, params, batches)['eval_loss']
-
-
 def _final_losses(workdir: pathlib.Path, upto: int) -> tuple[float | None, float | None]:
   """(last train loss, last eval loss) logged at or before step `upto`, from metrics.jsonl."""
   if not (workdir / 'metrics.jsonl').exists():

@@ -70,6 +70,10 @@ def _cases(tmp: pathlib.Path) -> dict:
       + TINY_FLAGS,
       f"CheckpointError: train.init_from='{tmp}/nowhere': no such folder",
     ),
+    'export with a config': (
+      run + ['--mode=export', '--config=configs/default.py', f'--workdir={no_run}', f'--export_dir={tmp}/hf2'],
+      "--mode=export writes DIR's checkpoint under DIR's own config.json; drop --config",
+    ),
     'export without a folder': (run + ['--mode=export', f'--workdir={no_run}'], '--export_dir=OUT is required'),
     'export without a run': (
       run + ['--mode=export', f'--workdir={no_run}', f'--export_dir={tmp}/hf'],
@@ -168,6 +172,7 @@ CASE_NAMES = [
   'generate without a run',
   'eval without a run',
   'init_from missing',
+  'export with a config',
   'export without a folder',
   'export without a run',
   'plot_attnres on a non-run',
