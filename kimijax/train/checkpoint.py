@@ -378,7 +378,8 @@ def initial_weights(config: ml_collections.ConfigDict, abstract_params, abstract
   """(params, moe_state) laid out as the abstract leaves' shardings say, from config.train.init_from:
   a run folder's latest checkpoint (its model must be this config's but for MAY_DIFFER and
   MAY_EXTEND; its optimizer may differ), or a released checkpoint folder (kimijax.hf.weights).
-  A MemoryLimitError, before anything is read, when one device cannot hold its share."""
+  A MemoryLimitError, before anything is read, when one device cannot hold its share of the
+  parameters (a run folder's restore also holds that run's optimizer state for a moment)."""
   folder = config.train.init_from
   check_init_from(config)
   mesh = jax.tree.leaves(abstract_params)[0].sharding.mesh
