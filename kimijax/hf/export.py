@@ -32,6 +32,7 @@ import jax
 import ml_collections
 import ml_dtypes
 import numpy as np
+from flax import traverse_util
 
 from kimijax import config as config_lib
 from kimijax.hf.config import CONV_WIDTH, family, model_overrides, moe_names, read_config, rope_interleaved
@@ -329,11 +330,10 @@ def check_expresses(hf: dict, model: ml_collections.ConfigDict) -> None:
 
 
 def _host_tree(tree) -> dict[tuple, object]:
-  flat = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-      raise HfError('export reads every parameter in one process; run it on one host (--mode=export)')
-    flat[tuple(getattr(k, 'key', k) for k in path)] = leaf
+  """{path: leaf} of a parameter tree, every leaf readable by this process."""
+  flat = traverse_util.flatten_dict(tree)
+  if any(isinstance(leaf, jax.Array) and not leaf.is_fully_addressable for leaf in flat.values()):
+    raise HfError('export reads every parameter in one process; run it on one host (--mode=export)')
   return flat
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import jax
 import ml_collections
 import numpy as np
+from flax import traverse_util
 
 from kimijax import config as config_lib
 from kimijax.hf.config import family, moe_names, read_config, rope_interleaved
@@ -193,22 +194,6 @@ def sources(folder: str | pathlib.Path, model: ml_collections.ConfigDict) -> tup
   return params, moe_state, read
 
 
-def _tree(flat: dict) -> dict:
-  tree: dict = {}
-  for path, value in flat.items():
-    node = tree
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = value
-  return tree
-
-
-def _flat(tree) -> dict[tuple, object]:
-  return {
-    tuple(getattr(k, 'key', k) for k in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-  }
-
-
 def _check_all_read(read: _Reader, num_layers: int) -> None:
   """HfError naming the tensors no parameter read; num_layers: the folder's own (config.json), the
   layers past it being multi-token prediction."""
@@ -243,7 +228,7 @@ def load(folder, model: ml_collections.ConfigDict, abstract_params, abstract_moe
   param_src, state_src, read = sources(folder, model)
   out = []
   for abstract, src in ((abstract_params, param_src), (abstract_moe_state, state_src)):
-    want = _flat(abstract)
+    want = traverse_util.flatten_dict(abstract)
     missing = sorted(set(want) - set(src))
     unknown = sorted(set(src) - set(want))
     if missing or unknown:
@@ -252,7 +237,7 @@ def load(folder, model: ml_collections.ConfigDict, abstract_params, abstract_moe
         f'{["/".join(p) for p in missing[:5]]}, tensors without a parameter {["/".join(p) for p in unknown[:5]]}'
       )
     flat = {path: place(path, _built(path, src[path], want[path].shape, folder), want[path]) for path in want}
-    out.append(_tree(flat))
+    out.append(traverse_util.unflatten_dict(flat))
   _check_all_read(read, read_config(folder)['num_hidden_layers'])
   return out[0], out[1]
 

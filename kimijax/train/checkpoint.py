@@ -322,6 +322,14 @@ def restore_latest_state(workdir: str | pathlib.Path, config: ml_collections.Con
   return state, step
 
 
+def latest_complete_step(workdir: str | pathlib.Path) -> int | None:
+  """The newest complete checkpoint's step in DIR/checkpoints, read without opening (or creating)
+  it: orbax names a complete checkpoint by its step and one being written otherwise."""
+  directory = pathlib.Path(workdir) / 'checkpoints'
+  steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
+  return max(steps, default=None)
+
+
 def latest_weights(
   workdir: str | pathlib.Path, config: ml_collections.ConfigDict, model, mesh, param_dtype: str = 'float32'
 ):
@@ -331,9 +339,7 @@ def latest_weights(
   released folder is read straight into it, a checkpoint is cast after its float32 restore)."""
   from kimijax.model import inference_params
 
-  directory = pathlib.Path(workdir) / 'checkpoints'
-  saved = directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())  # a complete step's folder
-  if config.train.init_from and not saved:
+  if config.train.init_from and latest_complete_step(workdir) is None:
     from kimijax.optim import make_optimizer
     from kimijax.train.state import state_shardings
 

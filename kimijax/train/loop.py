@@ -191,14 +191,6 @@ def run_title(workdir: pathlib.Path, n_params: int, tokens: int) -> str:
   return f'{workdir.absolute().name}: {n_params / 1e6:.2f}M parameters, {tokens:,} tokens'
 
 
-def _latest_complete_step(workdir: pathlib.Path) -> int | None:
-  """The newest complete checkpoint's step in DIR/checkpoints, read without opening (or creating)
-  it: orbax names a complete checkpoint by its step and one being written otherwise."""
-  directory = workdir / 'checkpoints'
-  steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.is_dir() else []
-  return max(steps, default=None)
-
-
 def _remove_created(workdir: pathlib.Path, before: set[str], created: bool) -> None:
   """Removes the entries of workdir that are not in `before` (taken under this run's lock), and
   workdir itself if this run `created` it and it is then empty."""
@@ -229,9 +221,10 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
   lock_lib.check_workdir(workdir)
   check_attention_impl(config, devices)
   check_moe_impl(config, devices)
-  if (_latest_complete_step(workdir) or 0) < t.steps:  # a finished run only reports
+  saved = ckpt_lib.latest_complete_step(workdir)
+  if (saved or 0) < t.steps:  # a finished run only reports
     check_memory(config, devices)
-  if _latest_complete_step(workdir) is None:  # a fresh run reads train.init_from, if set
+  if saved is None:  # a fresh run reads train.init_from, if set
     ckpt_lib.check_init_from(config)
   train_loader = make_loader(config, 'train', process_index=pid, process_count=nproc)
   if config.model.vocab_size < train_loader.vocab_size:
