@@ -22,11 +22,12 @@ logits and top-k), 'sort' (sort_by_expert), 'permute' (the gather of the T K row
 'grouped swiglu' (expert_swiglu: the two grouped matmuls), 'combine' (inverse permutation and
 weighted sum, float32), forward and forward+backward where there is a gradient. 'xla_blocked'
 (and 'pallas', the same layout with Triton kernels: kernels_pallas/moe/, at its default
-MoeSettings) runs permute, grouped swiglu and combine as one padded-layout function in the layer (the rows
-never in sorted order; kimijax/ops/moe.py): its row 'padded swiglu' times that, from the tokens to
-the weighted sum, so that route + sort + padded swiglu are its routed path; its 'grouped swiglu'
-row times it as a plain grouped matmul (expert_swiglu). An impl that
-cannot run here, or a cell out of memory, is a cell saying so, not a crash. Prints Markdown.
+MoeSettings or under each of --moe_tiles, one row each) runs permute, grouped swiglu and combine
+as one padded-layout function in the layer (the rows never in sorted order; kimijax/ops/moe.py):
+its row 'padded swiglu' times that, from the tokens to the weighted sum, so that route + sort +
+padded swiglu are its routed path; its 'grouped swiglu' row times it as a plain grouped matmul
+(expert_swiglu). An impl that cannot run here, or a cell out of memory, is a cell saying so, not
+a crash. Prints Markdown.
 Results go to experiments/results/moe.md.
 """
 
@@ -47,6 +48,12 @@ def define_flags():
     list(IMPLS),
     "grouped matmul impls (kimijax.ops.moe.IMPLS); 'xla' is "
     'jax.lax.ragged_dot, which may lower to a dense dot over all experts on a GPU',
+  )
+  flags.DEFINE_list(
+    'moe_tiles',
+    [''],
+    "settings of 'pallas''s kernels (kernels_pallas.moe.settings.MoeSettings, e.g. 'block_m=64/warps=4'; "
+    "'' the defaults) to time it under, one row each",
   )
   flags.DEFINE_string('dtype', None, 'compute dtype; default bfloat16 on a GPU, float32 elsewhere')
   flags.DEFINE_bool('parts', True, 'also time the dispatch parts (table 2)')
@@ -116,6 +123,21 @@ def _bound(fn, **arrays):
   return functools.partial(jax.jit(fn), **arrays)
 
 
+def impl_variants(impls, moe_tiles=('',)):
+  """[(row label, impl, settings)]: each impl once, 'pallas' once per settings text in moe_tiles
+  (labelled with the text where it is not the defaults)."""
+  from kernels_pallas.moe.settings import MoeSettings
+
+  variants = []
+  for impl in impls:
+    if impl != 'pallas':
+      variants.append((impl, impl, None))
+      continue
+    for text in moe_tiles or ('',):
+      variants.append((f'pallas ({text})' if text else 'pallas', impl, MoeSettings.from_string(text)))
+  return variants
+
+
 def _inputs(tokens, d_model, dtype):
   import jax
 
@@ -123,9 +145,11 @@ def _inputs(tokens, d_model, dtype):
   return jax.random.normal(jax.random.key(0), (seqs, tokens // seqs, d_model), dtype)
 
 
-def layer_rows(config_names, impls, tokens=65536, d_model=1024, shared=0, dtype_name=None, repeats=10, warmup=2):
+def layer_rows(
+  config_names, impls, tokens=65536, d_model=1024, shared=0, dtype_name=None, repeats=10, warmup=2, moe_tiles=('',)
+):
   """Yields table 1's rows: [config, impl, MoE forward, MoE forward+backward, dense forward,
-  dense forward+backward, ratio]."""
+  dense forward+backward, ratio]; 'pallas' once per settings text in moe_tiles."""
   import jax
   import jax.numpy as jnp
 
@@ -146,15 +170,22 @@ def layer_rows(config_names, impls, tokens=65536, d_model=1024, shared=0, dtype_
     dense_grad, dense_ms = _timed(grad, (dense_params, x), 3 * dense_tflop, repeats, warmup)
     del dense_params
     moe_tflop = forward_tflop(tokens, d_model, hidden, e)
-    for impl in impls:
+    for impl_label, impl, settings in impl_variants(impls, moe_tiles):
       label = f'{name} (E={e}, K={k}, F={f}, shared={shared})'
       problem = moe_ops.unsupported(impl, dtype, d_model, f)
       if problem:
         cell = _na_cell(problem)
-        yield [label, impl, cell, cell, dense_fwd, dense_grad, '-']
+        yield [label, impl_label, cell, cell, dense_fwd, dense_grad, '-']
         continue
       layer = MoE(
-        num_experts=e, top_k=k, expert_hidden=f, num_shared=shared, scaling_factor=2.446, dtype=dtype, impl=impl
+        num_experts=e,
+        top_k=k,
+        expert_hidden=f,
+        num_shared=shared,
+        scaling_factor=2.446,
+        dtype=dtype,
+        impl=impl,
+        settings=settings,
       )
       variables = jax.jit(layer.init)(jax.random.key(3), x)
       state = variables[MOE_STATE]
@@ -168,11 +199,12 @@ def layer_rows(config_names, impls, tokens=65536, d_model=1024, shared=0, dtype_
       moe_grad, moe_ms = _timed(grad, (variables['params'], x), 3 * moe_tflop, repeats, warmup)
       ratio = f'{moe_ms / dense_ms:.2f}' if moe_ms and dense_ms else '-'
       del variables
-      yield [label, impl, moe_fwd, moe_grad, dense_fwd, dense_grad, ratio]
+      yield [label, impl_label, moe_fwd, moe_grad, dense_fwd, dense_grad, ratio]
 
 
-def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, repeats=10, warmup=2):
-  """Yields table 2's rows: [config, part, impl, forward, forward+backward]."""
+def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, repeats=10, warmup=2, moe_tiles=('',)):
+  """Yields table 2's rows: [config, part, impl, forward, forward+backward]; 'pallas' once per
+  settings text in moe_tiles."""
   import jax
   import jax.numpy as jnp
 
@@ -221,13 +253,15 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
       jax.random.normal(kk, shape, dtype) * 0.02
       for kk, shape in zip(keys[3:6], ((e, d_model, f), (e, d_model, f), (e, f, d_model)))
     ]
-    for impl in impls:
+    for impl_label, impl, settings in impl_variants(impls, moe_tiles):
       problem = moe_ops.unsupported(impl, dtype, d_model, f)
       if problem:
         cell = _na_cell(problem)
-        yield [label, 'grouped swiglu', impl, cell, cell]
+        yield [label, 'grouped swiglu', impl_label, cell, cell]
         continue
-      swiglu = lambda x, wg, wu, wd, sizes, impl=impl: moe_ops.expert_swiglu(x, sizes, wg, wu, wd, impl=impl)
+      swiglu = lambda x, wg, wu, wd, sizes, impl=impl, settings=settings: moe_ops.expert_swiglu(
+        x, sizes, wg, wu, wd, impl=impl, settings=settings
+      )
       g_out = jax.random.normal(keys[6], (tokens * k, d_model), jnp.float32)
       swiglu_loss = lambda *a, sizes, g: jnp.sum(swiglu(*a, sizes).astype(jnp.float32) * g)
       swiglu_grad = _bound(jax.grad(swiglu_loss, argnums=(0, 1, 2, 3)), sizes=dispatch.group_sizes_e, g=g_out)
@@ -235,13 +269,13 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
       yield [
         label,
         'grouped swiglu',
-        impl,
+        impl_label,
         _timed(_bound(swiglu, sizes=dispatch.group_sizes_e), (x_md, *w), tflop, repeats, warmup)[0],
         _timed(swiglu_grad, (x_md, *w), 3 * tflop, repeats, warmup)[0],
       ]
       del g_out, swiglu_grad
       if (routed := moe_ops.IMPLS[impl].routed) is not None:
-        padded = lambda x, r, *ws, dispatch, routed=routed: routed(x, r, dispatch, *ws)
+        padded = lambda x, r, *ws, dispatch, routed=routed, settings=settings: routed(x, r, dispatch, *ws, settings)
         g_td = jax.random.normal(keys[7], (tokens, d_model), jnp.float32)
         padded_loss = lambda *a, dispatch, g: jnp.sum(padded(*a, dispatch=dispatch) * g)
         padded_grad = _bound(jax.grad(padded_loss, argnums=(0, 1, 2, 3, 4)), dispatch=dispatch, g=g_td)
@@ -249,7 +283,7 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
         yield [
           label,
           'padded swiglu',
-          impl,
+          impl_label,
           _timed(_bound(padded, dispatch=dispatch), args, tflop, repeats, warmup)[0],
           _timed(padded_grad, args, 3 * tflop, repeats, warmup)[0],
         ]
@@ -286,14 +320,22 @@ def main(argv):
   )
   print('|---|---|---|---|---|---|---|', flush=True)
   for row in layer_rows(
-    FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.shared, FLAGS.dtype, FLAGS.repeats, FLAGS.warmup
+    FLAGS.configs,
+    FLAGS.impls,
+    FLAGS.tokens,
+    FLAGS.d_model,
+    FLAGS.shared,
+    FLAGS.dtype,
+    FLAGS.repeats,
+    FLAGS.warmup,
+    FLAGS.moe_tiles,
   ):
     print('| ' + ' | '.join(row) + ' |', flush=True)
   if FLAGS.parts:
     print('\n| config | part | impl | forward | forward+backward |')
     print('|---|---|---|---|---|', flush=True)
     for row in part_rows(
-      FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.dtype, FLAGS.repeats, FLAGS.warmup
+      FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.dtype, FLAGS.repeats, FLAGS.warmup, FLAGS.moe_tiles
     ):
       print('| ' + ' | '.join(row) + ' |', flush=True)
 

@@ -52,3 +52,16 @@ def test_configs_and_flops():
   assert bench_moe.forward_tflop(4, 3, 5, 7) == 2 * 4 * 3 * (3 * 5 + 7) / 1e12
   # 64 experts top-8 of hidden 512 over 65536 tokens of 1024: the dense baseline's hidden is 4096.
   assert bench_moe.forward_tflop(65536, 1024, 8 * 512) == pytest.approx(1.649, rel=1e-3)
+
+
+def test_moe_tiles_give_pallas_one_row_per_settings():
+  from kernels_pallas.moe.settings import MoeSettings
+
+  variants = bench_moe.impl_variants(['xla_blocked', 'pallas'], ['', 'block_m=64/warps=4'])
+  assert variants == [
+    ('xla_blocked', 'xla_blocked', None),
+    ('pallas', 'pallas', MoeSettings()),
+    ('pallas (block_m=64/warps=4)', 'pallas', MoeSettings(block_m=64, warps=4)),
+  ]
+  with pytest.raises(ValueError, match=r"unknown keys \['block_x'\]"):
+    bench_moe.impl_variants(['pallas'], ['block_x=64'])
