@@ -31,6 +31,8 @@ a crash. Prints Markdown.
 Results go to experiments/results/moe.md.
 """
 
+import os
+
 CONFIGS = ('64x8x512', '64x8x1024', '256x8x512', '256x8x1024')
 IMPLS = ('tokamax',)
 
@@ -54,6 +56,12 @@ def define_flags():
     [''],
     "settings of 'pallas''s kernels (kernels_pallas.moe.settings.MoeSettings, e.g. 'block_m=64/warps=4'; "
     "'' the defaults) to time it under, one row each",
+  )
+  flags.DEFINE_string(
+    'profile_dir',
+    None,
+    'also trace 3 forward+backward calls of each MoE cell of table 1 into DIR/<config>_<impl> '
+    '(read with experiments/tools/profile_summary.py --steps=3)',
   )
   flags.DEFINE_string('dtype', None, 'compute dtype; default bfloat16 on a GPU, float32 elsewhere')
   flags.DEFINE_bool('parts', True, 'also time the dispatch parts (table 2)')
@@ -102,6 +110,15 @@ def _timed(fn, args, tflop, repeats, warmup) -> tuple[str, float | None]:
   return (cell + f', {tflop / median * 1e3:.3g} TFLOP/s' if tflop else cell), median
 
 
+def _trace(fn, args, directory, calls=3):
+  """A profiler trace (perfetto JSON too) of `calls` waited calls of fn(*args) in directory."""
+  import jax
+
+  with jax.profiler.trace(directory, create_perfetto_trace=True):
+    for _ in range(calls):
+      jax.block_until_ready(fn(*args))
+
+
 def _fwd_and_grad(apply, params, x):
   """Jitted forward and forward+backward (gradients of sum(y * dy) in float32 with respect to the
   params and x) of apply(params, x) -> y."""
@@ -146,10 +163,20 @@ def _inputs(tokens, d_model, dtype):
 
 
 def layer_rows(
-  config_names, impls, tokens=65536, d_model=1024, shared=0, dtype_name=None, repeats=10, warmup=2, moe_tiles=('',)
+  config_names,
+  impls,
+  tokens=65536,
+  d_model=1024,
+  shared=0,
+  dtype_name=None,
+  repeats=10,
+  warmup=2,
+  moe_tiles=('',),
+  profile_dir=None,
 ):
   """Yields table 1's rows: [config, impl, MoE forward, MoE forward+backward, dense forward,
-  dense forward+backward, ratio]; 'pallas' once per settings text in moe_tiles."""
+  dense forward+backward, ratio]; 'pallas' once per settings text in moe_tiles. profile_dir: also
+  trace 3 forward+backward calls of each MoE cell there (a folder per config and impl)."""
   import jax
   import jax.numpy as jnp
 
@@ -197,6 +224,8 @@ def layer_rows(
       fwd, grad = _fwd_and_grad(apply, variables['params'], x)
       moe_fwd, _ = _timed(fwd, (variables['params'], x), moe_tflop, repeats, warmup)
       moe_grad, moe_ms = _timed(grad, (variables['params'], x), 3 * moe_tflop, repeats, warmup)
+      if profile_dir and moe_ms:
+        _trace(grad, (variables['params'], x), os.path.join(profile_dir, f'{name}_{impl_label}'.replace(' ', '')))
       ratio = f'{moe_ms / dense_ms:.2f}' if moe_ms and dense_ms else '-'
       del variables
       yield [label, impl_label, moe_fwd, moe_grad, dense_fwd, dense_grad, ratio]
@@ -329,6 +358,7 @@ def main(argv):
     FLAGS.repeats,
     FLAGS.warmup,
     FLAGS.moe_tiles,
+    FLAGS.profile_dir,
   ):
     print('| ' + ' | '.join(row) + ' |', flush=True)
   if FLAGS.parts:
