@@ -1,9 +1,9 @@
 """Triton settings of the MoE grouped-matmul kernels (grouped.py). The config takes them as
-model.kernels.moe; the op as `routed_experts(..., impl='pallas', settings=MoeSettings(...))`. The
-defaults are untimed on a GPU (experiments/bench/bench_moe.py runs every implementation of
-kimijax/ops/moe.py's IMPLS); compiled for sm_90 they are the nearest settings at which no kernel
-spills registers (8 warps: at 4, gate_up_swiglu's two float32 accumulators alone fill the 255
-registers of a thread; experiments/results/moe.md)."""
+model.kernels.moe; the op as `routed_experts(..., impl='pallas', settings=MoeSettings(...))`.
+Compiled for sm_90 the defaults are the nearest settings at which no kernel spills registers (8
+warps: at 4, gate_up_swiglu's two float32 accumulators alone fill the 255 registers of a thread);
+timed on an H100 they run slower than 'xla_blocked', as do the single changes tried there
+(experiments/results/moe.md)."""
 
 from __future__ import annotations
 

@@ -71,7 +71,8 @@ IMPLS, the grouped matmul (ragged dot) by name:
                the weight gradients by one kernel that walks each expert's tiles. The same
                maths and residuals as `_padded_swiglu`; its backward shares its SwiGLU part
                (`_swiglu_backward`). D and F multiples of 16; settings: a MoeSettings
-               (model.kernels.moe). Untimed on a GPU: no config selects it yet.
+               (model.kernels.moe). Slower than 'xla_blocked' on an H100 (experiments/results/
+               moe.md): no config selects it.
 """
 
 from __future__ import annotations
