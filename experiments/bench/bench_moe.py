@@ -141,17 +141,19 @@ def _bound(fn, **arrays):
 
 
 def impl_variants(impls, moe_tiles=('',)):
-  """[(row label, impl, settings)]: each impl once, 'pallas' once per settings text in moe_tiles
-  (labelled with the text where it is not the defaults)."""
-  from kernels_pallas.moe.settings import MoeSettings
+  """[(row label, impl, settings)]: an impl with kernels (kimijax.ops.moe.IMPLS[impl].parse_settings)
+  once per settings text in moe_tiles (labelled with the text where it is not the defaults), every
+  other impl once."""
+  from kimijax.ops import moe as moe_ops
 
   variants = []
   for impl in impls:
-    if impl != 'pallas':
+    parse = moe_ops.IMPLS[impl].parse_settings if impl in moe_ops.IMPLS else None
+    if parse is None:
       variants.append((impl, impl, None))
       continue
     for text in moe_tiles or ('',):
-      variants.append((f'pallas ({text})' if text else 'pallas', impl, MoeSettings.from_string(text)))
+      variants.append((f'{impl} ({text})' if text else impl, impl, parse(text)))
   return variants
 
 
@@ -175,7 +177,7 @@ def layer_rows(
   profile_dir=None,
 ):
   """Yields table 1's rows: [config, impl, MoE forward, MoE forward+backward, dense forward,
-  dense forward+backward, ratio]; 'pallas' once per settings text in moe_tiles. profile_dir: also
+  dense forward+backward, ratio]; an impl with kernels once per settings text in moe_tiles. profile_dir: also
   trace 3 forward+backward calls of each MoE cell there (a folder per config and impl)."""
   import jax
   import jax.numpy as jnp
@@ -232,8 +234,8 @@ def layer_rows(
 
 
 def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, repeats=10, warmup=2, moe_tiles=('',)):
-  """Yields table 2's rows: [config, part, impl, forward, forward+backward]; 'pallas' once per
-  settings text in moe_tiles."""
+  """Yields table 2's rows: [config, part, impl, forward, forward+backward]; an impl with kernels
+  once per settings text in moe_tiles."""
   import jax
   import jax.numpy as jnp
 
