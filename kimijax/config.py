@@ -40,14 +40,14 @@ ATTNRES_IMPLS = attnres_ops.IMPLS
 MOE_IMPLS = moe_ops.IMPLS
 MLA_DECODE_IMPLS = mla_decode_ops.IMPLS
 # model.kernels key -> the parser of the settings of the Pallas kernels it overrides ('key=int/key=int'
-# -> a frozen dataclass of kernels_pallas/<op>/settings.py), from the ops' 'pallas' implementations
+# -> a frozen dataclass of kernels_pallas/<op>/settings.py), from the ops' 'pallas' implementations;
+# model.kernels.moe is parsed by model.moe.impl's own parser instead (moe_settings)
 KERNEL_SETTINGS = {
   'kda': KDA_IMPLS['pallas'].parse_settings,
   'short_conv': SHORT_CONV_IMPLS['pallas'].parse_settings,
   'attnres_phase1': ATTNRES_IMPLS['pallas'].parse_phase1_settings,
   'attnres_merge_norm': ATTNRES_IMPLS['pallas'].parse_merge_norm_settings,
   'mla_decode': MLA_DECODE_IMPLS['pallas'].parse_settings,
-  'moe': MOE_IMPLS['pallas'].parse_settings,
 }
 DTYPES = ('float32', 'bfloat16')
 MLP_KINDS = ('dense', 'moe')
@@ -293,7 +293,9 @@ SCHEMA = {
         '', 'MlaDecodeSettings (kernels_pallas/mla_decode/settings.py)', check=_kernel_settings('mla_decode')
       ),
       'moe': Key(
-        '', "MoeSettings, model.moe.impl='pallas' (kernels_pallas/moe/settings.py)", check=_kernel_settings('moe')
+        '',
+        "the settings of model.moe.impl: MoeSettings for 'pallas' (kernels_pallas/moe/settings.py), "
+        "BlockedSettings for 'xla_blocked' (kimijax/ops/moe.py); '' for an impl that takes none",
       ),
     },
   },
@@ -463,8 +465,23 @@ def moe_inactive_params(model: ml_collections.ConfigDict) -> int:
 
 def kernel_settings(model: ml_collections.ConfigDict) -> dict:
   """model.kernels parsed: {key: the settings of its Pallas kernels} (KERNEL_SETTINGS; '' gives the
-  defaults), the values a model hands to its layers."""
-  return {key: parse(model.kernels[key]) for key, parse in KERNEL_SETTINGS.items()}
+  defaults) and 'moe': model.moe.impl's settings (moe_settings), the values a model hands to its layers."""
+  return {**{key: parse(model.kernels[key]) for key, parse in KERNEL_SETTINGS.items()}, 'moe': moe_settings(model)}
+
+
+def moe_settings(model: ml_collections.ConfigDict):
+  """model.kernels.moe parsed by model.moe.impl's parser (its settings, '' the defaults), or None for
+  an impl that takes none; text the impl cannot take is a ConfigError naming both keys."""
+  impl, text = model.moe.impl, model.kernels.moe
+  parse = MOE_IMPLS[impl].parse_settings
+  if parse is None:
+    if text:
+      raise ConfigError(f'model.kernels.moe={text!r}: model.moe.impl={impl!r} takes no settings; set it to ""')
+    return None
+  try:
+    return parse(text)
+  except ValueError as e:
+    raise ConfigError(f'model.kernels.moe={text!r} (model.moe.impl={impl!r}): {e}') from None
 
 
 def num_kv_heads(model: ml_collections.ConfigDict) -> int:
@@ -528,6 +545,7 @@ def _model_rules(m: ml_collections.ConfigDict) -> None:
       raise ConfigError(
         f'model.mla_decode_impl={m.mla_decode_impl!r} {problem} (model.mla_kv_lora_rank, model.mla_qk_rope_head_dim)'
       )
+  moe_settings(m)  # model.kernels.moe fits model.moe.impl, MoE layers or not
   _moe_rules(m)
 
 

@@ -148,7 +148,15 @@ def test_impl_keys_allow_the_names_of_the_ops_implementation_tables(key, impls):
       {'model.kernels.mla_decode': 'block_s=24'},
       "model.kernels.mla_decode='block_s=24': mla_decode pallas: block_s must be a power of two >= 16, got 24",
     ),
-    ({'model.kernels.moe': 'block_m=24'}, "model.kernels.moe='block_m=24': moe pallas: block_m must be a power of two"),
+    (
+      {'model.moe.impl': 'pallas', 'model.kernels.moe': 'block_m=24'},
+      "model.kernels.moe='block_m=24' (model.moe.impl='pallas'): moe pallas: block_m must be a power of two",
+    ),
+    (
+      {'model.moe.impl': 'xla_blocked', 'model.kernels.moe': 'block_m=64'},
+      "model.kernels.moe='block_m=64' (model.moe.impl='xla_blocked'): moe xla_blocked: unknown keys ['block_m']",
+    ),
+    ({'model.kernels.moe': 'block_m=64'}, "model.kernels.moe='block_m=64': model.moe.impl='xla' takes no settings"),
   ],
 )
 def test_each_declaration_brings_its_checks(values, message):

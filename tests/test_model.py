@@ -271,7 +271,6 @@ def test_kernel_settings_from_the_config_reach_the_layers_and_bad_ones_name_the_
   from kernels_pallas.attnres.settings import MergeNormSettings, Phase1Settings
   from kernels_pallas.kda.settings import KdaSettings
   from kernels_pallas.mla_decode.settings import MlaDecodeSettings
-  from kernels_pallas.moe.settings import MoeSettings
   from kernels_pallas.short_conv.settings import ShortConvSettings
   from kimijax.layers import residual as residual_lib
   from kimijax.model import make_mixer
@@ -288,7 +287,7 @@ def test_kernel_settings_from_the_config_reach_the_layers_and_bad_ones_name_the_
     'attnres_phase1': Phase1Settings(bt=32),
     'attnres_merge_norm': MergeNormSettings(),
     'mla_decode': MlaDecodeSettings(),
-    'moe': MoeSettings(),
+    'moe': None,  # model.moe.impl='xla' takes no settings
   }
   mixer = make_mixer(m, 'K', jnp.float32, kernels=kernels)
   assert mixer.settings == KdaSettings(warps_diag=4, flat_branch=0) and mixer.short_conv_settings == ShortConvSettings()

@@ -128,7 +128,7 @@ def test_pallas_runs_the_model_with_the_configs_kernel_settings():
   cfg = config_lib.validate(c).model
   assert make_mlp(cfg, 1, jnp.float32).settings == MoeSettings(block_m=16, block_n=16, block_k=16)
   xla = cfg.copy_and_resolve_references()
-  xla.moe.impl = 'xla'
+  xla.moe.impl, xla.kernels.moe = 'xla', ''
   params, moe_state = random_variables(cfg, seed=3)
   tokens = random_tokens(cfg, b=2, t=9)
   logits = lambda model: jax.jit(model.apply)(variables(params, moe_state), tokens)[0]

@@ -21,8 +21,8 @@ Table 2, the parts of the routed path (kimijax.ops.moe) at the same shapes: 'rou
 logits and top-k), 'sort' (sort_by_expert), 'permute' (the gather of the T K rows),
 'grouped swiglu' (expert_swiglu: the two grouped matmuls), 'combine' (inverse permutation and
 weighted sum, float32), forward and forward+backward where there is a gradient. 'xla_blocked'
-(and 'pallas', the same layout with Triton kernels: kernels_pallas/moe/, at its default
-MoeSettings or under each of --moe_tiles, one row each) runs permute, grouped swiglu and combine
+(and 'pallas', the same layout with Triton kernels: kernels_pallas/moe/; each at its default
+settings or under each of its --moe_tiles, one row each) runs permute, grouped swiglu and combine
 as one padded-layout function in the layer (the rows never in sorted order; kimijax/ops/moe.py):
 its row 'padded swiglu' times that, from the tokens to the weighted sum, so that route + sort +
 padded swiglu are its routed path; its 'grouped swiglu' row times it as a plain grouped matmul
@@ -54,8 +54,10 @@ def define_flags():
   flags.DEFINE_list(
     'moe_tiles',
     [''],
-    "settings of 'pallas''s kernels (kernels_pallas.moe.settings.MoeSettings, e.g. 'block_m=64/warps=4'; "
-    "'' the defaults) to time it under, one row each",
+    "settings to time an impl that takes them under, one row each: 'IMPL:TEXT' for that impl ('pallas': a "
+    "MoeSettings, e.g. 'pallas:block_m=64/warps=4'; 'xla_blocked': a BlockedSettings, e.g. "
+    "'xla_blocked:blocks_per_group=8'; 'pallas:' its defaults), TEXT for every such impl; an impl named in "
+    'none: its defaults',
   )
   flags.DEFINE_string(
     'profile_dir',
@@ -141,9 +143,10 @@ def _bound(fn, **arrays):
 
 
 def impl_variants(impls, moe_tiles=('',)):
-  """[(row label, impl, settings)]: an impl with kernels (kimijax.ops.moe.IMPLS[impl].parse_settings)
-  once per settings text in moe_tiles (labelled with the text where it is not the defaults), every
-  other impl once."""
+  """[(row label, impl, settings)]: an impl that takes settings (kimijax.ops.moe.IMPLS[impl].parse_settings)
+  once per entry of moe_tiles that applies to it ('IMPL:TEXT' to that impl, a plain TEXT to every
+  such impl; none: once at its defaults), labelled with the text where it is not the defaults;
+  every other impl once."""
   from kimijax.ops import moe as moe_ops
 
   variants = []
@@ -152,7 +155,8 @@ def impl_variants(impls, moe_tiles=('',)):
     if parse is None:
       variants.append((impl, impl, None))
       continue
-    for text in moe_tiles or ('',):
+    texts = [e.partition(':')[2] if ':' in e else e for e in moe_tiles if ':' not in e or e.split(':')[0] == impl]
+    for text in texts or ('',):
       variants.append((f'{impl} ({text})' if text else impl, impl, parse(text)))
   return variants
 
@@ -177,8 +181,9 @@ def layer_rows(
   profile_dir=None,
 ):
   """Yields table 1's rows: [config, impl, MoE forward, MoE forward+backward, dense forward,
-  dense forward+backward, ratio]; an impl with kernels once per settings text in moe_tiles. profile_dir: also
-  trace 3 forward+backward calls of each MoE cell there (a folder per config and impl)."""
+  dense forward+backward, ratio]; an impl that takes settings once per its moe_tiles entry
+  (impl_variants). profile_dir: also trace 3 forward+backward calls of each MoE cell there (a
+  folder per config and impl)."""
   import jax
   import jax.numpy as jnp
 
@@ -234,8 +239,8 @@ def layer_rows(
 
 
 def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, repeats=10, warmup=2, moe_tiles=('',)):
-  """Yields table 2's rows: [config, part, impl, forward, forward+backward]; an impl with kernels
-  once per settings text in moe_tiles."""
+  """Yields table 2's rows: [config, part, impl, forward, forward+backward]; an impl that takes settings
+  once per its moe_tiles entry (impl_variants)."""
   import jax
   import jax.numpy as jnp
 

@@ -36,7 +36,8 @@ IMPLS, the grouped matmul (ragged dot) by name:
     'xla_blocked'  plain XLA: the rows of each group padded to whole blocks of b rows, then one
                batched matmul of the blocks against their group's matrix (one gathered per
                block); up to G b padding rows of work and (M / b + G) K N gathered weight values,
-               b = the power of two nearest M / (4 G), at least 8. On XLA:CPU 5-9x faster than
+               b = the power of two nearest M / (4 G), at least 8 (4: BlockedSettings'
+               blocks_per_group, model.kernels.moe). On XLA:CPU 5-9x faster than
                lax.ragged_dot at the CPU configs' shapes, as fast as a dense SwiGLU of the same
                active width (experiments/results/moe.md). The GPU configs' choice too (below).
                `routed_experts` runs the whole expert SwiGLU in the padded layout
@@ -297,9 +298,45 @@ def _tokamax_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, settings=None):
   )
 
 
-def _block_rows(m: int, g: int) -> int:
-  """xla_blocked's block size: the power of two nearest m / (4 g), at least 8 (static)."""
-  return max(8, 1 << max(round(math.log2(max(m / (4 * g), 1))), 0))
+@dataclasses.dataclass(frozen=True)
+class BlockedSettings:
+  """'xla_blocked''s layout: b, the rows per block, is the power of two nearest M / (blocks_per_group
+  G) for M rows in G groups, at least 8. More blocks per group pad less (each group's last block
+  is partly empty, and the layout holds G trailing blocks for the worst case) but gather one
+  weight matrix per block and multiply smaller blocks. The config takes it as model.kernels.moe
+  ('blocks_per_group=8') with model.moe.impl='xla_blocked'."""
+
+  FAMILY = 'moe xla_blocked'
+
+  blocks_per_group: int = 4
+
+  def __post_init__(self):
+    if not isinstance(self.blocks_per_group, int) or self.blocks_per_group < 1:
+      raise ValueError(f'{self.FAMILY}: blocks_per_group must be a positive int, got {self.blocks_per_group!r}')
+
+  @classmethod
+  def from_string(cls, text: str) -> BlockedSettings:
+    """The defaults with the fields named in text ('key=int/key=int'; '' the defaults) changed."""
+    from kernels_pallas.common import parse_settings
+
+    changes = parse_settings(text)
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+      raise ValueError(f'{cls.FAMILY}: unknown keys {unknown}; allowed: {[f.name for f in dataclasses.fields(cls)]}')
+    return cls(**changes)
+
+
+def _blocked_settings(settings) -> BlockedSettings:
+  if settings is None:
+    return BlockedSettings()
+  if not isinstance(settings, BlockedSettings):
+    raise TypeError(f"moe impl='xla_blocked': settings must be a BlockedSettings or None, got {type(settings)}")
+  return settings
+
+
+def _block_rows(m: int, g: int, blocks_per_group: int = 4) -> int:
+  """xla_blocked's block size: the power of two nearest m / (blocks_per_group g), at least 8 (static)."""
+  return max(8, 1 << max(round(math.log2(max(m / (blocks_per_group * g), 1))), 0))
 
 
 class _Blocks(NamedTuple):
@@ -322,11 +359,9 @@ class _Blocks(NamedTuple):
     return self.src_p.shape[0] // self.group_b.shape[0]
 
 
-def _blocked_layout(m: int, group_sizes_g, b: int | None = None) -> _Blocks:
-  """The padded layout of m rows in the groups of group_sizes_g [G], blocks of b rows (None:
-  _block_rows' choice)."""
+def _blocked_layout(m: int, group_sizes_g, b: int) -> _Blocks:
+  """The padded layout of m rows in the groups of group_sizes_g [G], blocks of b rows."""
   g = group_sizes_g.shape[0]
-  b = _block_rows(m, g) if b is None else b
   blocks = -(-m // b) + g  # enough for every group padded up to whole blocks
   sizes = group_sizes_g.astype(jnp.int32)
   ends = jnp.cumsum(sizes)
@@ -435,11 +470,11 @@ def _padded_ragged_dot(lhs_mk, rhs_gkn, layout: _Blocks, slot_matmul):
 def _blocked_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, settings=None):
   """'xla_blocked' as a grouped matmul (module docstring): the rows gathered into whole blocks,
   one batched matmul, a gather back; the backward gathers and multiplies, with no scatter-add.
-  Rows past the groups' total come out zero and their cotangent reaches nothing. No kernels: no
-  settings."""
-  del settings
+  Rows past the groups' total come out zero and their cotangent reaches nothing. settings: a
+  BlockedSettings or None (the defaults)."""
   m, k = lhs_mk.shape
-  layout = _blocked_layout(m, group_sizes_g)
+  b = _block_rows(m, group_sizes_g.shape[0], _blocked_settings(settings).blocks_per_group)
+  layout = _blocked_layout(m, group_sizes_g, b)
 
   def slot_matmul(x_pk, w_gkn, group_b):
     return _blocked_matmul(x_pk.reshape(layout.blocks, layout.b, k), w_gkn, group_b).reshape(x_pk.shape[0], -1)
@@ -456,10 +491,10 @@ def _slot_maps(layout: _Blocks, dispatch: Dispatch, t: int, k: int):
 
 def _blocked_routed(x_td, weights_tk, dispatch: Dispatch, w_gate_edf, w_up_edf, w_down_efd, settings=None):
   """'xla_blocked''s routed experts in the padded layout (module docstring). Rows of other shards'
-  experts have no slot and count zero. No kernels: no settings."""
-  del settings
+  experts have no slot and count zero. settings: a BlockedSettings or None (the defaults)."""
   t, k = weights_tk.shape
-  layout = _blocked_layout(t * k, dispatch.group_sizes_e)
+  b = _block_rows(t * k, dispatch.group_sizes_e.shape[0], _blocked_settings(settings).blocks_per_group)
+  layout = _blocked_layout(t * k, dispatch.group_sizes_e, b)
   row_p, slot_tk = _slot_maps(layout, dispatch, t, k)
   w_in_ed2f = jnp.concatenate([w_gate_edf, w_up_edf], axis=-1)
   return _padded_swiglu(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, layout.group_b)
@@ -654,8 +689,7 @@ class Implementation:
   any). dtypes: the operand dtypes it takes. routed: None, or the routed experts of one device in
   the implementation's own layout, (x_td, weights_tk, dispatch, w_gate, w_up, w_down, settings=None)
   -> y_td float32, run instead of permute / expert_swiglu / combine. parse_settings: 'key=int/key=int'
-  -> the settings its kernels take (None: it has no kernels of this repository and ignores
-  `settings`)."""
+  -> the settings it takes (None: it takes none and ignores `settings`)."""
 
   ragged_dot: Callable
   gpu_only: bool
@@ -668,7 +702,9 @@ class Implementation:
 IMPLS = types.MappingProxyType(
   {
     'xla': Implementation(_xla_ragged_dot, gpu_only=False),
-    'xla_blocked': Implementation(_blocked_ragged_dot, gpu_only=False, routed=_blocked_routed),
+    'xla_blocked': Implementation(
+      _blocked_ragged_dot, gpu_only=False, routed=_blocked_routed, parse_settings=BlockedSettings.from_string
+    ),
     'tokamax': Implementation(_tokamax_ragged_dot, gpu_only=True, dims_multiple=64, dtypes=('bfloat16', 'float16')),
     'pallas': Implementation(
       _pallas_ragged_dot, gpu_only=False, dims_multiple=16, routed=_pallas_routed, parse_settings=_pallas_settings

@@ -54,14 +54,21 @@ def test_configs_and_flops():
   assert bench_moe.forward_tflop(65536, 1024, 8 * 512) == pytest.approx(1.649, rel=1e-3)
 
 
-def test_moe_tiles_give_pallas_one_row_per_settings():
+def test_moe_tiles_give_each_impl_one_row_per_its_settings():
   from kernels_pallas.moe.settings import MoeSettings
+  from kimijax.ops.moe import BlockedSettings
 
-  variants = bench_moe.impl_variants(['xla_blocked', 'pallas'], ['', 'block_m=64/warps=4'])
-  assert variants == [
-    ('xla_blocked', 'xla_blocked', None),
+  tiles = ['pallas:', 'pallas:block_m=64/warps=4', 'xla_blocked:blocks_per_group=8']
+  assert bench_moe.impl_variants(['xla', 'xla_blocked', 'pallas'], tiles) == [
+    ('xla', 'xla', None),
+    ('xla_blocked (blocks_per_group=8)', 'xla_blocked', BlockedSettings(blocks_per_group=8)),
     ('pallas', 'pallas', MoeSettings()),
     ('pallas (block_m=64/warps=4)', 'pallas', MoeSettings(block_m=64, warps=4)),
   ]
+  assert bench_moe.impl_variants(['xla_blocked'], ['pallas:block_m=64']) == [
+    ('xla_blocked', 'xla_blocked', BlockedSettings())
+  ]
+  with pytest.raises(ValueError, match=r"unknown keys \['block_m'\]"):
+    bench_moe.impl_variants(['xla_blocked', 'pallas'], ['block_m=64'])
   with pytest.raises(ValueError, match=r"unknown keys \['block_x'\]"):
     bench_moe.impl_variants(['pallas'], ['block_x=64'])

@@ -368,16 +368,24 @@ def test_blocked_ragged_dot_gradients(m, sizes, dtype):
   assert 'scatter' not in grad.lower(lhs, rhs).as_text()
 
 
-@pytest.mark.parametrize('impl,d,f', [('xla_blocked', 8, 6), ('pallas', 32, 16)])
-def test_blocked_routed_experts_match_the_oracle(impl, d, f):
+@pytest.mark.parametrize(
+  'impl,settings,d,f,t',
+  [
+    ('xla_blocked', None, 8, 6, 24),
+    ('xla_blocked', moe.BlockedSettings(blocks_per_group=1), 8, 6, 96),
+    ('pallas', PALLAS, 32, 16, 24),
+  ],
+  ids=['xla_blocked_b8', 'xla_blocked_b32', 'pallas'],
+)
+def test_blocked_routed_experts_match_the_oracle(impl, settings, d, f, t):
   """The padded layouts' routed experts (one custom VJP each) against the float64 oracle, the
-  output and the five gradients; 'pallas' interpreted, tiles of 16 rows (6 experts, 48 rows)."""
+  output and the five gradients; 6 experts; 'xla_blocked' with blocks of 8 rows (48 rows) and, at
+  blocks_per_group=1, of 32 (192 rows); 'pallas' interpreted, tiles of 16 rows (48 rows)."""
   rng = np.random.default_rng(4)
-  t, e, k = 24, 6, 2
+  e, k = 6, 2
   logits, x, dy = _normal(rng, t, e), _normal(rng, t, d), _normal(rng, t, d)
   r = moe.route(logits, None, top_k=k, scaling_factor=2.0)
   ws = _expert_weights(rng, e, d, f)
-  settings = PALLAS if impl == 'pallas' else None
   fwd = lambda x, w, *ws: moe.routed_experts(x, w, r.experts_tk, *ws, impl=impl, settings=settings)
   y = jax.jit(fwd)(x, r.weights_tk, *ws)
   ref = np_routed_experts(x, r.weights_tk, np.asarray(r.experts_tk), *ws, np.asarray(dy))
