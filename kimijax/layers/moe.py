@@ -60,10 +60,10 @@ class MoE(nn.Module, kw_only=True):
       their sum. scaling_factor: the routed scaling factor. n_group, topk_group: group-limited
       routing (1, 1: off). aux_loss_alpha: the sequence-wise balance loss weight (0: off).
     init_std: N(0, init_std) for every weight. dtype: the compute dtype. impl: the grouped
-      matmul, a key of kimijax.ops.moe.IMPLS. settings: its kernels' settings ('pallas': a
-      MoeSettings, model.kernels.moe; None: the defaults). remat: recompute the routed experts in the backward
-      from their inputs (the tokens and the routing) instead of keeping their top_k copies of each
-      token's rows (model.moe.remat).
+      matmul, a key of kimijax.ops.moe.IMPLS. settings: its settings ('pallas': a MoeSettings,
+      'xla_blocked': a BlockedSettings; model.kernels.moe parsed; None: the defaults). remat:
+      recompute the routed experts in the backward from their inputs (the tokens and the
+      routing) instead of keeping their top_k copies of each token's rows (model.moe.remat).
   """
 
   num_experts: int
