@@ -335,7 +335,7 @@ def _blocked_settings(settings) -> BlockedSettings:
   return settings
 
 
-def _block_rows(m: int, g: int, blocks_per_group: int = 4) -> int:
+def _block_rows(m: int, g: int, blocks_per_group: int) -> int:
   """xla_blocked's block size: the power of two nearest m / (blocks_per_group g), at least 8 (static)."""
   return max(8, 1 << max(round(math.log2(max(m / (blocks_per_group * g), 1))), 0))
 
