@@ -1,6 +1,7 @@
-"""Pallas GPU kernels, one folder per op (attnres/, attention/, kda/, mla_decode/, short_conv/), each with a
-README (backend, tiles, precision, what is recomputed), and common.py, the helpers they share.
-kimijax.ops dispatches to them; nothing else in kimijax imports them.
+"""Pallas GPU kernels, one folder per op (attnres/, attention/, kda/, mla_decode/, moe/, short_conv/), each with a
+README (backend, tiles, precision, what is recomputed), common.py, the helpers they share, and
+settings.py, the base of their settings. kimijax.ops dispatches to them; nothing else in kimijax
+imports them (kimijax/ops/moe.py's BlockedSettings builds on settings.py, which is plain Python).
 
 Tracing: each op's entry point checks its arguments, then calls its body under one jax.jit whose
 static arguments include the kernels' settings (a frozen dataclass of kernels_pallas/<op>/settings.py,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernels_pallas.common import Settings
+from kernels_pallas.settings import Settings
 
 
 @dataclasses.dataclass(frozen=True)

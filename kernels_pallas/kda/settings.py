@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernels_pallas.common import Settings, triton_params
+from kernels_pallas.common import triton_params
+from kernels_pallas.settings import Settings
 
 # Shared memory per program on Hopper (227 KB), for state_stages.
 SHARED_MEMORY = 227 * 1024

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernels_pallas.common import Settings, power_of_two_divisor
+from kernels_pallas.common import power_of_two_divisor
+from kernels_pallas.settings import Settings
 
 
 @dataclasses.dataclass(frozen=True)

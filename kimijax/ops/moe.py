@@ -89,6 +89,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from kernels_pallas.settings import Settings
+
 RENORM_EPS = 1e-20  # added to the chosen scores' sum before dividing (as released)
 SCORE_FUNCS = ('sigmoid', 'softmax')
 EXPERT_AXIS = 'expert'  # the mesh axis the experts are split over
@@ -299,7 +301,7 @@ def _tokamax_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, settings=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockedSettings:
+class BlockedSettings(Settings):
   """'xla_blocked''s layout: b, the rows per block, is the power of two nearest M / (blocks_per_group
   G) for M rows in G groups, at least 8. More blocks per group pad less (each group's last block
   is partly empty, and the layout holds G trailing blocks for the worst case) but gather one
@@ -310,21 +312,6 @@ class BlockedSettings:
   FAMILY = 'moe xla_blocked'
 
   blocks_per_group: int = 4
-
-  def __post_init__(self):
-    if not isinstance(self.blocks_per_group, int) or self.blocks_per_group < 1:
-      raise ValueError(f'{self.FAMILY}: blocks_per_group must be a positive int, got {self.blocks_per_group!r}')
-
-  @classmethod
-  def from_string(cls, text: str) -> BlockedSettings:
-    """The defaults with the fields named in text ('key=int/key=int'; '' the defaults) changed."""
-    from kernels_pallas.common import parse_settings
-
-    changes = parse_settings(text)
-    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(cls)})
-    if unknown:
-      raise ValueError(f'{cls.FAMILY}: unknown keys {unknown}; allowed: {[f.name for f in dataclasses.fields(cls)]}')
-    return cls(**changes)
 
 
 def _blocked_settings(settings) -> BlockedSettings:

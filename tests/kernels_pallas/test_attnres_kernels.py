@@ -11,7 +11,8 @@ def test_kernel_settings_are_checked():
   """A mistyped settings key is an error naming it, not silently the default; so is a dot's row
   tile under 16; a feature chunk is a power of two whatever the target."""
   from kernels_pallas.attnres.settings import MergeNormSettings, Phase1Settings
-  from kernels_pallas.common import feature_chunk, parse_settings
+  from kernels_pallas.common import feature_chunk
+  from kernels_pallas.settings import parse_settings
 
   with pytest.raises(ValueError, match="unknown keys \\['bt_grad'\\]"):
     Phase1Settings().replace(bt_grad=32)
