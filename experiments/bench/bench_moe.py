@@ -155,7 +155,8 @@ def impl_variants(impls, moe_tiles=('',)):
     if parse is None:
       variants.append((impl, impl, None))
       continue
-    texts = [e.partition(':')[2] if ':' in e else e for e in moe_tiles if ':' not in e or e.split(':')[0] == impl]
+    entries = [entry.partition(':') for entry in moe_tiles]  # (impl, ':', text) or (text, '', '')
+    texts = [text if sep else name for name, sep, text in entries if not sep or name == impl]
     for text in texts or ('',):
       variants.append((f'{impl} ({text})' if text else impl, impl, parse(text)))
   return variants

@@ -314,17 +314,14 @@ class BlockedSettings(Settings):
   blocks_per_group: int = 4
 
 
-def _blocked_settings(settings) -> BlockedSettings:
+def _block_rows(m: int, g: int, settings: BlockedSettings | None) -> int:
+  """xla_blocked's block size for m rows in g groups (static): the power of two nearest m /
+  (blocks_per_group g), at least 8; settings None: the defaults."""
   if settings is None:
-    return BlockedSettings()
+    settings = BlockedSettings()
   if not isinstance(settings, BlockedSettings):
     raise TypeError(f"moe impl='xla_blocked': settings must be a BlockedSettings or None, got {type(settings)}")
-  return settings
-
-
-def _block_rows(m: int, g: int, blocks_per_group: int) -> int:
-  """xla_blocked's block size: the power of two nearest m / (blocks_per_group g), at least 8 (static)."""
-  return max(8, 1 << max(round(math.log2(max(m / (blocks_per_group * g), 1))), 0))
+  return max(8, 1 << max(round(math.log2(max(m / (settings.blocks_per_group * g), 1))), 0))
 
 
 class _Blocks(NamedTuple):
@@ -461,8 +458,7 @@ def _blocked_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, settings=None):
   Rows past the groups' total come out zero and their cotangent reaches nothing. settings: a
   BlockedSettings or None (the defaults)."""
   m, k = lhs_mk.shape
-  b = _block_rows(m, group_sizes_g.shape[0], _blocked_settings(settings).blocks_per_group)
-  layout = _blocked_layout(m, group_sizes_g, b)
+  layout = _blocked_layout(m, group_sizes_g, _block_rows(m, group_sizes_g.shape[0], settings))
 
   def slot_matmul(x_pk, w_gkn, group_b):
     return _blocked_matmul(x_pk.reshape(layout.blocks, layout.b, k), w_gkn, group_b).reshape(x_pk.shape[0], -1)
@@ -481,8 +477,7 @@ def _blocked_routed(x_td, weights_tk, dispatch: Dispatch, w_gate_edf, w_up_edf, 
   """'xla_blocked''s routed experts in the padded layout (module docstring). Rows of other shards'
   experts have no slot and count zero. settings: a BlockedSettings or None (the defaults)."""
   t, k = weights_tk.shape
-  b = _block_rows(t * k, dispatch.group_sizes_e.shape[0], _blocked_settings(settings).blocks_per_group)
-  layout = _blocked_layout(t * k, dispatch.group_sizes_e, b)
+  layout = _blocked_layout(t * k, dispatch.group_sizes_e, _block_rows(t * k, dispatch.group_sizes_e.shape[0], settings))
   row_p, slot_tk = _slot_maps(layout, dispatch, t, k)
   w_in_ed2f = jnp.concatenate([w_gate_edf, w_up_edf], axis=-1)
   return _padded_swiglu(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, layout.group_b)

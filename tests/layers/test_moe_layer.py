@@ -141,7 +141,7 @@ def test_remat_experts_keep_only_their_inputs_and_match_the_oracle():
   # experts keep gate|up in the padded slots, [blocks, b, 2F] with blocks * b >= T * K, and no
   # D-wide array of the rows; with remat nothing of the rows at all.
   rows = B * T * kw['top_k']
-  b = moe_ops._block_rows(rows, kw['num_experts'], moe_ops.BlockedSettings().blocks_per_group)
+  b = moe_ops._block_rows(rows, kw['num_experts'], None)
   slots_gate_up = (-(-rows // b) + kw['num_experts'], b, 2 * F)
   for remat in (False, True):
     layer = MoE(expert_hidden=F, impl='xla_blocked', remat=remat, **kw)
