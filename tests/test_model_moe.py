@@ -109,8 +109,9 @@ def test_remat_keeps_the_router_statistics_and_the_gradients():
   for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
     np.testing.assert_allclose(a, b, rtol=1e-6)
   assert float(l0) == pytest.approx(float(l1), rel=1e-6)
+  # float32 summed in another order where remat changes XLA's fusions: ~1e-5 on the attention keys
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g0), jax.tree.leaves(g1)):
-    assert rel_err(b, np.asarray(a, np.float64)) <= 1e-5, jax.tree_util.keystr(path)
+    assert rel_err(b, np.asarray(a, np.float64)) <= 3e-5, jax.tree_util.keystr(path)
 
 
 def test_pallas_runs_the_model_with_the_configs_kernel_settings():
