@@ -107,7 +107,7 @@ class MoE(nn.Module, kw_only=True):
     bias_e = self.variable(MOE_STATE, 'bias', jnp.zeros, (e,), jnp.float32).value
 
     x_td = x_btd.reshape(b * t, d)
-    logits_te = jnp.einsum('td,de->te', x_td.astype(jnp.float32), router_de, precision=jax.lax.Precision.HIGHEST)
+    logits_te = moe_ops.router_logits(x_td, router_de)
     routing = moe_ops.route(
       logits_te,
       bias_e,

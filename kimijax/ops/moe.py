@@ -133,6 +133,24 @@ def check_routing(
     )
 
 
+def _dot_f32(a, b):
+  """a @ b in float32 to float32 accuracy on tensor cores: each operand split into three bf16 terms
+  and the six largest of their products accumulated in float32 (BF16_BF16_F32_X6; a backend
+  without it, such as XLA:CPU, multiplies in float32). Precision.HIGHEST instead takes the GPU's
+  CUDA-core float32 path, several times slower. Its gradients use the same algorithm."""
+  return jnp.matmul(
+    a.astype(jnp.float32),
+    b.astype(jnp.float32),
+    precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
+    preferred_element_type=jnp.float32,
+  )
+
+
+def router_logits(x_td, router_de):
+  """The router logits u = x W_r [T, E] in float32 (to float32 accuracy, forward and backward)."""
+  return _dot_f32(x_td, router_de)
+
+
 class Routing(NamedTuple):
   """weights_tk float32 (the mixing weights w), experts_tk int32 (the chosen experts K_t, best
   first by biased score), scores_te float32 (s, unbiased)."""
@@ -419,8 +437,7 @@ def _block_weight_grad(x_ibk, g_ibn, group_i, w_gkn):
   g, k, n = w_gkn.shape
   dw_ikn = jnp.einsum('ibk,ibn->ikn', x_ibk, g_ibn, preferred_element_type=jnp.float32)
   one_hot_gi = (group_i[None, :] == jnp.arange(g, dtype=jnp.int32)[:, None]).astype(jnp.float32)
-  # HIGHEST: the sum in float32, not TF32 on the GPU.
-  dw = jnp.dot(one_hot_gi, dw_ikn.reshape(-1, k * n), precision=jax.lax.Precision.HIGHEST)
+  dw = _dot_f32(one_hot_gi, dw_ikn.reshape(-1, k * n))  # the sum in float32, on tensor cores
   return dw.reshape(g, k, n).astype(w_gkn.dtype)
 
 

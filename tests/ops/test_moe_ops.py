@@ -116,6 +116,24 @@ def test_route_checks_shapes():
     moe.route(jnp.zeros((3, 4)), None, top_k=5)
 
 
+@pytest.mark.parametrize('x_dtype', [jnp.bfloat16, jnp.float32])
+def test_router_logits_float32_accurate(x_dtype):
+  """router_logits and its gradients in x and W_r against float64 NumPy (loss sum(u * du)), on the
+  CPU and on a GPU alike: within 2e-6 relative RMSE, where one bf16 product would be ~3e-3 off."""
+  rng = np.random.default_rng(11)
+  t, d, e = 1024, 512, 64
+  x = _normal(rng, t, d).astype(x_dtype)
+  w, du = _normal(rng, d, e, scale=0.02), _normal(rng, t, e)
+  u, (dx, dw) = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(moe.router_logits(x, w) * du), argnums=(0, 1)))(x, w)
+  x64, w64, du64 = (np.asarray(a, np.float64) for a in (x, w, du))
+  want_u = x64 @ w64
+  assert abs(float(u) - np.sum(want_u * du64)) <= 1e-5 * np.sum(np.abs(want_u * du64))
+  assert rel_rmse(moe.router_logits(x, w), want_u) <= 2e-6
+  assert rel_rmse(dw, x64.T @ du64) <= 2e-6
+  if x_dtype == jnp.float32:  # a bf16 x gets a bf16 gradient
+    assert rel_rmse(dx, du64 @ w64.T) <= 2e-6
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
