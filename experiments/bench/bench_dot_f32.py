@@ -1,5 +1,5 @@
 """The MoE layer's two float32 products under Precision.HIGHEST and under the tensor-core algorithm
-kimijax.ops.moe uses (BF16_BF16_F32_X6, `_dot_f32`): time and distance from HIGHEST.
+kimijax.ops.moe uses (F32_ALGORITHM, BF16_BF16_F32_X6): time and distance from HIGHEST.
 
     python -m experiments.bench.bench_dot_f32 [--tokens=65536 --d_model=1024 --experts=64 --blocks=320 --width=524288]
 
@@ -12,17 +12,13 @@ Markdown table: product, algorithm, median (min) ms, relative RMSE against HIGHE
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 from experiments.bench import timing
+from experiments.tools.moe_accuracy import rel_rmse
+from kimijax.ops.moe import F32_ALGORITHM
 
-ALGORITHMS = {'HIGHEST': jax.lax.Precision.HIGHEST, 'BF16_BF16_F32_X6': jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6}
-
-
-def _rel(got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+ALGORITHMS = {'HIGHEST': jax.lax.Precision.HIGHEST, F32_ALGORITHM.name: F32_ALGORITHM}
 
 
 def rows(*, tokens, d_model, experts, blocks, width, repeats=20, warmup=2):
@@ -54,7 +50,7 @@ def rows(*, tokens, d_model, experts, blocks, width, repeats=20, warmup=2):
       median, fastest = timing.call_ms(call, repeats=repeats, warmup=warmup)
       out = jax.tree.leaves(call())
       reference = out if reference is None else reference
-      errors = ', '.join(f'{_rel(a, b):.1e}' for a, b in zip(out, reference))
+      errors = ', '.join(f'{rel_rmse(a, b):.1e}' for a, b in zip(out, reference))
       yield product, name, f'{median:.3f} ({fastest:.3f})', errors
 
 

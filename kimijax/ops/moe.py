@@ -133,16 +133,17 @@ def check_routing(
     )
 
 
+# float32 products to float32 accuracy on tensor cores: each operand split into three bf16 terms and
+# the six largest of their products accumulated in float32 (a backend without it, such as XLA:CPU,
+# multiplies in float32). Precision.HIGHEST instead takes the GPU's CUDA-core float32 path, several
+# times slower (experiments/bench/bench_dot_f32.py).
+F32_ALGORITHM = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
+
+
 def _dot_f32(a, b):
-  """a @ b in float32 to float32 accuracy on tensor cores: each operand split into three bf16 terms
-  and the six largest of their products accumulated in float32 (BF16_BF16_F32_X6; a backend
-  without it, such as XLA:CPU, multiplies in float32). Precision.HIGHEST instead takes the GPU's
-  CUDA-core float32 path, several times slower. Its gradients use the same algorithm."""
+  """a @ b in float32 by F32_ALGORITHM; its gradients use the same algorithm."""
   return jnp.matmul(
-    a.astype(jnp.float32),
-    b.astype(jnp.float32),
-    precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6,
-    preferred_element_type=jnp.float32,
+    a.astype(jnp.float32), b.astype(jnp.float32), precision=F32_ALGORITHM, preferred_element_type=jnp.float32
   )
 
 
