@@ -52,9 +52,16 @@ def define_flags():
   flags.DEFINE_string('hybrid_pattern', None, "layer pattern of the hybrid (default: the config's)")
   flags.DEFINE_string('baseline_pattern', 'A', 'layer pattern of the baseline')
   flags.DEFINE_float('copy_gib', 2.0, 'GiB of the buffer whose copy measures the memory bandwidth')
+  flags.DEFINE_string(
+    'profile_dir',
+    None,
+    'also trace PROFILE_STEPS more decode steps of each pattern at each context into '
+    'DIR/hybrid_CONTEXT and DIR/baseline_CONTEXT (perfetto JSON too; experiments/tools/profile_summary reads one)',
+  )
 
 
 LOOP_CALLS = 3  # timed loop calls (after one that compiles)
+PROFILE_STEPS = 3  # profile_summary's default --steps
 HEADER = (
   '| context | pattern | params M | step ms | tokens/s | loop ms/token | cache MiB/seq | read MiB | roofline ms '
   '| step / roofline | hybrid speed-up (bytes ratio) |'
@@ -99,8 +106,9 @@ def step_bytes(m, params, cache: dict, batch: int) -> int:
   return total
 
 
-def bench(model, params, m, context: int, batch: int, steps: int, bandwidth: float) -> dict:
-  """The step's and the loop's times at `context`, the cache's size and the step's roofline."""
+def bench(model, params, m, context: int, batch: int, steps: int, bandwidth: float, profile: str | None = None) -> dict:
+  """The step's and the loop's times at `context`, the cache's size and the step's roofline; with
+  `profile` (a directory), a trace of PROFILE_STEPS more steps there."""
   import jax
   import jax.numpy as jnp
 
@@ -127,6 +135,11 @@ def bench(model, params, m, context: int, batch: int, steps: int, bandwidth: flo
   token = jnp.zeros((batch,), jnp.int32)
   # Each step rewrites position L - 1: a steady-state step at context L; the warm-up compiles.
   ms, (token, cache) = timing.loop_ms(lambda carry: step(params, *carry), (token, cache), steps=steps)
+  if profile:
+    with jax.profiler.trace(profile, create_perfetto_trace=True):
+      _, (token, cache) = timing.loop_ms(
+        lambda carry: step(params, *carry), (token, cache), steps=PROFILE_STEPS, warmup=0
+      )
 
   prompt = jnp.zeros((batch, context - steps - 1), jnp.int32)
   logits, rng = jnp.zeros((batch, m.vocab_size), jnp.float32), jax.random.key(0)
@@ -178,8 +191,19 @@ def flag_error(contexts: list[str], steps: int, copy_gib: float) -> str | None:
   return None
 
 
-def table(config, contexts: list[int], batch: int, steps: int, hybrid: str, baseline: str, copy_gib: float):
-  """The Markdown lines: the setup and the measured copy bandwidth, the header, then two rows per context."""
+def table(
+  config,
+  contexts: list[int],
+  batch: int,
+  steps: int,
+  hybrid: str,
+  baseline: str,
+  copy_gib: float,
+  profile_dir: str | None = None,
+):
+  """The Markdown lines: the setup and the measured copy bandwidth, the header, then two rows per
+  context; with `profile_dir`, each pattern's steps at each context traced to PROFILE_DIR/hybrid_CONTEXT
+  and PROFILE_DIR/baseline_CONTEXT."""
   from experiments.bench import timing
 
   bandwidth = timing.copy_bytes_per_s(int(copy_gib * 2**30))
@@ -193,7 +217,12 @@ def table(config, contexts: list[int], batch: int, steps: int, hybrid: str, base
   yield HEADER
   yield '|' + '---|' * HEADER.count(' | ') + '---|'
   for context in contexts:
-    rows = {pattern: bench(*models[pattern], context, batch, steps, bandwidth) for pattern in (hybrid, baseline)}
+    rows = {
+      pattern: bench(
+        *models[pattern], context, batch, steps, bandwidth, profile_dir and f'{profile_dir}/{role}_{context}'
+      )
+      for role, pattern in (('hybrid', hybrid), ('baseline', baseline))
+    }
     base, hyb = rows[baseline], rows[hybrid]
     speedup = f'{base["ms_per_token"] / hyb["ms_per_token"]:.2f}x ({base["read_MiB"] / hyb["read_MiB"]:.2f}x)'
     yield row(context, hybrid, hyb, speedup)
@@ -213,7 +242,9 @@ def main(argv):
   hybrid = FLAGS.hybrid_pattern or config.model.layer_pattern
   contexts = [int(c) for c in FLAGS.contexts]
   runs.print_header()
-  for line in table(config, contexts, FLAGS.batch, FLAGS.steps, hybrid, FLAGS.baseline_pattern, FLAGS.copy_gib):
+  for line in table(
+    config, contexts, FLAGS.batch, FLAGS.steps, hybrid, FLAGS.baseline_pattern, FLAGS.copy_gib, FLAGS.profile_dir
+  ):
     print(line, flush=True)
 
 

@@ -37,6 +37,11 @@ flags.DEFINE_string(
   None,
   'an XLA_FLAGS=--xla_dump_to directory of the profiled run: name the JAX operation behind each listed op',
 )
+flags.DEFINE_string(
+  'module',
+  'train_step',
+  "with --hlo_dump: the jitted function whose optimised module names the ops ('step' for bench_decode's steps)",
+)
 FLAGS = flags.FLAGS
 
 # First match wins; matched against the lower-cased event name.
@@ -142,13 +147,13 @@ def newest_trace(directory: str) -> str:
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = ')
 
 
-def hlo_origins(directory: str) -> dict[str, str]:
+def hlo_origins(directory: str, module: str = 'train_step') -> dict[str, str]:
   """{op name as the trace spells it ('.' -> '_'): 'op_name (file:line)'} from the newest optimised
-  HLO module of a train step in an XLA dump directory."""
-  paths = [p for p in glob.glob(os.path.join(directory, '*after_optimizations.txt')) if 'train_step' in p]
+  HLO module of the jitted function `module` in an XLA dump directory."""
+  paths = glob.glob(os.path.join(directory, f'*.jit_{module}.*after_optimizations.txt'))
   if not paths:
     raise SystemExit(
-      f'profile_summary: no optimised train-step HLO (*train_step*after_optimizations.txt) under {directory!r}'
+      f'profile_summary: no optimised HLO of {module!r} (*.jit_{module}.*after_optimizations.txt) under {directory!r}'
     )
   origins = {}
   with open(max(paths, key=os.path.getmtime)) as f:
@@ -174,7 +179,7 @@ def main(argv):
   print('| kind | ms / step |\n|---|---|')
   for kind, ms in by_kind.items():
     print(f'| {kind} | {ms:.2f} |')
-  origins = hlo_origins(FLAGS.hlo_dump) if FLAGS.hlo_dump else None
+  origins = hlo_origins(FLAGS.hlo_dump, FLAGS.module) if FLAGS.hlo_dump else None
   extra = lambda text: f' {text} |' if origins is not None else ''
   print(f'\n| op (top {FLAGS.top}) | kind | ms / step |{extra("from")}\n|---|---|---|{extra("---")}')
   for name, ms in by_name[: FLAGS.top]:

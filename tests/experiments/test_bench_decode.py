@@ -44,9 +44,15 @@ def test_step_bytes_count_parameters_attention_cache_once_and_kda_state_twice():
   assert bench_decode.step_bytes(m, params, cache, batch) == want
 
 
-def test_tiny_hybrid_prints_a_markdown_table():
+def test_tiny_hybrid_prints_a_markdown_table_and_traces_each_pattern(tmp_path):
   config = config_lib.load_file('configs/default.py', {**TINY, 'model.compute_dtype': 'float32'})
-  lines = list(bench_decode.table(config, [8], batch=2, steps=2, hybrid='KA', baseline='A', copy_gib=0.001))
+  lines = list(
+    bench_decode.table(
+      config, [8], batch=2, steps=2, hybrid='KA', baseline='A', copy_gib=0.001, profile_dir=str(tmp_path)
+    )
+  )
+  for role in ('hybrid', 'baseline'):  # the trace profile_summary reads
+    assert list((tmp_path / f'{role}_8').glob('**/perfetto_trace.json.gz')), role
   setup, blank, header, rule, hybrid, baseline = lines
   bandwidth = re.search(r'copy bandwidth ([\d,.]+) GB/s', setup)
   assert bandwidth and float(bandwidth[1].replace(',', '')) > 0

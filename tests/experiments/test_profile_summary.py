@@ -69,7 +69,8 @@ def test_cli_reads_newest_trace_and_refuses_cpu_traces(tmp_path, capsys):
 
 def test_hlo_origins_name_the_jax_operation_of_each_fusion(tmp_path):
   """A fusion's trace name ('loop_add_fusion_18') maps to the op_name and source line recorded
-  in the newest optimised train-step module; other modules of the dump are not read."""
+  in the newest optimised module of the named jitted function (the train step by default); other
+  modules of the dump are not read."""
   line = (
     '  %loop_add_fusion.18 = bf16[16,4096,1024]{2,1,0} fusion(%p0, %p1), kind=kLoop, '
     'calls=%fused_add.18, metadata={op_name="jit(train_step)/jvp(Model)/layer_3/kda/add" '
@@ -81,9 +82,15 @@ def test_hlo_origins_name_the_jax_operation_of_each_fusion(tmp_path):
   (tmp_path / 'module_0001.jit_other.sm_9.0_gpu_after_optimizations.txt').write_text(
     line.replace('layer_3', 'elsewhere')
   )
+  (tmp_path / 'module_0002.jit_step.sm_9.0_gpu_after_optimizations.txt').write_text(
+    line.replace('jit(train_step)/jvp(Model)/layer_3', 'jit(step)/layer_5')
+  )
   origins = profile_summary.hlo_origins(str(tmp_path))
   assert origins == {'loop_add_fusion_18': 'jit(train_step)/jvp(Model)/layer_3/kda/add (kda.py:120)'}
-  with pytest.raises(SystemExit, match='no optimised train-step HLO'):
+  assert profile_summary.hlo_origins(str(tmp_path), 'step') == {
+    'loop_add_fusion_18': 'jit(step)/layer_5/kda/add (kda.py:120)'
+  }
+  with pytest.raises(SystemExit, match="no optimised HLO of 'train_step'"):
     profile_summary.hlo_origins(str(tmp_path / 'missing'))
 
 
