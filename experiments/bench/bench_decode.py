@@ -80,10 +80,13 @@ def build(config, pattern: str):
 
   m = config.model
   m.layer_pattern = pattern
-  m.kda_impl = 'xla_recurrent'  # decoding uses kda_step whatever the impl; the scan compiles fastest for init
   validate(config)
   model = Transformer(m)
-  variables = nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+  # The parameters do not depend on the KDA implementation: initialise through the scan, which
+  # compiles fastest; the returned model decodes with the config's (kda_step under its kda_impl).
+  init_config = m.copy_and_resolve_references()
+  init_config.kda_impl = 'xla_recurrent'
+  variables = nn.unbox(jax.jit(Transformer(init_config).init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
   params = jax.tree.map(lambda p: p.astype(m.compute_dtype) if p.ndim > 1 else p, variables['params'])
   return model, inference_variables(params, variables.get('moe_state')), m
 

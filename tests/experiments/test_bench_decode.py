@@ -76,3 +76,12 @@ def test_flag_errors():
   assert bench_decode.flag_error(['4k'], 2, 1.0) == "--contexts: ['4k'] are not whole numbers"
   message = "--contexts: ['3'] leave no prompt for the loop: each must be at least --steps + 2 = 4"
   assert bench_decode.flag_error(['64', '3'], 2, 1.0) == message
+
+
+def test_the_model_decodes_with_the_configs_kda_implementation():
+  """build initialises through the recurrent scan but returns a model of the config's kda_impl
+  (kda_step dispatches on it: 'pallas' is the fused decode kernel of a GPU config)."""
+  config = config_lib.load_file('configs/default.py', {**TINY, 'model.kda_impl': 'xla'})
+  model, params, m = bench_decode.build(config, 'KA')
+  assert model.cfg.kda_impl == m.kda_impl == 'xla'
+  assert params['layer_0']['kda']['q_proj'].dtype == jnp.bfloat16  # matrices in the compute dtype
