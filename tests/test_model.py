@@ -145,6 +145,17 @@ def test_forward_matches_numpy_reference(overrides):
   assert rel_err(logits, np_forward(other, params, tokens)[0]) > 1e-2
 
 
+def test_one_token_forward_matches_numpy_reference():
+  """At one token per sequence the layers project without stacking their weights
+  (kimijax.layers.params.project): the MHA and SwiGLU matmuls of that path against float64."""
+  cfg = tiny_model_config(num_kv_heads=0, attention_kind='mha')
+  params = init_params(cfg)
+  tokens = random_tokens(cfg, t=1)
+  logits, _ = forward(cfg, params, tokens)
+  assert logits.shape == (B, 1, cfg.vocab_size)
+  assert rel_err(logits, np_forward(cfg, params, tokens)[0]) <= 1e-5
+
+
 def test_rope_model_is_invariant_to_shifting_all_positions():
   cfg = tiny_model_config()
   params = init_params(cfg)

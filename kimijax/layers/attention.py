@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kimijax.layers.params import weight
+from kimijax.layers.params import project, weight
 from kimijax.layers.rope import Yarn, apply_rope, softmax_scale
 from kimijax.ops.attention import attention, decode_attention
 
@@ -44,9 +44,8 @@ class SelfAttention(nn.Module):
     w_k = weight(self, 'key', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
     w_v = weight(self, 'value', (d, self.num_kv_heads, head_dim), ('embed', 'kv_heads', 'head_dim'))
     w_o = weight(self, 'out', (self.num_heads, head_dim, d), ('heads', 'head_dim', 'embed'))
-    if self.num_kv_heads == self.num_heads:  # one GEMM with 3x the output width
-      qkv = jnp.einsum('btd,dshk->btshk', x_btd, jnp.stack([w_q, w_k, w_v], axis=1))
-      q_bthd, k_bthd, v_bthd = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if self.num_kv_heads == self.num_heads:
+      q_bthd, k_bthd, v_bthd = project(x_btd, w_q, w_k, w_v)
     else:
       q_bthd, k_bthd, v_bthd = (jnp.einsum('btd,dhk->bthk', x_btd, w) for w in (w_q, w_k, w_v))
     if self.rope:

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from kimijax.layers.params import weight
+from kimijax.layers.params import project, weight
 
 
 class SwiGLU(nn.Module):
@@ -22,9 +22,6 @@ class SwiGLU(nn.Module):
     w_gate = weight(self, 'wi_gate', (d, self.hidden), ('embed', 'mlp'))
     w_up = weight(self, 'wi_up', (d, self.hidden), ('embed', 'mlp'))
     w_out = weight(self, 'wo', (self.hidden, d), ('mlp', 'embed'))
-    # gate and up in one GEMM of twice the output width
-    gate_up = jnp.einsum('btd,dsf->btsf', x_btd.astype(self.dtype), jnp.stack([w_gate, w_up], axis=1))
-    h_btf = nn.with_logical_constraint(
-      jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], ('act_batch', 'act_length', 'act_mlp')
-    )
+    gate_btf, up_btf = project(x_btd.astype(self.dtype), w_gate, w_up)
+    h_btf = nn.with_logical_constraint(jax.nn.silu(gate_btf) * up_btf, ('act_batch', 'act_length', 'act_mlp'))
     return jnp.einsum('btf,fd->btd', h_btf, w_out)
