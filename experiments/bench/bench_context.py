@@ -13,6 +13,12 @@ runs out of memory; any other failure stops the benchmark with the run's output.
 table (setup, length, step ms, tokens/s, peak GiB, status) and each setup's longest length that
 trained and its first that did not. A length that fits could still be followed by a longer one
 that fits between the last two tried: give finer --seq_lens there.
+
+--compile_only runs no step: each length's step is compiled ahead of time (bench_train.py
+--compile_only) and judged by XLA's planned peak per device against the device's memory, so that
+lengths whose steps would take minutes (all attention grows quadratically) are sized in the time of
+a compile; the table gives the planned peak instead of the timings, and a setup stops at its first
+length whose plan does not fit. Run the longest that fits without it to confirm.
 """
 
 import pathlib
@@ -33,6 +39,7 @@ def define_flags():
   flags.DEFINE_integer('steps', 2, 'timed steps per run')
   flags.DEFINE_integer('warmup', 1, 'untimed steps per run (the first compiles)')
   flags.DEFINE_string('cache_dir', str(bench_compare.ROOT / 'runs/xla_cache'), 'persistent XLA compilation cache')
+  flags.DEFINE_bool('compile_only', False, "size each length by XLA's planned peak of the compiled step; run nothing")
   flags.mark_flags_as_required(['setups'])
 
 
@@ -51,9 +58,13 @@ def out_of_memory(error: Exception) -> bool:
   return any(marker in str(error) for marker in OUT_OF_MEMORY)
 
 
+TRAINED, FITS, OVER = 'trained', 'fits (planned)', 'over the memory (planned)'
+
+
 def longest(setup: str, lengths: list[int], run) -> list[dict]:
   """The rows of one setup: run(args) -> bench_train's figures at each length in turn, until the
-  first that runs out of memory (its row has status 'out of memory')."""
+  first that runs out of memory (its row has status 'out of memory') or, from a compile-only run
+  (figures with 'fits'), whose planned peak does not fit (status OVER)."""
   rows = []
   for length in lengths:
     try:
@@ -63,27 +74,42 @@ def longest(setup: str, lengths: list[int], run) -> list[dict]:
         raise
       rows.append({'setup': setup, 'seq_len': length, 'status': 'out of memory'})
       break
-    rows.append({'setup': setup, 'seq_len': length, 'status': 'trained', **result})
+    status = TRAINED if 'fits' not in result else FITS if result['fits'] is not False else OVER
+    rows.append({'setup': setup, 'seq_len': length, **result, 'status': status})
+    if status == OVER:
+      break
   return rows
 
 
 def table(rows: list[dict]) -> str:
-  lines = ['| setup | seq_len | step ms | tokens/s | peak GiB | status |', '|---|---|---|---|---|---|']
+  planned = any('planned_peak_GiB' in r for r in rows)
+  columns = 'planned peak GiB | device GiB' if planned else 'step ms | tokens/s | peak GiB'
+  lines = [f'| setup | seq_len | {columns} | status |', '|---|---|' + '---|' * (columns.count('|') + 2)]
   for r in rows:
-    if r['status'] == 'trained':
+    if 'planned_peak_GiB' in r:
+      device = '-' if r['device_memory_GiB'] is None else f'{r["device_memory_GiB"]:.1f}'
+      figures = f'{r["planned_peak_GiB"]:.1f} | {device}'
+    elif r['status'] == TRAINED:
       tokens_s = r['batch'] * r['seq_len'] / r['step_ms'] * 1e3
       figures = f'{r["step_ms"]:.1f} | {tokens_s:,.0f} | {r["peak_memory_GiB"]:.1f}'
     else:
-      figures = '- | - | -'
+      figures = ' | '.join('-' * (columns.count('|') + 1))
     lines.append(f'| `{r["setup"]}` | {r["seq_len"]} | {figures} | {r["status"]} |')
   return '\n'.join(lines)
 
 
 def summary(setup: str, rows: list[dict]) -> str:
-  trained = [r['seq_len'] for r in rows if r['status'] == 'trained']
-  failed = [r['seq_len'] for r in rows if r['status'] != 'trained']
-  best = f'longest trained {trained[-1]}' if trained else 'none trained'
-  limit = f', out of memory at {failed[0]}' if failed else ', none tried ran out of memory'
+  fitting = [r for r in rows if r['status'] in (TRAINED, FITS)]
+  failed = [r for r in rows if r['status'] not in (TRAINED, FITS)]
+  planned = any('planned_peak_GiB' in r for r in rows)
+  if fitting:
+    best = f'longest that fits {fitting[-1]["seq_len"]}' if planned else f'longest trained {fitting[-1]["seq_len"]}'
+  else:
+    best = 'none fits' if planned else 'none trained'
+  if failed:
+    limit = f', {failed[0]["status"]} at {failed[0]["seq_len"]}'
+  else:
+    limit = ', none tried was over the memory' if planned else ', none tried ran out of memory'
   return f'- `{setup}`: {best}{limit}'
 
 
@@ -103,14 +129,15 @@ def main(argv):
 
     def run(args):
       out = pathlib.Path(tmp) / f'{next(counter)}.json'
+      args += ' --compile_only' if FLAGS.compile_only else ''
       return bench_compare.bench_once(args, out, steps=FLAGS.steps, warmup=FLAGS.warmup, cache_dir=FLAGS.cache_dir)
 
     for setup in setups:
       rows += (setup_rows := longest(setup, lengths, run))
       print(table(setup_rows), flush=True)
   print()
-  bench_compare.header([r for r in rows if r['status'] == 'trained'])
-  print(f'{FLAGS.steps} timed steps per run\n')
+  bench_compare.header([r for r in rows if r['status'] in (TRAINED, FITS, OVER)])
+  print('compiled, not run\n' if FLAGS.compile_only else f'{FLAGS.steps} timed steps per run\n')
   print(table(rows) + '\n')
   for setup in setups:
     print(summary(setup, [r for r in rows if r['setup'] == setup]))

@@ -9,7 +9,10 @@ loss, init_s (creating the train state), first_step_s (the first step with its c
 load), ... With --documents=MIN,MAX each row packs documents of MIN to MAX
 tokens (kimijax.data.documents.random_documents) and the batch carries their segment ids and
 positions, as with data.document_mask: the step keeps them apart (docs/data.md#document-masking);
-bench_compare runs it against the same config without it.
+bench_compare runs it against the same config without it. With --compile_only nothing is
+initialised or run: the step is compiled from the abstract train state and the figures are XLA's
+planned peak per device, the device's memory and whether the plan fits it (bench_context uses it to
+find the longest sequence that fits without running steps that take minutes).
 (bench_350m on one H200: 392 ms/step, 167k tokens/s, 0.449 MFU; experiments/results/bench_train.md).
 Model FLOPs per token come from kimijax.train.flops (6 N plus
 causal attention, the count the ladders use; Muon's Newton-Schulz is not in MFU). For an MoE model
@@ -63,6 +66,13 @@ flags.DEFINE_string(
   '',
   "'MIN,MAX': rows of packed documents of MIN to MAX tokens (uniform), their segment ids and positions "
   "in the batch (sets data.document_mask); '': one sequence per row, no segment ids",
+)
+flags.DEFINE_bool(
+  'compile_only',
+  False,
+  "compile the step ahead of time from the abstract train state and run nothing: print XLA's "
+  "planned peak per device (kimijax.train.memory.compiled_peak_bytes) against the device's memory "
+  '(planned_peak_GiB, device_memory_GiB, fits) instead of the timings; not with --documents',
 )
 flags.mark_flags_as_required(['config'])
 FLAGS = flags.FLAGS
@@ -120,6 +130,8 @@ def main(argv):
     config = validate(config)
   except ValueError as e:  # a bad file, variant, key or tile setting: one line naming it
     raise SystemExit(f'ConfigError: {e}') from None
+  if FLAGS.compile_only and documents:
+    raise app.UsageError('--compile_only takes no --documents')
   uses_tokamax = config.model.attn_impl in ('tokamax', 'gpu') or (
     config.model.mlp_kind == 'moe' and config.model.moe.impl == 'tokamax'
   )
@@ -127,6 +139,9 @@ def main(argv):
   t = config.train
   mesh = mesh_lib.make_mesh(config.mesh)
   run = build_training(config, mesh)
+  if FLAGS.compile_only:
+    _report(_compiled_plan(config, run, mesh), prov)
+    return
   start = time.perf_counter()
   state, train_step, batch_sh = jax.block_until_ready(run.init_state(config)), run.train_step, run.batch_sharding
   init_s = time.perf_counter() - start
@@ -188,6 +203,38 @@ def main(argv):
     'init_s': init_s,
     'first_step_s': first_step_s,
   }
+  _report(result, prov)
+
+
+def _compiled_plan(config, run, mesh) -> dict:
+  """--compile_only's figures: the step compiled, not run; XLA's planned peak per device against
+  what one device may use (kimijax.train.memory)."""
+  import jax
+
+  from kimijax.model import count_params
+  from kimijax.train import memory
+
+  start = time.perf_counter()
+  planned = memory.compiled_peak_bytes(run, config)
+  compile_s = time.perf_counter() - start
+  limit = memory.device_memory(mesh.devices.flat)
+  return {
+    'device': jax.devices()[0].device_kind,
+    'num_devices': mesh.devices.size,
+    'params_M': count_params(run.abstract_state.params) / 1e6,
+    'batch': config.train.batch_size,
+    'seq_len': config.train.seq_len,
+    'attn_impl': config.model.attn_impl,
+    'remat': config.model.remat,
+    'planned_peak_GiB': planned / 2**30,
+    'device_memory_GiB': None if limit is None else limit[0] / 2**30,
+    'fits': None if limit is None else planned <= limit[0],
+    'compile_s': compile_s,
+  }
+
+
+def _report(result: dict, prov: dict) -> None:
+  """One line per figure; with --json_out, the figures and the header's provenance as JSON too."""
   for key, value in result.items():
     print(f'{key:>24}: {value:.4g}' if isinstance(value, float) else f'{key:>24}: {value}')
   if FLAGS.json_out:

@@ -176,13 +176,19 @@ def make_eval_step(model, loss_chunk: int = 0):
 
 
 def in_mesh(fn, mesh: Mesh, mesh_cfg: ml_collections.ConfigDict):
-  """Runs fn with `mesh` and the logical axis rules active, so layers' sharding constraints apply."""
+  """Runs fn (jitted) with `mesh` and the logical axis rules active, so layers' sharding constraints
+  apply; the result's .lower(*args) lowers fn the same way (ahead-of-time compilation)."""
   rules = mesh_lib.rules(mesh_cfg)
 
   def wrapped(*args):
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
       return fn(*args)
 
+  def lower(*args):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      return fn.lower(*args)
+
+  wrapped.lower = lower
   return wrapped
 
 

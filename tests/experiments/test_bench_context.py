@@ -66,3 +66,28 @@ def test_bad_flags_are_one_usage_line():
   cmd = [sys.executable, '-m', 'experiments.bench.bench_context', '--setups=--config=x.py', '--seq_lens=8,4']
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode != 0 and 'ascending order' in proc.stderr and 'Traceback' not in proc.stderr
+
+
+def test_compile_only_stops_at_the_first_plan_over_the_memory():
+  """Compile-only figures (bench_train --compile_only): each length fits or not by XLA's plan; the
+  setup stops at the first that does not, and the table gives the planned peaks."""
+  calls = []
+
+  def run(args):
+    calls.append(args)
+    length = int(args.rsplit('--config.train.seq_len=', 1)[1])
+    planned = length / 2**10
+    return {'batch': 1, 'seq_len': length, 'planned_peak_GiB': planned, 'device_memory_GiB': 3.0, 'fits': planned <= 3}
+
+  rows = bench_context.longest('--config=c.py:long', [1024, 2048, 4096, 8192], run)
+  assert len(calls) == 3
+  assert [(r['seq_len'], r['status']) for r in rows] == [
+    (1024, bench_context.FITS),
+    (2048, bench_context.FITS),
+    (4096, bench_context.OVER),
+  ]
+  text = bench_context.table(rows)
+  assert text.splitlines()[0] == '| setup | seq_len | planned peak GiB | device GiB | status |'
+  assert text.splitlines()[1] == '|---|---|---|---|---|'
+  assert f'| `--config=c.py:long` | 4096 | 4.0 | 3.0 | {bench_context.OVER} |' in text
+  assert bench_context.summary('s', rows) == f'- `s`: longest that fits 2048, {bench_context.OVER} at 4096'

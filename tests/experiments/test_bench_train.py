@@ -45,3 +45,20 @@ def test_bad_documents_flag_is_one_line(tmp_path):
   assert proc.returncode != 0 and "--documents='24': expected 'MIN,MAX'" in proc.stderr
   proc, _ = bench(tmp_path, '--documents=8,24', '--config.model.attn_impl=cudnn')
   assert proc.returncode != 0 and "model.attn_impl='cudnn' has no document mask" in proc.stderr
+
+
+def test_compile_only_reports_xlas_plan_without_running(tmp_path):
+  """--compile_only: XLA's planned peak of the step (no loss: no step ran), against the host's
+  memory on a CPU; it grows with the sequence length; with --documents it is one usage line."""
+  plans = []
+  for seq_len in (64, 256):
+    proc, out = bench(tmp_path, '--compile_only', f'--config.train.seq_len={seq_len}')
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert 'loss' not in result and 'step_ms' not in result
+    assert result['seq_len'] == seq_len and result['fits'] is True
+    assert 0 < result['planned_peak_GiB'] < result['device_memory_GiB']
+    plans.append(result['planned_peak_GiB'])
+  assert plans[1] > plans[0]
+  proc, _ = bench(tmp_path, '--compile_only', '--documents=8,24')
+  assert proc.returncode != 0 and '--compile_only takes no --documents' in proc.stderr

@@ -46,6 +46,14 @@ def _compiled_bytes(config) -> int:
   )
 
 
+def test_compiled_peak_bytes_is_xlas_plan_of_the_runs_own_step():
+  """memory.compiled_peak_bytes lowers the run's jitted step from its abstract state: the same plan
+  as this module's own lowering of the step function."""
+  config = _config({})
+  run = build_training(config, mesh_lib.make_mesh(config.mesh, ONE))
+  assert memory_lib.compiled_peak_bytes(run, config) == _compiled_bytes(config)
+
+
 @pytest.mark.parametrize(
   'overrides',
   [
