@@ -36,7 +36,7 @@ def fake_run(limit, calls):
 
 def test_stops_at_the_first_length_out_of_memory():
   calls = []
-  rows = bench_context.longest('--config=c.py:long', [1024, 2048, 4096, 8192], fake_run(2048, calls))
+  rows = list(bench_context.longest('--config=c.py:long', [1024, 2048, 4096, 8192], fake_run(2048, calls)))
   assert calls == [f'--config=c.py:long --config.train.seq_len={n}' for n in (1024, 2048, 4096)]
   assert [(r['seq_len'], r['status']) for r in rows] == [(1024, 'trained'), (2048, 'trained'), (4096, 'out of memory')]
   text = bench_context.table(rows)
@@ -52,7 +52,7 @@ def test_other_failures_are_not_taken_for_out_of_memory():
     raise RuntimeError("bench_compare: this run failed (exit 1):\nConfigError: unknown variant 'bogus'")
 
   with pytest.raises(RuntimeError, match='bogus'):
-    bench_context.longest('--config=c.py:bogus', [1024], run)
+    list(bench_context.longest('--config=c.py:bogus', [1024], run))
 
 
 def test_lengths_must_ascend():
@@ -79,7 +79,7 @@ def test_compile_only_stops_at_the_first_plan_over_the_memory():
     planned = length / 2**10
     return {'batch': 1, 'seq_len': length, 'planned_peak_GiB': planned, 'device_memory_GiB': 3.0, 'fits': planned <= 3}
 
-  rows = bench_context.longest('--config=c.py:long', [1024, 2048, 4096, 8192], run)
+  rows = list(bench_context.longest('--config=c.py:long', [1024, 2048, 4096, 8192], run))
   assert len(calls) == 3
   assert [(r['seq_len'], r['status']) for r in rows] == [
     (1024, bench_context.FITS),
@@ -91,3 +91,24 @@ def test_compile_only_stops_at_the_first_plan_over_the_memory():
   assert text.splitlines()[1] == '|---|---|---|---|---|'
   assert f'| `--config=c.py:long` | 4096 | 4.0 | 3.0 | {bench_context.OVER} |' in text
   assert bench_context.summary('s', rows) == f'- `s`: longest that fits 2048, {bench_context.OVER} at 4096'
+
+
+def test_a_length_whose_run_would_pass_the_budget_is_not_started():
+  """Each fake run takes 10 s on the fake clock, so after 2048 the run at 4096 is judged at
+  10 * 2 ** 2 = 40 s: started with 50 s left, not with 30."""
+
+  def lengths_run(seconds_left):
+    now, calls = [0.0], []
+
+    def run(args):
+      now[0] += 10.0
+      return fake_run(10**9, calls)(args)
+
+    rows = list(bench_context.longest('s', [2048, 4096], run, time_left=lambda: seconds_left, clock=lambda: now[0]))
+    return [int(a.rsplit('=', 1)[1]) for a in calls], rows
+
+  assert lengths_run(50.0)[0] == [2048, 4096]
+  calls, rows = lengths_run(30.0)
+  assert calls == [2048]
+  assert [(r['seq_len'], r['status']) for r in rows] == [(2048, 'trained'), (4096, bench_context.NOT_RUN)]
+  assert bench_context.summary('s', rows) == '- `s`: longest trained 2048, 4096 not run (time budget)'
