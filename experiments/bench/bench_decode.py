@@ -26,7 +26,10 @@ written. 'step / roofline' is how far a step is from reading its bytes once at c
 hybrid's row gives its speed-up over the baseline and the ratio of their bytes (the bound the
 layer pattern sets). The MLA layers decode with model.mla_decode_impl
 (--config.model.mla_decode_impl=pallas: the split-context kernel of kernels_pallas/mla_decode/, its
-settings as --config.model.kernels.mla_decode=...).
+settings as --config.model.kernels.mla_decode=...), the KDA layers with kda_step under
+model.kda_impl (--config.model.kda_impl=pallas: the fused step kernel of kernels_pallas/kda/step.py;
+configs/kimi_linear_small.py's own 'xla' decodes with XLA's form). --profile_dir traces a few more
+steps of each model for experiments/tools/profile_summary.
 
 Prints the benchmarks' header line (experiments/runs.py print_header), then Markdown: the settings
 and the copy bandwidth, then one table row per context and pattern. On an H200 at
