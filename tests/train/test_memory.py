@@ -4,17 +4,14 @@ cannot fit stops before anything compiles with one line naming the batch, the se
 the estimate, and leaves no workdir behind; an out-of-memory error of XLA's in the first step is one
 such line too, and the run removes what it created."""
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import pytest
 from tiny_config import TINY
 
 from kimijax import config as config_lib
-from kimijax.optim import param_groups
 from kimijax.parallel import mesh as mesh_lib
 from kimijax.train import flops as flops_lib, loop as loop_lib, memory as memory_lib
-from kimijax.train.step import build_training, make_train_step
+from kimijax.train.step import build_training
 
 ONE = jax.devices()[:1]
 SMALL = {'model.d_model': 128, 'model.num_layers': 2, 'model.num_heads': 2, 'model.mlp_dim': 384}
@@ -25,33 +22,9 @@ def _config(overrides):
 
 
 def _compiled_bytes(config) -> int:
-  """Peak bytes of the compiled train step by XLA's buffer assignment: arguments, outputs and
-  temporaries, less what the donated state lets XLA reuse."""
-  mesh = mesh_lib.make_mesh(config.mesh, ONE)
-  run = build_training(config, mesh)
-  shape = (config.train.batch_size, config.train.seq_len)
-  batch = {
-    'inputs': jax.ShapeDtypeStruct(shape, jnp.int32, sharding=run.batch_sharding),
-    'targets': jax.ShapeDtypeStruct(shape, jnp.int32, sharding=run.batch_sharding),
-    'mask': jax.ShapeDtypeStruct(shape, jnp.float32, sharding=run.batch_sharding),
-  }
-  step = make_train_step(
-    run.model, run.optimizer, run.schedule, param_groups(config), loss_chunk=config.train.loss_chunk
-  )
-  step = jax.jit(step, donate_argnums=0)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(mesh_lib.rules(config.mesh)):
-    stats = step.lower(run.abstract_state, batch).compile().memory_analysis()
-  return (
-    stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-  )
-
-
-def test_compiled_peak_bytes_is_xlas_plan_of_the_runs_own_step():
-  """memory.compiled_peak_bytes lowers the run's jitted step from its abstract state: the same plan
-  as this module's own lowering of the step function."""
-  config = _config({})
-  run = build_training(config, mesh_lib.make_mesh(config.mesh, ONE))
-  assert memory_lib.compiled_peak_bytes(run, config) == _compiled_bytes(config)
+  """Peak bytes of the compiled train step by XLA's buffer assignment (memory.compiled_peak_bytes):
+  arguments, outputs and temporaries, less what the donated state lets XLA reuse."""
+  return memory_lib.compiled_peak_bytes(build_training(config, mesh_lib.make_mesh(config.mesh, ONE)), config)
 
 
 @pytest.mark.parametrize(
