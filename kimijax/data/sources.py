@@ -163,6 +163,8 @@ def corpus_report(source: str, path: str, val_fraction: float) -> list[str]:
   elif source == 'text':
     root, files, skipped = text_files(path)
     where = f'text ({path})'
+  elif source == 'site_packages':
+    return _site_packages_report(val_fraction)
   else:
     return [f'data: {source} (synthetic, generated per batch; no files)']
   lines = [f'data: {where}']
@@ -180,6 +182,17 @@ def corpus_report(source: str, path: str, val_fraction: float) -> list[str]:
       f'  skipped {len(skipped):,} files that are not text ({_describe_kinds(skipped)}), e.g. '
       f'{skipped[0].relative_to(root) if skipped[0].is_relative_to(root) else skipped[0]}'
     )
+  return lines
+
+
+def _site_packages_report(val_fraction: float) -> list[str]:
+  """corpus_report of data.source='site_packages': its roots, and each split's distinct files and bytes."""
+  from kimijax.data.site_packages import site_packages_documents, site_packages_roots
+
+  lines = [f'data: site_packages ({", ".join(str(r) for r in site_packages_roots())})']
+  for split in SPLITS:
+    docs = site_packages_documents(split, val_fraction)
+    lines.append(f'  {split:<10} {len(docs):>6,} files  {sum(map(len, docs)):>14,} bytes')
   return lines
 
 

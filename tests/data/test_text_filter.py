@@ -82,3 +82,19 @@ def test_report_for_stdlib_and_synthetic_sources():
   n_train, n_val = (int(l.split()[1].replace(',', '')) for l in lines[1:3])
   assert n_train > 100 and n_val > 5
   assert 'synthetic' in corpus_report('mqar', '', 0.05)[0]
+
+
+def test_report_for_site_packages_counts_distinct_files(tmp_path, monkeypatch):
+  from kimijax.data import site_packages
+
+  contents = [f'x_{i} = {i}\n'.encode() * (i + 1) for i in range(6)]
+  for i, data in enumerate(contents):
+    (tmp_path / f'm{i}.py').write_bytes(data)
+  (tmp_path / 'copy_of_m0.py').write_bytes(contents[0])  # a duplicate is one document
+  monkeypatch.setattr(site_packages, 'site_packages_roots', lambda: (tmp_path.resolve(),))
+  lines = corpus_report('site_packages', '', 0.3)
+  assert lines[0] == f'data: site_packages ({tmp_path.resolve()})'
+  splits = [l.split() for l in lines[1:3]]
+  assert [s[0] for s in splits] == ['train', 'validation']
+  assert sum(int(s[1]) for s in splits) == len(contents)
+  assert sum(int(s[3].replace(',', '')) for s in splits) == sum(map(len, contents))
