@@ -122,13 +122,16 @@ def main(argv):
         )
         break
       began = time.monotonic()
-      result = bench_once(
-        getattr(FLAGS, setup),
-        pathlib.Path(tmp) / f'{k}.json',
-        steps=FLAGS.steps,
-        warmup=FLAGS.warmup,
-        cache_dir=FLAGS.cache_dir,
-      )
+      try:
+        result = bench_once(
+          getattr(FLAGS, setup),
+          pathlib.Path(tmp) / f'{k}.json',
+          steps=FLAGS.steps,
+          warmup=FLAGS.warmup,
+          cache_dir=FLAGS.cache_dir,
+        )
+      except RuntimeError as e:  # the failed run's command and output, not this process's traceback
+        sys.exit(str(e))
       last_s[setup] = time.monotonic() - began
       runs.append({'setup': setup, **result})
       print(f'run {k + 1}: {setup} {result["step_ms"]:.1f} ms', flush=True)

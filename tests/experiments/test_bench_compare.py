@@ -80,3 +80,4 @@ def test_a_failing_setup_is_one_error_with_its_command(tmp_path):
   proc, out = compare(tmp_path, '--config=configs/default.py:bogus')
   assert proc.returncode != 0 and not out.exists()
   assert 'bench_compare: this run failed' in proc.stderr and "unknown variant 'bogus'" in proc.stderr
+  assert 'bench_compare.py", line' not in proc.stderr  # no traceback of bench_compare itself
