@@ -263,9 +263,9 @@ def _first_step(train_step, state, batch, config, mesh):
     devices = list(mesh.devices.flat)
     estimate = memory_lib.describe(config, memory_lib.estimate(config, n_params), _mesh_sizes(config, devices))
     first = text.strip().splitlines()[0][:200]
+    remedies = ', or '.join(memory_lib.untried_remedies(config, devices))
     raise memory_lib.MemoryLimitError(
-      f'out of memory in the first train step; {estimate}; lower train.batch_size or train.seq_len, or set '
-      f'model.remat=True (XLA: {first})'
+      f'out of memory in the first train step; {estimate}; {remedies} (XLA: {first})'
     ) from None
 
 

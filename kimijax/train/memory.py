@@ -32,13 +32,16 @@ XLA reuses buffers and fuses; the estimate is meant to be of the right size, not
 err low: it refuses only what would not run (tests/train/test_memory.py compares it with XLA's own
 memory analysis of compiled steps). The device's memory: a GPU's allocator limit
 (`memory_stats()['bytes_limit']`); on a CPU, the host's available memory (/proc/meminfo
-MemAvailable), shared by all its devices. train.check_memory=False skips the check.
+MemAvailable), shared by all its devices. Where a GPU's limit is JAX's default share of it (0.75,
+XLA_PYTHON_CLIENT_MEM_FRACTION unset), a step that fits 0.95 of it is told to set the variable; an
+MoE model is told model.moe.remat before model.remat. train.check_memory=False skips the check.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -197,14 +200,53 @@ def describe(config: ml_collections.ConfigDict, est: Estimate, mesh_sizes: dict[
 
 # The train.loss_chunk the memory check suggests: a chunk's float32 logits are 512 MiB at a vocabulary of 32768.
 SUGGESTED_LOSS_CHUNK = 4096
+# JAX's allocator gives XLA this share of each GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION
+# sets it; the check suggests the larger share where the step would fit in it.
+JAX_DEFAULT_GPU_FRACTION = 0.75
+SUGGESTED_GPU_FRACTION = 0.95
 
 
 def _remedies(config: ml_collections.ConfigDict) -> list[dict]:
   """The changes that lower the step's memory without changing its maths, those not yet made, in the
-  order the check suggests them: model.remat, train.loss_chunk, both."""
-  remat = {} if config.model.remat else {'model.remat': True}
+  order the check suggests them: model.moe.remat (MoE models: one more expert forward),
+  model.remat, train.loss_chunk, the last two together."""
+  m = config.model
+  moe_remat = {'model.moe.remat': True} if m.mlp_kind == 'moe' and not (m.moe.remat or m.remat) else {}
+  remat = {} if m.remat else {'model.remat': True}
   chunk = {} if config.train.loss_chunk else {'train.loss_chunk': SUGGESTED_LOSS_CHUNK}
-  return [c for c in (remat, chunk, {**remat, **chunk} if remat and chunk else {}) if c]
+  return [c for c in (moe_remat, remat, chunk, {**remat, **chunk} if remat and chunk else {}) if c]
+
+
+def raised_gpu_limit(devices, limit: int) -> int | None:
+  """The bytes each GPU would give XLA with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, where `limit`
+  (device_memory) is JAX's default share (the variable unset, an allocator that applies it);
+  None elsewhere."""
+  if devices[0].platform != 'gpu' or os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'):
+    return None
+  if os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR', 'default') == 'platform':
+    return None
+  return int(limit / JAX_DEFAULT_GPU_FRACTION * SUGGESTED_GPU_FRACTION)
+
+
+def gpu_fraction_advice(raised: int) -> str:
+  """The advice to start with the larger allocator share, `raised` bytes per GPU (raised_gpu_limit)."""
+  return (
+    f'start with XLA_PYTHON_CLIENT_MEM_FRACTION={SUGGESTED_GPU_FRACTION} (JAX gives XLA '
+    f'{JAX_DEFAULT_GPU_FRACTION} of each GPU by default; about {raised / GiB:.1f} GiB then)'
+  )
+
+
+def untried_remedies(config: ml_collections.ConfigDict, devices) -> list[str]:
+  """What an out-of-memory step could try, most of it untried in `config`: the larger GPU
+  allocator share where JAX's default applies, the remedies of _remedies, a smaller batch."""
+  advice = []
+  memory = device_memory(devices)
+  raised = memory and raised_gpu_limit(list(devices), memory[0])
+  if raised:
+    advice.append(gpu_fraction_advice(raised))
+  for changes in _remedies(config):
+    advice.append(f'set {" and ".join(f"{k}={v}" for k, v in changes.items())}')
+  return advice + ['lower train.batch_size or train.seq_len']
 
 
 def _changed(config: ml_collections.ConfigDict, changes: dict) -> ml_collections.ConfigDict:
@@ -227,6 +269,9 @@ def check(config: ml_collections.ConfigDict, devices, n_params: int, mesh_sizes:
   if est.per_device(mesh_sizes) <= limit:
     return
   advice = []
+  raised = raised_gpu_limit(devices, limit)
+  if raised is not None and est.per_device(mesh_sizes) <= raised:
+    advice.append(gpu_fraction_advice(raised))
   for changes in _remedies(config):
     need = estimate(_changed(config, changes), n_params).per_device(mesh_sizes)
     if need <= limit:

@@ -159,6 +159,7 @@ def test_out_of_memory_in_the_first_step_is_one_line_and_leaves_no_workdir(tmp_p
     info.value
   )
   assert 'Out of memory allocating 750063923716 bytes' in str(info.value)
+  assert 'set model.remat=True, or set train.loss_chunk=4096' in str(info.value)  # what the config has not tried
   assert not workdir.exists()
   existing = tmp_path / 'existing'  # a folder of the user's: only what the run added goes
   existing.mkdir()
@@ -166,3 +167,55 @@ def test_out_of_memory_in_the_first_step_is_one_line_and_leaves_no_workdir(tmp_p
   with pytest.raises(memory_lib.MemoryLimitError):
     loop_lib.train(config, existing, devices=ONE)
   assert sorted(p.name for p in existing.iterdir()) == ['notes.txt']
+
+
+class _FakeGpu:
+  """A GPU as memory.check sees one: its platform, kind, process and allocator limit."""
+
+  platform, device_kind, process_index = 'gpu', 'NVIDIA H800', 0
+
+  def __init__(self, limit):
+    self.limit = limit
+
+  def memory_stats(self):
+    return {'bytes_limit': self.limit}
+
+
+ONE_WAY = {'data': 1, 'fsdp': 1, 'tensor': 1}
+
+
+def test_a_step_that_fits_more_of_the_gpu_is_told_the_allocator_share(monkeypatch):
+  """Under JAX's default share (0.75 of the card) a step that fits 0.95 of it is told
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, with that share's bytes; one that does not fit it, or a
+  run that already set the variable, is not."""
+  config = _config({'train.seq_len': 256, 'model.remat': True, 'train.loss_chunk': 256})
+  n = flops_lib.count(flops_lib.abstract_params(config))
+  need = memory_lib.estimate(config, n).per_device(ONE_WAY)
+  monkeypatch.delenv('XLA_PYTHON_CLIENT_MEM_FRACTION', raising=False)
+  monkeypatch.delenv('XLA_PYTHON_CLIENT_ALLOCATOR', raising=False)
+  limit = int(need * 0.9)  # the card: limit / 0.75; 0.95 of it is 1.14 need
+  with pytest.raises(memory_lib.MemoryLimitError) as info:
+    memory_lib.check(config, [_FakeGpu(limit)], n, ONE_WAY)
+  raised_gib = limit / 0.75 * 0.95 / 2**30
+  share = '(JAX gives XLA 0.75 of each GPU by default; about %.1f GiB then)' % raised_gib
+  assert f'start with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 {share}' in str(info.value)
+  with pytest.raises(memory_lib.MemoryLimitError) as info:
+    memory_lib.check(config, [_FakeGpu(int(need * 0.7))], n, ONE_WAY)  # 0.95 of the card: 0.89 need
+  assert 'XLA_PYTHON_CLIENT_MEM_FRACTION' not in str(info.value)
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.8')
+  with pytest.raises(memory_lib.MemoryLimitError) as info:
+    memory_lib.check(config, [_FakeGpu(limit)], n, ONE_WAY)
+  assert 'XLA_PYTHON_CLIENT_MEM_FRACTION' not in str(info.value)
+
+
+def test_an_moe_step_is_told_its_expert_remat_first(monkeypatch):
+  """model.moe.remat (the routed experts recomputed) comes before model.remat where it fits."""
+  moe = {'model.mlp_kind': 'moe', 'model.moe.num_experts': 8, 'model.moe.top_k': 4, 'model.moe.expert_hidden': 256}
+  config = _config({'train.seq_len': 512, **moe})
+  n = flops_lib.count(flops_lib.abstract_params(config))
+  need = memory_lib.estimate(config, n).total
+  with_moe_remat = memory_lib.estimate(_config({'train.seq_len': 512, **moe, 'model.moe.remat': True}), n).total
+  assert with_moe_remat < need
+  monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: (need + with_moe_remat) // 2)
+  with pytest.raises(memory_lib.MemoryLimitError, match=r'set model\.moe\.remat=True \(about'):
+    loop_lib.check_memory(config, ONE)
