@@ -118,6 +118,7 @@ def main(argv):
   from kimijax.config import config_from_flags, validate
   from kimijax.model import count_params
   from kimijax.parallel import mesh as mesh_lib
+  from kimijax.train import loop as loop_lib, memory as memory_lib
   from kimijax.train.flops import active_count, model_flops_per_token
   from kimijax.train.step import build_training
 
@@ -158,7 +159,10 @@ def main(argv):
 
   step = lambda carry: train_step(carry[0], batch)
   start = time.perf_counter()  # the first step: compilation (or a cache load) and one step
-  first = jax.block_until_ready(train_step(state, batch))
+  try:
+    first = jax.block_until_ready(loop_lib.first_step(train_step, state, batch, config, mesh))
+  except memory_lib.MemoryLimitError as e:  # one line, with XLA's words (bench_context reads them)
+    raise SystemExit(f'MemoryLimitError: {e}') from None
   first_step_s = time.perf_counter() - start
   step_ms, (state, metrics) = timing.loop_ms(step, first, steps=FLAGS.steps, warmup=max(FLAGS.warmup - 1, 0))
   step_s = step_ms / 1e3

@@ -251,7 +251,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
       lock.release()
 
 
-def _first_step(train_step, state, batch, config, mesh):
+def first_step(train_step, state, batch, config, mesh):
   """The first train step (it compiles), with XLA's out-of-memory error as one MemoryLimitError."""
   try:
     return train_step(state, batch)
@@ -351,7 +351,7 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
         break
       batch = _to_global(next(train_loader), batch_sharding)
       if interval_start is None:
-        state, metrics = _first_step(train_step, state, batch, config, mesh)
+        state, metrics = first_step(train_step, state, batch, config, mesh)
       else:
         state, metrics = train_step(state, batch)
       if pending is not None:
