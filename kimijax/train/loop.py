@@ -94,12 +94,21 @@ def _mesh_sizes(config: ml_collections.ConfigDict, devices) -> dict[str, int]:
   return dict(zip(mesh_lib.mesh_axes(config.mesh), mesh_lib.mesh_shape(config.mesh, len(devices), devices[0].platform)))
 
 
-def check_memory(config: ml_collections.ConfigDict, devices=None) -> None:
+def _build(config: ml_collections.ConfigDict, mesh):
+  """The run's train and eval steps (kimijax.train.step.build_training) for the model it trains."""
+  model = Transformer(config.model, log_attnres=config.train.log_attnres, max_logits=computes_max_logits(config))
+  return build_training(config, mesh, model)
+
+
+def check_memory(config: ml_collections.ConfigDict, devices=None) -> str | None:
   """MemoryLimitError, naming the batch, the sequence length and the estimate, when the train step
-  would not fit the devices' memory (kimijax.train.memory); before anything compiles."""
+  would not fit the devices' memory (kimijax.train.memory); before any step runs. On a GPU an
+  estimate over the limit is checked against XLA's plan of the compiled step, which decides; the
+  line saying so is returned (None when the estimate fits)."""
   devices = list(devices or jax.devices())
   n_params = flops_lib.count(flops_lib.abstract_params(config))
-  memory_lib.check(config, devices, n_params, _mesh_sizes(config, devices))
+  plan = lambda: memory_lib.compiled_peak_bytes(_build(config, mesh_lib.make_mesh(config.mesh, devices)), config)
+  return memory_lib.check(config, devices, n_params, _mesh_sizes(config, devices), plan=plan)
 
 
 def check_moe_impl(config: ml_collections.ConfigDict, devices=None) -> None:
@@ -209,7 +218,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
   checkpoint already reached train.steps writes nothing and returns summary['already_finished'].
   A stop signal (Ctrl-C, SIGTERM, SIGUSR1: kimijax.train.interrupt) stops after the current step,
   saves a checkpoint of it within train.preemption_grace_s and raises Interrupted. A train step that
-  would not fit the devices' memory stops before anything compiles (kimijax.train.memory). A run
+  would not fit the devices' memory stops before any step runs (kimijax.train.memory). A run
   that stops before its first step completes removes what it created in workdir, so that a re-run
   finds the folder as it was."""
   config_lib.validate(config)
@@ -223,7 +232,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
   check_moe_impl(config, devices)
   saved = ckpt_lib.latest_complete_step(workdir)
   if (saved or 0) < t.steps:  # a finished run only reports
-    check_memory(config, devices)
+    note = check_memory(config, devices)
+    if note and pid == 0:
+      print(f'kimijax: {note}', flush=True)
   if saved is None:  # a fresh run reads train.init_from, if set
     ckpt_lib.check_init_from(config)
   train_loader = make_loader(config, 'train', process_index=pid, process_count=nproc)
@@ -286,11 +297,7 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
       'workdir': str(workdir.absolute()),
     }
 
-  run = build_training(
-    config,
-    mesh,
-    Transformer(config.model, log_attnres=config.train.log_attnres, max_logits=computes_max_logits(config)),
-  )
+  run = _build(config, mesh)
   abstract_state, train_step, eval_step = run.abstract_state, run.train_step, run.eval_step
   notices = []
   if start is not None:

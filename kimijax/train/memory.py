@@ -1,8 +1,11 @@
-"""An estimate of a train step's memory from the config alone, checked before anything compiles.
+"""An estimate of a train step's memory from the config alone, checked before any step runs.
 
 A config sized for a GPU, run on a CPU (or a batch too large for the GPU at hand), would otherwise
 compile for minutes and then stop in an out-of-memory error of XLA's. `check(config, devices)`
-stops first, with one line naming train.batch_size, train.seq_len and the estimate.
+stops first, with one line naming train.batch_size, train.seq_len and the estimate. On a GPU an
+estimate over the limit is settled by XLA's plan of the compiled step (compiled_peak_bytes): XLA's
+GPU compiler schedules a step to fit its memory limit, where the estimate counts every array the
+backward keeps, so a plan that fits runs.
 
 The estimate is a sum of the arrays a step keeps alive at its peak, per device:
 
@@ -256,18 +259,30 @@ def _changed(config: ml_collections.ConfigDict, changes: dict) -> ml_collections
   return config
 
 
-def check(config: ml_collections.ConfigDict, devices, n_params: int, mesh_sizes: dict[str, int]) -> None:
-  """MemoryLimitError when the estimate exceeds what each device may use (nothing when that
-  cannot be told, or with train.check_memory=False)."""
+def check(
+  config: ml_collections.ConfigDict, devices, n_params: int, mesh_sizes: dict[str, int], plan=None
+) -> str | None:
+  """MemoryLimitError when the step exceeds what each device may use (nothing when that cannot be
+  told, or with train.check_memory=False). The estimate decides, except on a GPU given `plan`, a
+  callable that returns XLA's planned peak per device (compiled_peak_bytes): there an estimate
+  over the limit is checked against the plan, since XLA's GPU compiler schedules a step to fit
+  its memory limit and the estimate can then err high; a plan that fits lets the step run and
+  is returned as a line for the start-up report."""
   if not config.train.check_memory:
-    return
+    return None
   memory = device_memory(devices)
   if memory is None:
-    return
+    return None
   limit, what = memory
   est = estimate(config, n_params)
   if est.per_device(mesh_sizes) <= limit:
-    return
+    return None
+  planned = plan() if plan is not None and devices[0].platform == 'gpu' else None
+  if planned is not None and planned <= limit:
+    return (
+      f'memory: estimated {est.per_device(mesh_sizes) / GiB:.1f} GiB per device, over {what}; '
+      f"XLA's plan of the step, {planned / GiB:.1f} GiB, fits"
+    )
   advice = []
   raised = raised_gpu_limit(devices, limit)
   if raised is not None and est.per_device(mesh_sizes) <= raised:
@@ -280,7 +295,8 @@ def check(config: ml_collections.ConfigDict, devices, n_params: int, mesh_sizes:
   advice.append('lower train.batch_size or train.seq_len')
   if devices[0].platform == 'cpu':
     advice.append('use a config sized for a CPU, such as configs/default.py')
+  planned_text = f" (XLA's plan of the step: {planned / GiB:.1f} GiB)" if planned is not None else ''
   raise MemoryLimitError(
-    f'{describe(config, est, mesh_sizes)}, more than {what}: {", or ".join(advice)} '
+    f'{describe(config, est, mesh_sizes)}{planned_text}, more than {what}: {", or ".join(advice)} '
     '(train.check_memory=False skips this check)'
   )

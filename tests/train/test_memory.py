@@ -219,3 +219,27 @@ def test_an_moe_step_is_told_its_expert_remat_first(monkeypatch):
   monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: (need + with_moe_remat) // 2)
   with pytest.raises(memory_lib.MemoryLimitError, match=r'set model\.moe\.remat=True \(about'):
     loop_lib.check_memory(config, ONE)
+
+
+def test_on_a_gpu_xlas_plan_decides_an_estimate_over_the_limit(monkeypatch):
+  """XLA's GPU compiler fits a step to its memory limit, so an estimate over the limit is checked
+  against the compiled plan: a plan within the limit runs (with a line saying so), one over it is
+  refused with its figure. Off the GPU the plan is not consulted."""
+  config = _config({'train.seq_len': 256, 'model.remat': True, 'train.loss_chunk': 256})
+  n = flops_lib.count(flops_lib.abstract_params(config))
+  need = memory_lib.estimate(config, n).per_device(ONE_WAY)
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.9')  # no allocator advice here
+  gpu = [_FakeGpu(int(need * 0.8))]
+  note = memory_lib.check(config, gpu, n, ONE_WAY, plan=lambda: int(need * 0.7))
+  assert note.startswith(f'memory: estimated {need / 2**30:.1f} GiB per device, over the ')
+  assert note.endswith(f"XLA's plan of the step, {int(need * 0.7) / 2**30:.1f} GiB, fits")
+  with pytest.raises(memory_lib.MemoryLimitError, match=r"\(XLA's plan of the step: [0-9.]+ GiB\), more than"):
+    memory_lib.check(config, gpu, n, ONE_WAY, plan=lambda: int(need * 0.9))
+  assert memory_lib.check(config, [_FakeGpu(need * 2)], n, ONE_WAY, plan=lambda: 1 / 0) is None  # fits: no compile
+
+  def never():
+    raise AssertionError('the plan is compiled only on a GPU')
+
+  monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: int(need * 0.8))
+  with pytest.raises(memory_lib.MemoryLimitError):
+    memory_lib.check(config, ONE, n, ONE_WAY, plan=never)
