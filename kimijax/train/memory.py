@@ -32,8 +32,8 @@ The estimate is a sum of the arrays a step keeps alive at its peak, per device:
                float32 [chunk, V]
 
 XLA reuses buffers and fuses; the estimate is meant to be of the right size, not exact, and to
-err low: it refuses only what would not run (tests/train/test_memory.py compares it with XLA's own
-memory analysis of compiled steps). The device's memory: a GPU's allocator limit
+err low (tests/train/test_memory.py compares it with XLA's own memory analysis of compiled steps on
+the CPU); where it is over a GPU's limit, XLA's plan decides (above). The device's memory: a GPU's allocator limit
 (`memory_stats()['bytes_limit']`); on a CPU, the host's available memory (/proc/meminfo
 MemAvailable), shared by all its devices. Where a GPU's limit is JAX's default share of it (0.75,
 XLA_PYTHON_CLIENT_MEM_FRACTION unset), a step that fits 0.95 of it is told to set the variable; an
@@ -285,7 +285,7 @@ def check(
     )
   advice = []
   raised = raised_gpu_limit(devices, limit)
-  if raised is not None and est.per_device(mesh_sizes) <= raised:
+  if raised is not None and (planned if planned is not None else est.per_device(mesh_sizes)) <= raised:
     advice.append(gpu_fraction_advice(raised))
   for changes in _remedies(config):
     need = estimate(_changed(config, changes), n_params).per_device(mesh_sizes)

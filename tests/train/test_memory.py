@@ -243,3 +243,16 @@ def test_on_a_gpu_xlas_plan_decides_an_estimate_over_the_limit(monkeypatch):
   monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: int(need * 0.8))
   with pytest.raises(memory_lib.MemoryLimitError):
     memory_lib.check(config, ONE, n, ONE_WAY, plan=never)
+
+
+def test_the_allocator_advice_follows_xlas_plan_where_there_is_one(monkeypatch):
+  config = _config({'train.seq_len': 256, 'model.remat': True, 'train.loss_chunk': 256})
+  n = flops_lib.count(flops_lib.abstract_params(config))
+  need = memory_lib.estimate(config, n).per_device(ONE_WAY)
+  monkeypatch.delenv('XLA_PYTHON_CLIENT_MEM_FRACTION', raising=False)
+  monkeypatch.delenv('XLA_PYTHON_CLIENT_ALLOCATOR', raising=False)
+  gpu = [_FakeGpu(int(need * 0.8))]  # at 0.95 of the card: 1.01 need
+  for planned, advised in ((0.9, True), (1.1, False)):
+    with pytest.raises(memory_lib.MemoryLimitError) as info:
+      memory_lib.check(config, gpu, n, ONE_WAY, plan=lambda p=planned: int(need * p))
+    assert ('XLA_PYTHON_CLIENT_MEM_FRACTION=0.95' in str(info.value)) == advised, planned
