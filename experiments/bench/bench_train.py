@@ -216,12 +216,12 @@ def _compiled_plan(config, run, mesh) -> dict:
   import jax
 
   from kimijax.model import count_params
-  from kimijax.train import memory
+  from kimijax.train import memory as memory_lib
 
   start = time.perf_counter()
-  planned = memory.compiled_peak_bytes(run, config)
+  planned = memory_lib.compiled_peak_bytes(run, config)
   compile_s = time.perf_counter() - start
-  limit = memory.device_memory(mesh.devices.flat)
+  limit = memory_lib.device_memory(mesh.devices.flat)
   return {
     'device': jax.devices()[0].device_kind,
     'num_devices': mesh.devices.size,

@@ -33,8 +33,8 @@ The estimate is a sum of the arrays a step keeps alive at its peak, per device:
 
 XLA reuses buffers and fuses; the estimate is meant to be of the right size, not exact, and to
 err low (tests/train/test_memory.py compares it with XLA's own memory analysis of compiled steps on
-the CPU); where it is over a GPU's limit, XLA's plan decides (above). The device's memory: a GPU's allocator limit
-(`memory_stats()['bytes_limit']`); on a CPU, the host's available memory (/proc/meminfo
+the CPU); where it is over a GPU's limit, XLA's plan decides (above). The device's memory: a GPU's
+allocator limit (`memory_stats()['bytes_limit']`); on a CPU, the host's available memory (/proc/meminfo
 MemAvailable), shared by all its devices. Where a GPU's limit is JAX's default share of it (0.75,
 XLA_PYTHON_CLIENT_MEM_FRACTION unset), a step that fits 0.95 of it is told to set the variable; an
 MoE model is told model.moe.remat before model.remat. train.check_memory=False skips the check.
@@ -220,6 +220,11 @@ def _remedies(config: ml_collections.ConfigDict) -> list[dict]:
   return [c for c in (moe_remat, remat, chunk, {**remat, **chunk} if remat and chunk else {}) if c]
 
 
+def _setting(changes: dict) -> str:
+  """A remedy of _remedies as advice: 'set KEY=VALUE and ...'."""
+  return f'set {" and ".join(f"{k}={v}" for k, v in changes.items())}'
+
+
 def raised_gpu_limit(devices, limit: int) -> int | None:
   """The bytes each GPU would give XLA with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, where `limit`
   (device_memory) is JAX's default share (the variable unset, an allocator that applies it);
@@ -247,8 +252,7 @@ def untried_remedies(config: ml_collections.ConfigDict, devices) -> list[str]:
   raised = memory and raised_gpu_limit(list(devices), memory[0])
   if raised:
     advice.append(gpu_fraction_advice(raised))
-  for changes in _remedies(config):
-    advice.append(f'set {" and ".join(f"{k}={v}" for k, v in changes.items())}')
+  advice += [_setting(changes) for changes in _remedies(config)]
   return advice + ['lower train.batch_size or train.seq_len']
 
 
@@ -290,7 +294,7 @@ def check(
   for changes in _remedies(config):
     need = estimate(_changed(config, changes), n_params).per_device(mesh_sizes)
     if need <= limit:
-      advice.append(f'set {" and ".join(f"{k}={v}" for k, v in changes.items())} (about {need / GiB:.1f} GiB)')
+      advice.append(f'{_setting(changes)} (about {need / GiB:.1f} GiB)')
       break
   advice.append('lower train.batch_size or train.seq_len')
   if devices[0].platform == 'cpu':
