@@ -3,6 +3,7 @@ with the same active FLOPs, side by side in one process, and the dispatch's part
 
     python -m experiments.bench.bench_moe                                        # one H200: the shapes below
     python -m experiments.bench.bench_moe --configs=64x8x512 --impls=tokamax,xla
+    python -m experiments.bench.bench_moe --configs=64x8x256 --impls=xla_blocked,pallas --noparts --matmuls
     python -m experiments.bench.bench_moe --configs=4x2x16 --tokens=256 --d_model=32 --impls=xla   # CPU smoke
 
 Configs 'ExKxF' (routed experts, top-k, expert hidden): by default 64 and 256 experts, top-8, expert
@@ -26,11 +27,16 @@ settings or under each of its --moe_tiles, one row each) runs permute, grouped s
 as one padded-layout function in the layer (the rows never in sorted order; kimijax/ops/moe.py):
 its row 'padded swiglu' times that, from the tokens to the weighted sum, so that route + sort +
 padded swiglu are its routed path; its 'grouped swiglu' row times it as a plain grouped matmul
-(expert_swiglu). An impl that cannot run here, or a cell out of memory, is a cell saying so, not
-a crash. Prints Markdown.
+(expert_swiglu). Table 3 (--matmuls), one grouped matmul of the expert SwiGLU at a time (the
+ragged_dot contract, gathers included: rows [T K, A] in the routing's groups times [E, A, B]):
+its forward, input gradient and weight gradient, each jitted on its own, against the dense
+matmul of the same rows ([T K, A] x [A, B] and its two gradients) at the two shapes of the
+experts (A x B = D x 2F, then F x D). An impl that cannot run here, or a cell out of memory, is a
+cell saying so, not a crash. Prints Markdown.
 Results go to experiments/results/moe.md.
 """
 
+import math
 import os
 
 CONFIGS = ('64x8x512', '64x8x1024', '256x8x512', '256x8x1024')
@@ -67,6 +73,9 @@ def define_flags():
   )
   flags.DEFINE_string('dtype', None, 'compute dtype; default bfloat16 on a GPU, float32 elsewhere')
   flags.DEFINE_bool('parts', True, 'also time the dispatch parts (table 2)')
+  flags.DEFINE_bool(
+    'matmuls', False, "also time one grouped matmul and each of its gradients against cuBLAS's (table 3)"
+  )
   flags.DEFINE_integer('repeats', 10, 'timed calls per cell')
   flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
 
@@ -239,6 +248,81 @@ def layer_rows(
       yield [label, impl_label, moe_fwd, moe_grad, dense_fwd, dense_grad, ratio]
 
 
+def _routed_groups(x_td, e: int, k: int):
+  """Random router weights' routing of x_td (sigmoid, renormalised, Moonlight's scaling) and its
+  dispatch: (routing, dispatch, route, sort), the last two jitted."""
+  import jax
+  import jax.numpy as jnp
+
+  from kimijax.ops import moe as moe_ops
+
+  w_router = 0.02 * jax.random.normal(jax.random.key(5), (x_td.shape[1], e), jnp.float32)
+  route = jax.jit(
+    lambda x, w: moe_ops.route(
+      jnp.einsum('td,de->te', x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST),
+      None,
+      top_k=k,
+      scaling_factor=2.446,
+    )
+  )
+  routing = route(x_td, w_router)
+  sort = jax.jit(lambda ex: moe_ops.sort_by_expert(ex, e))
+  return routing, sort(routing.experts_tk), (route, w_router), sort
+
+
+def matmul_rows(
+  config_names, impls, tokens=65536, d_model=1024, dtype_name=None, repeats=10, warmup=2, moe_tiles=('',)
+):
+  """Yields table 3's rows: [config, A x B, impl, forward, input gradient, weight gradient, sum / dense
+  sum], the dense row first; TFLOP/s over the 2 M A B FLOPs of each."""
+  import jax
+  import jax.numpy as jnp
+
+  from kimijax.ops import moe as moe_ops
+
+  dtype = jnp.dtype(dtype_name or ('bfloat16' if jax.default_backend() == 'gpu' else 'float32'))
+  keys = jax.random.split(jax.random.key(6), 3)
+  x_td = jax.random.normal(keys[0], (tokens, d_model), dtype)
+  for name in config_names:
+    e, k, f = parse_config(name)
+    sizes = _routed_groups(x_td, e, k)[1].group_sizes_e
+    m = tokens * k
+    for a, b in ((d_model, 2 * f), (f, d_model)):
+      x_ma = jax.random.normal(keys[1], (m, a), dtype)
+      dy_mb = jax.random.normal(keys[2], (m, b), dtype)
+      w_eab = (jax.random.normal(keys[0], (e, a, b), jnp.float32) / math.sqrt(a)).astype(dtype)
+      tflop = 2 * m * a * b / 1e12
+      dense = (
+        jax.jit(lambda x, w: x @ w[0]),
+        jax.jit(lambda dy, w: dy @ w[0].T),
+        jax.jit(lambda x, dy: jnp.einsum('ma,mb->ab', x, dy, preferred_element_type=jnp.float32).astype(dtype)),
+      )
+      cells = [
+        _timed(dense[0], (x_ma, w_eab), tflop, repeats, warmup),
+        _timed(dense[1], (dy_mb, w_eab), tflop, repeats, warmup),
+        _timed(dense[2], (x_ma, dy_mb), tflop, repeats, warmup),
+      ]
+      dense_ms = sum(ms for _, ms in cells) if all(ms for _, ms in cells) else None
+      yield [name, f'{a} x {b}', 'dense', *(c for c, _ in cells), '1']
+      for impl_label, impl, settings in impl_variants(impls, moe_tiles):
+        problem = moe_ops.unsupported(impl, dtype, d_model, f)
+        if problem:
+          yield [name, f'{a} x {b}', impl_label, *[_na_cell(problem)] * 3, '-']
+          continue
+        dot = lambda x, w, sizes, impl=impl, settings=settings: moe_ops.IMPLS[impl].ragged_dot(x, w, sizes, settings)
+        forward = _bound(dot, sizes=sizes)
+        input_grad = _bound(lambda x, w, dy, sizes: jax.vjp(lambda x: dot(x, w, sizes), x)[1](dy)[0], sizes=sizes)
+        weight_grad = _bound(lambda x, w, dy, sizes: jax.vjp(lambda w: dot(x, w, sizes), w)[1](dy)[0], sizes=sizes)
+        cells = [
+          _timed(forward, (x_ma, w_eab), tflop, repeats, warmup),
+          _timed(input_grad, (x_ma, w_eab, dy_mb), tflop, repeats, warmup),
+          _timed(weight_grad, (x_ma, w_eab, dy_mb), tflop, repeats, warmup),
+        ]
+        total = sum(ms for _, ms in cells) if all(ms for _, ms in cells) else None
+        ratio = f'{total / dense_ms:.2f}' if total and dense_ms else '-'
+        yield [name, f'{a} x {b}', impl_label, *(c for c, _ in cells), ratio]
+
+
 def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, repeats=10, warmup=2, moe_tiles=('',)):
   """Yields table 2's rows: [config, part, impl, forward, forward+backward]; an impl that takes settings
   once per its moe_tiles entry (impl_variants)."""
@@ -252,18 +336,7 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
   x_td = jax.random.normal(keys[0], (tokens, d_model), dtype)
   for name in config_names:
     e, k, f = parse_config(name)
-    w_router = 0.02 * jax.random.normal(keys[1], (d_model, e), jnp.float32)
-    route = jax.jit(
-      lambda x, w: moe_ops.route(
-        jnp.einsum('td,de->te', x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST),
-        None,
-        top_k=k,
-        scaling_factor=2.446,
-      )
-    )
-    routing = route(x_td, w_router)
-    sort = jax.jit(lambda ex: moe_ops.sort_by_expert(ex, e))
-    dispatch = sort(routing.experts_tk)
+    routing, dispatch, (route, w_router), sort = _routed_groups(x_td, e, k)
     label = f'{name}'
     router_tflop = 2 * tokens * d_model * e / 1e12
     yield [label, 'route', '-', _timed(route, (x_td, w_router), router_tflop, repeats, warmup)[0], '-']
@@ -373,6 +446,13 @@ def main(argv):
     print('\n| config | part | impl | forward | forward+backward |')
     print('|---|---|---|---|---|', flush=True)
     for row in part_rows(
+      FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.dtype, FLAGS.repeats, FLAGS.warmup, FLAGS.moe_tiles
+    ):
+      print('| ' + ' | '.join(row) + ' |', flush=True)
+  if FLAGS.matmuls:
+    print('\n| config | A x B | impl | forward | input gradient | weight gradient | sum / dense sum |')
+    print('|---|---|---|---|---|---|---|', flush=True)
+    for row in matmul_rows(
       FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.dtype, FLAGS.repeats, FLAGS.warmup, FLAGS.moe_tiles
     ):
       print('| ' + ' | '.join(row) + ' |', flush=True)

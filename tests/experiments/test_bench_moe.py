@@ -1,5 +1,6 @@
 """experiments/bench/bench_moe.py on the CPU: tiny shapes through 'xla' (timed) and 'tokamax' (a
-cell saying why it cannot run here), the config parser and the FLOP count."""
+cell saying why it cannot run here) in each of its three tables, the config parser and the FLOP
+count."""
 
 import re
 
@@ -40,6 +41,19 @@ def test_tiny_shapes_time_the_parts():
     assert all(re.fullmatch(TIMED, c) for c in by_part[part][3:]), by_part[part]
   assert all(re.fullmatch(TIMED + r', .* TFLOP/s', c) for c in by_part[('grouped swiglu', 'xla')][3:])
   assert by_part[('grouped swiglu', 'tokamax')][3].startswith('n/a: needs an NVIDIA GPU')
+
+
+def test_tiny_shapes_time_each_grouped_matmul_and_its_gradients_against_dense():
+  rows = list(bench_moe.matmul_rows(['4x2x16'], ['xla', 'tokamax'], tokens=64, d_model=32, repeats=1, warmup=1))
+  assert [(r[1], r[2]) for r in rows] == [
+    (shape, impl) for shape in ('32 x 32', '16 x 32') for impl in ('dense', 'xla', 'tokamax')
+  ]
+  for row in rows:
+    if row[2] == 'tokamax':
+      assert row[3:6] == ["n/a: needs an NVIDIA GPU, but JAX runs on 'cpu' here"] * 3 and row[6] == '-'
+    else:
+      assert all(re.fullmatch(TIMED + r', .* TFLOP/s', c) for c in row[3:6]), row
+      assert row[6] == '1' if row[2] == 'dense' else re.fullmatch(r'\d+\.\d\d', row[6])
 
 
 def test_configs_and_flops():
