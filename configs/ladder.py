@@ -157,12 +157,11 @@ def _dense_and_moe(c: ml_collections.ConfigDict) -> None:
 
 def _smoke_moe(c: ml_collections.ConfigDict) -> None:
   _smoke(c)
-  c.base.model.moe.impl = 'xla_blocked'  # lax.ragged_dot ('xla') runs many times slower on XLA:CPU
   _dense_and_moe(c)
 
 
 def _gpu_moe(c: ml_collections.ConfigDict) -> None:
-  _gpu(c)  # its kernels include model.moe.impl = 'xla_blocked' (configs_common.gpu_kernels)
+  _gpu(c)
   _dense_and_moe(c)
 
 

@@ -35,7 +35,6 @@ def get_config(arg: str | None = None):
   c = base_config()
   c.update_from_flattened_dict(overrides)
   c.model.compute_dtype = 'float32'
-  c.model.moe.impl = 'xla_blocked'
   c.train.update(init_from=os.path.abspath(folder), steps=100, batch_size=8, seq_len=2048, eval_every=50)
   c.train.update(checkpoint_every=50, eval_batches=8)
   c.optimizer.update(name='muon', learning_rate=2e-5, warmup_steps=10, weight_decay=0.1)

@@ -261,9 +261,10 @@ SCHEMA = {
       'bias_rate': Key(1e-3, 'balancing bias step: b += rate * sign(mean load - load) per step', bounds=NON_NEGATIVE),
       'bias_centred': Key(False, "Moonlight's centred bias update (keeps the mean bias at 0)"),
       'impl': Key(
-        'xla',
-        "the grouped matmul: 'xla' (lax.ragged_dot), 'xla_blocked' (padded blocks, the CPU's and GPU configs' "
-        "choice), 'tokamax' (Mosaic GPU; D and expert hidden multiples of 64) or 'pallas' (padded tiles, "
+        'xla_blocked',
+        "the grouped matmul: 'xla_blocked' (padded blocks; the fastest here on the CPU and the GPU), 'xla' "
+        '(lax.ragged_dot: the reference; on a GPU this XLA lowers it as a dense matmul over all experts), '
+        "'tokamax' (Mosaic GPU; D and expert hidden multiples of 64) or 'pallas' (padded tiles, "
         'Triton kernels of kernels_pallas/moe/, interpreted off the GPU; D and expert hidden multiples of 16)',
         allowed=MOE_IMPLS,
       ),

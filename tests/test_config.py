@@ -156,7 +156,10 @@ def test_impl_keys_allow_the_names_of_the_ops_implementation_tables(key, impls):
       {'model.moe.impl': 'xla_blocked', 'model.kernels.moe': 'block_m=64'},
       "model.kernels.moe='block_m=64' (model.moe.impl='xla_blocked'): moe xla_blocked: unknown keys ['block_m']",
     ),
-    ({'model.kernels.moe': 'block_m=64'}, "model.kernels.moe='block_m=64': model.moe.impl='xla' takes no settings"),
+    (
+      {'model.moe.impl': 'xla', 'model.kernels.moe': 'block_m=64'},
+      "model.kernels.moe='block_m=64': model.moe.impl='xla' takes no settings",
+    ),
   ],
 )
 def test_each_declaration_brings_its_checks(values, message):
