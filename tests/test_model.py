@@ -285,6 +285,7 @@ def test_kernel_settings_from_the_config_reach_the_layers_and_bad_ones_name_the_
   from kernels_pallas.short_conv.settings import ShortConvSettings
   from kimijax.layers import residual as residual_lib
   from kimijax.model import make_mixer
+  from kimijax.ops.moe import BlockedSettings
 
   c = config_lib.base_config()
   c.model.update(layer_pattern='KA', residual='attnres_block')
@@ -298,7 +299,7 @@ def test_kernel_settings_from_the_config_reach_the_layers_and_bad_ones_name_the_
     'attnres_phase1': Phase1Settings(bt=32),
     'attnres_merge_norm': MergeNormSettings(),
     'mla_decode': MlaDecodeSettings(),
-    'moe': None,  # model.moe.impl='xla' takes no settings
+    'moe': BlockedSettings(),  # model.moe.impl='xla_blocked''s block size
   }
   mixer = make_mixer(m, 'K', jnp.float32, kernels=kernels)
   assert mixer.settings == KdaSettings(warps_diag=4, flat_branch=0) and mixer.short_conv_settings == ShortConvSettings()
