@@ -422,40 +422,44 @@ def main(argv):
   runs.print_header(['tokamax'] if 'tokamax' in FLAGS.impls else [])  # the optional package a run uses
   print(
     f'{FLAGS.tokens} tokens, d_model {FLAGS.d_model}; median (min) of {FLAGS.repeats} calls in ms after '
-    f'{FLAGS.warmup}; TFLOP/s over the active FLOPs\n'
+    f'{FLAGS.warmup}; TFLOP/s over the active FLOPs'
   )
-  print(
-    '| config | impl | MoE forward | MoE forward+backward | dense forward | dense forward+backward | '
-    'MoE / dense (fwd+bwd) |'
+  _print_table(
+    [
+      'config',
+      'impl',
+      'MoE forward',
+      'MoE forward+backward',
+      'dense forward',
+      'dense forward+backward',
+      'MoE / dense (fwd+bwd)',
+    ],
+    layer_rows(
+      FLAGS.configs,
+      FLAGS.impls,
+      FLAGS.tokens,
+      FLAGS.d_model,
+      FLAGS.shared,
+      FLAGS.dtype,
+      FLAGS.repeats,
+      FLAGS.warmup,
+      FLAGS.moe_tiles,
+      FLAGS.profile_dir,
+    ),
   )
-  print('|---|---|---|---|---|---|---|', flush=True)
-  for row in layer_rows(
-    FLAGS.configs,
-    FLAGS.impls,
-    FLAGS.tokens,
-    FLAGS.d_model,
-    FLAGS.shared,
-    FLAGS.dtype,
-    FLAGS.repeats,
-    FLAGS.warmup,
-    FLAGS.moe_tiles,
-    FLAGS.profile_dir,
-  ):
-    print('| ' + ' | '.join(row) + ' |', flush=True)
+  common = (FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.dtype, FLAGS.repeats, FLAGS.warmup)
   if FLAGS.parts:
-    print('\n| config | part | impl | forward | forward+backward |')
-    print('|---|---|---|---|---|', flush=True)
-    for row in part_rows(
-      FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.dtype, FLAGS.repeats, FLAGS.warmup, FLAGS.moe_tiles
-    ):
-      print('| ' + ' | '.join(row) + ' |', flush=True)
+    _print_table(['config', 'part', 'impl', 'forward', 'forward+backward'], part_rows(*common, FLAGS.moe_tiles))
   if FLAGS.matmuls:
-    print('\n| config | A x B | impl | forward | input gradient | weight gradient | sum / dense sum |')
-    print('|---|---|---|---|---|---|---|', flush=True)
-    for row in matmul_rows(
-      FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.dtype, FLAGS.repeats, FLAGS.warmup, FLAGS.moe_tiles
-    ):
-      print('| ' + ' | '.join(row) + ' |', flush=True)
+    header = ['config', 'A x B', 'impl', 'forward', 'input gradient', 'weight gradient', 'sum / dense sum']
+    _print_table(header, matmul_rows(*common, FLAGS.moe_tiles))
+
+
+def _print_table(header, rows):
+  """A Markdown table, each row printed as it comes (a run cut short still shows what it measured)."""
+  print('\n| ' + ' | '.join(header) + ' |\n' + '|---' * len(header) + '|', flush=True)
+  for row in rows:
+    print('| ' + ' | '.join(row) + ' |', flush=True)
 
 
 if __name__ == '__main__':
