@@ -83,6 +83,13 @@ flags.DEFINE_enum(
   'eval, generate: the dtype the weight matrices are held in (bfloat16 halves their memory; '
   'with bf16 compute the result is that of the float32 weights rounded to bf16).',
 )
+flags.DEFINE_string(
+  'compile_cache',
+  '~/.cache/kimijax/xla',
+  "XLA's persistent compilation cache: a step, eval or decode program compiled once is loaded from here "
+  "by later runs of the same shapes and settings (a resume, an eval; '' for none; JAX_COMPILATION_CACHE_DIR, "
+  'where set, takes its place).',
+)
 flags.DEFINE_string('export_dir', '', 'export: the new folder to write (config.json, *.safetensors, tokenizer).')
 flags.DEFINE_enum(
   'export_dtype',
@@ -116,6 +123,7 @@ def main(argv):
     config = config_from_flags('config') if FLAGS.mode in ('train', 'config') or FLAGS.config else None
   except (ConfigError, UsageError) as e:
     sys.exit(f'{type(e).__name__}: {e}')
+  use_compile_cache(jax, FLAGS.compile_cache)
   if FLAGS.coordinator_address or FLAGS.distributed:
     if FLAGS.peer_timeout_s <= 0:
       sys.exit(f'UsageError: --peer_timeout_s={FLAGS.peer_timeout_s} must be positive')
@@ -151,6 +159,23 @@ def main(argv):
     sys.exit(f'{type(e).__name__}: {e}')
   if jax.process_index() == 0:
     print_summary(summary)
+
+
+def use_compile_cache(jax, directory: str) -> None:
+  """Point XLA's persistent compilation cache at `directory` (created; '~' expanded), unless it is ''
+  or JAX_COMPILATION_CACHE_DIR already names one. A cache that cannot be created is left off with
+  a warning: it saves compile time, the run does not need it."""
+  if not directory or os.environ.get('JAX_COMPILATION_CACHE_DIR'):
+    return
+  path = os.path.expanduser(directory)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    print(
+      f'kimijax: no compilation cache at --compile_cache={directory} ({e.strerror}); compiling afresh', file=sys.stderr
+    )
+    return
+  jax.config.update('jax_compilation_cache_dir', path)
 
 
 def join_processes(jax) -> None:

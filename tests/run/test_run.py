@@ -263,3 +263,31 @@ def test_help_lists_every_variant_of_every_config_file(config_file):
   block = '\n'.join(lines[first:end])
   for variant in _allowed_variants(config_file):
     assert re.search(rf'\b{variant}\b', block), (config_file.name, variant)
+
+
+def test_compile_cache_loads_the_first_runs_programs_and_changes_no_number(tmp_path):
+  """--compile_cache: a second run of the same config loads the first's compiled train step from the
+  cache and logs the same metrics, bit for bit; a cache that cannot be created is a warning and the
+  run trains without one."""
+  env = cpu_subprocess_env()
+  env.pop('JAX_COMPILATION_CACHE_DIR', None)  # it would take the flag's place
+  cache = tmp_path / 'cache'
+  a_file = tmp_path / 'a_file'
+  a_file.write_text('')
+
+  def train(name, cache_flag):
+    workdir = tmp_path / name
+    command = [sys.executable, str(ROOT / 'run.py'), '--config=configs/default.py', f'--workdir={workdir}']
+    command += TINY_FLAGS + ['--config.train.steps=4', f'--compile_cache={cache_flag}']
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return (workdir / 'metrics.jsonl').read_text().splitlines(), proc.stderr
+
+  first, _ = train('first', cache)
+  assert any(p.name.startswith('jit_train_step') for p in cache.iterdir())
+  second, _ = train('second', cache)
+  strip = lambda lines: [re.sub(r'"tokens_per_sec": [^,}]*', '', line) for line in lines]  # the one timing
+  assert strip(second) == strip(first)
+  uncached, stderr = train('uncached', a_file / 'cache')
+  assert f'no compilation cache at --compile_cache={a_file / "cache"}' in stderr
+  assert len(uncached) == len(first)
