@@ -32,14 +32,15 @@ matmuls in the inputs' dtype (the compute dtype), accumulated in float32 by the 
 
 IMPLS, the grouped matmul (ragged dot) by name:
 
-    'xla'      jax.lax.ragged_dot; runs everywhere
+    'xla'      jax.lax.ragged_dot, the reference; runs everywhere, but this XLA lowers it on the GPU as
+               a dense matmul over all groups (experiments/results/moe.md)
     'xla_blocked'  plain XLA: the rows of each group padded to whole blocks of b rows, then one
                batched matmul of the blocks against their group's matrix (one gathered per
                block); up to G b padding rows of work and (M / b + G) K N gathered weight values,
                b = the power of two nearest M / (4 G), at least 8 (4: BlockedSettings'
                blocks_per_group, model.kernels.moe). On XLA:CPU 5-9x faster than
                lax.ragged_dot at the CPU configs' shapes, as fast as a dense SwiGLU of the same
-               active width (experiments/results/moe.md). The GPU configs' choice too (below).
+               active width (experiments/results/moe.md); the fastest on the GPU too, and model.moe.impl's default.
                `routed_experts` runs the whole expert SwiGLU in the padded layout
                (`_blocked_routed`, one custom VJP): forward, one gather of the tokens straight
                into the experts' padded slots (slot p holds token order_m[src_p] // K, zero in
