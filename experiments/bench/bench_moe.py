@@ -270,6 +270,13 @@ def _routed_groups(x_td, e: int, k: int):
   return routing, sort(routing.experts_tk), (route, w_router), sort
 
 
+def _timed_sum(calls, tflop, repeats, warmup) -> tuple[list[str], float | None]:
+  """([cell of each (fn, args) in calls], the sum of their median ms, or None where one did not run)."""
+  timed = [_timed(fn, args, tflop, repeats, warmup) for fn, args in calls]
+  medians = [ms for _, ms in timed]
+  return [cell for cell, _ in timed], (sum(medians) if None not in medians else None)
+
+
 def matmul_rows(
   config_names, impls, tokens=65536, d_model=1024, dtype_name=None, repeats=10, warmup=2, moe_tiles=('',)
 ):
@@ -281,7 +288,7 @@ def matmul_rows(
   from kimijax.ops import moe as moe_ops
 
   dtype = jnp.dtype(dtype_name or ('bfloat16' if jax.default_backend() == 'gpu' else 'float32'))
-  keys = jax.random.split(jax.random.key(6), 3)
+  keys = jax.random.split(jax.random.key(6), 4)
   x_td = jax.random.normal(keys[0], (tokens, d_model), dtype)
   for name in config_names:
     e, k, f = parse_config(name)
@@ -290,20 +297,17 @@ def matmul_rows(
     for a, b in ((d_model, 2 * f), (f, d_model)):
       x_ma = jax.random.normal(keys[1], (m, a), dtype)
       dy_mb = jax.random.normal(keys[2], (m, b), dtype)
-      w_eab = (jax.random.normal(keys[0], (e, a, b), jnp.float32) / math.sqrt(a)).astype(dtype)
+      w_eab = (jax.random.normal(keys[3], (e, a, b), jnp.float32) / math.sqrt(a)).astype(dtype)
       tflop = 2 * m * a * b / 1e12
       dense = (
         jax.jit(lambda x, w: x @ w[0]),
         jax.jit(lambda dy, w: dy @ w[0].T),
         jax.jit(lambda x, dy: jnp.einsum('ma,mb->ab', x, dy, preferred_element_type=jnp.float32).astype(dtype)),
       )
-      cells = [
-        _timed(dense[0], (x_ma, w_eab), tflop, repeats, warmup),
-        _timed(dense[1], (dy_mb, w_eab), tflop, repeats, warmup),
-        _timed(dense[2], (x_ma, dy_mb), tflop, repeats, warmup),
-      ]
-      dense_ms = sum(ms for _, ms in cells) if all(ms for _, ms in cells) else None
-      yield [name, f'{a} x {b}', 'dense', *(c for c, _ in cells), '1']
+      cells, dense_ms = _timed_sum(
+        [(dense[0], (x_ma, w_eab)), (dense[1], (dy_mb, w_eab)), (dense[2], (x_ma, dy_mb))], tflop, repeats, warmup
+      )
+      yield [name, f'{a} x {b}', 'dense', *cells, '1']
       for impl_label, impl, settings in impl_variants(impls, moe_tiles):
         problem = moe_ops.unsupported(impl, dtype, d_model, f)
         if problem:
@@ -313,14 +317,12 @@ def matmul_rows(
         forward = _bound(dot, sizes=sizes)
         input_grad = _bound(lambda x, w, dy, sizes: jax.vjp(lambda x: dot(x, w, sizes), x)[1](dy)[0], sizes=sizes)
         weight_grad = _bound(lambda x, w, dy, sizes: jax.vjp(lambda w: dot(x, w, sizes), w)[1](dy)[0], sizes=sizes)
-        cells = [
-          _timed(forward, (x_ma, w_eab), tflop, repeats, warmup),
-          _timed(input_grad, (x_ma, w_eab, dy_mb), tflop, repeats, warmup),
-          _timed(weight_grad, (x_ma, w_eab, dy_mb), tflop, repeats, warmup),
-        ]
-        total = sum(ms for _, ms in cells) if all(ms for _, ms in cells) else None
+        grads_args = (x_ma, w_eab, dy_mb)
+        cells, total = _timed_sum(
+          [(forward, (x_ma, w_eab)), (input_grad, grads_args), (weight_grad, grads_args)], tflop, repeats, warmup
+        )
         ratio = f'{total / dense_ms:.2f}' if total and dense_ms else '-'
-        yield [name, f'{a} x {b}', impl_label, *(c for c, _ in cells), ratio]
+        yield [name, f'{a} x {b}', impl_label, *cells, ratio]
 
 
 def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, repeats=10, warmup=2, moe_tiles=('',)):
