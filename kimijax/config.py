@@ -264,8 +264,10 @@ SCHEMA = {
         'xla_blocked',
         "the grouped matmul: 'xla_blocked' (padded blocks; the fastest here on the CPU and the GPU), 'xla' "
         '(lax.ragged_dot: the reference; on a GPU this XLA lowers it as a dense matmul over all experts), '
-        "'tokamax' (Mosaic GPU; D and expert hidden multiples of 64) or 'pallas' (padded tiles, "
-        'Triton kernels of kernels_pallas/moe/, interpreted off the GPU; D and expert hidden multiples of 16)',
+        "'tokamax' (Mosaic GPU; D and expert hidden multiples of 64), 'pallas' (padded tiles, "
+        'Triton kernels of kernels_pallas/moe/, interpreted off the GPU; D and expert hidden multiples of 16) '
+        "or 'mosaic' (the same tiles, Mosaic GPU kernels of kernels_pallas/moe/; bf16 or f16; D and expert "
+        'hidden multiples of 64)',
         allowed=MOE_IMPLS,
       ),
       'remat': Key(
@@ -295,7 +297,8 @@ SCHEMA = {
       ),
       'moe': Key(
         '',
-        "the settings of model.moe.impl: MoeSettings for 'pallas' (kernels_pallas/moe/settings.py), "
+        "the settings of model.moe.impl: MoeSettings for 'pallas', MosaicMoeSettings for 'mosaic' "
+        '(kernels_pallas/moe/settings.py), '
         "BlockedSettings for 'xla_blocked' (kimijax/ops/moe.py); '' for an impl that takes none",
       ),
     },

@@ -1,5 +1,2 @@
-"""Pallas (Triton backend) grouped-matmul kernels of the MoE routed experts; see README.md in this folder."""
-
-from kernels_pallas.moe.grouped import expert_weight_grad, gate_up_swiglu, tile_matmul
-
-__all__ = ['expert_weight_grad', 'gate_up_swiglu', 'tile_matmul']
+"""Grouped-matmul kernels of the MoE routed experts: Pallas Triton (grouped.py) and Mosaic GPU
+(grouped_mosaic.py), the same functions over the same padded layout; see README.md in this folder."""

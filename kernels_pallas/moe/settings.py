@@ -33,3 +33,28 @@ class MoeSettings(Settings):
       value = getattr(self, name)
       if value < 16 or value & (value - 1):
         raise ValueError(f'{self.FAMILY}: {name} must be a power of two >= 16, got {value}')
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMoeSettings(Settings):
+  """The Mosaic GPU kernels' (grouped_mosaic.py) tiles: rows per tile (block_m, also the padded
+  layout's block), output columns per program (block_n; the weight gradient's K and N tiles),
+  the contraction chunk (block_k), gate_up_swiglu's hidden columns per program (block_f: its two
+  float32 accumulators), and the pipeline's buffers in flight (stages). block_m a multiple of 64
+  (a warpgroup's wgmma rows), the others of 16; the dims they tile must be multiples of them."""
+
+  FAMILY = 'moe mosaic'
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  block_f: int = 64
+  stages: int = 4
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.block_m % 64:
+      raise ValueError(f'{self.FAMILY}: block_m must be a multiple of 64, got {self.block_m}')
+    for name in ('block_n', 'block_k', 'block_f'):
+      if getattr(self, name) % 16:
+        raise ValueError(f'{self.FAMILY}: {name} must be a multiple of 16, got {getattr(self, name)}')

@@ -75,6 +75,11 @@ IMPLS, the grouped matmul (ragged dot) by name:
                (`_swiglu_backward`). D and F multiples of 16; settings: a MoeSettings
                (model.kernels.moe). Slower than 'xla_blocked' on an H100 (experiments/results/
                moe.md): no config selects it.
+    'mosaic'   'pallas' with Mosaic GPU kernels (kernels_pallas/moe/grouped_mosaic.py: TMA, wgmma,
+               pipelined contraction) in place of the Triton ones, the same functions over the same
+               layout and the same custom VJPs; `_tile_kernels` picks the module by the settings'
+               type, a MosaicMoeSettings. bf16 or f16; D and F multiples of 64; Mosaic GPU's
+               interpret mode off an NVIDIA GPU.
 """
 
 from __future__ import annotations
@@ -576,16 +581,25 @@ def _pallas_settings(text: str):
   return MoeSettings.from_string(text)
 
 
-def _pallas_kernels(settings):
-  """(the settings, None -> the defaults; run(name, *args, **kw): the kernel `name` of
-  kernels_pallas.moe with those settings, interpreted off the GPU)."""
-  import kernels_pallas.moe as kernels
-  from kernels_pallas.common import kernels_interpreted
-  from kernels_pallas.moe.settings import MoeSettings
+def _mosaic_settings(text: str):
+  from kernels_pallas.moe.settings import MosaicMoeSettings
 
-  settings = MoeSettings() if settings is None else settings
-  if not isinstance(settings, MoeSettings):
-    raise TypeError(f"moe impl='pallas': settings must be a MoeSettings or None, got {type(settings)}")
+  return MosaicMoeSettings.from_string(text)
+
+
+def _tile_kernels(settings):
+  """(the settings; run(name, *args, **kw): the kernel `name` of the module these settings belong
+  to, kernels_pallas.moe.grouped (Triton) for a MoeSettings, .grouped_mosaic (Mosaic GPU) for a
+  MosaicMoeSettings, interpreted off the GPU)."""
+  import importlib
+
+  from kernels_pallas.common import kernels_interpreted
+  from kernels_pallas.moe.settings import MoeSettings, MosaicMoeSettings
+
+  modules = {MoeSettings: 'grouped', MosaicMoeSettings: 'grouped_mosaic'}
+  if type(settings) not in modules:
+    raise TypeError(f'moe tile kernels: settings must be a MoeSettings or a MosaicMoeSettings, got {type(settings)}')
+  kernels = importlib.import_module(f'kernels_pallas.moe.{modules[type(settings)]}')
   interpret = kernels_interpreted()
 
   def run(name, *args, **kw):
@@ -594,12 +608,29 @@ def _pallas_kernels(settings):
   return settings, run
 
 
+def _with_default_settings(impl: str, default: Callable[[], object], settings_type_name: str):
+  """{ragged_dot, routed} of the tile kernels for `impl`, an Implementation's two fields: settings
+  None -> default(); settings of another type -> a TypeError naming the impl."""
+
+  def resolve(settings):
+    settings = default() if settings is None else settings
+    if type(settings).__name__ != settings_type_name:
+      raise TypeError(f'moe impl={impl!r}: settings must be a {settings_type_name} or None, got {type(settings)}')
+    return settings
+
+  ragged_dot = lambda lhs, rhs, sizes, settings=None: _pallas_ragged_dot(lhs, rhs, sizes, resolve(settings))
+  routed = lambda x, w, dispatch, wg, wu, wd, settings=None: _pallas_routed(
+    x, w, dispatch, wg, wu, wd, resolve(settings)
+  )
+  return {'ragged_dot': ragged_dot, 'routed': routed}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _tile_matmul(x_pk, w_gkn, group_b, settings):
   """The tile matmul kernel (each tile of block_m slots times its group's matrix, [slots, N] in x's
   dtype), differentiable in x and w by the same kernel transposed and the expert weight gradient
   kernel."""
-  _, run = _pallas_kernels(settings)
+  _, run = _tile_kernels(settings)
   return run('tile_matmul', x_pk, w_gkn.astype(x_pk.dtype), group_b)
 
 
@@ -609,7 +640,7 @@ def _tile_matmul_fwd(x_pk, w_gkn, group_b, settings):
 
 def _tile_matmul_bwd(settings, res, g_pn):
   x_pk, w_gkn, group_b = res
-  _, run = _pallas_kernels(settings)
+  _, run = _tile_kernels(settings)
   g_pn = g_pn.astype(x_pk.dtype)
   dx_pk = run('tile_matmul', g_pn, w_gkn.astype(x_pk.dtype), group_b, transpose=True)
   dw = run('expert_weight_grad', x_pk, g_pn, group_b, num_experts=w_gkn.shape[0])
@@ -619,21 +650,21 @@ def _tile_matmul_bwd(settings, res, g_pn):
 _tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
 
 
-def _pallas_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, settings=None):
-  """'pallas' as a grouped matmul: the rows gathered into the padded layout's slots (blocks of
-  block_m rows), the tile matmul kernel, a gather back; its backward the same kernel on the
-  transposed weights and the expert weight gradient kernel (no scatter-add)."""
-  settings, _ = _pallas_kernels(settings)
+def _pallas_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, settings):
+  """'pallas' and 'mosaic' as a grouped matmul: the rows gathered into the padded layout's slots
+  (blocks of block_m rows), the tile matmul kernel, a gather back; its backward the same kernel on
+  the transposed weights and the expert weight gradient kernel (no scatter-add). settings: a
+  MoeSettings (Triton) or MosaicMoeSettings (Mosaic GPU)."""
   layout = _blocked_layout(lhs_mk.shape[0], group_sizes_g, settings.block_m)
   slot_matmul = lambda x_pk, w_gkn, group_b: _tile_matmul(x_pk, w_gkn, group_b, settings)
   return _padded_ragged_dot(lhs_mk, rhs_gkn, layout, slot_matmul)
 
 
-def _pallas_routed(x_td, weights_tk, dispatch: Dispatch, w_gate_edf, w_up_edf, w_down_efd, settings=None):
-  """'pallas''s routed experts (module docstring): the padded layout with blocks of block_m rows,
-  the kernels of kernels_pallas/moe between XLA's gathers, the maths and residuals of
-  _padded_swiglu. Rows of other shards' experts have no slot and count zero."""
-  settings, _ = _pallas_kernels(settings)
+def _pallas_routed(x_td, weights_tk, dispatch: Dispatch, w_gate_edf, w_up_edf, w_down_efd, settings):
+  """'pallas''s and 'mosaic''s routed experts (module docstring): the padded layout with blocks of
+  block_m rows, the kernels of kernels_pallas/moe (those of the settings' type) between XLA's
+  gathers, the maths and residuals of _padded_swiglu. Rows of other shards' experts have no slot
+  and count zero."""
   t, k = weights_tk.shape
   layout = _blocked_layout(t * k, dispatch.group_sizes_e, settings.block_m)
   row_p, slot_tk = _slot_maps(layout, dispatch, t, k)
@@ -649,7 +680,7 @@ def _tiled_swiglu(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group
 
 
 def _tiled_swiglu_fwd(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, settings):
-  _, run = _pallas_kernels(settings)
+  _, run = _tile_kernels(settings)
   k = weights_tk.shape[1]
   dtype = x_td.dtype
   x_pd = _rows(x_td, row_p // k)
@@ -664,7 +695,7 @@ def _tiled_swiglu_bwd(settings, res, g_td):
   backward in XLA (_swiglu_backward), the weight gradients by the expert weight gradient kernel,
   dx by the tile matmul on W_in transposed, each token's K slots summed in float32."""
   x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, gate_up_p2f = res
-  _, run = _pallas_kernels(settings)
+  _, run = _tile_kernels(settings)
   k = weights_tk.shape[1]
   e, dtype = w_in_ed2f.shape[0], x_td.dtype
   g_pd = _rows(g_td.astype(dtype), row_p // k)
@@ -709,7 +740,17 @@ IMPLS = types.MappingProxyType(
     ),
     'tokamax': Implementation(_tokamax_ragged_dot, gpu_only=True, dims_multiple=64, dtypes=('bfloat16', 'float16')),
     'pallas': Implementation(
-      _pallas_ragged_dot, gpu_only=False, dims_multiple=16, routed=_pallas_routed, parse_settings=_pallas_settings
+      **_with_default_settings('pallas', lambda: _pallas_settings(''), 'MoeSettings'),
+      gpu_only=False,
+      dims_multiple=16,
+      parse_settings=_pallas_settings,
+    ),
+    'mosaic': Implementation(
+      **_with_default_settings('mosaic', lambda: _mosaic_settings(''), 'MosaicMoeSettings'),
+      gpu_only=False,
+      dims_multiple=64,
+      dtypes=('bfloat16', 'float16'),
+      parse_settings=_mosaic_settings,
     ),
   }
 )
@@ -842,13 +883,13 @@ def routed_experts(
       int32: the routing (`route`).
     w_gate_edf, w_up_edf: [E, D, F]; w_down_efd: [E, F, D], the stacked expert weights (cast to
       x's dtype).
-    impl: a key of IMPLS ('xla' | 'xla_blocked' | 'tokamax' | 'pallas'); an implementation with its
-      own `routed` ('xla_blocked', 'pallas': the padded layout) runs it instead of permute /
+    impl: a key of IMPLS ('xla' | 'xla_blocked' | 'tokamax' | 'pallas' | 'mosaic'); an implementation
+      with its own `routed` ('xla_blocked', 'pallas', 'mosaic': the padded layout) runs it instead of permute /
       expert_swiglu / combine.
     token_axes: under a mesh, the mesh axes the token axis of x is split over, major first (the
       layer passes those of its batch; None: see shard_layout).
-    settings: the kernels' settings of an implementation that has them ('pallas': a MoeSettings of
-      kernels_pallas/moe/settings.py); None: their defaults.
+    settings: the kernels' settings of an implementation that has them ('pallas': a MoeSettings,
+      'mosaic': a MosaicMoeSettings, of kernels_pallas/moe/settings.py); None: their defaults.
 
   Under a current mesh of several devices (jax.set_mesh) the op runs per shard (shard_map): each
   device sorts its own rows and runs its grouped matmuls (a sort or a kernel split by XLA would

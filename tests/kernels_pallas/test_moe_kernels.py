@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas.moe import expert_weight_grad, gate_up_swiglu, tile_matmul
-from kernels_pallas.moe.settings import MoeSettings
+from kernels_pallas.moe.grouped import expert_weight_grad, gate_up_swiglu, tile_matmul
+from kernels_pallas.moe.settings import MoeSettings, MosaicMoeSettings
 from kimijax.ops import moe
 
 SETTINGS = MoeSettings(block_m=16, block_n=16, block_k=16)
@@ -152,3 +152,75 @@ def test_kernels_lower_to_triton_for_an_h200():
   ]
   for name, fn, a_shape, b_shape in cases:
     assert name in lower_for_h200(fn, sds(a_shape, bf16), sds(b_shape, bf16), expert_t), name
+
+
+# ----------------------------------------------------------------------------- Mosaic GPU (grouped_mosaic.py)
+
+MOSAIC = MosaicMoeSettings(block_m=64, block_n=64, block_k=64, block_f=64, stages=2)
+MOSAIC_SIZES = (90, 0, 150, 20)  # 2 + 0 + 3 + 1 tiles of 64 rows, then 3 trailing ones
+
+
+def _mosaic_rows(rng, owner_p, expert_p, cols):
+  """[slots, cols] bf16: random rows in the experts' slots, zero in padding slots of an expert's
+  last tile, ones in the trailing tiles (rows the kernels must not read)."""
+  rows = np.where((owner_p >= 0)[:, None], rng.standard_normal((owner_p.shape[0], cols)), 0.0)
+  rows = np.where((expert_p >= len(MOSAIC_SIZES))[:, None], 1.0, rows)
+  return jnp.asarray(rows, jnp.bfloat16)
+
+
+def test_mosaic_kernels_match_float64():
+  """The Mosaic GPU kernels in Mosaic GPU's interpret mode, bf16 operands, against float64 on the
+  same bf16 values: both forms of the tile matmul, gate|up with h, and the weight gradient
+  (relative error of bf16 rounding for bf16 outputs, 1e-5 for the float32 ones); trailing tiles
+  come out zero whatever their rows hold, and the expert with no row gets a zero gradient. K = 128
+  runs two pipeline steps."""
+  from kernels_pallas.moe import grouped_mosaic as mosaic
+
+  rng = np.random.default_rng(5)
+  expert_t, owner_p = _layout(MOSAIC_SIZES, 64)
+  expert_p, e = np.repeat(expert_t, 64), len(MOSAIC_SIZES)
+  trailing = expert_p == e
+  k, n, f = 128, 64, 64
+  a = _mosaic_rows(rng, owner_p, expert_p, k)
+  b = _mosaic_rows(rng, owner_p, expert_p, n)
+  w = jnp.asarray(rng.standard_normal((e, k, n)) * k**-0.5, jnp.bfloat16)
+  w_in = jnp.asarray(rng.standard_normal((e, k, 2 * f)) * k**-0.5, jnp.bfloat16)
+  a64, b64, w64, w_in64 = (np.asarray(v, np.float64) for v in (a, b, w, w_in))
+  run = dict(settings=MOSAIC, interpret=True)
+  tiles = jnp.asarray(expert_t)
+
+  def per_slot(x64, mats, cols):
+    return np.stack([x64[p] @ mats[q] if q < e else np.zeros(cols) for p, q in enumerate(expert_p)])
+
+  def close(got, want, tol):
+    got = np.asarray(got, np.float64)
+    assert np.max(np.abs(got - want)) <= tol * np.max(np.abs(want))
+    assert not np.any(got[trailing])
+
+  close(mosaic.tile_matmul(a, w, tiles, **run), per_slot(a64, w64, n), 1e-2)
+  got_t = mosaic.tile_matmul(b, w, tiles, transpose=True, out_dtype=jnp.float32, **run)  # b @ w[e]^T
+  assert got_t.dtype == jnp.float32
+  close(got_t, per_slot(b64, w64.transpose(0, 2, 1), k), 1e-5)
+  gate_up, h = mosaic.gate_up_swiglu(a, w_in, tiles, **run)
+  want = per_slot(a64, w_in64, 2 * f)
+  close(gate_up, want, 1e-2)
+  gate, up = (np.asarray(v, np.float64) for v in (gate_up[:, :f], gate_up[:, f:]))
+  close(h, gate / (1 + np.exp(-gate)) * up, 1e-2)  # from the rounded gate and up
+  got_w = np.asarray(mosaic.expert_weight_grad(a, b, tiles, num_experts=e, **run), np.float64)
+  want_w = np.stack([a64[expert_p == q].T @ b64[expert_p == q] for q in range(e)])
+  assert got_w.shape == (e, k, n) and np.max(np.abs(got_w - want_w)) <= 1e-5 * np.max(np.abs(want_w))
+  assert not np.any(got_w[1])
+
+
+def test_mosaic_settings_are_checked():
+  assert MosaicMoeSettings.from_string('block_f=128/stages=3') == MosaicMoeSettings(block_f=128, stages=3)
+  with pytest.raises(ValueError, match='moe mosaic: block_m must be a multiple of 64, got 32'):
+    MosaicMoeSettings(block_m=32)
+  from kernels_pallas.moe import grouped_mosaic as mosaic
+
+  with pytest.raises(ValueError, match=r'moe mosaic: the contraction dim \(96\) must be a multiple of block_k=64'):
+    mosaic.tile_matmul(
+      jnp.zeros((128, 96), jnp.bfloat16), jnp.zeros((1, 96, 64), jnp.bfloat16), jnp.zeros(1), settings=MOSAIC
+    )
+  with pytest.raises(ValueError, match='moe mosaic: operands must be bfloat16 or float16'):
+    mosaic.tile_matmul(jnp.zeros((128, 64)), jnp.zeros((1, 64, 64)), jnp.zeros(1), settings=MOSAIC)

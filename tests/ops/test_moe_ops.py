@@ -3,7 +3,8 @@ closed forms: the released routing, the dispatch parts, experts that receive no 
 update balancing a deliberately imbalanced router, the sequence-wise balance loss, the router
 statistics, the input checks, expert parallelism on the 8 fake CPU devices (tests/conftest.py)
 against one device, and on a GPU (marked gpu) tokamax's grouped matmul against lax.ragged_dot and
-'pallas' in bf16 against float32. 'pallas' runs interpreted here, at tiles of 16."""
+'pallas' and 'mosaic' in bf16 against float32. 'pallas' runs interpreted here, at tiles of 16;
+'mosaic' in Mosaic GPU's interpret mode, at tiles of 64, in bf16."""
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +13,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from oracles_moe import np_route, np_routed_experts, np_sequence_balance_loss
 
-from kernels_pallas.moe.settings import MoeSettings
+from kernels_pallas.moe.settings import MoeSettings, MosaicMoeSettings
 from kimijax.ops import moe
 
 # 'pallas' at tiles of 16 rows and columns (fast when interpreted); its D and F multiples of 16
 PALLAS = MoeSettings(block_m=16, block_n=16, block_k=16)
+# 'mosaic' at its smallest tiles (64 rows: one warpgroup's wgmma), 2 buffers in flight
+MOSAIC = MosaicMoeSettings(block_m=64, block_n=64, block_k=64, block_f=64, stages=2)
 
 
 def rel_max(got, want):
@@ -273,7 +276,7 @@ def test_routed_experts_checks_its_inputs():
   x, w, ex = jnp.zeros((4, 8)), jnp.zeros((4, 2)), jnp.zeros((4, 2), jnp.int32)
   wg, wd = jnp.zeros((3, 8, 6)), jnp.zeros((3, 6, 8))
   with pytest.raises(
-    ValueError, match=r"impl='triton' is unknown; allowed: \('xla', 'xla_blocked', 'tokamax', 'pallas'\)"
+    ValueError, match=r"impl='triton' is unknown; allowed: \('xla', 'xla_blocked', 'tokamax', 'pallas', 'mosaic'\)"
   ):
     moe.routed_experts(x, w, ex, wg, wg, wd, impl='triton')
   with pytest.raises(
@@ -297,8 +300,12 @@ def test_routed_experts_checks_its_inputs():
   assert moe.unsupported('xla', jnp.float32, 7, 3) is None
   assert "impl='pallas' needs expert hidden (24) to be a multiple of 16" in moe.unsupported('pallas', 'float32', 32, 24)
   assert moe.unsupported('pallas', jnp.float32, 32, 48, platform='cpu') is None
-  assert set(moe.IMPLS) == {'xla', 'xla_blocked', 'tokamax', 'pallas'} and moe.IMPLS['tokamax'].gpu_only
-  assert not any(moe.IMPLS[name].gpu_only for name in ('xla', 'xla_blocked', 'pallas'))
+  assert "impl='mosaic' needs d_model (96) to be a multiple of 64" in moe.unsupported('mosaic', 'bfloat16', 96, 64)
+  assert 'needs bfloat16 or float16 inputs, got float32' in moe.unsupported('mosaic', jnp.float32, 64, 64, 'cpu')
+  assert set(moe.IMPLS) == {'xla', 'xla_blocked', 'tokamax', 'pallas', 'mosaic'} and moe.IMPLS['tokamax'].gpu_only
+  assert not any(moe.IMPLS[name].gpu_only for name in ('xla', 'xla_blocked', 'pallas', 'mosaic'))
+  with pytest.raises(TypeError, match=r"impl='mosaic': settings must be a MosaicMoeSettings or None"):
+    moe.IMPLS['mosaic'].ragged_dot(jnp.zeros((4, 64)), jnp.zeros((2, 64, 64)), jnp.asarray([2, 2]), settings=PALLAS)
   with pytest.raises(TypeError):
     moe.IMPLS['other'] = moe.IMPLS['xla']
 
@@ -441,6 +448,63 @@ def test_pallas_ragged_dot_matches_float64(m, sizes):
   assert y.shape == (m, n) and y.dtype == jnp.float32
   assert rel_max(y, want) < 2e-6 and not np.any(np.asarray(y)[total:])
   assert rel_max(dl, want_dl) < 2e-6 and rel_max(dr, want_dr) < 2e-6
+
+
+def _bf16(a):
+  return jnp.asarray(a, jnp.float32).astype(jnp.bfloat16)
+
+
+def _rounded(a):
+  """a rounded to bf16, as float64: the values the bf16 kernels multiply."""
+  return np.asarray(_bf16(a).astype(jnp.float32), np.float64)
+
+
+def test_mosaic_routed_experts_match_the_oracle_in_bf16():
+  """'mosaic''s routed experts (Mosaic GPU kernels, interpreted) in bf16 against the float64 oracle
+  on the bf16-rounded inputs: the output and the five gradients within bf16's rounding (relative
+  RMSE <= 1e-2); 6 experts of which expert 2 receives no token (exactly no gradient), tiles of 64
+  rows, D and F of 64 (one tile wide) and 128 (two tiles, the pipeline's K loop of two steps)."""
+  rng = np.random.default_rng(4)
+  t, e, k = 48, 6, 2
+  for d, f in ((64, 128), (128, 64)):
+    logits, x, dy = _normal(rng, t, e), _normal(rng, t, d), _normal(rng, t, d)
+    r = moe.route(logits, jnp.zeros(e).at[2].set(-1e3), top_k=k, scaling_factor=2.0)
+    ws = tuple(w * 0.25 for w in _expert_weights(rng, e, d, f))
+
+    def loss(x, w, *ws):
+      y = moe.routed_experts(_bf16(x), w, r.experts_tk, *map(_bf16, ws), impl='mosaic', settings=MOSAIC)
+      return jnp.sum(y * dy), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, r.weights_tk, *ws)
+    ref = np_routed_experts(_rounded(x), r.weights_tk, np.asarray(r.experts_tk), *map(_rounded, ws), np.asarray(dy))
+    assert rel_rmse(y, ref[0]) <= 1e-2
+    for got, want, name in zip(grads, ref[1:], ('x', 'weights', 'w_gate', 'w_up', 'w_down')):
+      assert rel_rmse(np.asarray(got, np.float32), want) <= 1e-2, (d, f, name)
+    for got in grads[2:]:
+      assert not np.any(np.asarray(got, np.float32)[2])
+
+
+def test_mosaic_ragged_dot_matches_float64():
+  """'mosaic' as a grouped matmul (the ragged_dot contract, interpreted, tiles of 64 rows) in
+  bf16: the groups' rows and both gradients against a float64 loop over the groups on the rounded
+  inputs (relative RMSE <= 1e-2); rows past the groups' total come out zero and their cotangent
+  reaches nothing; the empty group gets no gradient."""
+  rng = np.random.default_rng(13)
+  sizes, m, k, n = (0, 70, 9, 50), 150, 64, 128
+  lhs, rhs, dy = _normal(rng, m, k), _normal(rng, len(sizes), k, n), _normal(rng, m, n)
+  sizes_g = jnp.asarray(sizes, jnp.int32)
+  ragged_dot = lambda a, b: moe.IMPLS['mosaic'].ragged_dot(_bf16(a), _bf16(b), sizes_g, settings=MOSAIC)
+  y = jax.jit(ragged_dot)(lhs, rhs)
+  dl, dr = jax.jit(jax.grad(lambda a, b: jnp.sum(ragged_dot(a, b).astype(jnp.float32) * dy), (0, 1)))(lhs, rhs)
+  want_dl, want_dr = _np_grouped_matmul_grads(_rounded(lhs), _rounded(rhs), sizes, _rounded(dy))
+  total, starts = sum(sizes), np.cumsum((0,) + sizes)
+  want = np.zeros((m, n))
+  for i in range(len(sizes)):
+    want[starts[i] : starts[i + 1]] = _rounded(lhs)[starts[i] : starts[i + 1]] @ _rounded(rhs)[i]
+  y, dl, dr = (np.asarray(a, np.float32) for a in (y, dl, dr))
+  assert rel_rmse(y[:total], want[:total]) <= 1e-2 and not np.any(y[total:])
+  assert rel_rmse(dl, want_dl) <= 1e-2 and not np.any(dl[total:])
+  assert rel_rmse(dr, want_dr) <= 1e-2 and not np.any(dr[0])
 
 
 def _gathers(text):
@@ -603,15 +667,16 @@ def test_tokamax_layer_forward_backward_bf16():
     assert rel_rmse(got, want) <= 1e-2, jax.tree_util.keystr(path)
 
 
-# ----------------------------------------------------------------------------- GPU: pallas
+# ----------------------------------------------------------------------------- GPU: pallas and mosaic
 
 
 @pytest.mark.gpu
-def test_pallas_bf16_as_close_to_float32_as_xla_blocked():
-  """'pallas' compiled (Triton) in bf16 at the default tiles against 'xla' in float32 at full
-  precision: the output and the gradients of x, the weights and the three expert weights no
-  further off (relative RMSE) than 1.25x 'xla_blocked''s bf16 error + 1e-2; experts 3 and 7
-  receive no token and get exactly no gradient."""
+@pytest.mark.parametrize('impl', ['pallas', 'mosaic'])
+def test_tile_kernels_bf16_as_close_to_float32_as_xla_blocked(impl):
+  """'pallas' (Triton) and 'mosaic' (Mosaic GPU) compiled in bf16 at their default tiles against
+  'xla' in float32 at full precision: the output and the gradients of x, the weights and the three
+  expert weights no further off (relative RMSE) than 1.25x 'xla_blocked''s bf16 error + 1e-2;
+  experts 3 and 7 receive no token and get exactly no gradient."""
   dtype = jnp.bfloat16
   rng = np.random.default_rng(8)
   t, d, f, e, k = 4096, 256, 128, 16, 4
@@ -630,10 +695,10 @@ def test_pallas_bf16_as_close_to_float32_as_xla_blocked():
 
   with jax.default_matmul_precision('highest'):
     ref = run('xla', jnp.float32)
-  blocked, pallas = run('xla_blocked', dtype), run('pallas', dtype)
-  for got, base, want, name in zip(pallas, blocked, ref, ('y', 'x', 'weights', 'w_gate', 'w_up', 'w_down')):
+  blocked, tiled = run('xla_blocked', dtype), run(impl, dtype)
+  for got, base, want, name in zip(tiled, blocked, ref, ('y', 'x', 'weights', 'w_gate', 'w_up', 'w_down')):
     assert np.all(np.isfinite(np.asarray(got, np.float32))), name
     bound = 1.25 * rel_rmse(np.asarray(base, np.float32), want) + 1e-2
     assert rel_rmse(np.asarray(got, np.float32), want) <= bound, name
-  for got in pallas[3:]:
+  for got in tiled[3:]:
     assert not np.any(np.asarray(got, np.float32)[[3, 7]])

@@ -1,0 +1,219 @@
+"""The MoE routed experts' grouped matmuls as Pallas Mosaic GPU kernels (Hopper: TMA loads into
+shared memory, pipelined over the contraction, wgmma into a float32 accumulator, TMA stores), over
+the padded layout of kimijax/ops/moe.py that grouped.py's Triton kernels use: each expert's (token,
+k) rows in consecutive slots padded to whole tiles of block_m rows, tile i belonging to expert
+expert_t[i] (E for the trailing tiles past the last expert, whose rows are all zero).
+
+    tile_matmul(a [slots, K], w [E, K, N], expert_t)          -> [slots, N]  a_tile @ w[e]
+    tile_matmul(a [slots, K], w [E, N, K], expert_t, transpose=True) -> [slots, N]  a_tile @ w[e]^T
+    gate_up_swiglu(x [slots, D], w_in [E, D, 2F], expert_t)   -> gate|up [slots, 2F], h [slots, F]
+    expert_weight_grad(a [slots, K], b [slots, N], expert_t, E) -> [E, K, N] float32, sum of a_tile^T b_tile
+                                                                  over each expert's tiles
+
+The same functions, arguments and results as grouped.py's (the op picks the module by its settings'
+type): a trailing tile's pipeline runs no step, so its output is zero whatever its rows hold, and
+an expert without rows gets a zero weight gradient. Operands bf16 or f16 (wgmma's 16-bit inputs);
+every product accumulates in float32. Off an NVIDIA GPU the kernels run in Mosaic GPU's interpret
+mode. See README.md here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+F32 = jnp.float32
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def _check(name: str, dim: int, block: int, what: str):
+  if dim % block:
+    raise ValueError(f'moe mosaic: {what} ({dim}) must be a multiple of {name}={block}')
+
+
+def _check_dtypes(*arrays):
+  for a in arrays:
+    if a.dtype not in DTYPES:
+      raise ValueError(f'moe mosaic: operands must be bfloat16 or float16 (wgmma), got {a.dtype}')
+
+
+def _call(body, out_type, grid, names, interpret):
+  return plgpu.kernel(
+    body,
+    out_type=out_type,
+    grid=grid,
+    grid_names=names,
+    compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )
+
+
+def _store(tiles, dests):
+  """Each register tile through its own shared-memory buffer to its global-memory window (TMA)."""
+
+  def scope(*smems):
+    for smem, tile in zip(smems, tiles):
+      smem[...] = tile
+    plgpu.commit_smem()
+    for smem, dest in zip(smems, dests):
+      plgpu.copy_smem_to_gmem(smem, dest)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  pl.run_scoped(scope, *(plgpu.SMEM(t.shape, t.dtype) for t in tiles))
+
+
+def _expert_steps(expert_gmem, tile, num_experts: int, steps: int):
+  """(the tile's expert, clamped to the last for a trailing tile; its pipeline's steps: `steps`,
+  none for a trailing tile)."""
+  expert = expert_gmem[tile]
+  return jnp.minimum(expert, num_experts - 1), jnp.where(expert < num_experts, jnp.int32(steps), jnp.int32(0))
+
+
+@functools.partial(jax.jit, static_argnames=('transpose', 'out_dtype', 'settings', 'interpret'))
+def tile_matmul(a_pk, w_ekn, expert_t, *, transpose=False, out_dtype=None, settings, interpret=False):
+  """[slots, N] in out_dtype (None: a's): each tile of block_m slots times its expert's matrix, w
+  [E, K, N] (or, transpose=True, w [E, N, K] used as its transpose); zero in trailing tiles. One
+  program per (tile, N tile); the K loop pipelined over settings.stages buffers."""
+  _check_dtypes(a_pk, w_ekn)
+  slots, k = a_pk.shape
+  e = w_ekn.shape[0]
+  n = w_ekn.shape[1] if transpose else w_ekn.shape[2]
+  bm, bn, bk = settings.block_m, settings.block_n, settings.block_k
+  _check('block_m', slots, bm, 'the slots')
+  _check('block_k', k, bk, 'the contraction dim')
+  _check('block_n', n, bn, 'the output dim')
+  out_dtype = out_dtype or a_pk.dtype
+
+  def body(expert_gmem, a_gmem, w_gmem, o_gmem):
+    mi, ni = jax.lax.axis_index('m'), jax.lax.axis_index('n')
+    expert, steps = _expert_steps(expert_gmem, mi, e, k // bk)
+
+    def accumulate(acc_ref):
+      def step(_, a_smem, w_smem):
+        plgpu.wgmma(acc_ref, a_smem, w_smem.T if transpose else w_smem)
+
+      w_spec = (
+        plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=1)
+        if transpose
+        else plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=1)
+      )
+      plgpu.emit_pipeline(
+        step,
+        grid=(steps,),
+        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (mi, kk), delay_release=1), w_spec],
+        max_concurrent_steps=settings.stages,
+      )(a_gmem, w_gmem.at[expert])
+      return acc_ref[...]
+
+    acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn)))
+    _store([acc.astype(out_dtype)], [o_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)]])
+
+  out = jax.ShapeDtypeStruct((slots, n), out_dtype)
+  return _call(body, out, (slots // bm, n // bn), ('m', 'n'), interpret)(expert_t.astype(jnp.int32), a_pk, w_ekn)
+
+
+@functools.partial(jax.jit, static_argnames=('settings', 'interpret'))
+def gate_up_swiglu(x_pd, w_in_ed2f, expert_t, *, settings, interpret=False):
+  """(gate|up [slots, 2F], h = silu(gate) * up [slots, F]), both in x's dtype: one program per
+  (tile, F tile of block_f) holds the gate and the up accumulators over one pipelined loop on D,
+  h in float32 from the rounded gate and up (as the backward recomputes it). Zero in trailing
+  tiles."""
+  _check_dtypes(x_pd, w_in_ed2f)
+  slots, d = x_pd.shape
+  e, _, f2 = w_in_ed2f.shape
+  f = f2 // 2
+  bm, bf, bk = settings.block_m, settings.block_f, settings.block_k
+  _check('block_m', slots, bm, 'the slots')
+  _check('block_k', d, bk, 'd_model')
+  _check('block_f', f, bf, 'the expert hidden width')
+  dtype, nf = x_pd.dtype, f // bf
+
+  def body(expert_gmem, x_gmem, w_gmem, gate_up_gmem, h_gmem):
+    mi, ni = jax.lax.axis_index('m'), jax.lax.axis_index('n')
+    expert, steps = _expert_steps(expert_gmem, mi, e, d // bk)
+    w_e = w_gmem.at[expert]
+
+    def accumulate(gate_ref, up_ref):
+      def step(_, x_smem, gate_smem, up_smem):
+        plgpu.wgmma(gate_ref, x_smem, gate_smem)
+        plgpu.wgmma(up_ref, x_smem, up_smem)
+
+      plgpu.emit_pipeline(
+        step,
+        grid=(steps,),
+        in_specs=[
+          plgpu.BlockSpec((bm, bk), lambda kk: (mi, kk), delay_release=1),
+          plgpu.BlockSpec((bk, bf), lambda kk: (kk, ni), delay_release=1),
+          plgpu.BlockSpec((bk, bf), lambda kk: (kk, nf + ni), delay_release=1),
+        ],
+        max_concurrent_steps=settings.stages,
+      )(x_gmem, w_e, w_e)
+      return gate_ref[...], up_ref[...]
+
+    gate, up = pl.run_scoped(accumulate, plgpu.ACC((bm, bf)), plgpu.ACC((bm, bf)))
+    gate, up = gate.astype(dtype), up.astype(dtype)
+    gate32 = gate.astype(F32)
+    h = (gate32 / (1.0 + jnp.exp(-gate32)) * up.astype(F32)).astype(dtype)
+    rows = pl.ds(mi * bm, bm)
+    _store(
+      [gate, up, h],
+      [
+        gate_up_gmem.at[rows, pl.ds(ni * bf, bf)],
+        gate_up_gmem.at[rows, pl.ds(f + ni * bf, bf)],
+        h_gmem.at[rows, pl.ds(ni * bf, bf)],
+      ],
+    )
+
+  out = (jax.ShapeDtypeStruct((slots, f2), dtype), jax.ShapeDtypeStruct((slots, f), dtype))
+  return _call(body, out, (slots // bm, nf), ('m', 'n'), interpret)(expert_t.astype(jnp.int32), x_pd, w_in_ed2f)
+
+
+def expert_tiles(expert_t, num_experts: int):
+  """(first tile, tiles) [E] int32 of each expert: its tiles are consecutive, experts in order."""
+  count_e = jnp.sum(expert_t[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
+  return jnp.cumsum(count_e) - count_e, count_e
+
+
+@functools.partial(jax.jit, static_argnames=('num_experts', 'settings', 'interpret'))
+def expert_weight_grad(a_pk, b_pn, expert_t, *, num_experts, settings, interpret=False):
+  """[E, K, N] float32: for each expert the sum over its tiles of a_tile^T b_tile (zero for an
+  expert with no tile); one program per (expert, K tile, N tile of block_n) runs a pipelined loop
+  over its expert's tiles (a traced trip count), so each output tile is written once."""
+  _check_dtypes(a_pk, b_pn)
+  slots, k = a_pk.shape
+  n = b_pn.shape[1]
+  bm, bn = settings.block_m, settings.block_n
+  _check('block_m', slots, bm, 'the slots')
+  _check('block_n', k, bn, 'the weight rows')
+  _check('block_n', n, bn, 'the weight columns')
+  first_e, count_e = expert_tiles(expert_t.astype(jnp.int32), num_experts)
+
+  def body(first_gmem, count_gmem, a_gmem, b_gmem, o_gmem):
+    ei, ki, ni = jax.lax.axis_index('e'), jax.lax.axis_index('k'), jax.lax.axis_index('n')
+    first = first_gmem[ei]
+
+    def accumulate(acc_ref):
+      def step(_, a_smem, b_smem):
+        plgpu.wgmma(acc_ref, a_smem.T, b_smem)
+
+      plgpu.emit_pipeline(
+        step,
+        grid=(count_gmem[ei],),
+        in_specs=[
+          plgpu.BlockSpec((bm, bn), lambda t: (first + t, ki), delay_release=1),
+          plgpu.BlockSpec((bm, bn), lambda t: (first + t, ni), delay_release=1),
+        ],
+        max_concurrent_steps=settings.stages,
+      )(a_gmem, b_gmem)
+      return acc_ref[...]
+
+    acc = pl.run_scoped(accumulate, plgpu.ACC((bn, bn)))
+    _store([acc], [o_gmem.at[ei, pl.ds(ki * bn, bn), pl.ds(ni * bn, bn)]])
+
+  out = jax.ShapeDtypeStruct((num_experts, k, n), F32)
+  grid = (num_experts, k // bn, n // bn)
+  return _call(body, out, grid, ('e', 'k', 'n'), interpret)(first_e, count_e, a_pk, b_pn)
