@@ -35,6 +35,17 @@ def _check(name: str, dim: int, block: int, what: str):
     raise ValueError(f'moe mosaic: {what} ({dim}) must be a multiple of {name}={block}')
 
 
+MAX_TILES = 65535  # the CUDA grid's y dimension, which the tiles take (the last grid axis is x)
+
+
+def _check_tiles(slots: int, bm: int):
+  if slots // bm > MAX_TILES:
+    raise ValueError(
+      f'moe mosaic: {slots} slots make {slots // bm} tiles of block_m={bm}, more than a grid holds ({MAX_TILES}); '
+      'raise block_m or split the tokens'
+    )
+
+
 def _check_dtypes(*arrays):
   for a in arrays:
     if a.dtype not in DTYPES:
@@ -84,6 +95,7 @@ def tile_matmul(a_pk, w_ekn, expert_t, *, transpose=False, out_dtype=None, setti
   n = w_ekn.shape[1] if transpose else w_ekn.shape[2]
   bm, bn, bk = settings.block_m, settings.block_n, settings.block_k
   _check('block_m', slots, bm, 'the slots')
+  _check_tiles(slots, bm)
   _check('block_k', k, bk, 'the contraction dim')
   _check('block_n', n, bn, 'the output dim')
   out_dtype = out_dtype or a_pk.dtype
@@ -128,6 +140,7 @@ def gate_up_swiglu(x_pd, w_in_ed2f, expert_t, *, settings, interpret=False):
   f = f2 // 2
   bm, bf, bk = settings.block_m, settings.block_f, settings.block_k
   _check('block_m', slots, bm, 'the slots')
+  _check_tiles(slots, bm)
   _check('block_k', d, bk, 'd_model')
   _check('block_f', f, bf, 'the expert hidden width')
   dtype, nf = x_pd.dtype, f // bf
