@@ -26,13 +26,26 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.common import power_of_two_divisor
+
 F32 = jnp.float32
 DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+MIN_TILE = 64  # 128 bytes of a 16-bit row: the swizzled shared-memory tile the kernels load
 
 
 def _check(name: str, dim: int, block: int, what: str):
   if dim % block:
     raise ValueError(f'moe mosaic: {what} ({dim}) must be a multiple of {name}={block}')
+
+
+def _tile(dim: int, block: int, what: str) -> int:
+  """The largest power of two <= block dividing dim, at least MIN_TILE (else a ValueError naming `what`)."""
+  size = power_of_two_divisor(dim, block)
+  if size < MIN_TILE:
+    raise ValueError(f'moe mosaic: {what} ({dim}) must be a multiple of {MIN_TILE}')
+  return size
 
 
 MAX_TILES = 65535  # the CUDA grid's y dimension, which the tiles take (the last grid axis is x)
@@ -93,11 +106,10 @@ def tile_matmul(a_pk, w_ekn, expert_t, *, transpose=False, out_dtype=None, setti
   slots, k = a_pk.shape
   e = w_ekn.shape[0]
   n = w_ekn.shape[1] if transpose else w_ekn.shape[2]
-  bm, bn, bk = settings.block_m, settings.block_n, settings.block_k
+  bm = settings.block_m
   _check('block_m', slots, bm, 'the slots')
   _check_tiles(slots, bm)
-  _check('block_k', k, bk, 'the contraction dim')
-  _check('block_n', n, bn, 'the output dim')
+  bk, bn = _tile(k, settings.block_k, 'the contraction dim'), _tile(n, settings.block_n, 'the output dim')
   out_dtype = out_dtype or a_pk.dtype
 
   def body(expert_gmem, a_gmem, w_gmem, o_gmem):
@@ -138,11 +150,10 @@ def gate_up_swiglu(x_pd, w_in_ed2f, expert_t, *, settings, interpret=False):
   slots, d = x_pd.shape
   e, _, f2 = w_in_ed2f.shape
   f = f2 // 2
-  bm, bf, bk = settings.block_m, settings.block_f, settings.block_k
+  bm = settings.block_m
   _check('block_m', slots, bm, 'the slots')
   _check_tiles(slots, bm)
-  _check('block_k', d, bk, 'd_model')
-  _check('block_f', f, bf, 'the expert hidden width')
+  bk, bf = _tile(d, settings.block_k, 'd_model'), _tile(f, settings.block_f, 'the expert hidden width')
   dtype, nf = x_pd.dtype, f // bf
 
   def body(expert_gmem, x_gmem, w_gmem, gate_up_gmem, h_gmem):
@@ -199,10 +210,9 @@ def expert_weight_grad(a_pk, b_pn, expert_t, *, num_experts, settings, interpret
   _check_dtypes(a_pk, b_pn)
   slots, k = a_pk.shape
   n = b_pn.shape[1]
-  bm, bn = settings.block_m, settings.block_n
+  bm = settings.block_m
   _check('block_m', slots, bm, 'the slots')
-  _check('block_n', k, bn, 'the weight rows')
-  _check('block_n', n, bn, 'the weight columns')
+  bk, bn = _tile(k, settings.block_n, 'the weight rows'), _tile(n, settings.block_n, 'the weight columns')
   first_e, count_e = expert_tiles(expert_t.astype(jnp.int32), num_experts)
 
   def body(first_gmem, count_gmem, a_gmem, b_gmem, o_gmem):
@@ -217,16 +227,16 @@ def expert_weight_grad(a_pk, b_pn, expert_t, *, num_experts, settings, interpret
         step,
         grid=(count_gmem[ei],),
         in_specs=[
-          plgpu.BlockSpec((bm, bn), lambda t: (first + t, ki), delay_release=1),
+          plgpu.BlockSpec((bm, bk), lambda t: (first + t, ki), delay_release=1),
           plgpu.BlockSpec((bm, bn), lambda t: (first + t, ni), delay_release=1),
         ],
         max_concurrent_steps=settings.stages,
       )(a_gmem, b_gmem)
       return acc_ref[...]
 
-    acc = pl.run_scoped(accumulate, plgpu.ACC((bn, bn)))
-    _store([acc], [o_gmem.at[ei, pl.ds(ki * bn, bn), pl.ds(ni * bn, bn)]])
+    acc = pl.run_scoped(accumulate, plgpu.ACC((bk, bn)))
+    _store([acc], [o_gmem.at[ei, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)]])
 
   out = jax.ShapeDtypeStruct((num_experts, k, n), F32)
-  grid = (num_experts, k // bn, n // bn)
+  grid = (num_experts, k // bk, n // bn)
   return _call(body, out, grid, ('e', 'k', 'n'), interpret)(first_e, count_e, a_pk, b_pn)

@@ -41,7 +41,8 @@ class MosaicMoeSettings(Settings):
   layout's block), output columns per program (block_n; the weight gradient's K and N tiles),
   the contraction chunk (block_k), gate_up_swiglu's hidden columns per program (block_f: its two
   float32 accumulators), and the pipeline's buffers in flight (stages). block_m a multiple of 64
-  (a warpgroup's wgmma rows), the others of 16; the dims they tile must be multiples of them."""
+  (a warpgroup's wgmma rows); block_n, block_k and block_f shrink to the largest power of two that
+  divides the dim they tile, at least 64 (so D and F must be multiples of 64)."""
 
   FAMILY = 'moe mosaic'
 
@@ -56,5 +57,6 @@ class MosaicMoeSettings(Settings):
     if self.block_m % 64:
       raise ValueError(f'{self.FAMILY}: block_m must be a multiple of 64, got {self.block_m}')
     for name in ('block_n', 'block_k', 'block_f'):
-      if getattr(self, name) % 16:
-        raise ValueError(f'{self.FAMILY}: {name} must be a multiple of 16, got {getattr(self, name)}')
+      value = getattr(self, name)
+      if value < 64 or value & (value - 1):
+        raise ValueError(f'{self.FAMILY}: {name} must be a power of two >= 64, got {value}')

@@ -218,7 +218,9 @@ def test_mosaic_settings_are_checked():
     MosaicMoeSettings(block_m=32)
   from kernels_pallas.moe import grouped_mosaic as mosaic
 
-  with pytest.raises(ValueError, match=r'moe mosaic: the contraction dim \(96\) must be a multiple of block_k=64'):
+  with pytest.raises(ValueError, match='moe mosaic: block_f must be a power of two >= 64, got 96'):
+    MosaicMoeSettings(block_f=96)
+  with pytest.raises(ValueError, match=r'moe mosaic: the contraction dim \(96\) must be a multiple of 64'):
     mosaic.tile_matmul(
       jnp.zeros((128, 96), jnp.bfloat16), jnp.zeros((1, 96, 64), jnp.bfloat16), jnp.zeros(1), settings=MOSAIC
     )
