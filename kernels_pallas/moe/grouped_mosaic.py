@@ -240,3 +240,79 @@ def expert_weight_grad(a_pk, b_pn, expert_t, *, num_experts, settings, interpret
   out = jax.ShapeDtypeStruct((num_experts, k, n), F32)
   grid = (num_experts, k // bk, n // bn)
   return _call(body, out, grid, ('e', 'k', 'n'), interpret)(first_e, count_e, a_pk, b_pn)
+
+
+@functools.partial(jax.jit, static_argnames=('settings', 'interpret'))
+def down_swiglu_backward(g_pd, w_down_efd, gate_up_p2f, w_p, expert_t, *, settings, interpret=False):
+  """The down projection's input gradient fused with SwiGLU's backward, per (tile, F tile of
+  block_f): u = g_tile @ W_down[e]^T in float32, then with h = silu(gate) * up from the saved
+  gate|up and each slot's mixing weight w_p [slots] float32 (zero in padding):
+  (d gate|up [slots, 2F] = SwiGLU's backward of dh = w u, w h [slots, F], both in g's dtype;
+  <u, h> [slots] float32, each row's sum over F). u never reaches global memory."""
+  _check_dtypes(g_pd, w_down_efd, gate_up_p2f)
+  slots, d = g_pd.shape
+  e, f, _ = w_down_efd.shape
+  bm = settings.block_m
+  _check('block_m', slots, bm, 'the slots')
+  _check_tiles(slots, bm)
+  bk, bf = _tile(d, settings.block_k, 'd_model'), _tile(f, settings.block_f, 'the expert hidden width')
+  dtype, nf = g_pd.dtype, f // bf
+
+  def body(expert_gmem, g_gmem, w_gmem, gate_up_gmem, w_p_gmem, d_gate_up_gmem, wh_gmem, uh_gmem):
+    mi, ni = jax.lax.axis_index('m'), jax.lax.axis_index('n')
+    expert, steps = _expert_steps(expert_gmem, mi, e, d // bk)
+    rows = pl.ds(mi * bm, bm)
+
+    def epilogue_inputs(gate_smem, up_smem, w_smem, barriers):
+      # the epilogue's operands load (TMA) while the pipeline runs
+      plgpu.copy_gmem_to_smem(gate_up_gmem.at[rows, pl.ds(ni * bf, bf)], gate_smem, barriers.at[0])
+      plgpu.copy_gmem_to_smem(gate_up_gmem.at[rows, pl.ds(f + ni * bf, bf)], up_smem, barriers.at[1])
+      plgpu.copy_gmem_to_smem(w_p_gmem.at[rows], w_smem, barriers.at[2])
+
+      def accumulate(acc_ref):
+        def step(_, g_smem, w_down_smem):
+          plgpu.wgmma(acc_ref, g_smem, w_down_smem.T)
+
+        plgpu.emit_pipeline(
+          step,
+          grid=(steps,),
+          in_specs=[
+            plgpu.BlockSpec((bm, bk), lambda kk: (mi, kk), delay_release=1),
+            plgpu.BlockSpec((bf, bk), lambda kk: (ni, kk), delay_release=1),
+          ],
+          max_concurrent_steps=settings.stages,
+        )(g_gmem, w_gmem.at[expert])
+        return acc_ref[...]
+
+      u = pl.run_scoped(accumulate, plgpu.ACC((bm, bf)))
+      for i in range(3):
+        plgpu.barrier_wait(barriers.at[i])
+      gate, up = gate_smem[...].astype(F32), up_smem[...].astype(F32)
+      w = jax.lax.broadcast_in_dim(w_smem[...], (bm, bf), [0])
+      sig = 1.0 / (1.0 + jnp.exp(-gate))
+      silu = gate * sig
+      h = silu * up
+      dh = w * u
+      d_gate = (dh * up * sig * (1.0 + gate * (1.0 - sig))).astype(dtype)
+      return d_gate, (dh * silu).astype(dtype), (w * h).astype(dtype), jnp.sum(u * h, axis=1)
+
+    scratch = (plgpu.SMEM((bm, bf), dtype), plgpu.SMEM((bm, bf), dtype), plgpu.SMEM((bm,), F32))
+    d_gate, d_up, wh, uh = pl.run_scoped(epilogue_inputs, *scratch, plgpu.Barrier(num_barriers=3))
+    _store(
+      [d_gate, d_up, wh, uh],
+      [
+        d_gate_up_gmem.at[rows, pl.ds(ni * bf, bf)],
+        d_gate_up_gmem.at[rows, pl.ds(f + ni * bf, bf)],
+        wh_gmem.at[rows, pl.ds(ni * bf, bf)],
+        uh_gmem.at[ni, rows],
+      ],
+    )
+
+  out = (
+    jax.ShapeDtypeStruct((slots, 2 * f), dtype),
+    jax.ShapeDtypeStruct((slots, f), dtype),
+    jax.ShapeDtypeStruct((nf, slots), F32),
+  )
+  call = _call(body, out, (slots // bm, nf), ('m', 'n'), interpret)
+  d_gate_up, wh, uh_parts = call(expert_t.astype(jnp.int32), g_pd, w_down_efd, gate_up_p2f, w_p.astype(F32))
+  return d_gate_up, wh, jnp.sum(uh_parts, axis=0)

@@ -42,7 +42,9 @@ class MosaicMoeSettings(Settings):
   the contraction chunk (block_k), gate_up_swiglu's hidden columns per program (block_f: its two
   float32 accumulators), and the pipeline's buffers in flight (stages). block_m a multiple of 64
   (a warpgroup's wgmma rows); block_n, block_k and block_f shrink to the largest power of two that
-  divides the dim they tile, at least 64 (so D and F must be multiples of 64)."""
+  divides the dim they tile, at least 64 (so D and F must be multiples of 64). fused_backward 1:
+  the backward's down-projection input gradient and SwiGLU's backward in one kernel
+  (down_swiglu_backward), 0: the tile matmul writes u in float32 and XLA runs SwiGLU's backward."""
 
   FAMILY = 'moe mosaic'
 
@@ -51,6 +53,9 @@ class MosaicMoeSettings(Settings):
   block_k: int = 64
   block_f: int = 64
   stages: int = 4
+  fused_backward: int = 0
+
+  SWITCHES = ('fused_backward',)
 
   def __post_init__(self):
     super().__post_init__()

@@ -692,7 +692,8 @@ def _tiled_swiglu_fwd(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, g
 
 def _tiled_swiglu_bwd(settings, res, g_td):
   """_padded_swiglu_bwd's formulas: u by the tile matmul on W_down transposed (float32), SwiGLU's
-  backward in XLA (_swiglu_backward), the weight gradients by the expert weight gradient kernel,
+  backward in XLA (_swiglu_backward), or both in one kernel (a MosaicMoeSettings with
+  fused_backward=1: down_swiglu_backward), the weight gradients by the expert weight gradient kernel,
   dx by the tile matmul on W_in transposed, each token's K slots summed in float32."""
   x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, gate_up_p2f = res
   _, run = _tile_kernels(settings)
@@ -700,8 +701,14 @@ def _tiled_swiglu_bwd(settings, res, g_td):
   e, dtype = w_in_ed2f.shape[0], x_td.dtype
   g_pd = _rows(g_td.astype(dtype), row_p // k)
   w_p1 = _rows(weights_tk.reshape(-1), row_p)[:, None]  # zero in padding slots
-  u_pf = run('tile_matmul', g_pd, w_down_efd.astype(dtype), group_b, transpose=True, out_dtype=jnp.float32)
-  d_weights_tk, wh_pf, d_gate_up_p2f = _swiglu_backward(gate_up_p2f, u_pf, w_p1, slot_tk, dtype)
+  if getattr(settings, 'fused_backward', 0):  # MosaicMoeSettings' switch: u stays in the kernel
+    d_gate_up_p2f, wh_pf, uh_p = run(
+      'down_swiglu_backward', g_pd, w_down_efd.astype(dtype), gate_up_p2f, w_p1[:, 0], group_b
+    )
+    d_weights_tk = _rows(uh_p, slot_tk)
+  else:
+    u_pf = run('tile_matmul', g_pd, w_down_efd.astype(dtype), group_b, transpose=True, out_dtype=jnp.float32)
+    d_weights_tk, wh_pf, d_gate_up_p2f = _swiglu_backward(gate_up_p2f, u_pf, w_p1, slot_tk, dtype)
   d_w_down = run('expert_weight_grad', wh_pf, g_pd, group_b, num_experts=e).astype(w_down_efd.dtype)
   x_pd = _rows(x_td, row_p // k)
   d_w_in = run('expert_weight_grad', x_pd, d_gate_up_p2f, group_b, num_experts=e).astype(w_in_ed2f.dtype)

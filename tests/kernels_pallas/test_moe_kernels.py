@@ -170,7 +170,8 @@ def _mosaic_rows(rng, owner_p, expert_p, cols):
 
 def test_mosaic_kernels_match_float64():
   """The Mosaic GPU kernels in Mosaic GPU's interpret mode, bf16 operands, against float64 on the
-  same bf16 values: both forms of the tile matmul, gate|up with h, and the weight gradient
+  same bf16 values: both forms of the tile matmul, gate|up with h, the down projection's input
+  gradient fused with SwiGLU's backward, and the weight gradient
   (relative error of bf16 rounding for bf16 outputs, 1e-5 for the float32 ones); trailing tiles
   come out zero whatever their rows hold, and the expert with no row gets a zero gradient. K = 128
   runs two pipeline steps."""
@@ -206,6 +207,17 @@ def test_mosaic_kernels_match_float64():
   close(gate_up, want, 1e-2)
   gate, up = (np.asarray(v, np.float64) for v in (gate_up[:, :f], gate_up[:, f:]))
   close(h, gate / (1 + np.exp(-gate)) * up, 1e-2)  # from the rounded gate and up
+  # the down projection's input gradient fused with SwiGLU's backward (dh = w u, u = b W_down^T)
+  w_down = jnp.asarray(rng.standard_normal((e, f, n)) * n**-0.5, jnp.bfloat16)
+  w_p = jnp.asarray(np.where(owner_p >= 0, rng.random(owner_p.shape[0]), 0.0), jnp.float32)
+  d_gate_up, wh, uh = mosaic.down_swiglu_backward(b, w_down, gate_up, w_p, tiles, **run)
+  u = per_slot(b64, np.asarray(w_down, np.float64).transpose(0, 2, 1), f)
+  w64 = np.asarray(w_p, np.float64)[:, None]
+  sig = 1 / (1 + np.exp(-gate))
+  want_d = np.concatenate([w64 * u * up * sig * (1 + gate * (1 - sig)), w64 * u * gate * sig], axis=1)
+  close(d_gate_up, want_d, 1e-2)
+  close(wh, w64 * gate * sig * up, 1e-2)
+  close(uh, np.sum(u * gate * sig * up, axis=1), 1e-5)
   got_w = np.asarray(mosaic.expert_weight_grad(a, b, tiles, num_experts=e, **run), np.float64)
   want_w = np.stack([a64[expert_p == q].T @ b64[expert_p == q] for q in range(e)])
   assert got_w.shape == (e, k, n) and np.max(np.abs(got_w - want_w)) <= 1e-5 * np.max(np.abs(want_w))

@@ -459,20 +459,23 @@ def _rounded(a):
   return np.asarray(_bf16(a).astype(jnp.float32), np.float64)
 
 
-def test_mosaic_routed_experts_match_the_oracle_in_bf16():
+@pytest.mark.parametrize('fused_backward', [0, 1])
+def test_mosaic_routed_experts_match_the_oracle_in_bf16(fused_backward):
   """'mosaic''s routed experts (Mosaic GPU kernels, interpreted) in bf16 against the float64 oracle
   on the bf16-rounded inputs: the output and the five gradients within bf16's rounding (relative
   RMSE <= 1e-2); 6 experts of which expert 2 receives no token (exactly no gradient), tiles of 64
-  rows, D and F of 64 (one tile wide) and 128 (two tiles, the pipeline's K loop of two steps)."""
+  rows, D and F of 64 (one tile wide) and 128 (two tiles, the pipeline's K loop of two steps);
+  SwiGLU's backward in XLA and fused into the down projection's kernel."""
   rng = np.random.default_rng(4)
   t, e, k = 48, 6, 2
+  settings = MOSAIC.replace(fused_backward=fused_backward)
   for d, f in ((64, 128), (128, 64)):
     logits, x, dy = _normal(rng, t, e), _normal(rng, t, d), _normal(rng, t, d)
     r = moe.route(logits, jnp.zeros(e).at[2].set(-1e3), top_k=k, scaling_factor=2.0)
     ws = tuple(w * 0.25 for w in _expert_weights(rng, e, d, f))
 
     def loss(x, w, *ws):
-      y = moe.routed_experts(_bf16(x), w, r.experts_tk, *map(_bf16, ws), impl='mosaic', settings=MOSAIC)
+      y = moe.routed_experts(_bf16(x), w, r.experts_tk, *map(_bf16, ws), impl='mosaic', settings=settings)
       return jnp.sum(y * dy), y
 
     (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, r.weights_tk, *ws)
@@ -671,10 +674,14 @@ def test_tokamax_layer_forward_backward_bf16():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize('impl', ['pallas', 'mosaic'])
-def test_tile_kernels_bf16_as_close_to_float32_as_xla_blocked(impl):
-  """'pallas' (Triton) and 'mosaic' (Mosaic GPU) compiled in bf16 at their default tiles against
-  'xla' in float32 at full precision: the output and the gradients of x, the weights and the three
+@pytest.mark.parametrize(
+  'impl,settings',
+  [('pallas', None), ('mosaic', None), ('mosaic', MosaicMoeSettings(fused_backward=1))],
+  ids=['pallas', 'mosaic', 'mosaic_fused_backward'],
+)
+def test_tile_kernels_bf16_as_close_to_float32_as_xla_blocked(impl, settings):
+  """'pallas' (Triton) and 'mosaic' (Mosaic GPU; also with SwiGLU's backward fused) compiled in
+  bf16 at their default tiles against 'xla' in float32 at full precision: the output and the gradients of x, the weights and the three
   expert weights no further off (relative RMSE) than 1.25x 'xla_blocked''s bf16 error + 1e-2;
   experts 3 and 7 receive no token and get exactly no gradient."""
   dtype = jnp.bfloat16
@@ -685,9 +692,11 @@ def test_tile_kernels_bf16_as_close_to_float32_as_xla_blocked(impl):
   r = moe.route(logits, bias, top_k=k, scaling_factor=2.446)
   ws = tuple(w * d**-0.5 * 2 for w in _expert_weights(rng, e, d, f))
 
-  def run(impl, dtype):
+  def run(impl, dtype, settings=None):
     def loss(x, w, wg, wu, wd):
-      y = moe.routed_experts(x.astype(dtype), w, r.experts_tk, *(a.astype(dtype) for a in (wg, wu, wd)), impl=impl)
+      y = moe.routed_experts(
+        x.astype(dtype), w, r.experts_tk, *(a.astype(dtype) for a in (wg, wu, wd)), impl=impl, settings=settings
+      )
       return jnp.sum(y * dy), y
 
     (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, r.weights_tk, *ws)
@@ -695,7 +704,7 @@ def test_tile_kernels_bf16_as_close_to_float32_as_xla_blocked(impl):
 
   with jax.default_matmul_precision('highest'):
     ref = run('xla', jnp.float32)
-  blocked, tiled = run('xla_blocked', dtype), run(impl, dtype)
+  blocked, tiled = run('xla_blocked', dtype), run(impl, dtype, settings)
   for got, base, want, name in zip(tiled, blocked, ref, ('y', 'x', 'weights', 'w_gate', 'w_up', 'w_down')):
     assert np.all(np.isfinite(np.asarray(got, np.float32))), name
     bound = 1.25 * rel_rmse(np.asarray(base, np.float32), want) + 1e-2
