@@ -9,12 +9,15 @@ expert_t[i] (E for the trailing tiles past the last expert, whose rows are all z
     gate_up_swiglu(x [slots, D], w_in [E, D, 2F], expert_t)   -> gate|up [slots, 2F], h [slots, F]
     expert_weight_grad(a [slots, K], b [slots, N], expert_t, E) -> [E, K, N] float32, sum of a_tile^T b_tile
                                                                   over each expert's tiles
+    down_swiglu_backward(g [slots, D], w_down [E, F, D], gate|up, w [slots], expert_t)
+                                      -> d gate|up [slots, 2F], w h [slots, F], <u, h> [slots] float32
 
-The same functions, arguments and results as grouped.py's (the op picks the module by its settings'
-type): a trailing tile's pipeline runs no step, so its output is zero whatever its rows hold, and
-an expert without rows gets a zero weight gradient. Operands bf16 or f16 (wgmma's 16-bit inputs);
-every product accumulates in float32. Off an NVIDIA GPU the kernels run in Mosaic GPU's interpret
-mode. See README.md here.
+The first four are grouped.py's functions, arguments and results (the op picks the module by its
+settings' type); the fifth, only here, fuses the backward's u = g W_down^T with SwiGLU's backward
+(MosaicMoeSettings.fused_backward). A trailing tile's pipeline runs no step, so its output is zero
+whatever its rows hold, and an expert without rows gets a zero weight gradient. Operands bf16 or
+f16 (wgmma's 16-bit inputs); every product accumulates in float32. Off an NVIDIA GPU the kernels
+run in Mosaic GPU's interpret mode. See README.md here.
 """
 
 from __future__ import annotations
@@ -30,14 +33,8 @@ from kernels_pallas.common import power_of_two_divisor
 
 F32 = jnp.float32
 DTYPES = (jnp.bfloat16, jnp.float16)
-
-
 MIN_TILE = 64  # 128 bytes of a 16-bit row: the swizzled shared-memory tile the kernels load
-
-
-def _check(name: str, dim: int, block: int, what: str):
-  if dim % block:
-    raise ValueError(f'moe mosaic: {what} ({dim}) must be a multiple of {name}={block}')
+MAX_TILES = 65535  # the CUDA grid's y dimension, which the tiles take (the last grid axis is x)
 
 
 def _tile(dim: int, block: int, what: str) -> int:
@@ -48,15 +45,16 @@ def _tile(dim: int, block: int, what: str) -> int:
   return size
 
 
-MAX_TILES = 65535  # the CUDA grid's y dimension, which the tiles take (the last grid axis is x)
-
-
-def _check_tiles(slots: int, bm: int):
+def _slot_tiles(slots: int, bm: int) -> int:
+  """The tiles of block_m=bm slots (a ValueError when they do not fit the slots or a grid)."""
+  if slots % bm:
+    raise ValueError(f'moe mosaic: the slots ({slots}) must be a multiple of block_m={bm}')
   if slots // bm > MAX_TILES:
     raise ValueError(
       f'moe mosaic: {slots} slots make {slots // bm} tiles of block_m={bm}, more than a grid holds ({MAX_TILES}); '
       'raise block_m or split the tokens'
     )
+  return slots // bm
 
 
 def _check_dtypes(*arrays):
@@ -107,8 +105,7 @@ def tile_matmul(a_pk, w_ekn, expert_t, *, transpose=False, out_dtype=None, setti
   e = w_ekn.shape[0]
   n = w_ekn.shape[1] if transpose else w_ekn.shape[2]
   bm = settings.block_m
-  _check('block_m', slots, bm, 'the slots')
-  _check_tiles(slots, bm)
+  tiles = _slot_tiles(slots, bm)
   bk, bn = _tile(k, settings.block_k, 'the contraction dim'), _tile(n, settings.block_n, 'the output dim')
   out_dtype = out_dtype or a_pk.dtype
 
@@ -137,7 +134,7 @@ def tile_matmul(a_pk, w_ekn, expert_t, *, transpose=False, out_dtype=None, setti
     _store([acc.astype(out_dtype)], [o_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)]])
 
   out = jax.ShapeDtypeStruct((slots, n), out_dtype)
-  return _call(body, out, (slots // bm, n // bn), ('m', 'n'), interpret)(expert_t.astype(jnp.int32), a_pk, w_ekn)
+  return _call(body, out, (tiles, n // bn), ('m', 'n'), interpret)(expert_t.astype(jnp.int32), a_pk, w_ekn)
 
 
 @functools.partial(jax.jit, static_argnames=('settings', 'interpret'))
@@ -151,8 +148,7 @@ def gate_up_swiglu(x_pd, w_in_ed2f, expert_t, *, settings, interpret=False):
   e, _, f2 = w_in_ed2f.shape
   f = f2 // 2
   bm = settings.block_m
-  _check('block_m', slots, bm, 'the slots')
-  _check_tiles(slots, bm)
+  tiles = _slot_tiles(slots, bm)
   bk, bf = _tile(d, settings.block_k, 'd_model'), _tile(f, settings.block_f, 'the expert hidden width')
   dtype, nf = x_pd.dtype, f // bf
 
@@ -193,7 +189,7 @@ def gate_up_swiglu(x_pd, w_in_ed2f, expert_t, *, settings, interpret=False):
     )
 
   out = (jax.ShapeDtypeStruct((slots, f2), dtype), jax.ShapeDtypeStruct((slots, f), dtype))
-  return _call(body, out, (slots // bm, nf), ('m', 'n'), interpret)(expert_t.astype(jnp.int32), x_pd, w_in_ed2f)
+  return _call(body, out, (tiles, nf), ('m', 'n'), interpret)(expert_t.astype(jnp.int32), x_pd, w_in_ed2f)
 
 
 def expert_tiles(expert_t, num_experts: int):
@@ -211,7 +207,7 @@ def expert_weight_grad(a_pk, b_pn, expert_t, *, num_experts, settings, interpret
   slots, k = a_pk.shape
   n = b_pn.shape[1]
   bm = settings.block_m
-  _check('block_m', slots, bm, 'the slots')
+  _slot_tiles(slots, bm)
   bk, bn = _tile(k, settings.block_n, 'the weight rows'), _tile(n, settings.block_n, 'the weight columns')
   first_e, count_e = expert_tiles(expert_t.astype(jnp.int32), num_experts)
 
@@ -253,8 +249,7 @@ def down_swiglu_backward(g_pd, w_down_efd, gate_up_p2f, w_p, expert_t, *, settin
   slots, d = g_pd.shape
   e, f, _ = w_down_efd.shape
   bm = settings.block_m
-  _check('block_m', slots, bm, 'the slots')
-  _check_tiles(slots, bm)
+  tiles = _slot_tiles(slots, bm)
   bk, bf = _tile(d, settings.block_k, 'd_model'), _tile(f, settings.block_f, 'the expert hidden width')
   dtype, nf = g_pd.dtype, f // bf
 
@@ -313,6 +308,6 @@ def down_swiglu_backward(g_pd, w_down_efd, gate_up_p2f, w_p, expert_t, *, settin
     jax.ShapeDtypeStruct((slots, f), dtype),
     jax.ShapeDtypeStruct((nf, slots), F32),
   )
-  call = _call(body, out, (slots // bm, nf), ('m', 'n'), interpret)
+  call = _call(body, out, (tiles, nf), ('m', 'n'), interpret)
   d_gate_up, wh, uh_parts = call(expert_t.astype(jnp.int32), g_pd, w_down_efd, gate_up_p2f, w_p.astype(F32))
   return d_gate_up, wh, jnp.sum(uh_parts, axis=0)

@@ -681,9 +681,10 @@ def test_tokamax_layer_forward_backward_bf16():
 )
 def test_tile_kernels_bf16_as_close_to_float32_as_xla_blocked(impl, settings):
   """'pallas' (Triton) and 'mosaic' (Mosaic GPU; also with SwiGLU's backward fused) compiled in
-  bf16 at their default tiles against 'xla' in float32 at full precision: the output and the gradients of x, the weights and the three
-  expert weights no further off (relative RMSE) than 1.25x 'xla_blocked''s bf16 error + 1e-2;
-  experts 3 and 7 receive no token and get exactly no gradient."""
+  bf16 at their default tiles against 'xla' in float32 at full precision: the output and the
+  gradients of x, the weights and the three expert weights no further off (relative RMSE) than
+  1.25x 'xla_blocked''s bf16 error + 1e-2; experts 3 and 7 receive no token and get exactly no
+  gradient."""
   dtype = jnp.bfloat16
   rng = np.random.default_rng(8)
   t, d, f, e, k = 4096, 256, 128, 16, 4
