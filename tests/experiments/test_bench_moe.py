@@ -69,7 +69,7 @@ def test_configs_and_flops():
 
 
 def test_moe_tiles_give_each_impl_one_row_per_its_settings():
-  from kernels_pallas.moe.settings import MoeSettings
+  from kernels_pallas.moe.settings import MoeSettings, MosaicMoeSettings
   from kimijax.ops.moe import BlockedSettings
 
   tiles = ['pallas:', 'pallas:block_m=64/warps=4', 'xla_blocked:blocks_per_group=8']
@@ -81,6 +81,9 @@ def test_moe_tiles_give_each_impl_one_row_per_its_settings():
   ]
   assert bench_moe.impl_variants(['xla_blocked'], ['pallas:block_m=64']) == [
     ('xla_blocked', 'xla_blocked', BlockedSettings())
+  ]
+  assert bench_moe.impl_variants(['mosaic'], ['mosaic:fused_backward=1']) == [
+    ('mosaic (fused_backward=1)', 'mosaic', MosaicMoeSettings(fused_backward=1))
   ]
   with pytest.raises(ValueError, match=r"unknown keys \['block_m'\]"):
     bench_moe.impl_variants(['xla_blocked', 'pallas'], ['block_m=64'])
