@@ -57,6 +57,15 @@ def _slot_tiles(slots: int, bm: int) -> int:
   return slots // bm
 
 
+SMEM_BYTES = 227 * 1024  # shared memory a Hopper block may hold
+
+
+def _fitting_stages(stages: int, stage_bytes: int) -> int:
+  """`stages`, or fewer (at least 2) when that many pipeline buffers of stage_bytes would overflow
+  shared memory."""
+  return max(2, min(stages, SMEM_BYTES // stage_bytes))
+
+
 def _check_dtypes(*arrays):
   for a in arrays:
     if a.dtype not in DTYPES:
@@ -210,6 +219,7 @@ def expert_weight_grad(a_pk, b_pn, expert_t, *, num_experts, settings, interpret
   _slot_tiles(slots, bm)
   bk, bn = _tile(k, settings.block_n, 'the weight rows'), _tile(n, settings.block_n, 'the weight columns')
   first_e, count_e = expert_tiles(expert_t.astype(jnp.int32), num_experts)
+  stages = _fitting_stages(settings.stages, bm * (bk + bn) * a_pk.dtype.itemsize)
 
   def body(first_gmem, count_gmem, a_gmem, b_gmem, o_gmem):
     ei, ki, ni = jax.lax.axis_index('e'), jax.lax.axis_index('k'), jax.lax.axis_index('n')
@@ -226,7 +236,7 @@ def expert_weight_grad(a_pk, b_pn, expert_t, *, num_experts, settings, interpret
           plgpu.BlockSpec((bm, bk), lambda t: (first + t, ki), delay_release=1),
           plgpu.BlockSpec((bm, bn), lambda t: (first + t, ni), delay_release=1),
         ],
-        max_concurrent_steps=settings.stages,
+        max_concurrent_steps=stages,
       )(a_gmem, b_gmem)
       return acc_ref[...]
 
