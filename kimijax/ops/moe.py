@@ -693,7 +693,7 @@ def _tiled_swiglu_fwd(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, g
 def _tiled_swiglu_bwd(settings, res, g_td):
   """_padded_swiglu_bwd's formulas: u by the tile matmul on W_down transposed (float32), SwiGLU's
   backward in XLA (_swiglu_backward), or both in one kernel (a MosaicMoeSettings with
-  fused_backward=1: down_swiglu_backward), the weight gradients by the expert weight gradient kernel,
+  fused_backward=1, its default: down_swiglu_backward), the weight gradients by the expert weight gradient kernel,
   dx by the tile matmul on W_in transposed, each token's K slots summed in float32."""
   x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, gate_up_p2f = res
   _, run = _tile_kernels(settings)
