@@ -4,6 +4,7 @@ with the same active FLOPs, side by side in one process, and the dispatch's part
     python -m experiments.bench.bench_moe                                        # one H200: the shapes below
     python -m experiments.bench.bench_moe --configs=64x8x512 --impls=tokamax,xla
     python -m experiments.bench.bench_moe --configs=64x8x256 --impls=xla_blocked,pallas --noparts --matmuls
+    python -m experiments.bench.bench_moe --configs=64x8x512 --impls=mosaic --noparts --matmuls --kernels
     python -m experiments.bench.bench_moe --configs=4x2x16 --tokens=256 --d_model=32 --impls=xla   # CPU smoke
 
 Configs 'ExKxF' (routed experts, top-k, expert hidden): by default 64 and 256 experts, top-8, expert
@@ -31,7 +32,10 @@ padded swiglu are its routed path; its 'grouped swiglu' row times it as a plain 
 ragged_dot contract, gathers included: rows [T K, A] in the routing's groups times [E, A, B]):
 its forward, input gradient and weight gradient, each jitted on its own, against the dense
 matmul of the same rows ([T K, A] x [A, B] and its two gradients) at the two shapes of the
-experts (A x B = D x 2F, then F x D). An impl that cannot run here, or a cell out of memory, is a
+experts (A x B = D x 2F, then F x D). Table 4 (--kernels), the same products by the tile kernels
+alone of an impl that has them ('pallas', 'mosaic': kimijax.ops.moe.tile_kernels) on rows already
+gathered into the padded layout's slots (tiles of block_m rows per expert): what table 3 costs
+beyond the kernels is the gathers into the slots and back. An impl that cannot run here, or a cell out of memory, is a
 cell saying so, not a crash. Prints Markdown.
 Results go to experiments/results/moe.md.
 """
@@ -76,6 +80,7 @@ def define_flags():
   flags.DEFINE_bool(
     'matmuls', False, "also time one grouped matmul and each of its gradients against cuBLAS's (table 3)"
   )
+  flags.DEFINE_bool('kernels', False, 'also time the tile kernels alone, without the gathers (table 4)')
   flags.DEFINE_integer('repeats', 10, 'timed calls per cell')
   flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
 
@@ -278,10 +283,11 @@ def _timed_sum(calls, tflop, repeats, warmup) -> tuple[list[str], float | None]:
 
 
 def matmul_rows(
-  config_names, impls, tokens=65536, d_model=1024, dtype_name=None, repeats=10, warmup=2, moe_tiles=('',)
+  config_names, impls, tokens=65536, d_model=1024, dtype_name=None, repeats=10, warmup=2, moe_tiles=('',), alone=False
 ):
-  """Yields table 3's rows: [config, A x B, impl, forward, input gradient, weight gradient, sum / dense
-  sum], the dense row first; TFLOP/s over the 2 M A B FLOPs of each."""
+  """Yields table 3's rows (alone: table 4's): [config, A x B, impl, forward, input gradient, weight
+  gradient, sum / dense sum], the dense row first; TFLOP/s over the 2 M A B FLOPs of each (the rows',
+  not the padding's)."""
   import jax
   import jax.numpy as jnp
 
@@ -310,19 +316,54 @@ def matmul_rows(
       yield [name, f'{a} x {b}', 'dense', *cells, '1']
       for impl_label, impl, settings in impl_variants(impls, moe_tiles):
         problem = moe_ops.unsupported(impl, dtype, d_model, f)
-        if problem:
-          yield [name, f'{a} x {b}', impl_label, *[_na_cell(problem)] * 3, '-']
-          continue
-        dot = lambda x, w, sizes, impl=impl, settings=settings: moe_ops.IMPLS[impl].ragged_dot(x, w, sizes, settings)
-        forward = _bound(dot, sizes=sizes)
-        input_grad = _bound(lambda x, w, dy, sizes: jax.vjp(lambda x: dot(x, w, sizes), x)[1](dy)[0], sizes=sizes)
-        weight_grad = _bound(lambda x, w, dy, sizes: jax.vjp(lambda w: dot(x, w, sizes), w)[1](dy)[0], sizes=sizes)
-        grads_args = (x_ma, w_eab, dy_mb)
-        cells, total = _timed_sum(
-          [(forward, (x_ma, w_eab)), (input_grad, grads_args), (weight_grad, grads_args)], tflop, repeats, warmup
+        calls = (
+          None if problem else (_kernel_calls if alone else _matmul_calls)(impl, settings, x_ma, w_eab, dy_mb, sizes)
         )
+        if calls is None:
+          cell = _na_cell(problem) if problem else 'n/a: no tile kernels'
+          yield [name, f'{a} x {b}', impl_label, *[cell] * 3, '-']
+          continue
+        cells, total = _timed_sum(calls, tflop, repeats, warmup)
         ratio = f'{total / dense_ms:.2f}' if total and dense_ms else '-'
         yield [name, f'{a} x {b}', impl_label, *cells, ratio]
+
+
+def _matmul_calls(impl, settings, x_ma, w_eab, dy_mb, sizes):
+  """[(fn, args)] of the impl's grouped matmul (the ragged_dot contract, gathers included): forward,
+  input gradient, weight gradient."""
+  import jax
+
+  from kimijax.ops import moe as moe_ops
+
+  dot = lambda x, w, sizes: moe_ops.IMPLS[impl].ragged_dot(x, w, sizes, settings)
+  forward = _bound(dot, sizes=sizes)
+  input_grad = _bound(lambda x, w, dy, sizes: jax.vjp(lambda x: dot(x, w, sizes), x)[1](dy)[0], sizes=sizes)
+  weight_grad = _bound(lambda x, w, dy, sizes: jax.vjp(lambda w: dot(x, w, sizes), w)[1](dy)[0], sizes=sizes)
+  grads_args = (x_ma, w_eab, dy_mb)
+  return [(forward, (x_ma, w_eab)), (input_grad, grads_args), (weight_grad, grads_args)]
+
+
+def _kernel_calls(impl, settings, x_ma, w_eab, dy_mb, sizes):
+  """[(fn, args)] of the impl's tile kernels alone (kimijax.ops.moe.tile_kernels: 'pallas', 'mosaic')
+  on the rows already gathered into the padded layout's slots: the tile matmul, the tile matmul on
+  the transposed weights, the expert weight gradient; None for an impl without tile kernels."""
+  import jax
+
+  from kimijax.ops import moe as moe_ops
+
+  parse = moe_ops.IMPLS[impl].parse_settings
+  try:
+    settings, run = moe_ops.tile_kernels(settings or (parse and parse('')))
+  except TypeError:
+    return None
+  layout = moe_ops._blocked_layout(x_ma.shape[0], sizes, settings.block_m)
+  x_pa, dy_pb = (moe_ops._rows(a, layout.src_p) for a in (x_ma, dy_mb))
+  e = w_eab.shape[0]
+  forward = jax.jit(lambda x, w, t: run('tile_matmul', x, w, t))
+  input_grad = jax.jit(lambda dy, w, t: run('tile_matmul', dy, w, t, transpose=True))
+  weight_grad = jax.jit(lambda x, dy, t: run('expert_weight_grad', x, dy, t, num_experts=e))
+  t = layout.group_b
+  return [(forward, (x_pa, w_eab, t)), (input_grad, (dy_pb, w_eab, t)), (weight_grad, (x_pa, dy_pb, t))]
 
 
 def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, repeats=10, warmup=2, moe_tiles=('',)):
@@ -452,9 +493,11 @@ def main(argv):
   common = (FLAGS.configs, FLAGS.impls, FLAGS.tokens, FLAGS.d_model, FLAGS.dtype, FLAGS.repeats, FLAGS.warmup)
   if FLAGS.parts:
     _print_table(['config', 'part', 'impl', 'forward', 'forward+backward'], part_rows(*common, FLAGS.moe_tiles))
+  header = ['config', 'A x B', 'impl', 'forward', 'input gradient', 'weight gradient', 'sum / dense sum']
   if FLAGS.matmuls:
-    header = ['config', 'A x B', 'impl', 'forward', 'input gradient', 'weight gradient', 'sum / dense sum']
     _print_table(header, matmul_rows(*common, FLAGS.moe_tiles))
+  if FLAGS.kernels:
+    _print_table(header, matmul_rows(*common, FLAGS.moe_tiles, alone=True))
 
 
 def _print_table(header, rows):

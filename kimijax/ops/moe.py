@@ -77,7 +77,7 @@ IMPLS, the grouped matmul (ragged dot) by name:
                moe.md): no config selects it.
     'mosaic'   'pallas' with Mosaic GPU kernels (kernels_pallas/moe/grouped_mosaic.py: TMA, wgmma,
                pipelined contraction) in place of the Triton ones, the same functions over the same
-               layout and the same custom VJPs; `_tile_kernels` picks the module by the settings'
+               layout and the same custom VJPs; `tile_kernels` picks the module by the settings'
                type, a MosaicMoeSettings. bf16 or f16; D and F multiples of 64; Mosaic GPU's
                interpret mode off an NVIDIA GPU.
 """
@@ -587,7 +587,7 @@ def _mosaic_settings(text: str):
   return MosaicMoeSettings.from_string(text)
 
 
-def _tile_kernels(settings):
+def tile_kernels(settings):
   """(the settings; run(name, *args, **kw): the kernel `name` of the module these settings belong
   to, kernels_pallas.moe.grouped (Triton) for a MoeSettings, .grouped_mosaic (Mosaic GPU) for a
   MosaicMoeSettings, interpreted off the GPU)."""
@@ -630,7 +630,7 @@ def _tile_matmul(x_pk, w_gkn, group_b, settings):
   """The tile matmul kernel (each tile of block_m slots times its group's matrix, [slots, N] in x's
   dtype), differentiable in x and w by the same kernel transposed and the expert weight gradient
   kernel."""
-  _, run = _tile_kernels(settings)
+  _, run = tile_kernels(settings)
   return run('tile_matmul', x_pk, w_gkn.astype(x_pk.dtype), group_b)
 
 
@@ -640,7 +640,7 @@ def _tile_matmul_fwd(x_pk, w_gkn, group_b, settings):
 
 def _tile_matmul_bwd(settings, res, g_pn):
   x_pk, w_gkn, group_b = res
-  _, run = _tile_kernels(settings)
+  _, run = tile_kernels(settings)
   g_pn = g_pn.astype(x_pk.dtype)
   dx_pk = run('tile_matmul', g_pn, w_gkn.astype(x_pk.dtype), group_b, transpose=True)
   dw = run('expert_weight_grad', x_pk, g_pn, group_b, num_experts=w_gkn.shape[0])
@@ -680,7 +680,7 @@ def _tiled_swiglu(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group
 
 
 def _tiled_swiglu_fwd(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, settings):
-  _, run = _tile_kernels(settings)
+  _, run = tile_kernels(settings)
   k = weights_tk.shape[1]
   dtype = x_td.dtype
   x_pd = _rows(x_td, row_p // k)
@@ -696,7 +696,7 @@ def _tiled_swiglu_bwd(settings, res, g_td):
   fused_backward=1, its default: down_swiglu_backward), the weight gradients by the expert weight gradient kernel,
   dx by the tile matmul on W_in transposed, each token's K slots summed in float32."""
   x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, gate_up_p2f = res
-  _, run = _tile_kernels(settings)
+  _, run = tile_kernels(settings)
   k = weights_tk.shape[1]
   e, dtype = w_in_ed2f.shape[0], x_td.dtype
   g_pd = _rows(g_td.astype(dtype), row_p // k)

@@ -56,6 +56,23 @@ def test_tiny_shapes_time_each_grouped_matmul_and_its_gradients_against_dense():
       assert row[6] == '1' if row[2] == 'dense' else re.fullmatch(r'\d+\.\d\d', row[6])
 
 
+def test_tiny_shapes_time_the_tile_kernels_alone():
+  """Table 4: the tile kernels of 'pallas' (interpreted, tiles of 16) on the gathered slots; an impl
+  without tile kernels is a cell saying so."""
+  tiles = ['pallas:block_m=16/block_n=16/block_k=16']
+  rows = list(bench_moe.matmul_rows(['4x2x16'], ['xla', 'pallas'], 64, 32, None, 1, 1, tiles, alone=True))
+  assert [(r[1], r[2]) for r in rows] == [
+    (shape, impl)
+    for shape in ('32 x 32', '16 x 32')
+    for impl in ('dense', 'xla', 'pallas (block_m=16/block_n=16/block_k=16)')
+  ]
+  for row in rows:
+    if row[2] == 'xla':
+      assert row[3:6] == ['n/a: no tile kernels'] * 3 and row[6] == '-'
+    else:
+      assert all(re.fullmatch(TIMED + r', .* TFLOP/s', c) for c in row[3:6]), row
+
+
 def test_configs_and_flops():
   assert bench_moe.parse_config('64x8x512') == (64, 8, 512)
   with pytest.raises(ValueError, match="'64x8' is not 'ExKxF'"):
