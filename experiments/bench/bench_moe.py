@@ -352,8 +352,9 @@ def _kernel_calls(impl, settings, x_ma, w_eab, dy_mb, sizes):
   from kimijax.ops import moe as moe_ops
 
   parse = moe_ops.IMPLS[impl].parse_settings
+  settings = settings or (parse and parse(''))
   try:
-    settings, run = moe_ops.tile_kernels(settings or (parse and parse('')))
+    run = moe_ops.tile_kernels(settings)
   except TypeError:
     return None
   layout = moe_ops._blocked_layout(x_ma.shape[0], sizes, settings.block_m)

@@ -588,9 +588,9 @@ def _mosaic_settings(text: str):
 
 
 def tile_kernels(settings):
-  """(the settings; run(name, *args, **kw): the kernel `name` of the module these settings belong
-  to, kernels_pallas.moe.grouped (Triton) for a MoeSettings, .grouped_mosaic (Mosaic GPU) for a
-  MosaicMoeSettings, interpreted off the GPU)."""
+  """run(name, *args, **kw): the kernel `name` of the module these settings belong to,
+  kernels_pallas.moe.grouped (Triton) for a MoeSettings, .grouped_mosaic (Mosaic GPU) for a
+  MosaicMoeSettings, with these settings, interpreted off the GPU."""
   import importlib
 
   from kernels_pallas.common import kernels_interpreted
@@ -605,18 +605,18 @@ def tile_kernels(settings):
   def run(name, *args, **kw):
     return getattr(kernels, name)(*args, settings=settings, interpret=interpret, **kw)
 
-  return settings, run
+  return run
 
 
-def _with_default_settings(impl: str, default: Callable[[], object], settings_type_name: str):
+def _tile_impl(impl: str, parse: Callable[[str], object]):
   """{ragged_dot, routed} of the tile kernels for `impl`, an Implementation's two fields: settings
-  None -> default(); settings of another type -> a TypeError naming the impl."""
+  None -> parse('') (the defaults); settings of another type -> a TypeError naming the impl."""
 
   def resolve(settings):
-    settings = default() if settings is None else settings
-    if type(settings).__name__ != settings_type_name:
-      raise TypeError(f'moe impl={impl!r}: settings must be a {settings_type_name} or None, got {type(settings)}')
-    return settings
+    default = parse('')
+    if settings is not None and type(settings) is not type(default):
+      raise TypeError(f'moe impl={impl!r}: settings must be a {type(default).__name__} or None, got {type(settings)}')
+    return default if settings is None else settings
 
   ragged_dot = lambda lhs, rhs, sizes, settings=None: _pallas_ragged_dot(lhs, rhs, sizes, resolve(settings))
   routed = lambda x, w, dispatch, wg, wu, wd, settings=None: _pallas_routed(
@@ -630,7 +630,7 @@ def _tile_matmul(x_pk, w_gkn, group_b, settings):
   """The tile matmul kernel (each tile of block_m slots times its group's matrix, [slots, N] in x's
   dtype), differentiable in x and w by the same kernel transposed and the expert weight gradient
   kernel."""
-  _, run = tile_kernels(settings)
+  run = tile_kernels(settings)
   return run('tile_matmul', x_pk, w_gkn.astype(x_pk.dtype), group_b)
 
 
@@ -640,7 +640,7 @@ def _tile_matmul_fwd(x_pk, w_gkn, group_b, settings):
 
 def _tile_matmul_bwd(settings, res, g_pn):
   x_pk, w_gkn, group_b = res
-  _, run = tile_kernels(settings)
+  run = tile_kernels(settings)
   g_pn = g_pn.astype(x_pk.dtype)
   dx_pk = run('tile_matmul', g_pn, w_gkn.astype(x_pk.dtype), group_b, transpose=True)
   dw = run('expert_weight_grad', x_pk, g_pn, group_b, num_experts=w_gkn.shape[0])
@@ -680,7 +680,7 @@ def _tiled_swiglu(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group
 
 
 def _tiled_swiglu_fwd(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, settings):
-  _, run = tile_kernels(settings)
+  run = tile_kernels(settings)
   k = weights_tk.shape[1]
   dtype = x_td.dtype
   x_pd = _rows(x_td, row_p // k)
@@ -691,12 +691,13 @@ def _tiled_swiglu_fwd(x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, g
 
 
 def _tiled_swiglu_bwd(settings, res, g_td):
-  """_padded_swiglu_bwd's formulas: u by the tile matmul on W_down transposed (float32), SwiGLU's
+  """_padded_swiglu_bwd's formulas: u by the tile matmul on W_down transposed (float32) and SwiGLU's
   backward in XLA (_swiglu_backward), or both in one kernel (a MosaicMoeSettings with
-  fused_backward=1, its default: down_swiglu_backward), the weight gradients by the expert weight gradient kernel,
-  dx by the tile matmul on W_in transposed, each token's K slots summed in float32."""
+  fused_backward=1, its default: down_swiglu_backward); the weight gradients by the expert weight
+  gradient kernel, dx by the tile matmul on W_in transposed, each token's K slots summed in
+  float32."""
   x_td, weights_tk, w_in_ed2f, w_down_efd, row_p, slot_tk, group_b, gate_up_p2f = res
-  _, run = tile_kernels(settings)
+  run = tile_kernels(settings)
   k = weights_tk.shape[1]
   e, dtype = w_in_ed2f.shape[0], x_td.dtype
   g_pd = _rows(g_td.astype(dtype), row_p // k)
@@ -747,13 +748,13 @@ IMPLS = types.MappingProxyType(
     ),
     'tokamax': Implementation(_tokamax_ragged_dot, gpu_only=True, dims_multiple=64, dtypes=('bfloat16', 'float16')),
     'pallas': Implementation(
-      **_with_default_settings('pallas', lambda: _pallas_settings(''), 'MoeSettings'),
+      **_tile_impl('pallas', _pallas_settings),
       gpu_only=False,
       dims_multiple=16,
       parse_settings=_pallas_settings,
     ),
     'mosaic': Implementation(
-      **_with_default_settings('mosaic', lambda: _mosaic_settings(''), 'MosaicMoeSettings'),
+      **_tile_impl('mosaic', _mosaic_settings),
       gpu_only=False,
       dims_multiple=64,
       dtypes=('bfloat16', 'float16'),
