@@ -35,8 +35,8 @@ matmul of the same rows ([T K, A] x [A, B] and its two gradients) at the two sha
 experts (A x B = D x 2F, then F x D). Table 4 (--kernels), the same products by the tile kernels
 alone of an impl that has them ('pallas', 'mosaic': kimijax.ops.moe.tile_kernels) on rows already
 gathered into the padded layout's slots (tiles of block_m rows per expert): what table 3 costs
-beyond the kernels is the gathers into the slots and back. An impl that cannot run here, or a cell out of memory, is a
-cell saying so, not a crash. Prints Markdown.
+beyond the kernels is the gathers into the slots and back. An impl that cannot run here, or a cell
+out of memory, is a cell saying so, not a crash. Prints Markdown.
 Results go to experiments/results/moe.md.
 """
 
