@@ -153,6 +153,10 @@ def test_impl_keys_allow_the_names_of_the_ops_implementation_tables(key, impls):
       "model.kernels.moe='block_m=24' (model.moe.impl='pallas'): moe pallas: block_m must be a power of two",
     ),
     (
+      {'model.moe.impl': 'mosaic', 'model.kernels.moe': 'stages=3/blok=2'},
+      "model.kernels.moe='stages=3/blok=2' (model.moe.impl='mosaic'): moe mosaic: unknown keys ['blok']",
+    ),
+    (
       {'model.moe.impl': 'xla_blocked', 'model.kernels.moe': 'block_m=64'},
       "model.kernels.moe='block_m=64' (model.moe.impl='xla_blocked'): moe xla_blocked: unknown keys ['block_m']",
     ),
