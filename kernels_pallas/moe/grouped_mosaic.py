@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.common import power_of_two_divisor
+from kernels_pallas.moe.grouped import expert_tiles
 
 F32 = jnp.float32
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -199,12 +200,6 @@ def gate_up_swiglu(x_pd, w_in_ed2f, expert_t, *, settings, interpret=False):
 
   out = (jax.ShapeDtypeStruct((slots, f2), dtype), jax.ShapeDtypeStruct((slots, f), dtype))
   return _call(body, out, (tiles, nf), ('m', 'n'), interpret)(expert_t.astype(jnp.int32), x_pd, w_in_ed2f)
-
-
-def expert_tiles(expert_t, num_experts: int):
-  """(first tile, tiles) [E] int32 of each expert: its tiles are consecutive, experts in order."""
-  count_e = jnp.sum(expert_t[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
-  return jnp.cumsum(count_e) - count_e, count_e
 
 
 @functools.partial(jax.jit, static_argnames=('num_experts', 'settings', 'interpret'))
