@@ -23,8 +23,9 @@ Variants (combine with commas, e.g. :hybrid,mla,cudnn):
           :moe (Mixture-of-Experts MLPs after a dense first layer: 64 routed experts of hidden
           256, top-8, + 3 shared, so that a token's 11 experts are the dense SwiGLU's 2816 wide:
           343M active parameters with the routers against the dense 342M, of 1.36B in all;
-          the 'xla_blocked' grouped matmul; MFU on active FLOPs; fits one H200 as it is, not an
-          80 GB card (H800, H100) at 16 x 4096, where batch 8 fits; experiments/results/moe.md).
+          the 'mosaic' grouped matmul (Mosaic GPU kernels); MFU on active FLOPs; about 0.76x
+          the dense model's tokens/s; fits one H200 as it is, not an 80 GB card (H800, H100) at
+          16 x 4096, where batch 8 fits; experiments/results/moe.md).
 """
 
 from kimijax import configs_common

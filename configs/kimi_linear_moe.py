@@ -7,7 +7,7 @@ Generate: python run.py --mode=generate --workdir=runs/kimi_linear_moe --prompt=
 Variants: :gpu     one H200: d 768, 12 layers, 64 routed experts top-8 + 1 shared of hidden 384
                    (the release's 8 active + 1 shared; expert hidden 0.44 d there, 0.5 d here;
                    128M active of 673M), bf16, the fused Pallas KDA kernels, tokamax attention,
-                   the 'xla_blocked' grouped matmul, the site-packages corpus, 2000 steps of
+                   the 'mosaic' grouped matmul, the site-packages corpus, 2000 steps of
                    16 x 2048 tokens
           :muon    Muon instead of AdamW
 Expected: CPU (the default): 2.74M parameters, 1.19M active; eval loss 2.31 nats/byte at step

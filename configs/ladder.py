@@ -28,7 +28,8 @@ Ladders (the file's variants, one at a time; each with its expected result and i
                routed experts, top-2, + 1 shared, expert hidden d (so a token's 3 experts are as
                wide as the dense SwiGLU's 3 d), sigmoid routing renormalised and scaled by 2.446
                (the released factor), the bias update at its default 1e-3, no balance loss, the
-               'xla_blocked' grouped matmul. Run both arms in one workdir: the site-packages corpus
+               'mosaic' grouped matmul (ladder_moe.md's runs used 'xla_blocked': the same maths,
+               slower). Run both arms in one workdir: the site-packages corpus
                is whatever the machine has installed, so rungs trained on another machine or day
                (runs/ladder_gpu/muon) need not have seen the same data. 5.4 min of rung wall time
                for dense and 8.8 min for moe on one H100, over calls of --time_budget_s=540 that

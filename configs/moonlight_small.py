@@ -4,15 +4,15 @@ layer, trained with Muon (Moonlight-16B-A3B, arXiv 2502.16982; docs/moe.md).
 Run:      python run.py --config=configs/moonlight_small.py --workdir=runs/moonlight_small
 Variants: :gpu      one GPU: d 768, 12 layers, 64 routed experts top-6 + 2 shared of hidden 512
                     (Moonlight's 64 / 6 / 2; expert hidden 2/3 d against its 0.69 d, dense 5.5 d; 147M
-                    active of 899M), bf16, tokamax attention, the 'xla_blocked' grouped matmul,
+                    active of 899M), bf16, tokamax attention, the 'mosaic' grouped matmul,
                     the site-packages corpus, 2000 steps of 16 x 2048 tokens
           :adamw    AdamW instead of Muon (Moonlight's comparison)
           :balance_loss  DeepSeek-V3's sequence-wise balance loss (alpha 1e-4) beside the bias
 Expected: CPU (the default): 7.30M parameters, 1.42M active; eval loss 2.33 nats/byte at step
           100 and 1.88 at step 300 (1.23M tokens), about 1.4 s a step on a 2-core CPU
           (experiments/results/moe.md); :gpu on one H100: 899M parameters (147M active), about
-          144k tokens/s, eval loss 0.80 / 0.64 / 0.57 nats/byte at steps 500 / 1000 / 1500
-          (experiments/results/moe.md).
+          144k tokens/s on 'xla_blocked' (faster on 'mosaic'), eval loss 0.80 / 0.64 / 0.57
+          nats/byte at steps 500 / 1000 / 1500 (experiments/results/moe.md).
 
 The routing is Moonlight's release (DeepSeek-V3's): sigmoid scores, the chosen experts' scores
 renormalised and scaled by 2.446, the balancing bias for choosing only, moved after each step by

@@ -262,12 +262,12 @@ SCHEMA = {
       'bias_centred': Key(False, "Moonlight's centred bias update (keeps the mean bias at 0)"),
       'impl': Key(
         'xla_blocked',
-        "the grouped matmul: 'xla_blocked' (padded blocks; the fastest here on the CPU and the GPU), 'xla' "
+        "the grouped matmul: 'xla_blocked' (padded blocks; the fastest on the CPU), 'xla' "
         '(lax.ragged_dot: the reference; on a GPU this XLA lowers it as a dense matmul over all experts), '
         "'tokamax' (Mosaic GPU; D and expert hidden multiples of 64), 'pallas' (padded tiles, "
         'Triton kernels of kernels_pallas/moe/, interpreted off the GPU; D and expert hidden multiples of 16) '
-        "or 'mosaic' (the same tiles, Mosaic GPU kernels of kernels_pallas/moe/; bf16 or f16; D and expert "
-        'hidden multiples of 64)',
+        "or 'mosaic' (the same tiles, Mosaic GPU kernels of kernels_pallas/moe/; the fastest on Hopper GPUs "
+        "and the GPU configs' choice; bf16 or f16; D and expert hidden multiples of 64)",
         allowed=MOE_IMPLS,
       ),
       'remat': Key(

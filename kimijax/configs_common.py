@@ -26,12 +26,13 @@ def cpu_run(c: ml_collections.ConfigDict) -> None:
 def gpu_kernels(m: ml_collections.ConfigDict, attn_impl: str = 'gpu') -> None:
   """bf16 compute and the GPU implementations: attention `attn_impl` ('gpu': per call the faster of
   cuDNN and tokamax), the fused Pallas KDA and short-convolution kernels and the MLA decode kernel
-  (read only with MLA layers). MoE layers keep model.moe.impl's default, 'xla_blocked'."""
+  (read only with MLA layers), and the Mosaic GPU grouped-matmul kernels for MoE layers (a Hopper GPU)."""
   m.compute_dtype = 'bfloat16'
   m.attn_impl = attn_impl
   m.kda_impl = 'pallas'
   m.short_conv_impl = 'pallas'
   m.mla_decode_impl = 'pallas'
+  m.moe.impl = 'mosaic'
 
 
 def gpu_data(c: ml_collections.ConfigDict) -> None:

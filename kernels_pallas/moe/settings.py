@@ -54,7 +54,7 @@ class MosaicMoeSettings(Settings):
   block_n: int = 128
   block_k: int = 64
   block_f: int = 64
-  stages: int = 4
+  stages: int = 3
   fused_backward: int = 1
 
   SWITCHES = ('fused_backward',)
