@@ -14,7 +14,9 @@ expert_t[i] (E for the trailing tiles past the last expert, whose rows are all z
 
 The first four are grouped.py's functions, arguments and results (the op picks the module by its
 settings' type); the fifth, only here, fuses the backward's u = g W_down^T with SwiGLU's backward
-(MosaicMoeSettings.fused_backward). A trailing tile's pipeline runs no step, so its output is zero
+(MosaicMoeSettings.fused_backward). With MosaicMoeSettings.consumers=2, tile_matmul and
+gate_up_swiglu split each program between two consumer warpgroups fed by a producer warpgroup
+(_consumer_tiles). A trailing tile's pipeline runs no step, so its output is zero
 whatever its rows hold, and an expert without rows gets a zero weight gradient. Operands bf16 or
 f16 (wgmma's 16-bit inputs); every product accumulates in float32. Off an NVIDIA GPU the kernels
 run in Mosaic GPU's interpret mode. See README.md here.
@@ -23,6 +25,7 @@ run in Mosaic GPU's interpret mode. See README.md here.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -61,10 +64,10 @@ def _slot_tiles(slots: int, bm: int) -> int:
 SMEM_BYTES = 227 * 1024  # shared memory a Hopper block may hold
 
 
-def _fitting_stages(stages: int, stage_bytes: int) -> int:
+def _fitting_stages(stages: int, stage_bytes: int, smem_bytes: int = SMEM_BYTES) -> int:
   """`stages`, or fewer (at least 2) when that many pipeline buffers of stage_bytes would overflow
-  shared memory."""
-  return max(2, min(stages, SMEM_BYTES // stage_bytes))
+  smem_bytes of shared memory."""
+  return max(2, min(stages, smem_bytes // stage_bytes))
 
 
 def _check_dtypes(*arrays):
@@ -73,7 +76,9 @@ def _check_dtypes(*arrays):
       raise ValueError(f'moe mosaic: operands must be bfloat16 or float16 (wgmma), got {a.dtype}')
 
 
-def _call(body, out_type, grid, names, interpret):
+def _call(body, out_type, grid, names, interpret, consumers=1):
+  """The kernel over `grid`; with consumers=2, three warpgroups per program (_consumer_tiles)."""
+  threads = {} if consumers == 1 else {'num_threads': consumers + 1, 'thread_name': 'wg'}
   return plgpu.kernel(
     body,
     out_type=out_type,
@@ -81,6 +86,7 @@ def _call(body, out_type, grid, names, interpret):
     grid_names=names,
     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     interpret=plgpu.InterpretGPUParams() if interpret else None,
+    **threads,
   )
 
 
@@ -98,6 +104,86 @@ def _store(tiles, dests):
   pl.run_scoped(scope, *(plgpu.SMEM(t.shape, t.dtype) for t in tiles))
 
 
+def _consumer_tiles(consumers, stages, *, steps, in_specs, refs, mma, acc_shapes, out_tiles, epilogue):
+  """One program's pipelined accumulation over `stages` buffers and its epilogue, on `consumers`
+  warpgroups.
+
+  consumers=1: one warpgroup issues the TMA loads and the wgmma (emit_pipeline). consumers=2: a
+  third, producer warpgroup issues the loads (emit_pipeline_warp_specialized) and two consumer
+  warpgroups share each loaded block, each computing its own part. mma(wg, *smem_blocks, *acc_refs)
+  issues consumer wg's wgmma for one step; acc_shapes are one consumer's float32 accumulators;
+  epilogue(wg, *acc_values) -> (tiles, dests), the tiles stored (TMA) through shared-memory buffers
+  of out_tiles' (shape, dtype), one set per consumer. The buffers are released one step late
+  (delay_release=1): a wgmma waits for the one before it, and the two-consumer step waits for all
+  but its own (one group per accumulator) before the producer may refill the previous step's."""
+  if consumers == 1:
+
+    def accumulate(*acc_refs):
+      def step(_, *smems):
+        mma(0, *smems, *acc_refs)
+
+      plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages)(*refs)
+      return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+    _store(*epilogue(0, *pl.run_scoped(accumulate, *(plgpu.ACC(shape) for shape in acc_shapes))))
+    return
+
+  # the consumers' output buffers live beside the pipeline's: fewer stages where both would overflow
+  out_bytes = consumers * sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in out_tiles)
+  stage_bytes = sum(math.prod(spec.block_shape) * ref.dtype.itemsize for spec, ref in zip(in_specs, refs))
+  stages = _fitting_stages(stages, stage_bytes, SMEM_BYTES - out_bytes)
+
+  def pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(steps,),
+      memory_registers=40,
+      in_specs=in_specs,
+      wg_axis='wg',
+      num_compute_wgs=consumers,
+      max_concurrent_steps=stages,
+      compute_context=context,
+    )
+
+  def scope(allocations, *out_smems):
+    wg = jax.lax.axis_index('wg')
+
+    def context(run_pipeline):
+      def with_accumulators(*acc_refs):
+        run_pipeline(acc_refs)
+        tiles, dests = epilogue(wg, *(acc_ref[...] for acc_ref in acc_refs))
+        for smem, tile in zip(out_smems, tiles):
+          smem[wg] = tile
+        plgpu.commit_smem()
+        for smem, dest in zip(out_smems, dests):
+          plgpu.copy_smem_to_gmem(smem.at[wg], dest)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      pl.run_scoped(with_accumulators, *(plgpu.ACC(shape) for shape in acc_shapes))
+
+    def step(_, *args):
+      *smems, acc_refs = args
+      mma(wg, *smems, *acc_refs)
+      plgpu.wgmma_wait(len(acc_refs))
+      return acc_refs
+
+    pipeline(step, context)(*refs, allocations=allocations)
+
+  unused = lambda *_, **__: None
+  pl.run_scoped(
+    scope,
+    pipeline(unused, unused).get_allocations(*refs),
+    *(plgpu.SMEM((consumers, *shape), dtype) for shape, dtype in out_tiles),
+    collective_axes='wg',
+  )
+
+
+def _consumers(n: int, tile: int, consumers: int) -> int:
+  """The consumer warpgroups a program of `consumers` x `tile` columns of n can use: 1 where n
+  holds a single tile."""
+  return consumers if n % (consumers * tile) == 0 else 1
+
+
 def _expert_steps(expert_gmem, tile, num_experts: int, steps: int):
   """(the tile's expert, clamped to the last for a trailing tile; its pipeline's steps: `steps`,
   none for a trailing tile)."""
@@ -109,50 +195,58 @@ def _expert_steps(expert_gmem, tile, num_experts: int, steps: int):
 def tile_matmul(a_pk, w_ekn, expert_t, *, transpose=False, out_dtype=None, settings, interpret=False):
   """[slots, N] in out_dtype (None: a's): each tile of block_m slots times its expert's matrix, w
   [E, K, N] (or, transpose=True, w [E, N, K] used as its transpose); zero in trailing tiles. One
-  program per (tile, N tile); the K loop pipelined over settings.stages buffers."""
+  program per (tile, consumers x block_n columns); the K loop pipelined over settings.stages
+  buffers."""
   _check_dtypes(a_pk, w_ekn)
   slots, k = a_pk.shape
   e = w_ekn.shape[0]
   n = w_ekn.shape[1] if transpose else w_ekn.shape[2]
-  bm = settings.block_m
+  bm, c = settings.block_m, settings.consumers
   tiles = _slot_tiles(slots, bm)
   bk, bn = _tile(k, settings.block_k, 'the contraction dim'), _tile(n, settings.block_n, 'the output dim')
+  c = _consumers(n, bn, c)
   out_dtype = out_dtype or a_pk.dtype
 
   def body(expert_gmem, a_gmem, w_gmem, o_gmem):
     mi, ni = jax.lax.axis_index('m'), jax.lax.axis_index('n')
     expert, steps = _expert_steps(expert_gmem, mi, e, k // bk)
 
-    def accumulate(acc_ref):
-      def step(_, a_smem, w_smem):
-        plgpu.wgmma(acc_ref, a_smem, w_smem.T if transpose else w_smem)
+    def mma(wg, a_smem, w_smem, acc_ref):
+      if c > 1:  # this consumer's columns of the weight block
+        w_smem = w_smem.at[pl.ds(wg * bn, bn)] if transpose else w_smem.at[:, pl.ds(wg * bn, bn)]
+      plgpu.wgmma(acc_ref, a_smem, w_smem.T if transpose else w_smem)
 
-      w_spec = (
-        plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), delay_release=1)
-        if transpose
-        else plgpu.BlockSpec((bk, bn), lambda kk: (kk, ni), delay_release=1)
-      )
-      plgpu.emit_pipeline(
-        step,
-        grid=(steps,),
-        in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (mi, kk), delay_release=1), w_spec],
-        max_concurrent_steps=settings.stages,
-      )(a_gmem, w_gmem.at[expert])
-      return acc_ref[...]
+    def epilogue(wg, acc):
+      return [acc.astype(out_dtype)], [o_gmem.at[pl.ds(mi * bm, bm), pl.ds((ni * c + wg) * bn, bn)]]
 
-    acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn)))
-    _store([acc.astype(out_dtype)], [o_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)]])
+    w_spec = (
+      plgpu.BlockSpec((c * bn, bk), lambda kk: (ni, kk), delay_release=1)
+      if transpose
+      else plgpu.BlockSpec((bk, c * bn), lambda kk: (kk, ni), delay_release=1)
+    )
+    _consumer_tiles(
+      c,
+      settings.stages,
+      steps=steps,
+      in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (mi, kk), delay_release=1), w_spec],
+      refs=(a_gmem, w_gmem.at[expert]),
+      mma=mma,
+      acc_shapes=[(bm, bn)],
+      out_tiles=[((bm, bn), out_dtype)],
+      epilogue=epilogue,
+    )
 
   out = jax.ShapeDtypeStruct((slots, n), out_dtype)
-  return _call(body, out, (tiles, n // bn), ('m', 'n'), interpret)(expert_t.astype(jnp.int32), a_pk, w_ekn)
+  grid = (tiles, n // (c * bn))
+  return _call(body, out, grid, ('m', 'n'), interpret, c)(expert_t.astype(jnp.int32), a_pk, w_ekn)
 
 
 @functools.partial(jax.jit, static_argnames=('settings', 'interpret'))
 def gate_up_swiglu(x_pd, w_in_ed2f, expert_t, *, settings, interpret=False):
   """(gate|up [slots, 2F], h = silu(gate) * up [slots, F]), both in x's dtype: one program per
-  (tile, F tile of block_f) holds the gate and the up accumulators over one pipelined loop on D,
-  h in float32 from the rounded gate and up (as the backward recomputes it). Zero in trailing
-  tiles."""
+  (tile, consumers x block_f hidden columns), each consumer holding its gate and up accumulators
+  over one pipelined loop on D, h in float32 from the rounded gate and up (as the backward
+  recomputes it). Zero in trailing tiles."""
   _check_dtypes(x_pd, w_in_ed2f)
   slots, d = x_pd.shape
   e, _, f2 = w_in_ed2f.shape
@@ -160,46 +254,50 @@ def gate_up_swiglu(x_pd, w_in_ed2f, expert_t, *, settings, interpret=False):
   bm = settings.block_m
   tiles = _slot_tiles(slots, bm)
   bk, bf = _tile(d, settings.block_k, 'd_model'), _tile(f, settings.block_f, 'the expert hidden width')
-  dtype, nf = x_pd.dtype, f // bf
+  c = _consumers(f, bf, settings.consumers)
+  dtype, nf = x_pd.dtype, f // (c * bf)
 
   def body(expert_gmem, x_gmem, w_gmem, gate_up_gmem, h_gmem):
     mi, ni = jax.lax.axis_index('m'), jax.lax.axis_index('n')
     expert, steps = _expert_steps(expert_gmem, mi, e, d // bk)
     w_e = w_gmem.at[expert]
 
-    def accumulate(gate_ref, up_ref):
-      def step(_, x_smem, gate_smem, up_smem):
-        plgpu.wgmma(gate_ref, x_smem, gate_smem)
-        plgpu.wgmma(up_ref, x_smem, up_smem)
+    def mma(wg, x_smem, gate_smem, up_smem, gate_ref, up_ref):
+      if c > 1:  # this consumer's columns of the gate and up blocks
+        gate_smem, up_smem = gate_smem.at[:, pl.ds(wg * bf, bf)], up_smem.at[:, pl.ds(wg * bf, bf)]
+      plgpu.wgmma(gate_ref, x_smem, gate_smem)
+      plgpu.wgmma(up_ref, x_smem, up_smem)
 
-      plgpu.emit_pipeline(
-        step,
-        grid=(steps,),
-        in_specs=[
-          plgpu.BlockSpec((bm, bk), lambda kk: (mi, kk), delay_release=1),
-          plgpu.BlockSpec((bk, bf), lambda kk: (kk, ni), delay_release=1),
-          plgpu.BlockSpec((bk, bf), lambda kk: (kk, nf + ni), delay_release=1),
-        ],
-        max_concurrent_steps=settings.stages,
-      )(x_gmem, w_e, w_e)
-      return gate_ref[...], up_ref[...]
+    def epilogue(wg, gate, up):
+      gate, up = gate.astype(dtype), up.astype(dtype)
+      gate32 = gate.astype(F32)
+      h = (gate32 / (1.0 + jnp.exp(-gate32)) * up.astype(F32)).astype(dtype)
+      rows, col = pl.ds(mi * bm, bm), (ni * c + wg) * bf
+      dests = [
+        gate_up_gmem.at[rows, pl.ds(col, bf)],
+        gate_up_gmem.at[rows, pl.ds(f + col, bf)],
+        h_gmem.at[rows, pl.ds(col, bf)],
+      ]
+      return [gate, up, h], dests
 
-    gate, up = pl.run_scoped(accumulate, plgpu.ACC((bm, bf)), plgpu.ACC((bm, bf)))
-    gate, up = gate.astype(dtype), up.astype(dtype)
-    gate32 = gate.astype(F32)
-    h = (gate32 / (1.0 + jnp.exp(-gate32)) * up.astype(F32)).astype(dtype)
-    rows = pl.ds(mi * bm, bm)
-    _store(
-      [gate, up, h],
-      [
-        gate_up_gmem.at[rows, pl.ds(ni * bf, bf)],
-        gate_up_gmem.at[rows, pl.ds(f + ni * bf, bf)],
-        h_gmem.at[rows, pl.ds(ni * bf, bf)],
+    _consumer_tiles(
+      c,
+      settings.stages,
+      steps=steps,
+      in_specs=[
+        plgpu.BlockSpec((bm, bk), lambda kk: (mi, kk), delay_release=1),
+        plgpu.BlockSpec((bk, c * bf), lambda kk: (kk, ni), delay_release=1),
+        plgpu.BlockSpec((bk, c * bf), lambda kk: (kk, nf + ni), delay_release=1),
       ],
+      refs=(x_gmem, w_e, w_e),
+      mma=mma,
+      acc_shapes=[(bm, bf), (bm, bf)],
+      out_tiles=[((bm, bf), dtype)] * 3,
+      epilogue=epilogue,
     )
 
   out = (jax.ShapeDtypeStruct((slots, f2), dtype), jax.ShapeDtypeStruct((slots, f), dtype))
-  return _call(body, out, (tiles, nf), ('m', 'n'), interpret)(expert_t.astype(jnp.int32), x_pd, w_in_ed2f)
+  return _call(body, out, (tiles, nf), ('m', 'n'), interpret, c)(expert_t.astype(jnp.int32), x_pd, w_in_ed2f)
 
 
 @functools.partial(jax.jit, static_argnames=('num_experts', 'settings', 'interpret'))

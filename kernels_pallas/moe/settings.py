@@ -46,7 +46,10 @@ class MosaicMoeSettings(Settings):
   the backward's down-projection input gradient and SwiGLU's backward in one kernel
   (down_swiglu_backward; the default: the layer's forward+backward 4% faster on an H100,
   experiments/results/moe.md), 0: the tile matmul writes u in float32 and XLA runs SwiGLU's
-  backward."""
+  backward. consumers 2: tile_matmul and gate_up_swiglu run two consumer warpgroups per program,
+  each on its own block_n (block_f) columns of a program twice as wide, beside a producer
+  warpgroup that issues the TMA loads (a warp-specialized pipeline; not yet compiled or timed on
+  a GPU: kernels_pallas/moe/README.md); 1: one warpgroup does both."""
 
   FAMILY = 'moe mosaic'
 
@@ -56,6 +59,7 @@ class MosaicMoeSettings(Settings):
   block_f: int = 64
   stages: int = 3
   fused_backward: int = 1
+  consumers: int = 1
 
   SWITCHES = ('fused_backward',)
 
@@ -67,3 +71,5 @@ class MosaicMoeSettings(Settings):
       value = getattr(self, name)
       if value < 64 or value & (value - 1):
         raise ValueError(f'{self.FAMILY}: {name} must be a power of two >= 64, got {value}')
+    if self.consumers not in (1, 2):
+      raise ValueError(f'{self.FAMILY}: consumers must be 1 or 2, got {self.consumers}')

@@ -168,26 +168,28 @@ def _mosaic_rows(rng, owner_p, expert_p, cols):
   return jnp.asarray(rows, jnp.bfloat16)
 
 
-def test_mosaic_kernels_match_float64():
+@pytest.mark.parametrize('consumers', [1, 2])
+def test_mosaic_kernels_match_float64(consumers):
   """The Mosaic GPU kernels in Mosaic GPU's interpret mode, bf16 operands, against float64 on the
   same bf16 values: both forms of the tile matmul, gate|up with h, the down projection's input
   gradient fused with SwiGLU's backward, and the weight gradient
   (relative error of bf16 rounding for bf16 outputs, 1e-5 for the float32 ones); trailing tiles
   come out zero whatever their rows hold, and the expert with no row gets a zero gradient. K = 128
-  runs two pipeline steps."""
+  runs two pipeline steps; N = F = 128 are two tiles of 64, one program's two consumer warpgroups
+  with consumers=2."""
   from kernels_pallas.moe import grouped_mosaic as mosaic
 
   rng = np.random.default_rng(5)
   expert_t, owner_p = _layout(MOSAIC_SIZES, 64)
   expert_p, e = np.repeat(expert_t, 64), len(MOSAIC_SIZES)
   trailing = expert_p == e
-  k, n, f = 128, 64, 64
+  k, n, f = 128, 128, 128
   a = _mosaic_rows(rng, owner_p, expert_p, k)
   b = _mosaic_rows(rng, owner_p, expert_p, n)
   w = jnp.asarray(rng.standard_normal((e, k, n)) * k**-0.5, jnp.bfloat16)
   w_in = jnp.asarray(rng.standard_normal((e, k, 2 * f)) * k**-0.5, jnp.bfloat16)
   a64, b64, w64, w_in64 = (np.asarray(v, np.float64) for v in (a, b, w, w_in))
-  run = dict(settings=MOSAIC, interpret=True)
+  run = dict(settings=MOSAIC.replace(consumers=consumers), interpret=True)
   tiles = jnp.asarray(expert_t)
 
   def per_slot(x64, mats, cols):
@@ -232,6 +234,8 @@ def test_mosaic_settings_are_checked():
 
   with pytest.raises(ValueError, match='moe mosaic: block_f must be a power of two >= 64, got 96'):
     MosaicMoeSettings(block_f=96)
+  with pytest.raises(ValueError, match='moe mosaic: consumers must be 1 or 2, got 3'):
+    MosaicMoeSettings(consumers=3)
   with pytest.raises(ValueError, match=r'moe mosaic: the contraction dim \(96\) must be a multiple of 64'):
     mosaic.tile_matmul(
       jnp.zeros((128, 96), jnp.bfloat16), jnp.zeros((1, 96, 64), jnp.bfloat16), jnp.zeros(1), settings=MOSAIC

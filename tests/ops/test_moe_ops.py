@@ -676,15 +676,20 @@ def test_tokamax_layer_forward_backward_bf16():
 @pytest.mark.gpu
 @pytest.mark.parametrize(
   'impl,settings',
-  [('pallas', None), ('mosaic', None), ('mosaic', MosaicMoeSettings(fused_backward=0))],
-  ids=['pallas', 'mosaic', 'mosaic_xla_swiglu_backward'],
+  [
+    ('pallas', None),
+    ('mosaic', None),
+    ('mosaic', MosaicMoeSettings(fused_backward=0)),
+    ('mosaic', MosaicMoeSettings(consumers=2)),
+  ],
+  ids=['pallas', 'mosaic', 'mosaic_xla_swiglu_backward', 'mosaic_two_consumers'],
 )
 def test_tile_kernels_bf16_as_close_to_float32_as_xla_blocked(impl, settings):
-  """'pallas' (Triton) and 'mosaic' (Mosaic GPU; also with SwiGLU's backward in XLA) compiled in
-  bf16 at their default tiles against 'xla' in float32 at full precision: the output and the
-  gradients of x, the weights and the three expert weights no further off (relative RMSE) than
-  1.25x 'xla_blocked''s bf16 error + 1e-2; experts 3 and 7 receive no token and get exactly no
-  gradient."""
+  """'pallas' (Triton) and 'mosaic' (Mosaic GPU; also with SwiGLU's backward in XLA, and with two
+  consumer warpgroups per program) compiled in bf16 at their default tiles against 'xla' in float32
+  at full precision: the output and the gradients of x, the weights and the three expert weights
+  no further off (relative RMSE) than 1.25x 'xla_blocked''s bf16 error + 1e-2; experts 3 and 7
+  receive no token and get exactly no gradient."""
   dtype = jnp.bfloat16
   rng = np.random.default_rng(8)
   t, d, f, e, k = 4096, 256, 128, 16, 4
