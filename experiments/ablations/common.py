@@ -169,8 +169,9 @@ def sized(
 ):
   """config at an ablation's size: width, depth, heads, SwiGLU 3 d, tokens per step, steps (evals
   and checkpoints every steps / 5, warmup 5%). scale 'gpu' adds kimijax/configs_common.py's GPU
-  kernels (bf16, tokamax attention, the Pallas KDA and short conv) and GPU data (the site-packages
-  corpus, 16 eval batches). Keys in `overrides` are written with '__' for '.' (model__attn_impl='xla')."""
+  kernels (bf16, tokamax attention, the Pallas KDA and short conv, the 'mosaic' grouped matmul)
+  and GPU data (the site-packages corpus, 16 eval batches). Keys in `overrides` are written with
+  '__' for '.' (model__attn_impl='xla')."""
   from experiments.runs import with_overrides
   from kimijax import configs_common
 

@@ -107,6 +107,7 @@ def moe_model(scale: str, *, cpu_steps: int):
     model__mla_kv_lora_rank=256,
     model__mla_qk_rope_head_dim=64,
     model__moe__expert_hidden=352,  # 0.6875 d, as 1408 / 2048
+    model__moe__impl='xla_blocked',  # 352 is not a multiple of 64, which 'mosaic' needs
     optimizer__learning_rate=2e-3,
   )
 
