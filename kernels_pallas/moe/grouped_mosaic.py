@@ -34,6 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.common import power_of_two_divisor
 from kernels_pallas.moe.grouped import expert_tiles
+from kimijax.ops.moe import swiglu, swiglu_backward
 
 F32 = jnp.float32
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -270,8 +271,7 @@ def gate_up_swiglu(x_pd, w_in_ed2f, expert_t, *, settings, interpret=False):
 
     def epilogue(wg, gate, up):
       gate, up = gate.astype(dtype), up.astype(dtype)
-      gate32 = gate.astype(F32)
-      h = (gate32 / (1.0 + jnp.exp(-gate32)) * up.astype(F32)).astype(dtype)
+      h = swiglu(gate.astype(F32), up.astype(F32)).astype(dtype)
       rows, col = pl.ds(mi * bm, bm), (ni * c + wg) * bf
       dests = [
         gate_up_gmem.at[rows, pl.ds(col, bf)],
@@ -387,12 +387,8 @@ def down_swiglu_backward(g_pd, w_down_efd, gate_up_p2f, w_p, expert_t, *, settin
         plgpu.barrier_wait(barriers.at[i])
       gate, up = gate_smem[...].astype(F32), up_smem[...].astype(F32)
       w = jax.lax.broadcast_in_dim(w_smem[...], (bm, bf), [0])
-      sig = 1.0 / (1.0 + jnp.exp(-gate))
-      silu = gate * sig
-      h = silu * up
-      dh = w * u
-      d_gate = (dh * up * sig * (1.0 + gate * (1.0 - sig))).astype(dtype)
-      return d_gate, (dh * silu).astype(dtype), (w * h).astype(dtype), jnp.sum(u * h, axis=1)
+      d_gate, d_up, h = swiglu_backward(gate, up, w * u)
+      return d_gate.astype(dtype), d_up.astype(dtype), (w * h).astype(dtype), jnp.sum(u * h, axis=1)
 
     scratch = (plgpu.SMEM((bm, bf), dtype), plgpu.SMEM((bm, bf), dtype), plgpu.SMEM((bm,), F32))
     d_gate, d_up, wh, uh = pl.run_scoped(epilogue_inputs, *scratch, plgpu.Barrier(num_barriers=3))

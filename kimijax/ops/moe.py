@@ -307,8 +307,17 @@ def _weighted_sum(weights_tk, y_tkd):
 
 
 def swiglu(gate, up):
-  """An expert's activation h = silu(gate) * up, elementwise (the padded layouts run it in float32)."""
+  """An expert's activation h = silu(gate) * up, elementwise (the padded layouts run it in float32;
+  so do the kernels of kernels_pallas/moe/, in their epilogues)."""
   return jax.nn.silu(gate) * up
+
+
+def swiglu_backward(gate, up, dh):
+  """SwiGLU's backward, elementwise: (d gate, d up, h) for h = silu(gate) * up and its cotangent
+  dh (float32 in the padded layouts and in the Mosaic GPU kernel that fuses it)."""
+  sig = jax.nn.sigmoid(gate)
+  silu = gate * sig
+  return dh * up * sig * (1 + gate * (1 - sig)), dh * silu, silu * up
 
 
 def _xla_ragged_dot(lhs_mk, rhs_gkn, group_sizes_g, settings=None):
@@ -563,13 +572,9 @@ def _swiglu_backward(gate_up_x2f, u_xf, w_x1, slot_tk, dtype):
   w h [x, F] and d gate|up [x, 2F] in dtype), h = silu(gate) * up, dh = w u."""
   f = gate_up_x2f.shape[-1] // 2
   gate, up = gate_up_x2f[..., :f].astype(jnp.float32), gate_up_x2f[..., f:].astype(jnp.float32)
-  sig = jax.nn.sigmoid(gate)
-  silu = gate * sig
-  h_xf = silu * up
+  d_gate, d_up, h_xf = swiglu_backward(gate, up, w_x1 * u_xf)
   d_weights_tk = _rows(jnp.sum(u_xf * h_xf, axis=-1).reshape(-1), slot_tk)
-  dh_xf = w_x1 * u_xf
-  d_gate_up_x2f = jnp.concatenate([dh_xf * up * sig * (1 + gate * (1 - sig)), dh_xf * silu], axis=-1).astype(dtype)
-  return d_weights_tk, (w_x1 * h_xf).astype(dtype), d_gate_up_x2f
+  return d_weights_tk, (w_x1 * h_xf).astype(dtype), jnp.concatenate([d_gate, d_up], axis=-1).astype(dtype)
 
 
 # ----------------------------------------------------------------------------- 'pallas': the padded layout's kernels
