@@ -243,6 +243,8 @@ def test_mosaic_settings_are_checked():
   with pytest.raises(ValueError, match='moe mosaic: operands must be bfloat16 or float16'):
     mosaic.tile_matmul(jnp.zeros((128, 64)), jnp.zeros((1, 64, 64)), jnp.zeros(1), settings=MOSAIC)
   assert [mosaic._fitting_stages(4, b) for b in (32768, 65536, 200_000)] == [4, 3, 2]  # 227 KB of shared memory
+  # two consumers of gate_up_swiglu: 3 bf16 [128, 64] output tiles each beside 48 KB a stage
+  assert mosaic._fitting_stages(3, 48 * 1024, mosaic.SMEM_BYTES - 2 * 3 * 128 * 64 * 2) == 2
   big = jax.ShapeDtypeStruct((64 * 65536, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match=r'65536 tiles of block_m=64, more than a grid holds \(65535\)'):
     jax.eval_shape(
