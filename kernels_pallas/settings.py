@@ -41,6 +41,13 @@ class Settings:
       if field.name not in self.SWITCHES and value < 1:
         raise ValueError(f'{self.FAMILY}: {field.name} must be a positive int, got {value}')
 
+  def _check_powers_of_two(self, names, minimum: int):
+    """A ValueError naming the first field among `names` that is not a power of two >= minimum."""
+    for name in names:
+      value = getattr(self, name)
+      if value < minimum or value & (value - 1):
+        raise ValueError(f'{self.FAMILY}: {name} must be a power of two >= {minimum}, got {value}')
+
   def replace(self, **changes):
     """A copy with some fields changed; a name that is not a field is an error naming it."""
     names = [field.name for field in dataclasses.fields(self)]

@@ -28,10 +28,7 @@ class MlaDecodeSettings(Settings):
 
   def __post_init__(self):
     super().__post_init__()
-    for name in ('block_s', 'heads'):
-      value = getattr(self, name)
-      if value < 16 or value & (value - 1):
-        raise ValueError(f'{self.FAMILY}: {name} must be a power of two >= 16, got {value}')
+    self._check_powers_of_two(('block_s', 'heads'), 16)
 
   def splits(self, batch: int, head_blocks: int, max_len: int) -> int:
     """Context splits per (sequence, head block): as many as `programs` allows, at least one, at most

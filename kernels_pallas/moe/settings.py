@@ -29,10 +29,7 @@ class MoeSettings(Settings):
 
   def __post_init__(self):
     super().__post_init__()
-    for name in ('block_m', 'block_n', 'block_k'):
-      value = getattr(self, name)
-      if value < 16 or value & (value - 1):
-        raise ValueError(f'{self.FAMILY}: {name} must be a power of two >= 16, got {value}')
+    self._check_powers_of_two(('block_m', 'block_n', 'block_k'), 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +64,6 @@ class MosaicMoeSettings(Settings):
     super().__post_init__()
     if self.block_m % 64:
       raise ValueError(f'{self.FAMILY}: block_m must be a multiple of 64, got {self.block_m}')
-    for name in ('block_n', 'block_k', 'block_f'):
-      value = getattr(self, name)
-      if value < 64 or value & (value - 1):
-        raise ValueError(f'{self.FAMILY}: {name} must be a power of two >= 64, got {value}')
+    self._check_powers_of_two(('block_n', 'block_k', 'block_f'), 64)
     if self.consumers not in (1, 2):
       raise ValueError(f'{self.FAMILY}: consumers must be 1 or 2, got {self.consumers}')
