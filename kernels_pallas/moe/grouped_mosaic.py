@@ -202,10 +202,10 @@ def tile_matmul(a_pk, w_ekn, expert_t, *, transpose=False, out_dtype=None, setti
   slots, k = a_pk.shape
   e = w_ekn.shape[0]
   n = w_ekn.shape[1] if transpose else w_ekn.shape[2]
-  bm, c = settings.block_m, settings.consumers
+  bm = settings.block_m
   tiles = _slot_tiles(slots, bm)
   bk, bn = _tile(k, settings.block_k, 'the contraction dim'), _tile(n, settings.block_n, 'the output dim')
-  c = _consumers(n, bn, c)
+  c = _consumers(n, bn, settings.consumers)
   out_dtype = out_dtype or a_pk.dtype
 
   def body(expert_gmem, a_gmem, w_gmem, o_gmem):
@@ -318,23 +318,26 @@ def expert_weight_grad(a_pk, b_pn, expert_t, *, num_experts, settings, interpret
     ei, ki, ni = jax.lax.axis_index('e'), jax.lax.axis_index('k'), jax.lax.axis_index('n')
     first = first_gmem[ei]
 
-    def accumulate(acc_ref):
-      def step(_, a_smem, b_smem):
-        plgpu.wgmma(acc_ref, a_smem.T, b_smem)
+    def mma(_, a_smem, b_smem, acc_ref):
+      plgpu.wgmma(acc_ref, a_smem.T, b_smem)
 
-      plgpu.emit_pipeline(
-        step,
-        grid=(count_gmem[ei],),
-        in_specs=[
-          plgpu.BlockSpec((bm, bk), lambda t: (first + t, ki), delay_release=1),
-          plgpu.BlockSpec((bm, bn), lambda t: (first + t, ni), delay_release=1),
-        ],
-        max_concurrent_steps=stages,
-      )(a_gmem, b_gmem)
-      return acc_ref[...]
+    def epilogue(_, acc):
+      return [acc], [o_gmem.at[ei, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)]]
 
-    acc = pl.run_scoped(accumulate, plgpu.ACC((bk, bn)))
-    _store([acc], [o_gmem.at[ei, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)]])
+    _consumer_tiles(
+      1,
+      stages,
+      steps=count_gmem[ei],
+      in_specs=[
+        plgpu.BlockSpec((bm, bk), lambda t: (first + t, ki), delay_release=1),
+        plgpu.BlockSpec((bm, bn), lambda t: (first + t, ni), delay_release=1),
+      ],
+      refs=(a_gmem, b_gmem),
+      mma=mma,
+      acc_shapes=[(bk, bn)],
+      out_tiles=[((bk, bn), F32)],
+      epilogue=epilogue,
+    )
 
   out = jax.ShapeDtypeStruct((num_experts, k, n), F32)
   grid = (num_experts, k // bk, n // bn)
