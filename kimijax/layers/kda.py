@@ -40,12 +40,11 @@ from jax.ad_checkpoint import checkpoint_name
 from kimijax.layers.norms import rms_normalise
 from kimijax.layers.params import weight
 from kimijax.layers.short_conv import ShortConv
-from kimijax.ops.kda import SAVED, kda, kda_log_decay, kda_step
+from kimijax.ops.kda import ACTIVATIONS, SAVED, kda, kda_decode
 from kimijax.ops.short_conv import activate
 
 CONV_WIDTH = 4
 PROJECTIONS = 'kda_projection'  # checkpoint_name prefix of the q/k/v projections' outputs ('_q', ...)
-ACTIVATIONS = {'q': 'silu_l2', 'k': 'silu_l2', 'v': 'silu'}  # after each short conv (kimijax.ops.short_conv)
 
 
 def a_log_init(key, shape, dtype):
@@ -101,33 +100,37 @@ class KimiDeltaAttention(nn.Module):
     """From the layer input and the q/k/v projection weights: the projections (tagged PROJECTIONS),
     the short convolutions and activations, beta, the decay gate and the op, (o, new cache). The
     parameters are created in the order of the layer's definition (docs/kda.md), which fixes their
-    initial values for a given seed."""
+    initial values for a given seed. A decode step (one token, a cache) hands everything after the
+    projections to kda_decode, one kernel under impl='pallas'."""
     projections = tuple(
       checkpoint_name(jnp.einsum('btd,dhk->bthk', x_btd, w), f'{PROJECTIONS}_{n}') for n, w in zip('qkv', w_qkv)
     )
-    new_cache, outs = {}, []
-    for name, x_bthk in zip('qkv', projections):
-      if self.short_conv:
-        prefix = None if cache is None else cache[f'conv_{name}']
-        conv = ShortConv(
-          width=CONV_WIDTH,
-          dtype=self.dtype,
-          activation=ACTIVATIONS[name],
-          impl=self.short_conv_impl,
-          settings=self.short_conv_settings,
-          name=f'{name}_conv',
-        )
-        x_bthk, new_cache[f'conv_{name}'] = conv(x_bthk, prefix, segment_ids_bt)
-      else:
-        x_bthk = activate(x_bthk, ACTIVATIONS[name])
-      outs.append(x_bthk.astype(self.dtype))
-    act = ('act_batch', 'act_length', 'act_heads', None)
-    q_bthk, k_bthk, v_bthv = (nn.with_logical_constraint(x, act) for x in outs)
     h, hd = self.num_heads, self.head_dim
     d = x_btd.shape[-1]
-    beta_bth = jax.nn.sigmoid(
-      jnp.einsum('btd,dh->bth', x_btd, weight(self, 'b_proj', (d, h), ('embed', 'heads'))).astype(jnp.float32)
-    )
+    convs = {
+      name: ShortConv(
+        width=CONV_WIDTH,
+        dtype=self.dtype,
+        activation=ACTIVATIONS[name],
+        impl=self.short_conv_impl,
+        settings=self.short_conv_settings,
+        name=f'{name}_conv',
+      )
+      for name in ('qkv' if self.short_conv else '')
+    }
+    decode = cache is not None and x_btd.shape[1] == 1  # one token, O(1) in the context length
+    new_cache, outs = {}, []
+    for name, x_bthk in zip('qkv', projections):
+      if decode:  # kda_decode runs the conv and activation
+        outs.append(x_bthk[:, 0])
+        continue
+      if self.short_conv:
+        prefix = None if cache is None else cache[f'conv_{name}']
+        x_bthk, new_cache[f'conv_{name}'] = convs[name](x_bthk, prefix, segment_ids_bt)
+      else:
+        x_bthk = activate(x_bthk, ACTIVATIONS[name])
+      outs.append(nn.with_logical_constraint(x_bthk.astype(self.dtype), ('act_batch', 'act_length', 'act_heads', None)))
+    beta_bth = jnp.einsum('btd,dh->bth', x_btd, weight(self, 'b_proj', (d, h), ('embed', 'heads')))
     a_log = self.param('A_log', nn.with_logical_partitioning(a_log_init, ('heads',)), (h,), jnp.float32)
     dt_bias = self.param(
       'dt_bias', nn.with_logical_partitioning(dt_bias_init, ('heads', 'head_dim')), (h, hd), jnp.float32
@@ -139,14 +142,20 @@ class KimiDeltaAttention(nn.Module):
     gate = dict(a_log=a_log, dt_bias=dt_bias, gate_lower_bound=self.gate_lower_bound)
     op = dict(impl=self.impl, settings=self.settings)
 
+    if decode:
+      conv = {}
+      if self.short_conv:
+        prefixes = tuple(cache[f'conv_{n}'] for n in 'qkv')
+        conv = dict(prefixes=prefixes, taps=tuple(convs[n].taps(x.shape[1:]) for n, x in zip('qkv', outs)))
+      o_bhv, new_cache['state'], prefixes = kda_decode(
+        *outs, f_bthk[:, 0], beta_bth[:, 0], cache['state'], **gate, **conv, **op
+      )
+      new_cache.update({f'conv_{n}': p for n, p in zip('qkv', prefixes or ())})
+      return o_bhv[:, None], new_cache
+    q_bthk, k_bthk, v_bthv = outs
+    beta_bth = jax.nn.sigmoid(beta_bth.astype(jnp.float32))
     if cache is None:
       o_bthv, _ = kda(q_bthk, k_bthk, v_bthv, f_bthk, beta_bth, **op, **gate, segment_ids=segment_ids_bt)
-    elif q_bthk.shape[1] == 1:  # decode: one token, O(1) in the context length
-      g_bhk = kda_log_decay(f_bthk[:, 0], a_log, dt_bias, self.gate_lower_bound)
-      o_bhv, new_cache['state'] = kda_step(
-        q_bthk[:, 0], k_bthk[:, 0], v_bthv[:, 0], g_bhk, beta_bth[:, 0], cache['state'], **op
-      )
-      o_bthv = o_bhv[:, None]
     else:  # prefill (or a chunk of it) from the cached state
       o_bthv, new_cache['state'] = kda(
         q_bthk, k_bthk, v_bthv, f_bthk, beta_bth, initial_state=cache['state'], output_final_state=True, **op, **gate

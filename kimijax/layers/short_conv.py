@@ -23,21 +23,25 @@ class ShortConv(nn.Module):
   settings: Any = None  # the kernels' settings of an impl that has them (None: the defaults)
 
   @nn.compact
-  def __call__(self, x_bthd, prefix=None, segment_ids=None):
+  def taps(self, channels: tuple[int, ...]):
+    """The taps [width, *channels] float32 (the parameter 'kernel'), for a caller that runs the conv
+    inside another op (a KDA layer's decode step, kimijax.ops.kda.kda_decode)."""
     bound = self.width**-0.5  # uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = width
 
     def init(key, shape, dtype):
       return nn.initializers.uniform(2 * bound)(key, shape, dtype) - bound
 
-    w = self.param(
+    return self.param(
       'kernel',
       nn.with_logical_partitioning(init, ('conv_width', 'heads', 'head_dim')),
-      (self.width,) + x_bthd.shape[2:],
+      (self.width,) + tuple(channels),
       jnp.float32,
     )
+
+  def __call__(self, x_bthd, prefix=None, segment_ids=None):
     return short_conv(
       x_bthd.astype(self.dtype),
-      w,
+      self.taps(x_bthd.shape[2:]),
       self.activation,
       prefix,
       impl=self.impl,

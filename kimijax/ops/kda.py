@@ -8,8 +8,9 @@ Per batch row and head, with state S [K, V] in float32, one token t does (decay,
 
 `kda_recurrent` scans that over time (the reference); `kda_chunk` computes the same thing a chunk
 of C tokens at a time with the WY/UT form of docs/kda.md (matmuls inside a chunk, a scan over chunks
-for the state); `kda_step` is one token for decoding; `kda(..., impl=...)` and `kda_step(...,
-impl=...)` dispatch to one of IMPLS, the implementations by name: 'xla' (kda_chunk; the default),
+for the state); `kda_step` is one token for decoding, `kda_decode` a KDA layer's decode token from
+its projections (short convolutions, activations and gates, then the step); `kda`, `kda_step` and
+`kda_decode` dispatch (`impl=...`) to one of IMPLS, the implementations by name: 'xla' (kda_chunk; the default),
 'xla_recurrent' (kda_recurrent) and 'pallas' (the fused kernels of kernels_pallas/kda, interpreted
 off the GPU, which take their Triton settings as `settings=`). Layout: q, k, g [B, T, H, K]; v
 [B, T, H, V]; beta [B, T, H] (after the sigmoid); g is the per-channel log-decay (<= 0); q and k
@@ -58,6 +59,9 @@ _GROUP_ELEMENTS_DEFAULT = 1 << 24
 # allows: the chunk forms subtract cumulative sums that include it, which costs them absolute
 # precision in proportion (ulp(128) = 1.5e-5 in float32; docs/kda.md).
 RESET_LOG_DECAY = -128.0
+# A KDA layer's activations of q, k and v after their short convolutions (kimijax.ops.short_conv's
+# names): SiLU, and the L2 norm over K that the recurrence's contract asks of q and k.
+ACTIVATIONS = types.MappingProxyType({'q': 'silu_l2', 'k': 'silu_l2', 'v': 'silu'})
 
 
 # ----------------------------------------------------------------------------- validation
@@ -104,24 +108,22 @@ def _check_sequence_inputs(fn, q, k, v, g, beta, initial_state):
   return b, t, h, dk, dv
 
 
-def _check_step_inputs(q, k, v, g, beta, state):
-  _check_float('kda_step', q=q, k=k, v=v, g=g, beta=beta, state=state)
+def _check_step_inputs(q, k, v, g, beta, state, fn='kda_step'):
+  _check_float(fn, q=q, k=k, v=v, g=g, beta=beta, state=state)
   if q.ndim != 3:
-    raise ValueError(f'kda_step: q must be [B, H, K] (one token), got shape {_fmt(q.shape)}')
+    raise ValueError(f'{fn}: q must be [B, H, K] (one token), got shape {_fmt(q.shape)}')
   b, h, dk = q.shape
   if k.shape != q.shape or g.shape != q.shape:
     raise ValueError(
-      f'kda_step: q, k and g must have the same shape [B, H, K]; got q {_fmt(q.shape)}, '
+      f'{fn}: q, k and g must have the same shape [B, H, K]; got q {_fmt(q.shape)}, '
       f'k {_fmt(k.shape)}, g {_fmt(g.shape)}'
     )
   if v.ndim != 3 or v.shape[:2] != (b, h):
-    raise ValueError(
-      f'kda_step: v must be [B, H, V] with B, H = {b}, {h} as in q {_fmt(q.shape)}; got v {_fmt(v.shape)}'
-    )
+    raise ValueError(f'{fn}: v must be [B, H, V] with B, H = {b}, {h} as in q {_fmt(q.shape)}; got v {_fmt(v.shape)}')
   if beta.shape != (b, h):
-    raise ValueError(f'kda_step: beta must be [B, H] = {_fmt((b, h))}; got beta {_fmt(beta.shape)}')
+    raise ValueError(f'{fn}: beta must be [B, H] = {_fmt((b, h))}; got beta {_fmt(beta.shape)}')
   if state.shape != (b, h, dk, v.shape[-1]):
-    raise ValueError(f'kda_step: state must be [B, H, K, V] = {_fmt((b, h, dk, v.shape[-1]))}; got {_fmt(state.shape)}')
+    raise ValueError(f'{fn}: state must be [B, H, K, V] = {_fmt((b, h, dk, v.shape[-1]))}; got {_fmt(state.shape)}')
 
 
 def _check_gate(a_log, dt_bias, lower_bound, h, dk):
@@ -301,6 +303,95 @@ def _xla_step(q, k, v, g, beta, state, *, scale, settings):
   f32 = lambda x: x.astype(jnp.float32)
   o, s = _token_update(f32(state), f32(q), f32(k), f32(v), f32(g), f32(beta), scale)
   return o.astype(v.dtype), s
+
+
+def kda_decode(
+  q,
+  k,
+  v,
+  f,
+  beta_logit,
+  state,
+  *,
+  a_log,
+  dt_bias,
+  gate_lower_bound=0.0,
+  prefixes=None,
+  taps=None,
+  scale=None,
+  impl='xla',
+  settings=None,
+):
+  """One decoding token of a KDA layer's mixing (docs/kda.md), from the projections on.
+
+  q, k, f [B, H, K] and v [B, H, V]: the layer's q/k/v projections before their short
+  convolutions and the decay gate's pre-activation; beta_logit [B, H] beta before its sigmoid;
+  state [B, H, K, V]; a_log [H], dt_bias [H, K] and gate_lower_bound the gate (kda_log_decay).
+  With the short convolutions, prefixes (q, k, v) [B, W-1, H, K or V] (the W-1 inputs before this
+  token: the decode cache) and taps (q, k, v) [W, H, K or V]; without, both None. Then the
+  activations ACTIVATIONS (kimijax.ops.short_conv's names), beta's sigmoid, the gate and kda_step.
+
+  Returns (o [B, H, V] in v's dtype, new state float32, new prefixes or None). impl is the model's
+  kda_impl: 'pallas' runs all of it as one kernel (kernels_pallas/kda/decode.py: K and V powers of
+  two) under `settings` (a KdaSettings; None: the defaults); the others compose short_conv,
+  kda_log_decay and kda_step's XLA form.
+  """
+  implementation = _implementation(impl, 'kda_decode')
+  q, k, v, f, beta_logit, state = (jnp.asarray(x) for x in (q, k, v, f, beta_logit, state))
+  _check_step_inputs(q, k, v, f, beta_logit, state, fn='kda_decode')
+  a_log, dt_bias = jnp.asarray(a_log), jnp.asarray(dt_bias)
+  _check_gate(a_log, dt_bias, gate_lower_bound, q.shape[1], q.shape[2])
+  if (prefixes is None) != (taps is None):
+    raise ValueError('kda_decode: prefixes and taps come together (the short convolutions) or not at all')
+  if prefixes is not None:
+    prefixes, taps = tuple(jnp.asarray(p) for p in prefixes), tuple(jnp.asarray(w) for w in taps)
+    _check_conv_state(q, k, v, prefixes, taps)
+  return implementation.decode(
+    q,
+    k,
+    v,
+    f,
+    beta_logit,
+    state,
+    a_log,
+    dt_bias,
+    float(gate_lower_bound),
+    prefixes,
+    taps,
+    scale=_default_scale(scale, q.shape[-1]),
+    settings=settings,
+  )
+
+
+def _check_conv_state(q, k, v, prefixes, taps):
+  if len(prefixes) != 3 or len(taps) != 3:
+    raise ValueError(f'kda_decode: prefixes and taps are (q, k, v) triples; got {len(prefixes)} and {len(taps)}')
+  width = taps[0].shape[0]
+  for name, x, p, w in zip('qkv', (q, k, v), prefixes, taps):
+    b, h, d = x.shape
+    if w.shape != (width, h, d) or p.shape != (b, width - 1, h, d):
+      raise ValueError(
+        f'kda_decode: the {name} conv needs taps [W, H, D] = {_fmt((width, h, d))} and a prefix [B, W-1, H, D] = '
+        f'{_fmt((b, width - 1, h, d))}; got taps {_fmt(w.shape)}, prefix {_fmt(p.shape)}'
+      )
+
+
+def _composed_decode(q, k, v, f, beta_logit, state, a_log, dt_bias, lower_bound, prefixes, taps, *, scale, settings):
+  """kda_decode as its parts: short_conv (XLA) and its activation, kda_log_decay, kda_step's XLA form."""
+  from kimijax.ops.short_conv import activate, short_conv
+
+  xs, new_prefixes = [], []
+  for i, (x, activation) in enumerate(zip((q, k, v), ACTIVATIONS.values())):
+    if prefixes is None:
+      y = activate(x, activation)
+    else:
+      y, prefix = short_conv(x[:, None], taps[i], activation, prefixes[i])
+      y = y[:, 0]
+      new_prefixes.append(prefix)
+    xs.append(y.astype(x.dtype))
+  g = kda_log_decay(f, a_log, dt_bias, lower_bound)
+  o, s = _xla_step(*xs, g, jax.nn.sigmoid(beta_logit.astype(jnp.float32)), state, scale=scale, settings=settings)
+  return o, s, (None if prefixes is None else tuple(new_prefixes))
 
 
 def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False):
@@ -586,6 +677,28 @@ def _fused_step(q, k, v, g, beta, state, *, scale, settings):
   )
 
 
+def _fused_decode(q, k, v, f, beta_logit, state, a_log, dt_bias, lower_bound, prefixes, taps, *, scale, settings):
+  from kernels_pallas.common import kernels_interpreted
+  from kernels_pallas.kda import kda_decode_pallas
+
+  return kda_decode_pallas(
+    q,
+    k,
+    v,
+    f,
+    beta_logit,
+    state,
+    a_log,
+    dt_bias,
+    prefixes=prefixes,
+    taps=taps,
+    scale=float(scale),
+    lower_bound=lower_bound,
+    settings=settings,
+    interpret=kernels_interpreted(),
+  )
+
+
 def _pallas_settings(text: str):
   from kernels_pallas.kda.settings import KdaSettings
 
@@ -596,20 +709,22 @@ def _pallas_settings(text: str):
 class Implementation:
   """One implementation of KDA. kda: kda's arguments (keywords after beta; gate = (a_log, dt_bias,
   lower_bound) or None; settings; resets [B, T] bool, given only under segment_ids) -> (o, state
-  or None). step: kda_step's (keywords scale,
-  settings) -> (o, state). parse_settings: 'key=int/key=int' -> the settings its kernels take
+  or None). step: kda_step's (keywords scale, settings) -> (o, state). decode: kda_decode's (q, k,
+  v, f, beta_logit, state, a_log, dt_bias, lower_bound, prefixes, taps; keywords scale, settings)
+  -> (o, state, prefixes). parse_settings: 'key=int/key=int' -> the settings its kernels take
   (the `settings` argument; None: it has no kernels and ignores that argument)."""
 
   kda: Callable
   step: Callable
+  decode: Callable
   parse_settings: Callable[[str], object] | None = None
 
 
 IMPLS = types.MappingProxyType(
   {
-    'xla': Implementation(_gated(_chunk_impl), _xla_step),
-    'xla_recurrent': Implementation(_gated(_recurrent_impl), _xla_step),
-    'pallas': Implementation(_fused_impl, _fused_step, parse_settings=_pallas_settings),
+    'xla': Implementation(_gated(_chunk_impl), _xla_step, _composed_decode),
+    'xla_recurrent': Implementation(_gated(_recurrent_impl), _xla_step, _composed_decode),
+    'pallas': Implementation(_fused_impl, _fused_step, _fused_decode, parse_settings=_pallas_settings),
   }
 )
 

@@ -439,10 +439,11 @@ def test_hybrid_training_with_pallas_follows_chunk():
 @pytest.mark.parametrize('dtype,d', [(jnp.bfloat16, 128), (jnp.float32, 64)])
 def test_kernels_lower_to_triton_for_an_h200(dtype, d):
   """Every KDA kernel of a training step (forward, the backward's recomputation, state_bwd,
-  diag_bwd, scores_bwd) and the decode step go through the Pallas Triton lowering for an H200 on this
-  machine: what Triton cannot express fails here, not in device time."""
+  diag_bwd, scores_bwd) and the decode kernels (kda_step, kda_decode) go through the Pallas
+  Triton lowering for an H200 on this machine: what Triton cannot express fails here, not in
+  device time."""
   from experiments.tools.triton_report import lower_for_h200
-  from kernels_pallas.kda import kda_pallas, kda_step_pallas
+  from kernels_pallas.kda import kda_decode_pallas, kda_pallas, kda_step_pallas
 
   spec = jax.ShapeDtypeStruct
   b, t, h = 2, 200, 4
@@ -492,3 +493,11 @@ def test_kernels_lower_to_triton_for_an_h200(dtype, d):
   tok = spec((b, h, d), dtype)
   step = lambda *a: kda_step_pallas(*a, scale=d**-0.5)
   assert 'kda_step' in lower_for_h200(step, tok, tok, tok, f32(b, h, d), f32(b, h), f32(b, h, d, d))
+  prefix, taps = spec((b, 3, h, d), dtype), f32(4, h, d)
+
+  def decode(q, k, v, f, beta_logit, s, a_log, dt_bias, *conv):  # with the convs, 3-row prefixes
+    return kda_decode_pallas(q, k, v, f, beta_logit, s, a_log, dt_bias, prefixes=conv[:3], taps=conv[3:], scale=d**-0.5)
+
+  gate = (f32(h), f32(h, d))
+  module = lower_for_h200(decode, tok, tok, tok, tok, f32(b, h), f32(b, h, d, d), *gate, *(prefix,) * 3, *(taps,) * 3)
+  assert 'kda_decode' in module

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import impl_params
-from oracles import ref_kda
+from oracles import np_conv, np_sigmoid, np_silu, ref_kda
 
 from kimijax.ops import kda as kda_lib
 
@@ -138,6 +138,51 @@ def test_step_token_by_token_equals_recurrent(impl, g_mode):
     outs.append(o)
   assert rel(jnp.stack(outs, 1), o_r) < 1e-6 and rel(s, s_r) < 1e-6
   assert rel(jnp.stack(outs, 1), o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
+@pytest.mark.parametrize('short_conv', [True, False], ids=['conv', 'no_conv'])
+@pytest.mark.parametrize('lower_bound', [0.0, -5.0])
+@pytest.mark.parametrize('impl', IMPLS)
+def test_decode_token_by_token_equals_the_float64_layer_mixing(impl, lower_bound, short_conv):
+  """kda_decode ('pallas': one kernel, here two value blocks per head) token by token from zero
+  conv prefixes and a random state, against float64: the causal short convolutions and their
+  activations over the whole sequence, beta's sigmoid, docs/kda.md's gate and the recurrence; the
+  last prefixes are the last W-1 inputs."""
+  b, t, h, dk, dv, width = 2, 6, 2, 16, 32, 4
+  rng = np.random.default_rng(7)
+  normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  xs = (normal(b, t, h, dk), normal(b, t, h, dk), normal(b, t, h, dv))
+  f, beta_logit, s0 = normal(b, t, h, dk), normal(b, t, h), normal(b, h, dk, dv)
+  a_log, dt_bias = np.log(rng.uniform(1, 16, h)).astype(np.float32), 0.5 * normal(h, dk)
+  taps = tuple(0.5 * normal(width, h, x.shape[-1]) for x in xs)
+  conv = lambda x, w: np_conv(x, w) if short_conv else np.asarray(x, np.float64)
+  l2 = lambda a: a / np.sqrt(np.sum(a * a, -1, keepdims=True) + 1e-6)
+  q, k, v = (conv(x, w) for x, w in zip(xs, taps))
+  q, k, v = l2(np_silu(q)), l2(np_silu(k)), np_silu(v)
+  pre = np.asarray(f, np.float64) + dt_bias
+  a = np.exp(np.asarray(a_log, np.float64))[:, None]
+  g = lower_bound * np_sigmoid(a * pre) if lower_bound else -a * np.log1p(np.exp(pre))
+  o_ref, s_ref = ref_kda(q, k, v, g, np_sigmoid(np.asarray(beta_logit, np.float64)), dk**-0.5, s0)
+
+  settings = kda_lib.IMPLS[impl].parse_settings('value_block_step=16') if impl == 'pallas' else None
+  decode = jax.jit(functools.partial(kda_lib.kda_decode, impl=impl, settings=settings, gate_lower_bound=lower_bound))
+  conv_args = {}
+  if short_conv:
+    conv_args = dict(prefixes=tuple(np.zeros((b, width - 1, h, x.shape[-1]), np.float32) for x in xs), taps=taps)
+  s, outs = s0, []
+  for i in range(t):
+    o, s, prefixes = decode(
+      *(x[:, i] for x in xs), f[:, i], beta_logit[:, i], s, a_log=a_log, dt_bias=dt_bias, **conv_args
+    )
+    if short_conv:
+      conv_args['prefixes'] = prefixes
+    else:
+      assert prefixes is None
+    outs.append(o)
+  assert rel(jnp.stack(outs, 1), o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+  if short_conv:
+    for x, p in zip(xs, prefixes):
+      np.testing.assert_array_equal(p, x[:, t - width + 1 :])
 
 
 @pytest.mark.parametrize('impl', IMPLS)
@@ -369,6 +414,28 @@ def test_step_errors():
     kda_lib.kda_step(**{**one, 'q': args['q']}, state=s0)
   with pytest.raises(ValueError, match=r'beta must be \[B, H\] = \[2, 3\]'):
     kda_lib.kda_step(**{**one, 'beta': args['beta']}, state=s0)
+
+
+def test_decode_errors_name_the_arrays():
+  args, s0 = _good(t=1)
+  one = {name: x[:, 0] for name, x in args.items()}
+  q, k, v, f, beta_logit = one['q'], one['k'], one['v'], one['g'], one['beta']
+  gate = dict(a_log=np.zeros(3, np.float32), dt_bias=np.zeros((3, 4), np.float32))
+  b, h, dk, dv = 2, 3, 4, 6
+  prefixes = (np.zeros((b, 3, h, dk), np.float32),) * 2 + (np.zeros((b, 3, h, dv), np.float32),)
+  taps = (np.zeros((4, h, dk), np.float32),) * 2 + (np.zeros((4, h, dv), np.float32),)
+  with pytest.raises(ValueError, match=r'kda_decode: state must be \[B, H, K, V\] = \[2, 3, 4, 6\]'):
+    kda_lib.kda_decode(q, k, v, f, beta_logit, np.zeros((2, 3, 4, 5), np.float32), **gate)
+  with pytest.raises(ValueError, match=r'kda: the gate needs a_log \[H\] = \[3\]'):
+    kda_lib.kda_decode(q, k, v, f, beta_logit, s0, a_log=np.zeros(2, np.float32), dt_bias=gate['dt_bias'])
+  with pytest.raises(ValueError, match='prefixes and taps come together'):
+    kda_lib.kda_decode(q, k, v, f, beta_logit, s0, **gate, prefixes=prefixes)
+  with pytest.raises(
+    ValueError, match=r'the v conv needs taps \[W, H, D\] = \[4, 3, 6\] and a prefix \[B, W-1, H, D\]'
+  ):
+    kda_lib.kda_decode(q, k, v, f, beta_logit, s0, **gate, prefixes=prefixes, taps=taps[:2] + (taps[0],))
+  with pytest.raises(ValueError, match=r"kda_decode impl='flash' is unknown"):
+    kda_lib.kda_decode(q, k, v, f, beta_logit, s0, **gate, impl='flash')
 
 
 def test_dispatch_errors():

@@ -1,0 +1,158 @@
+"""One decoding token of a KDA layer's mixing (docs/kda.md) as one Pallas kernel: the short
+convolutions and their activations, the decay gate and beta from their pre-activations, and the
+state update (decay, delta write, read). A decode step's KDA layer then runs one kernel between
+its projections and its output gate, where the composed form runs some ten small XLA fusions and
+copies.
+
+One program = one (batch, head) and a block of value columns, the [K, BV] state slice in registers,
+all arithmetic float32. With the convolutions (prefixes given), for each of q, k and v:
+
+    z = sum_{j < W-1} w[j] prefix[j] + w[W-1] x,   new prefix = (prefix[1:], x)
+
+then SiLU (and the L2 norm over K for q and k); without them the activations alone. Every program
+of a (batch, head) computes q and k in full (K features) and writes the same new q and k prefixes;
+v, its prefix and the state by its value columns."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas.kda.settings import KdaSettings
+from kimijax.ops.kda import gate_log_decay
+from kimijax.ops.short_conv import L2_EPS
+
+F32 = jnp.float32
+
+
+def _silu(z):
+  return z / (1.0 + jnp.exp(-z))
+
+
+def _l2_normalise(a):
+  return a * jax.lax.rsqrt(jnp.sum(a * a) + L2_EPS)
+
+
+def _conv(x_ref, prefix_ref, w_ref, prefix_out_ref):
+  """The conv of one token from its prefix [W-1, n] and taps [W, n] (float32), the new prefix
+  written; x itself (float32) without a conv."""
+  x = x_ref[...].astype(F32)
+  if prefix_ref is None:
+    return x
+  width = w_ref.shape[0]
+  rows = [prefix_ref[j] for j in range(width - 1)]
+  z = w_ref[width - 1] * x
+  for j in range(width - 1):
+    z = z + w_ref[j] * rows[j].astype(F32)
+  for j in range(width - 2):
+    prefix_out_ref[j] = rows[j + 1]
+  prefix_out_ref[width - 2] = x_ref[...].astype(prefix_out_ref.dtype)
+  return z
+
+
+def _decode_kernel(*refs, scale, lower_bound, conv):
+  if conv:
+    (q_ref, k_ref, v_ref, f_ref, b_ref, a_ref, dt_ref, s_ref, pq_ref, pk_ref, pv_ref, wq_ref, wk_ref, wv_ref) = refs[
+      :14
+    ]
+    o_ref, s_out_ref, pq_out, pk_out, pv_out = refs[14:]
+  else:
+    q_ref, k_ref, v_ref, f_ref, b_ref, a_ref, dt_ref, s_ref = refs[:8]
+    o_ref, s_out_ref = refs[8:]
+    pq_ref = pk_ref = pv_ref = wq_ref = wk_ref = wv_ref = pq_out = pk_out = pv_out = None
+  q = _l2_normalise(_silu(_conv(q_ref, pq_ref, wq_ref, pq_out)))
+  k = _l2_normalise(_silu(_conv(k_ref, pk_ref, wk_ref, pk_out)))[:, None]  # [K, 1]
+  v = _silu(_conv(v_ref, pv_ref, wv_ref, pv_out))
+  g = gate_log_decay(f_ref[...].astype(F32) + dt_ref[...], jnp.exp(a_ref[...]), lower_bound)
+  beta = 1.0 / (1.0 + jnp.exp(-b_ref[...].astype(F32)))
+  s = s_ref[...] * jnp.exp(g)[:, None]  # decay
+  delta = beta * (v - jnp.sum(s * k, axis=0))
+  s = s + k * delta[None, :]  # delta write
+  o_ref[...] = jnp.sum(s * (scale * q)[:, None], axis=0).astype(o_ref.dtype)
+  s_out_ref[...] = s
+
+
+def kda_decode_pallas(
+  q,
+  k,
+  v,
+  f,
+  b,
+  state,
+  a_log,
+  dt_bias,
+  *,
+  prefixes=None,
+  taps=None,
+  scale,
+  lower_bound=0.0,
+  settings=None,
+  interpret=False,
+):
+  """q, k, f [B, H, K] and v [B, H, V] (the projections, before the convs), b [B, H] (beta's
+  pre-activation), state [B, H, K, V] float32, a_log [H], dt_bias [H, K]; with the convs,
+  prefixes (q, k, v) [B, W-1, H, K or V] and taps (q, k, v) [W, H, K or V] float32.
+  -> (o [B, H, V] in v's dtype, new state float32, new prefixes (in the prefixes' dtype) or None).
+  K and V powers of two >= 16. settings: the KdaSettings whose warps_step, stages_step and
+  value_block_step this kernel takes (None: the defaults)."""
+  settings = KdaSettings() if settings is None else settings
+  if not isinstance(settings, KdaSettings):
+    raise TypeError(f"kda_decode impl='pallas': settings must be a KdaSettings or None, got {type(settings).__name__}")
+  conv = () if prefixes is None else (tuple(prefixes), tuple(taps))
+  return _kda_decode_pallas(
+    q,
+    k,
+    v,
+    f,
+    b,
+    state,
+    a_log,
+    dt_bias,
+    conv,
+    scale=scale,
+    lower_bound=float(lower_bound),
+    settings=settings,
+    interpret=interpret,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=('scale', 'lower_bound', 'settings', 'interpret'))
+def _kda_decode_pallas(q, k, v, f, b, state, a_log, dt_bias, conv, *, scale, lower_bound, settings, interpret):
+  bsz, h, dk = q.shape
+  dv = v.shape[-1]
+  bv = min(dv, settings.value_block_step)
+  vec = lambda d: pl.BlockSpec((None, None, d), lambda bi, hi, j: (bi, hi, 0))
+  cols = pl.BlockSpec((None, None, bv), lambda bi, hi, j: (bi, hi, j))
+  state_spec = pl.BlockSpec((None, None, dk, bv), lambda bi, hi, j: (bi, hi, 0, j))
+  per_head = lambda *block: pl.BlockSpec((None,) + block, lambda bi, hi, j: (hi,) + (0,) * len(block))
+  in_specs = [vec(dk), vec(dk), cols, vec(dk), vec(1), per_head(1), per_head(dk), state_spec]
+  args = [q, k, v, f, b[..., None], a_log.astype(F32)[:, None], dt_bias.astype(F32), state.astype(F32)]
+  out_specs = [cols, state_spec]
+  out_shape = [jax.ShapeDtypeStruct((bsz, h, dv), v.dtype), jax.ShapeDtypeStruct(state.shape, F32)]
+  if conv:
+    prefixes, taps = conv
+    width = taps[0].shape[0]
+    prefix_spec = lambda d, j_block: pl.BlockSpec(
+      (None, width - 1, None, d), lambda bi, hi, j: (bi, 0, hi, j if j_block else 0)
+    )
+    tap_spec = lambda d, j_block: pl.BlockSpec((width, None, d), lambda bi, hi, j: (0, hi, j if j_block else 0))
+    in_specs += [prefix_spec(dk, False), prefix_spec(dk, False), prefix_spec(bv, True)]
+    in_specs += [tap_spec(dk, False), tap_spec(dk, False), tap_spec(bv, True)]
+    args += list(prefixes) + [w.astype(F32) for w in taps]
+    out_specs += [prefix_spec(dk, False), prefix_spec(dk, False), prefix_spec(bv, True)]
+    out_shape += [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in prefixes]
+  outs = pl.pallas_call(
+    functools.partial(_decode_kernel, scale=scale, lower_bound=lower_bound, conv=bool(conv)),
+    grid=(bsz, h, dv // bv),
+    in_specs=in_specs,
+    out_specs=out_specs,
+    out_shape=out_shape,
+    input_output_aliases={7: 1},
+    compiler_params=settings.params('step', settings.stages_step),
+    interpret=interpret,
+    name='kda_decode',
+  )(*args)
+  return outs[0], outs[1], (tuple(outs[2:]) if conv else None)
