@@ -707,7 +707,9 @@ def _tiled_swiglu_bwd(settings, res, g_td):
   e, dtype = w_in_ed2f.shape[0], x_td.dtype
   g_pd = _rows(g_td.astype(dtype), row_p // k)
   w_p1 = _rows(weights_tk.reshape(-1), row_p)[:, None]  # zero in padding slots
-  if getattr(settings, 'fused_backward', 0):  # MosaicMoeSettings' switch: u stays in the kernel
+  from kernels_pallas.moe.settings import MosaicMoeSettings
+
+  if isinstance(settings, MosaicMoeSettings) and settings.fused_backward:  # u stays in the kernel
     d_gate_up_p2f, wh_pf, uh_p = run(
       'down_swiglu_backward', g_pd, w_down_efd.astype(dtype), gate_up_p2f, w_p1[:, 0], group_b
     )
