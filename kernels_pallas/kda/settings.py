@@ -20,7 +20,7 @@ class KdaSettings(Settings):
   values from them (value_block, state_stages)."""
 
   FAMILY = 'kda pallas'
-  SWITCHES = ('flat_branch', 'fused_gate')
+  SWITCHES = ('flat_branch', 'fused_gate', 'fused_decode')
 
   # warps per program of each kernel (the key after 'warps_' is what params is given)
   warps_cumsum: int = 2
@@ -63,7 +63,10 @@ class KdaSettings(Settings):
   # 1: a gated call (a_log, dt_bias) forms the log-decay inside the cumulative-sum kernels;
   # 0: in XLA before them
   fused_gate: int = 1
-  # the decode step's kernel (step.py): warps, stages and value columns per program
+  # 1: a KDA layer's decode token runs as one kernel (decode.py: convs, activations, gates and the
+  # step); 0: the convs, activations and gates in XLA, then the step kernel (step.py)
+  fused_decode: int = 1
+  # the decode kernels (step.py, decode.py): warps, stages and value columns per program
   warps_step: int = 4
   stages_step: int = 1
   value_block_step: int = 64

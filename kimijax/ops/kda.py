@@ -333,8 +333,8 @@ def kda_decode(
 
   Returns (o [B, H, V] in v's dtype, new state float32, new prefixes or None). impl is the model's
   kda_impl: 'pallas' runs all of it as one kernel (kernels_pallas/kda/decode.py: K and V powers of
-  two) under `settings` (a KdaSettings; None: the defaults); the others compose short_conv,
-  kda_log_decay and kda_step's XLA form.
+  two) under `settings` (a KdaSettings; None: the defaults; with fused_decode=0, the composed form
+  with kda_step's kernel); the others compose short_conv, kda_log_decay and kda_step's XLA form.
   """
   implementation = _implementation(impl, 'kda_decode')
   q, k, v, f, beta_logit, state = (jnp.asarray(x) for x in (q, k, v, f, beta_logit, state))
@@ -376,8 +376,11 @@ def _check_conv_state(q, k, v, prefixes, taps):
       )
 
 
-def _composed_decode(q, k, v, f, beta_logit, state, a_log, dt_bias, lower_bound, prefixes, taps, *, scale, settings):
-  """kda_decode as its parts: short_conv (XLA) and its activation, kda_log_decay, kda_step's XLA form."""
+def _composed_decode(
+  q, k, v, f, beta_logit, state, a_log, dt_bias, lower_bound, prefixes, taps, *, scale, settings, step=None
+):
+  """kda_decode as its parts: short_conv (XLA) and its activation, kda_log_decay, then `step` (kda_step's
+  form; None: the XLA form)."""
   from kimijax.ops.short_conv import activate, short_conv
 
   xs, new_prefixes = [], []
@@ -390,7 +393,8 @@ def _composed_decode(q, k, v, f, beta_logit, state, a_log, dt_bias, lower_bound,
       new_prefixes.append(prefix)
     xs.append(y.astype(x.dtype))
   g = kda_log_decay(f, a_log, dt_bias, lower_bound)
-  o, s = _xla_step(*xs, g, jax.nn.sigmoid(beta_logit.astype(jnp.float32)), state, scale=scale, settings=settings)
+  beta = jax.nn.sigmoid(beta_logit.astype(jnp.float32))
+  o, s = (step or _xla_step)(*xs, g, beta, state, scale=scale, settings=settings)
   return o, s, (None if prefixes is None else tuple(new_prefixes))
 
 
@@ -680,6 +684,25 @@ def _fused_step(q, k, v, g, beta, state, *, scale, settings):
 def _fused_decode(q, k, v, f, beta_logit, state, a_log, dt_bias, lower_bound, prefixes, taps, *, scale, settings):
   from kernels_pallas.common import kernels_interpreted
   from kernels_pallas.kda import kda_decode_pallas
+  from kernels_pallas.kda.settings import KdaSettings
+
+  if isinstance(settings, KdaSettings) and not settings.fused_decode:
+    return _composed_decode(
+      q,
+      k,
+      v,
+      f,
+      beta_logit,
+      state,
+      a_log,
+      dt_bias,
+      lower_bound,
+      prefixes,
+      taps,
+      scale=scale,
+      settings=settings,
+      step=_fused_step,
+    )
 
   return kda_decode_pallas(
     q,

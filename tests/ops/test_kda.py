@@ -144,10 +144,10 @@ def test_step_token_by_token_equals_recurrent(impl, g_mode):
 @pytest.mark.parametrize('lower_bound', [0.0, -5.0])
 @pytest.mark.parametrize('impl', IMPLS)
 def test_decode_token_by_token_equals_the_float64_layer_mixing(impl, lower_bound, short_conv):
-  """kda_decode ('pallas': one kernel, here two value blocks per head) token by token from zero
-  conv prefixes and a random state, against float64: the causal short convolutions and their
-  activations over the whole sequence, beta's sigmoid, docs/kda.md's gate and the recurrence; the
-  last prefixes are the last W-1 inputs."""
+  """kda_decode ('pallas': one kernel, here two value blocks per head, and the composed form with the
+  step kernel) token by token from zero conv prefixes and a random state, against float64: the
+  causal short convolutions and their activations over the whole sequence, beta's sigmoid,
+  docs/kda.md's gate and the recurrence; the last prefixes are the last W-1 inputs."""
   b, t, h, dk, dv, width = 2, 6, 2, 16, 32, 4
   rng = np.random.default_rng(7)
   normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
@@ -164,25 +164,27 @@ def test_decode_token_by_token_equals_the_float64_layer_mixing(impl, lower_bound
   g = lower_bound * np_sigmoid(a * pre) if lower_bound else -a * np.log1p(np.exp(pre))
   o_ref, s_ref = ref_kda(q, k, v, g, np_sigmoid(np.asarray(beta_logit, np.float64)), dk**-0.5, s0)
 
-  settings = kda_lib.IMPLS[impl].parse_settings('value_block_step=16') if impl == 'pallas' else None
-  decode = jax.jit(functools.partial(kda_lib.kda_decode, impl=impl, settings=settings, gate_lower_bound=lower_bound))
-  conv_args = {}
-  if short_conv:
-    conv_args = dict(prefixes=tuple(np.zeros((b, width - 1, h, x.shape[-1]), np.float32) for x in xs), taps=taps)
-  s, outs = s0, []
-  for i in range(t):
-    o, s, prefixes = decode(
-      *(x[:, i] for x in xs), f[:, i], beta_logit[:, i], s, a_log=a_log, dt_bias=dt_bias, **conv_args
-    )
+  # 'pallas': the one kernel and (fused_decode=0) the XLA convs and gates before the step kernel
+  variants = ['value_block_step=16', 'value_block_step=16/fused_decode=0'] if impl == 'pallas' else [None]
+  for text in variants:
+    settings = None if text is None else kda_lib.IMPLS[impl].parse_settings(text)
+    decode = jax.jit(functools.partial(kda_lib.kda_decode, impl=impl, settings=settings, gate_lower_bound=lower_bound))
+    conv_args = {}
     if short_conv:
-      conv_args['prefixes'] = prefixes
-    else:
-      assert prefixes is None
-    outs.append(o)
-  assert rel(jnp.stack(outs, 1), o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
-  if short_conv:
-    for x, p in zip(xs, prefixes):
-      np.testing.assert_array_equal(p, x[:, t - width + 1 :])
+      conv_args = dict(prefixes=tuple(np.zeros((b, width - 1, h, x.shape[-1]), np.float32) for x in xs), taps=taps)
+    s, outs = s0, []
+    for i in range(t):
+      inputs = (*(x[:, i] for x in xs), f[:, i], beta_logit[:, i], s)
+      o, s, prefixes = decode(*inputs, a_log=a_log, dt_bias=dt_bias, **conv_args)
+      if short_conv:
+        conv_args['prefixes'] = prefixes
+      else:
+        assert prefixes is None
+      outs.append(o)
+    assert rel(jnp.stack(outs, 1), o_ref) < 1e-5 and rel(s, s_ref) < 1e-5, text
+    if short_conv:
+      for x, p in zip(xs, prefixes):
+        np.testing.assert_array_equal(p, x[:, t - width + 1 :])
 
 
 @pytest.mark.parametrize('impl', IMPLS)
