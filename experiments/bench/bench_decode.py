@@ -26,9 +26,10 @@ written. 'step / roofline' is how far a step is from reading its bytes once at c
 hybrid's row gives its speed-up over the baseline and the ratio of their bytes (the bound the
 layer pattern sets). The MLA layers decode with model.mla_decode_impl
 (--config.model.mla_decode_impl=pallas: the split-context kernel of kernels_pallas/mla_decode/, its
-settings as --config.model.kernels.mla_decode=...), the KDA layers with kda_step under
-model.kda_impl (--config.model.kda_impl=pallas: the fused step kernel of kernels_pallas/kda/step.py;
-configs/kimi_linear_small.py's own 'xla' decodes with XLA's form). --profile_dir traces a few more
+settings as --config.model.kernels.mla_decode=...), the KDA layers with kda_decode under
+model.kda_impl (--config.model.kda_impl=pallas: one kernel per layer, kernels_pallas/kda/decode.py,
+or with --config.model.kernels.kda=fused_decode=0 XLA's convolutions and gates before the step
+kernel; configs/kimi_linear_small.py's own 'xla' decodes with XLA's form). --profile_dir traces a few more
 steps of each model for experiments/tools/profile_summary.
 
 Prints the benchmarks' header line (experiments/runs.py print_header), then Markdown: the settings
@@ -86,7 +87,7 @@ def build(config, pattern: str):
   validate(config)
   model = Transformer(m)
   # The parameters do not depend on the KDA implementation: initialise through the scan, which
-  # compiles fastest; the returned model decodes with the config's (kda_step under its kda_impl).
+  # compiles fastest; the returned model decodes with the config's (kda_decode under its kda_impl).
   init_config = m.copy_and_resolve_references()
   init_config.kda_impl = 'xla_recurrent'
   variables = nn.unbox(jax.jit(Transformer(init_config).init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
