@@ -72,9 +72,27 @@ HEADER = (
 )
 
 
+def random_like(shapes, key, std: float):
+  """Arrays of the shapes and dtypes of the pytree `shapes` (jax.ShapeDtypeStruct leaves), N(0,
+  std), drawn by one jitted call: a benchmark's stand-in for values its timing does not depend on."""
+  import jax
+
+  leaves, treedef = jax.tree.flatten(shapes)
+
+  @jax.jit
+  def draw(key):
+    keys = jax.random.split(key, len(leaves))
+    return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) * std for k, x in zip(keys, leaves)])
+
+  return draw(key)
+
+
 def build(config, pattern: str):
-  """(model, weights, model config) of `config` with layer_pattern = pattern: the params (matrices in
-  the compute dtype), with the MoE biases for a model with MoE layers (kimijax.model.inference_variables)."""
+  """(model, weights, model config) of `config` with layer_pattern = pattern: random parameters of
+  the model's shapes (N(0, 0.02); matrices in the compute dtype, the rest float32), with the MoE
+  biases (zero) for a model with MoE layers (kimijax.model.inference_variables). The shapes come
+  from tracing the model's init, not compiling it (that compile took longer than the benchmark's
+  steps at ~350M)."""
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
@@ -86,13 +104,13 @@ def build(config, pattern: str):
   m.layer_pattern = pattern
   validate(config)
   model = Transformer(m)
-  # The parameters do not depend on the KDA implementation: initialise through the scan, which
-  # compiles fastest; the returned model decodes with the config's (kda_decode under its kda_impl).
-  init_config = m.copy_and_resolve_references()
-  init_config.kda_impl = 'xla_recurrent'
-  variables = nn.unbox(jax.jit(Transformer(init_config).init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
-  params = jax.tree.map(lambda p: p.astype(m.compute_dtype) if p.ndim > 1 else p, variables['params'])
-  return model, inference_variables(params, variables.get('moe_state')), m
+  shapes = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+  as_weight = lambda x: jax.ShapeDtypeStruct(x.shape, m.compute_dtype if x.ndim > 1 else jnp.float32)
+  params = random_like(jax.tree.map(as_weight, shapes['params']), jax.random.key(0), 0.02)
+  moe_state = shapes.get('moe_state')
+  if moe_state is not None:
+    moe_state = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), moe_state)
+  return model, inference_variables(params, moe_state), m
 
 
 def step_bytes(m, params, cache: dict, batch: int) -> int:
@@ -124,14 +142,8 @@ def bench(model, params, m, context: int, batch: int, steps: int, bandwidth: flo
   from kimijax.infer.generate import decode
   from kimijax.model import as_variables, count_params
 
-  @jax.jit
-  def random_cache(key):  # as if L - 1 tokens had been seen; no zero-filled copy first
-    shapes = jax.eval_shape(lambda: init_cache(m, batch, context))
-    leaves, treedef = jax.tree.flatten(shapes)
-    keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) * 0.1 for k, x in zip(keys, leaves)])
-
-  cache = random_cache(jax.random.key(1))
+  # as if L - 1 tokens had been seen; no zero-filled copy first
+  cache = random_like(jax.eval_shape(lambda: init_cache(m, batch, context)), jax.random.key(1), 0.1)
   read = step_bytes(m, params, cache, batch)
 
   @functools.partial(jax.jit, donate_argnames='cache')  # as in kimijax.infer.generate: in place

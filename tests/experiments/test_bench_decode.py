@@ -78,10 +78,17 @@ def test_flag_errors():
   assert bench_decode.flag_error(['64', '3'], 2, 1.0) == message
 
 
-def test_the_model_decodes_with_the_configs_kda_implementation():
-  """build initialises through the recurrent scan but returns a model of the config's kda_impl
-  (kda_step dispatches on it: 'pallas' is the fused decode kernel of a GPU config)."""
+def test_build_draws_parameters_of_the_models_shapes_for_the_configs_kda_implementation():
+  """build returns a model of the config's kda_impl (kda_decode dispatches on it: 'pallas' is the
+  decode kernel of a GPU config) and random parameters of exactly the shapes init makes, matrices
+  in the compute dtype, the rest float32, N(0, 0.02)."""
   config = config_lib.load_file('configs/default.py', {**TINY, 'model.kda_impl': 'xla'})
   model, params, m = bench_decode.build(config, 'KA')
   assert model.cfg.kda_impl == m.kda_impl == 'xla'
-  assert params['layer_0']['kda']['q_proj'].dtype == jnp.bfloat16  # matrices in the compute dtype
+  init = nn.unbox(Transformer(m).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))['params']
+  assert jax.tree.structure(params) == jax.tree.structure(init)
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(init)):
+    assert got.shape == want.shape
+    assert got.dtype == (jnp.bfloat16 if want.ndim > 1 else jnp.float32)
+  values = np.concatenate([np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(params)])
+  assert abs(values.std() - 0.02) < 1e-3 and abs(values.mean()) < 1e-3
