@@ -33,9 +33,10 @@ kernel; configs/kimi_linear_small.py's own 'xla' decodes with XLA's form). --pro
 steps of each model for experiments/tools/profile_summary.
 
 Prints the benchmarks' header line (experiments/runs.py print_header), then Markdown: the settings
-and the copy bandwidth, then one table row per context and pattern. On an H200 at
-~350M, one context (both models) took about 4.5 minutes without the loop, most of it
-initialisation and compilation. Results: experiments/results/bench_decode.md.
+and the copy bandwidth, then one table row per context and pattern. At ~350M most of a run is
+compilation (minutes per context on an H100 or H200), not the timed steps; with
+JAX_COMPILATION_CACHE_DIR set, a second run of the same shapes reuses it. Results:
+experiments/results/bench_decode.md.
 """
 
 import functools
