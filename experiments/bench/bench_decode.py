@@ -22,7 +22,9 @@ same run (a jitted, donated x + 1 over a --copy_gib GiB float32 buffer: read + w
 time). The bytes: every parameter in its dtype (an untied input embedding only the batch's rows; a
 tied one is read whole as the head; an MoE layer's every expert, an upper bound at small batches),
 each attention layer's cache over the L positions, each KDA layer's state and conv states read and
-written. 'step / roofline' is how far a step is from reading its bytes once at copy speed; the
+written. 'step / roofline' is how far a step is from reading its bytes once at copy speed,
+'loop / roofline' the same for a token of the loop (what generation runs: a step with little
+device time is bound by the host's dispatch of its jitted call, which the loop does not pay); the
 hybrid's row gives its speed-up over the baseline and the ratio of their bytes (the bound the
 layer pattern sets). The MLA layers decode with model.mla_decode_impl
 (--config.model.mla_decode_impl=pallas: the split-context kernel of kernels_pallas/mla_decode/, its
@@ -69,7 +71,7 @@ LOOP_CALLS = 3  # timed loop calls (after one that compiles)
 PROFILE_STEPS = 3  # profile_summary's default --steps
 HEADER = (
   '| context | pattern | params M | step ms | tokens/s | loop ms/token | cache MiB/seq | read MiB | roofline ms '
-  '| step / roofline | hybrid speed-up (bytes ratio) |'
+  '| step / roofline | loop / roofline | hybrid speed-up (bytes ratio) |'
 )
 
 
@@ -178,6 +180,7 @@ def bench(model, params, m, context: int, batch: int, steps: int, bandwidth: flo
     'read_MiB': read / 2**20,
     'roofline_ms': roofline_ms,
     'step_over_roofline': ms / roofline_ms,
+    'loop_over_roofline': loop_ms / steps / roofline_ms,
   }
 
 
@@ -193,6 +196,7 @@ def row(context: int, pattern: str, r: dict, speedup: str = '') -> str:
     f'{r["read_MiB"]:,.1f}',
     f'{r["roofline_ms"]:.3f}',
     f'{r["step_over_roofline"]:.2f}',
+    f'{r["loop_over_roofline"]:.2f}',
     speedup,
   )
   return '| ' + ' | '.join(cells) + ' |'
