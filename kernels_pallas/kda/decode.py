@@ -54,15 +54,11 @@ def _conv(x_ref, prefix_ref, w_ref, prefix_out_ref):
 
 
 def _decode_kernel(*refs, scale, lower_bound, conv):
-  if conv:
-    (q_ref, k_ref, v_ref, f_ref, b_ref, a_ref, dt_ref, s_ref, pq_ref, pk_ref, pv_ref, wq_ref, wk_ref, wv_ref) = refs[
-      :14
-    ]
-    o_ref, s_out_ref, pq_out, pk_out, pv_out = refs[14:]
-  else:
-    q_ref, k_ref, v_ref, f_ref, b_ref, a_ref, dt_ref, s_ref = refs[:8]
-    o_ref, s_out_ref = refs[8:]
-    pq_ref = pk_ref = pv_ref = wq_ref = wk_ref = wv_ref = pq_out = pk_out = pv_out = None
+  inputs = 14 if conv else 8  # with the convs: the three prefixes and taps after the state
+  q_ref, k_ref, v_ref, f_ref, b_ref, a_ref, dt_ref, s_ref = refs[:8]
+  pq_ref, pk_ref, pv_ref, wq_ref, wk_ref, wv_ref = refs[8:inputs] or (None,) * 6
+  o_ref, s_out_ref, *prefixes_out = refs[inputs:]
+  pq_out, pk_out, pv_out = prefixes_out or (None,) * 3
   q = _l2_normalise(_silu(_conv(q_ref, pq_ref, wq_ref, pq_out)))
   k = _l2_normalise(_silu(_conv(k_ref, pk_ref, wk_ref, pk_out)))[:, None]  # [K, 1]
   v = _silu(_conv(v_ref, pv_ref, wv_ref, pv_out))

@@ -147,10 +147,10 @@ class KimiDeltaAttention(nn.Module):
       if self.short_conv:
         prefixes = tuple(cache[f'conv_{n}'] for n in 'qkv')
         conv = dict(prefixes=prefixes, taps=tuple(convs[n].taps(x.shape[1:]) for n, x in zip('qkv', outs)))
-      o_bhv, new_cache['state'], prefixes = kda_decode(
+      o_bhv, new_cache['state'], new_prefixes = kda_decode(
         *outs, f_bthk[:, 0], beta_bth[:, 0], cache['state'], **gate, **conv, **op
       )
-      new_cache.update({f'conv_{n}': p for n, p in zip('qkv', prefixes or ())})
+      new_cache.update({f'conv_{n}': p for n, p in zip('qkv', new_prefixes or ())})
       return o_bhv[:, None], new_cache
     q_bthk, k_bthk, v_bthv = outs
     beta_bth = jax.nn.sigmoid(beta_bth.astype(jnp.float32))
