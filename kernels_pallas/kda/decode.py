@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.kda.settings import KdaSettings
+from kernels_pallas.kda.step import token_specs
 from kimijax.ops.kda import gate_log_decay
 from kimijax.ops.short_conv import L2_EPS
 
@@ -119,10 +120,7 @@ def kda_decode_pallas(
 def _kda_decode_pallas(q, k, v, f, b, state, a_log, dt_bias, conv, *, scale, lower_bound, settings, interpret):
   bsz, h, dk = q.shape
   dv = v.shape[-1]
-  bv = min(dv, settings.value_block_step)
-  vec = lambda d: pl.BlockSpec((None, None, d), lambda bi, hi, j: (bi, hi, 0))
-  cols = pl.BlockSpec((None, None, bv), lambda bi, hi, j: (bi, hi, j))
-  state_spec = pl.BlockSpec((None, None, dk, bv), lambda bi, hi, j: (bi, hi, 0, j))
+  bv, vec, cols, state_spec = token_specs(dk, dv, settings)
   per_head = lambda *block: pl.BlockSpec((None,) + block, lambda bi, hi, j: (hi,) + (0,) * len(block))
   in_specs = [vec(dk), vec(dk), cols, vec(dk), vec(1), per_head(1), per_head(dk), state_spec]
   args = [q, k, v, f, b[..., None], a_log.astype(F32)[:, None], dt_bias.astype(F32), state.astype(F32)]

@@ -36,14 +36,22 @@ def kda_step_pallas(q, k, v, g, beta, state, *, scale, settings=None, interpret=
   return _kda_step_pallas(q, k, v, g, beta, state, scale=scale, settings=settings, interpret=interpret)
 
 
+def token_specs(dk: int, dv: int, settings: KdaSettings):
+  """The value block bv and the block specs of a decode kernel's grid (B, H, V / bv): vec(d), a
+  [d] vector of the program's (batch, head); cols, its [bv] value columns; state, its [K, bv]
+  state slice."""
+  bv = min(dv, settings.value_block_step)
+  vec = lambda d: pl.BlockSpec((None, None, d), lambda bi, hi, j: (bi, hi, 0))
+  cols = pl.BlockSpec((None, None, bv), lambda bi, hi, j: (bi, hi, j))
+  state = pl.BlockSpec((None, None, dk, bv), lambda bi, hi, j: (bi, hi, 0, j))
+  return bv, vec, cols, state
+
+
 @functools.partial(jax.jit, static_argnames=('scale', 'settings', 'interpret'))
 def _kda_step_pallas(q, k, v, g, beta, state, *, scale, settings, interpret):
   b, h, dk = q.shape
   dv = v.shape[-1]
-  bv = min(dv, settings.value_block_step)
-  vec = lambda d: pl.BlockSpec((None, None, d), lambda bi, hi, j: (bi, hi, 0))
-  cols = pl.BlockSpec((None, None, bv), lambda bi, hi, j: (bi, hi, j))
-  state_spec = pl.BlockSpec((None, None, dk, bv), lambda bi, hi, j: (bi, hi, 0, j))
+  bv, vec, cols, state_spec = token_specs(dk, dv, settings)
   return pl.pallas_call(
     functools.partial(_step_kernel, scale=scale),
     grid=(b, h, dv // bv),
