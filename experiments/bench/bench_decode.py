@@ -31,7 +31,9 @@ layer pattern sets). The MLA layers decode with model.mla_decode_impl
 settings as --config.model.kernels.mla_decode=...), the KDA layers with kda_decode under
 model.kda_impl (--config.model.kda_impl=pallas: one kernel per layer, kernels_pallas/kda/decode.py,
 or with --config.model.kernels.kda=fused_decode=0 XLA's convolutions and gates before the step
-kernel; configs/kimi_linear_small.py's own 'xla' decodes with XLA's form). --profile_dir traces a few more
+kernel; configs/kimi_linear_small.py's own 'xla' decodes with XLA's form). --kda_tiles times the
+hybrid under several KDA kernel settings in one run, the same parameters and cache
+(--kda_tiles=,fused_decode=0: the decode kernel against its composed form). --profile_dir traces a few more
 steps of each model for experiments/tools/profile_summary.
 
 Prints the benchmarks' header line (experiments/runs.py print_header), then Markdown: the settings
@@ -59,6 +61,12 @@ def define_flags():
   flags.DEFINE_string('hybrid_pattern', None, "layer pattern of the hybrid (default: the config's)")
   flags.DEFINE_string('baseline_pattern', 'A', 'layer pattern of the baseline')
   flags.DEFINE_float('copy_gib', 2.0, 'GiB of the buffer whose copy measures the memory bandwidth')
+  flags.DEFINE_list(
+    'kda_tiles',
+    [''],
+    "the hybrid once per entry, its KDA kernels' settings model.kernels.kda = ENTRY ('key=int/key=int'; '' "
+    "the config's own), the same parameters: e.g. ',fused_decode=0' times the decode kernel's A/B in one run",
+  )
   flags.DEFINE_string(
     'profile_dir',
     None,
@@ -90,6 +98,20 @@ def random_like(shapes, key, std: float):
   return draw(key)
 
 
+def variant(config, pattern: str, kda_tiles: str = ''):
+  """(model, model config) of `config` with layer_pattern = pattern and, unless kda_tiles is '',
+  model.kernels.kda = kda_tiles; validated."""
+  from kimijax.config import validate
+  from kimijax.model import Transformer
+
+  config = config.copy_and_resolve_references()
+  config.model.layer_pattern = pattern
+  if kda_tiles:
+    config.model.kernels.kda = kda_tiles
+  m = validate(config).model
+  return Transformer(m), m
+
+
 def build(config, pattern: str):
   """(model, weights, model config) of `config` with layer_pattern = pattern: random parameters of
   the model's shapes (N(0, 0.02); matrices in the compute dtype, the rest float32), with the MoE
@@ -100,13 +122,9 @@ def build(config, pattern: str):
   import jax
   import jax.numpy as jnp
 
-  from kimijax.config import validate
-  from kimijax.model import Transformer, inference_variables
+  from kimijax.model import inference_variables
 
-  m = config.model
-  m.layer_pattern = pattern
-  validate(config)
-  model = Transformer(m)
+  model, m = variant(config, pattern)
   shapes = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
   as_weight = lambda x: jax.ShapeDtypeStruct(x.shape, m.compute_dtype if x.ndim > 1 else jnp.float32)
   params = random_like(jax.tree.map(as_weight, shapes['params']), jax.random.key(0), 0.02)
@@ -202,8 +220,15 @@ def row(context: int, pattern: str, r: dict, speedup: str = '') -> str:
   return '| ' + ' | '.join(cells) + ' |'
 
 
-def flag_error(contexts: list[str], steps: int, copy_gib: float) -> str | None:
+def flag_error(contexts: list[str], steps: int, copy_gib: float, kda_tiles: tuple[str, ...] = ('',)) -> str | None:
   """The message for a bad flag, else None."""
+  from kernels_pallas.kda.settings import KdaSettings
+
+  for text in kda_tiles:
+    try:
+      KdaSettings.from_string(text)
+    except ValueError as e:
+      return f'--kda_tiles={text!r}: {e}'
   if steps < 1:
     return f'--steps={steps} must be >= 1'
   if copy_gib <= 0:
@@ -224,14 +249,22 @@ def table(
   baseline: str,
   copy_gib: float,
   profile_dir: str | None = None,
+  kda_tiles: tuple[str, ...] = ('',),
 ):
-  """The Markdown lines: the setup and the measured copy bandwidth, the header, then two rows per
-  context; with `profile_dir`, each pattern's steps at each context traced to PROFILE_DIR/hybrid_CONTEXT
-  and PROFILE_DIR/baseline_CONTEXT."""
+  """The Markdown lines: the setup and the measured copy bandwidth, the header, then per context a
+  row of the hybrid for each kda_tiles entry (labelled with it unless '') and one of the baseline;
+  with `profile_dir`, each model's steps at each context traced to PROFILE_DIR/hybrid_CONTEXT (the
+  entries after the first: hybrid1_CONTEXT, ...) and PROFILE_DIR/baseline_CONTEXT."""
   from experiments.bench import timing
 
   bandwidth = timing.copy_bytes_per_s(int(copy_gib * 2**30))
-  models = {p: build(config.copy_and_resolve_references(), p) for p in (hybrid, baseline)}
+  _, hybrid_params, _ = build(config, hybrid)
+  models = {}
+  for i, text in enumerate(kda_tiles):  # the same parameters under each entry's kernel settings
+    label = f'{hybrid} (kda {text})' if text else hybrid
+    models[label] = (*variant(config, hybrid, text), hybrid_params, f'hybrid{i or ""}')
+  _, baseline_params, _ = build(config, baseline)
+  models[baseline] = (*variant(config, baseline), baseline_params, 'baseline')
   yield (
     f'batch {batch}; {steps} timed steps, {LOOP_CALLS} loop calls of {steps} steps; compute dtype '
     f'{config.model.compute_dtype}; MLA decode {config.model.mla_decode_impl} {config.model.kernels.mla_decode!r}; '
@@ -241,15 +274,14 @@ def table(
   yield HEADER
   yield '|' + '---|' * HEADER.count(' | ') + '---|'
   for context in contexts:
-    rows = {
-      pattern: bench(
-        *models[pattern], context, batch, steps, bandwidth, profile_dir and f'{profile_dir}/{role}_{context}'
-      )
-      for role, pattern in (('hybrid', hybrid), ('baseline', baseline))
-    }
-    base, hyb = rows[baseline], rows[hybrid]
-    speedup = f'{base["ms_per_token"] / hyb["ms_per_token"]:.2f}x ({base["read_MiB"] / hyb["read_MiB"]:.2f}x)'
-    yield row(context, hybrid, hyb, speedup)
+    rows = {}
+    for label, (model, m, params, role) in models.items():
+      trace = profile_dir and f'{profile_dir}/{role}_{context}'
+      rows[label] = bench(model, params, m, context, batch, steps, bandwidth, trace)
+    base = rows.pop(baseline)
+    for label, r in rows.items():
+      speedup = f'{base["ms_per_token"] / r["ms_per_token"]:.2f}x ({base["read_MiB"] / r["read_MiB"]:.2f}x)'
+      yield row(context, label, r, speedup)
     yield row(context, baseline, base)
 
 
@@ -261,13 +293,21 @@ def main(argv):
 
   with user_errors():
     config = config_from_flags('config')
-  if message := flag_error(FLAGS.contexts, FLAGS.steps, FLAGS.copy_gib):
+  if message := flag_error(FLAGS.contexts, FLAGS.steps, FLAGS.copy_gib, tuple(FLAGS.kda_tiles)):
     raise app.UsageError(message)
   hybrid = FLAGS.hybrid_pattern or config.model.layer_pattern
   contexts = [int(c) for c in FLAGS.contexts]
   runs.print_header()
   for line in table(
-    config, contexts, FLAGS.batch, FLAGS.steps, hybrid, FLAGS.baseline_pattern, FLAGS.copy_gib, FLAGS.profile_dir
+    config,
+    contexts,
+    FLAGS.batch,
+    FLAGS.steps,
+    hybrid,
+    FLAGS.baseline_pattern,
+    FLAGS.copy_gib,
+    FLAGS.profile_dir,
+    tuple(FLAGS.kda_tiles),
   ):
     print(line, flush=True)
 

@@ -69,8 +69,29 @@ def test_tiny_hybrid_prints_a_markdown_table_and_traces_each_pattern(tmp_path):
   assert speedup == ''  # the baseline's row: the speed-up is in the hybrid's
 
 
+def test_kda_tiles_time_the_hybrid_once_per_entry_with_the_same_parameters():
+  """A row per --kda_tiles entry (the decode kernel and its composed A/B under kda_impl='pallas',
+  interpreted here), labelled with the entry, each with its speed-up over the one baseline row; the
+  bytes read are the same (the same parameters and cache)."""
+  config = config_lib.load_file(
+    'configs/default.py', {**TINY, 'model.compute_dtype': 'float32', 'model.kda_impl': 'pallas'}
+  )
+  lines = list(
+    bench_decode.table(
+      config, [8], batch=2, steps=2, hybrid='KA', baseline='A', copy_gib=0.001, kda_tiles=('', 'fused_decode=0')
+    )
+  )
+  rows = [[c.strip() for c in line.split('|')[1:-1]] for line in lines[4:]]
+  assert [r[1] for r in rows] == ['KA', 'KA (kda fused_decode=0)', 'A']
+  assert rows[0][7] == rows[1][7]  # read MiB
+  assert rows[0][-1].endswith('x)') and rows[1][-1].endswith('x)') and rows[2][-1] == ''
+
+
 def test_flag_errors():
   assert bench_decode.flag_error(['64'], 2, 1.0) is None
+  assert bench_decode.flag_error(['64'], 2, 1.0, ('', 'fused_decode=0')) is None
+  assert bench_decode.flag_error(['64'], 2, 1.0, ('fused_decode=2',)).startswith("--kda_tiles='fused_decode=2': ")
+  assert bench_decode.flag_error(['64'], 2, 1.0, ('warps_nope=4',)).startswith("--kda_tiles='warps_nope=4': ")
   assert bench_decode.flag_error(['64'], 0, 1.0) == '--steps=0 must be >= 1'
   assert bench_decode.flag_error(['64'], 2, 0.0) == '--copy_gib=0.0 must be positive'
   assert bench_decode.flag_error(['4k'], 2, 1.0) == "--contexts: ['4k'] are not whole numbers"
