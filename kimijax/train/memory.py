@@ -26,7 +26,8 @@ The estimate is a sum of the arrays a step keeps alive at its peak, per device:
                    the probabilities
                  KDA: q, k, v, the output and its gate; the float32    5 c H Dh + 4 H Dh
                    log-decay g
-               With model.remat=True only each layer's input is kept, and one layer's activations
+               With model.remat=True only each layer's input is kept (in the host's memory with
+               model.remat_offload=True: none on the device), and one layer's activations
                while its backward runs.
   logits       float32 [B, T, V]; with train.loss_chunk > 0 (kimijax/train/loss.py) one chunk's
                float32 [chunk, V]
@@ -127,8 +128,11 @@ def estimate(config: ml_collections.ConfigDict, n_params: int) -> Estimate:
   logits = 4 * (min(t.loss_chunk, tokens) if t.loss_chunk else tokens) * m.vocab_size
   moments = 2 if config.optimizer.name == 'adamw' else 1
   per_layer = [layer_activation_bytes(m, kind, t.seq_len) for kind in config_lib.layer_kinds(m)]
-  if m.remat:  # each layer's input kept; one layer's activations live during its backward
-    kept = len(per_layer) * _bytes(m.residual_dtype) * m.d_model + max(per_layer)
+  if (
+    m.remat
+  ):  # each layer's input kept (on the host with remat_offload); one layer's activations live during its backward
+    inputs = 0 if m.remat_offload else len(per_layer) * _bytes(m.residual_dtype) * m.d_model
+    kept = inputs + max(per_layer)
   else:
     kept = sum(per_layer)
   return Estimate(

@@ -47,7 +47,7 @@ def test_estimate_is_below_but_near_xla_memory_analysis(overrides):
 
 def test_remat_and_longer_sequences_move_the_estimate_as_their_arrays_do():
   """Closed forms of the activations term: attention 'xla' grows with T^2 (the probabilities), remat
-  keeps one layer's activations besides each layer's input."""
+  keeps one layer's activations besides each layer's input, remat_offload those inputs on the host."""
   n = 10**6
   base = _config({'train.seq_len': 256})
   long = _config({'train.seq_len': 512})
@@ -58,6 +58,8 @@ def test_remat_and_longer_sequences_move_the_estimate_as_their_arrays_do():
   tokens = 4 * 256
   assert memory_lib.estimate(base, n).activations == 2 * per_layer * tokens
   assert memory_lib.estimate(remat, n).activations == tokens * (2 * 4 * d + per_layer)
+  offload = _config({'train.seq_len': 256, 'model.remat': True, 'model.remat_offload': True})
+  assert memory_lib.estimate(offload, n).activations == tokens * per_layer  # the inputs on the host
   long_layer = memory_lib.layer_activation_bytes(long.model, 'A', 512)
   assert long_layer - per_layer == 8 * h * 256  # the probabilities' row doubles
   assert memory_lib.estimate(base, n).state == 3 * 4 * n  # parameters and AdamW's two moments
