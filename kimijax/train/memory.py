@@ -38,7 +38,8 @@ the CPU); where it is over a GPU's limit, XLA's plan decides (above). The device
 allocator limit (`memory_stats()['bytes_limit']`); on a CPU, the host's available memory (/proc/meminfo
 MemAvailable), shared by all its devices. Where a GPU's limit is JAX's default share of it (0.75,
 XLA_PYTHON_CLIENT_MEM_FRACTION unset), a step that fits 0.95 of it is told to set the variable; an
-MoE model is told model.moe.remat before model.remat. train.check_memory=False skips the check.
+MoE model is told model.moe.remat before model.remat; on a GPU model.remat_offload comes after
+model.remat and train.loss_chunk. train.check_memory=False skips the check.
 """
 
 from __future__ import annotations
@@ -213,15 +214,18 @@ JAX_DEFAULT_GPU_FRACTION = 0.75
 SUGGESTED_GPU_FRACTION = 0.95
 
 
-def _remedies(config: ml_collections.ConfigDict) -> list[dict]:
+def _remedies(config: ml_collections.ConfigDict, gpu: bool = False) -> list[dict]:
   """The changes that lower the step's memory without changing its maths, those not yet made, in the
   order the check suggests them: model.moe.remat (MoE models: one more expert forward),
-  model.remat, train.loss_chunk, the last two together."""
+  model.remat, train.loss_chunk, the last two together; on a GPU (`gpu`) then the layers' inputs
+  offloaded to the host (model.remat_offload, with model.remat), alone and with the loss chunk."""
   m = config.model
   moe_remat = {'model.moe.remat': True} if m.mlp_kind == 'moe' and not (m.moe.remat or m.remat) else {}
   remat = {} if m.remat else {'model.remat': True}
   chunk = {} if config.train.loss_chunk else {'train.loss_chunk': SUGGESTED_LOSS_CHUNK}
-  return [c for c in (moe_remat, remat, chunk, {**remat, **chunk} if remat and chunk else {}) if c]
+  offload = {**remat, 'model.remat_offload': True} if gpu and not m.remat_offload else {}
+  both = {**remat, **chunk} if remat and chunk else {}
+  return [c for c in (moe_remat, remat, chunk, both, offload, {**offload, **chunk} if offload and chunk else {}) if c]
 
 
 def _setting(changes: dict) -> str:
@@ -251,12 +255,13 @@ def gpu_fraction_advice(raised: int) -> str:
 def untried_remedies(config: ml_collections.ConfigDict, devices) -> list[str]:
   """What an out-of-memory step could try, most of it untried in `config`: the larger GPU
   allocator share where JAX's default applies, the remedies of _remedies, a smaller batch."""
+  devices = list(devices)
   advice = []
   memory = device_memory(devices)
-  raised = memory and raised_gpu_limit(list(devices), memory[0])
+  raised = memory and raised_gpu_limit(devices, memory[0])
   if raised:
     advice.append(gpu_fraction_advice(raised))
-  advice += [_setting(changes) for changes in _remedies(config)]
+  advice += [_setting(changes) for changes in _remedies(config, devices[0].platform == 'gpu')]
   return advice + ['lower train.batch_size or train.seq_len']
 
 
@@ -295,7 +300,7 @@ def check(
   raised = raised_gpu_limit(devices, limit)
   if raised is not None and (planned if planned is not None else est.per_device(mesh_sizes)) <= raised:
     advice.append(gpu_fraction_advice(raised))
-  for changes in _remedies(config):
+  for changes in _remedies(config, devices[0].platform == 'gpu'):
     need = estimate(_changed(config, changes), n_params).per_device(mesh_sizes)
     if need <= limit:
       advice.append(f'{_setting(changes)} (about {need / GiB:.1f} GiB)')

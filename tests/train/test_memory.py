@@ -223,6 +223,25 @@ def test_an_moe_step_is_told_its_expert_remat_first(monkeypatch):
     loop_lib.check_memory(config, ONE)
 
 
+def test_on_a_gpu_the_layers_inputs_offloaded_are_suggested_after_remat_and_the_loss_chunk(monkeypatch):
+  """A step that has remat and the loss chunk and fits only without the layers' inputs on the device
+  is told model.remat_offload on a GPU (where pinned host memory is not the device's), not on a CPU."""
+  config = _config({'train.seq_len': 512, 'model.remat': True, 'train.loss_chunk': 256})
+  n = flops_lib.count(flops_lib.abstract_params(config))
+  need = memory_lib.estimate(config, n).per_device(ONE_WAY)
+  offloaded = memory_lib.estimate(
+    _config({'train.seq_len': 512, 'model.remat': True, 'train.loss_chunk': 256, 'model.remat_offload': True}), n
+  ).per_device(ONE_WAY)
+  assert offloaded < need
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.9')  # no allocator advice here
+  with pytest.raises(memory_lib.MemoryLimitError, match=r'set model\.remat_offload=True \(about'):
+    memory_lib.check(config, [_FakeGpu((need + offloaded) // 2)], n, ONE_WAY)
+  monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: (need + offloaded) // 2)
+  with pytest.raises(memory_lib.MemoryLimitError) as info:
+    memory_lib.check(config, ONE, n, ONE_WAY)
+  assert 'remat_offload' not in str(info.value)
+
+
 def test_on_a_gpu_xlas_plan_decides_an_estimate_over_the_limit(monkeypatch):
   """XLA's GPU compiler fits a step to its memory limit, so an estimate over the limit is checked
   against the compiled plan: a plan within the limit runs (with a line saying so), one over it is
