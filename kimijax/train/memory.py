@@ -129,9 +129,9 @@ def estimate(config: ml_collections.ConfigDict, n_params: int) -> Estimate:
   logits = 4 * (min(t.loss_chunk, tokens) if t.loss_chunk else tokens) * m.vocab_size
   moments = 2 if config.optimizer.name == 'adamw' else 1
   per_layer = [layer_activation_bytes(m, kind, t.seq_len) for kind in config_lib.layer_kinds(m)]
-  if (
-    m.remat
-  ):  # each layer's input kept (on the host with remat_offload); one layer's activations live during its backward
+  # With remat each layer's input is kept (on the host with remat_offload), and one layer's
+  # activations live during its backward.
+  if m.remat:
     inputs = 0 if m.remat_offload else len(per_layer) * _bytes(m.residual_dtype) * m.d_model
     kept = inputs + max(per_layer)
   else:
