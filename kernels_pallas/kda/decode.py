@@ -1,8 +1,8 @@
 """One decoding token of a KDA layer's mixing (docs/kda.md) as one Pallas kernel: the short
 convolutions and their activations, the decay gate and beta from their pre-activations, and the
 state update (decay, delta write, read). A decode step's KDA layer then runs one kernel between
-its projections and its output gate, where the composed form runs some ten small XLA fusions and
-copies.
+its projections and its output gate, where the composed form (KdaSettings.fused_decode=0) runs the
+convolutions, activations and gates as XLA fusions before the step kernel (step.py).
 
 One program = one (batch, head) and a block of value columns, the [K, BV] state slice in registers,
 all arithmetic float32. With the convolutions (prefixes given), for each of q, k and v:
