@@ -180,18 +180,26 @@ def device_memory(devices) -> tuple[int, str] | None:
   return min(limits), f'the {min(limits) / GiB:.1f} GiB of memory XLA may use on each {devices[0].device_kind}'
 
 
-def compiled_peak_bytes(run, config: ml_collections.ConfigDict) -> int:
+def compiled_plan(run, config: ml_collections.ConfigDict) -> tuple[int, int]:
   """XLA's plan for one device of the train step of `run` (kimijax.train.step.build_training) at
   config.train's batch and sequence length, compiled ahead of time from the abstract state, so
-  nothing is initialised or run: the arguments, outputs and temporaries of its buffer assignment,
-  less the outputs that reuse the donated state's buffers. The batch carries no document segments."""
+  nothing is initialised or run: (device bytes, host bytes), each the arguments, outputs and
+  temporaries of its buffer assignment in that memory, less the outputs that reuse the donated
+  state's buffers. The host's are what offloading puts in pinned host memory (model.remat_offload;
+  0 without it, and on a CPU, whose compiler keeps them with the rest). The batch carries no
+  document segments."""
   shape = (config.train.batch_size, config.train.seq_len)
   spec = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=run.batch_sharding)
   batch = {'inputs': spec(jnp.int32), 'targets': spec(jnp.int32), 'mask': spec(jnp.float32)}
   stats = run.train_step.lower(run.abstract_state, batch).compile().memory_analysis()
-  return (
-    stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
-  )
+  device = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+  host = stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes - stats.host_alias_size_in_bytes
+  return device + stats.temp_size_in_bytes, host + stats.host_temp_size_in_bytes
+
+
+def compiled_peak_bytes(run, config: ml_collections.ConfigDict) -> int:
+  """The device bytes of compiled_plan: XLA's planned peak per device of the train step."""
+  return compiled_plan(run, config)[0]
 
 
 def describe(config: ml_collections.ConfigDict, est: Estimate, mesh_sizes: dict[str, int]) -> str:
