@@ -9,7 +9,8 @@ all arithmetic float32. With the convolutions (prefixes given), for each of q, k
 
     z = sum_{j < W-1} w[j] prefix[j] + w[W-1] x,   new prefix = (prefix[1:], x)
 
-then SiLU (and the L2 norm over K for q and k); without them the activations alone. Every program
+then the layer's activations (kimijax.ops.kda.ACTIVATIONS, as the conv kernels evaluate them: SiLU,
+and the L2 norm over K for q and k); without them the activations alone. Every program
 of a (batch, head) computes q and k in full (K features) and writes the same new q and k prefixes;
 v, its prefix and the state by its value columns."""
 
@@ -23,34 +24,26 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.kda.settings import KdaSettings
 from kernels_pallas.kda.step import token_specs
-from kimijax.ops.kda import gate_log_decay
-from kimijax.ops.short_conv import L2_EPS
+from kernels_pallas.short_conv.conv import activate, sigmoid
+from kimijax.ops.kda import ACTIVATIONS, gate_log_decay
 
 F32 = jnp.float32
-
-
-def _silu(z):
-  return z / (1.0 + jnp.exp(-z))
-
-
-def _l2_normalise(a):
-  return a * jax.lax.rsqrt(jnp.sum(a * a) + L2_EPS)
 
 
 def _conv(x_ref, prefix_ref, w_ref, prefix_out_ref):
   """The conv of one token from its prefix [W-1, n] and taps [W, n] (float32), the new prefix
   written; x itself (float32) without a conv."""
-  x = x_ref[...].astype(F32)
+  x = x_ref[...]
   if prefix_ref is None:
-    return x
+    return x.astype(F32)
   width = w_ref.shape[0]
   rows = [prefix_ref[j] for j in range(width - 1)]
-  z = w_ref[width - 1] * x
+  z = w_ref[width - 1] * x.astype(F32)
   for j in range(width - 1):
     z = z + w_ref[j] * rows[j].astype(F32)
   for j in range(width - 2):
     prefix_out_ref[j] = rows[j + 1]
-  prefix_out_ref[width - 2] = x_ref[...].astype(prefix_out_ref.dtype)
+  prefix_out_ref[width - 2] = x.astype(prefix_out_ref.dtype)
   return z
 
 
@@ -60,11 +53,11 @@ def _decode_kernel(*refs, scale, lower_bound, conv):
   pq_ref, pk_ref, pv_ref, wq_ref, wk_ref, wv_ref = refs[8:inputs] or (None,) * 6
   o_ref, s_out_ref, *prefixes_out = refs[inputs:]
   pq_out, pk_out, pv_out = prefixes_out or (None,) * 3
-  q = _l2_normalise(_silu(_conv(q_ref, pq_ref, wq_ref, pq_out)))
-  k = _l2_normalise(_silu(_conv(k_ref, pk_ref, wk_ref, pk_out)))[:, None]  # [K, 1]
-  v = _silu(_conv(v_ref, pv_ref, wv_ref, pv_out))
+  q = activate(_conv(q_ref, pq_ref, wq_ref, pq_out), ACTIVATIONS['q'])
+  k = activate(_conv(k_ref, pk_ref, wk_ref, pk_out), ACTIVATIONS['k'])[:, None]  # [K, 1]
+  v = activate(_conv(v_ref, pv_ref, wv_ref, pv_out), ACTIVATIONS['v'])
   g = gate_log_decay(f_ref[...].astype(F32) + dt_ref[...], jnp.exp(a_ref[...]), lower_bound)
-  beta = 1.0 / (1.0 + jnp.exp(-b_ref[...].astype(F32)))
+  beta = sigmoid(b_ref[...].astype(F32))
   s = s_ref[...] * jnp.exp(g)[:, None]  # decay
   delta = beta * (v - jnp.sum(s * k, axis=0))
   s = s + k * delta[None, :]  # delta write

@@ -80,14 +80,16 @@ def _within_reach(x, reach_ref, start, back, sign, t):
   return jnp.where((reach >= back)[:, None, None], x, 0.0)
 
 
-def _sigmoid(z):
+def sigmoid(z):
   return 1.0 / (1.0 + jnp.exp(-z))
 
 
-def _activate(z, activation):
+def activate(z, activation):
+  """The activation `activation` (kimijax.ops.short_conv.ACTIVATIONS) of float32 z, the L2 norm over
+  its last axis: the convs' kernels' and the KDA decode kernel's (kernels_pallas/kda/decode.py)."""
   if activation == 'none':
     return z
-  a = z * _sigmoid(z)
+  a = z * sigmoid(z)
   if activation == 'silu':
     return a
   return a * jax.lax.rsqrt(jnp.sum(a * a, axis=-1, keepdims=True) + L2_EPS)
@@ -98,7 +100,7 @@ def _activate_transpose(z, dy, activation):
   n (dy - y sum(dy y)) with n = 1 / sqrt(sum a^2 + eps), y = a n."""
   if activation == 'none':
     return dy
-  s = _sigmoid(z)
+  s = sigmoid(z)
   a = z * s
   if activation == 'silu_l2':
     n = jax.lax.rsqrt(jnp.sum(a * a, axis=-1, keepdims=True) + L2_EPS)
@@ -124,7 +126,7 @@ def _fwd_kernel(x_ref, w_ref, *refs, t, sign, activation):
   """refs: (y_ref,), or (reach_ref, y_ref) with document masking."""
   *reach_ref, y_ref = refs
   reach_ref = reach_ref[0] if reach_ref else None
-  y_ref[...] = _activate(_conv(x_ref, w_ref, reach_ref, y_ref.shape, t, sign), activation).astype(y_ref.dtype)
+  y_ref[...] = activate(_conv(x_ref, w_ref, reach_ref, y_ref.shape, t, sign), activation).astype(y_ref.dtype)
 
 
 def _dz_kernel(x_ref, w_ref, dy_ref, *refs, t, rows, activation):
