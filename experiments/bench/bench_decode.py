@@ -258,13 +258,14 @@ def table(
   from experiments.bench import timing
 
   bandwidth = timing.copy_bytes_per_s(int(copy_gib * 2**30))
-  _, hybrid_params, _ = build(config, hybrid)
+  hybrid_model, hybrid_params, hybrid_m = build(config, hybrid)
   models = {}
   for i, text in enumerate(kda_tiles):  # the same parameters under each entry's kernel settings
     label = f'{hybrid} (kda {text})' if text else hybrid
-    models[label] = (*variant(config, hybrid, text), hybrid_params, f'hybrid{i or ""}')
-  _, baseline_params, _ = build(config, baseline)
-  models[baseline] = (*variant(config, baseline), baseline_params, 'baseline')
+    model, m = variant(config, hybrid, text) if text else (hybrid_model, hybrid_m)
+    models[label] = (model, m, hybrid_params, f'hybrid{i or ""}')
+  baseline_model, baseline_params, baseline_m = build(config, baseline)
+  models[baseline] = (baseline_model, baseline_m, baseline_params, 'baseline')
   yield (
     f'batch {batch}; {steps} timed steps, {LOOP_CALLS} loop calls of {steps} steps; compute dtype '
     f'{config.model.compute_dtype}; MLA decode {config.model.mla_decode_impl} {config.model.kernels.mla_decode!r}; '
