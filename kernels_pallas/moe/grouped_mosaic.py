@@ -91,18 +91,19 @@ def _call(body, out_type, grid, names, interpret, consumers=1):
   )
 
 
+def _write_through(smems, tiles, dests):
+  """Each register tile into its shared-memory buffer, then to its global-memory window (TMA)."""
+  for smem, tile in zip(smems, tiles):
+    smem[...] = tile
+  plgpu.commit_smem()
+  for smem, dest in zip(smems, dests):
+    plgpu.copy_smem_to_gmem(smem, dest)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _store(tiles, dests):
-  """Each register tile through its own shared-memory buffer to its global-memory window (TMA)."""
-
-  def scope(*smems):
-    for smem, tile in zip(smems, tiles):
-      smem[...] = tile
-    plgpu.commit_smem()
-    for smem, dest in zip(smems, dests):
-      plgpu.copy_smem_to_gmem(smem, dest)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  pl.run_scoped(scope, *(plgpu.SMEM(t.shape, t.dtype) for t in tiles))
+  """Each register tile through its own shared-memory buffer to its global-memory window."""
+  pl.run_scoped(lambda *smems: _write_through(smems, tiles, dests), *(plgpu.SMEM(t.shape, t.dtype) for t in tiles))
 
 
 def _consumer_tiles(consumers, stages, *, steps, in_specs, refs, mma, acc_shapes, out_tiles, epilogue):
@@ -153,12 +154,7 @@ def _consumer_tiles(consumers, stages, *, steps, in_specs, refs, mma, acc_shapes
       def with_accumulators(*acc_refs):
         run_pipeline(acc_refs)
         tiles, dests = epilogue(wg, *(acc_ref[...] for acc_ref in acc_refs))
-        for smem, tile in zip(out_smems, tiles):
-          smem[wg] = tile
-        plgpu.commit_smem()
-        for smem, dest in zip(out_smems, dests):
-          plgpu.copy_smem_to_gmem(smem.at[wg], dest)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        _write_through([smem.at[wg] for smem in out_smems], tiles, dests)
 
       pl.run_scoped(with_accumulators, *(plgpu.ACC(shape) for shape in acc_shapes))
 
