@@ -108,20 +108,21 @@ def _check_sequence_inputs(fn, q, k, v, g, beta, initial_state):
   return b, t, h, dk, dv
 
 
-def _check_step_inputs(q, k, v, g, beta, state, fn='kda_step'):
-  _check_float(fn, q=q, k=k, v=v, g=g, beta=beta, state=state)
+def _check_step_inputs(q, k, v, g, beta, state, fn='kda_step', g_name='g', beta_name='beta'):
+  """g_name, beta_name: how the caller names its gate and beta arguments (kda_decode: f, beta_logit)."""
+  _check_float(fn, **{'q': q, 'k': k, 'v': v, g_name: g, beta_name: beta, 'state': state})
   if q.ndim != 3:
     raise ValueError(f'{fn}: q must be [B, H, K] (one token), got shape {_fmt(q.shape)}')
   b, h, dk = q.shape
   if k.shape != q.shape or g.shape != q.shape:
     raise ValueError(
-      f'{fn}: q, k and g must have the same shape [B, H, K]; got q {_fmt(q.shape)}, '
-      f'k {_fmt(k.shape)}, g {_fmt(g.shape)}'
+      f'{fn}: q, k and {g_name} must have the same shape [B, H, K]; got q {_fmt(q.shape)}, '
+      f'k {_fmt(k.shape)}, {g_name} {_fmt(g.shape)}'
     )
   if v.ndim != 3 or v.shape[:2] != (b, h):
     raise ValueError(f'{fn}: v must be [B, H, V] with B, H = {b}, {h} as in q {_fmt(q.shape)}; got v {_fmt(v.shape)}')
   if beta.shape != (b, h):
-    raise ValueError(f'{fn}: beta must be [B, H] = {_fmt((b, h))}; got beta {_fmt(beta.shape)}')
+    raise ValueError(f'{fn}: {beta_name} must be [B, H] = {_fmt((b, h))}; got {beta_name} {_fmt(beta.shape)}')
   if state.shape != (b, h, dk, v.shape[-1]):
     raise ValueError(f'{fn}: state must be [B, H, K, V] = {_fmt((b, h, dk, v.shape[-1]))}; got {_fmt(state.shape)}')
 
@@ -338,7 +339,7 @@ def kda_decode(
   """
   implementation = _implementation(impl, 'kda_decode')
   q, k, v, f, beta_logit, state = (jnp.asarray(x) for x in (q, k, v, f, beta_logit, state))
-  _check_step_inputs(q, k, v, f, beta_logit, state, fn='kda_decode')
+  _check_step_inputs(q, k, v, f, beta_logit, state, fn='kda_decode', g_name='f', beta_name='beta_logit')
   a_log, dt_bias = jnp.asarray(a_log), jnp.asarray(dt_bias)
   _check_gate(a_log, dt_bias, gate_lower_bound, q.shape[1], q.shape[2])
   if (prefixes is None) != (taps is None):

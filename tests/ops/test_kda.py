@@ -428,6 +428,12 @@ def test_decode_errors_name_the_arrays():
   taps = (np.zeros((4, h, dk), np.float32),) * 2 + (np.zeros((4, h, dv), np.float32),)
   with pytest.raises(ValueError, match=r'kda_decode: state must be \[B, H, K, V\] = \[2, 3, 4, 6\]'):
     kda_lib.kda_decode(q, k, v, f, beta_logit, np.zeros((2, 3, 4, 5), np.float32), **gate)
+  with pytest.raises(
+    ValueError, match=r'kda_decode: beta_logit must be \[B, H\] = \[2, 3\]; got beta_logit \[2, 3, 1\]'
+  ):
+    kda_lib.kda_decode(q, k, v, f, beta_logit[..., None], s0, **gate)
+  with pytest.raises(ValueError, match=r'kda_decode: q, k and f must have the same shape .* f \[2, 3, 5\]'):
+    kda_lib.kda_decode(q, k, v, np.zeros((2, 3, 5), np.float32), beta_logit, s0, **gate)
   with pytest.raises(ValueError, match=r'kda: the gate needs a_log \[H\] = \[3\]'):
     kda_lib.kda_decode(q, k, v, f, beta_logit, s0, a_log=np.zeros(2, np.float32), dt_bias=gate['dt_bias'])
   with pytest.raises(ValueError, match='prefixes and taps come together'):
