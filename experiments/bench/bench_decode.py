@@ -85,17 +85,21 @@ HEADER = (
 
 def random_like(shapes, key, std: float):
   """Arrays of the shapes and dtypes of the pytree `shapes` (jax.ShapeDtypeStruct leaves), N(0,
-  std), drawn by one jitted call: a benchmark's stand-in for values its timing does not depend on."""
+  std): a benchmark's stand-in for values its timing does not depend on. Drawn leaf by leaf, one
+  small program per distinct shape and dtype (one program for the whole tree compiled for minutes
+  on a GPU at ~350M)."""
   import jax
 
   leaves, treedef = jax.tree.flatten(shapes)
+  keys = jax.random.split(key, len(leaves))
+  return treedef.unflatten([_normal(tuple(x.shape), x.dtype)(k, std) for k, x in zip(keys, leaves)])
 
-  @jax.jit
-  def draw(key):
-    keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) * std for k, x in zip(keys, leaves)])
 
-  return draw(key)
+@functools.cache
+def _normal(shape: tuple, dtype):
+  import jax
+
+  return jax.jit(lambda key, std: jax.random.normal(key, shape, dtype) * std)
 
 
 def variant(config, pattern: str, kda_tiles: str = ''):
