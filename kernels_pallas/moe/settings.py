@@ -45,8 +45,8 @@ class MosaicMoeSettings(Settings):
   experiments/results/moe.md), 0: the tile matmul writes u in float32 and XLA runs SwiGLU's
   backward. consumers 2: tile_matmul and gate_up_swiglu run two consumer warpgroups per program,
   each on its own block_n (block_f) columns of a program twice as wide, beside a producer
-  warpgroup that issues the TMA loads (a warp-specialized pipeline; not yet compiled or timed on
-  a GPU: kernels_pallas/moe/README.md); 1: one warpgroup does both."""
+  warpgroup that issues the TMA loads (a warp-specialized pipeline; slower on an H100,
+  experiments/results/moe.md); 1: one warpgroup does both."""
 
   FAMILY = 'moe mosaic'
 
