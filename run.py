@@ -21,8 +21,7 @@ Config files and their variants (--config=FILE:VARIANT, several as FILE:a,b; eac
     configs/bench_350m.py         hybrid (3 KDA : 1 attention), kda_keep, remat, xla, cudnn, tokamax (attn_impl),
                                   mla (Kimi Linear's MLA dims), attnres_full, attnres_block, attnres_xla,
                                   moe (Mixture-of-Experts MLPs of the same active width), long (batch 1,
-                                  remat and the chunked loss, for the longest trainable sequence),
-                                  offload (remat, each layer's input in the host's pinned memory)
+                                  remat and the chunked loss, for the longest trainable sequence)
     configs/moonlight_small.py    MLA + MoE as Moonlight: gpu (one H200), adamw, balance_loss
     configs/kimi_linear_moe.py    3:1 KDA:MLA + MoE as Kimi Linear: gpu (one H200), muon
     configs/bpe_shards.py         3:1 KDA:attention on prepared BPE shards, documents kept apart:

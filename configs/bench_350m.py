@@ -13,8 +13,6 @@ Variants (combine with commas, e.g. :hybrid,mla,cudnn):
           :long (batch 1, each layer rematerialised and the loss taken 4096 tokens at a time,
           train.loss_chunk: for the longest sequence one GPU trains, set with
           --config.train.seq_len=N; with :hybrid against all attention),
-          :offload (each layer rematerialised, its input kept in the host's pinned memory:
-          model.remat_offload; with :long, no layer input on the device),
           :cudnn (cuDNN attention, and the fused max-logit kernel when max logits are on),
           :tokamax (tokamax's Mosaic GPU flash attention, whose residuals give the max logits; by
           default attn_impl='gpu' picks tokamax with max logits or MLA, else cuDNN),
@@ -60,7 +58,6 @@ def get_config(variants: str | None = None):
 VARIANTS = {
   'remat': lambda c: c.model.update(remat=True),
   'long': lambda c: _long(c),
-  'offload': lambda c: c.model.update(remat=True, remat_offload=True),
   'hybrid': lambda c: c.model.update(layer_pattern='KKKA'),
   'kda_keep': lambda c: c.model.update(kda_recompute_projections=''),
   'xla': lambda c: c.model.update(attn_impl='xla'),

@@ -189,12 +189,6 @@ SCHEMA = {
     'compute_dtype': Key('bfloat16', 'params stay float32; norms, softmax and the loss run in float32', allowed=DTYPES),
     'residual_dtype': Key('float32', 'dtype of the residual stream between sublayers', allowed=DTYPES),
     'remat': Key(False, 'rematerialise each layer in the backward pass'),
-    'remat_offload': Key(
-      False,
-      "with model.remat: keep each layer's input in the host's pinned memory instead of the device's "
-      '(copied back for its backward), so that the layers hold no device memory between forward and '
-      'backward: the longest sequences (docs/training.md#chunked-loss)',
-    ),
     # Kimi Delta Attention layers ('K'; docs/kda.md)
     'kda_num_heads': Key(0, '0: num_heads', bounds=NON_NEGATIVE),
     'kda_head_dim': Key(0, '0: d_model // num_heads (key and value head dim)', bounds=NON_NEGATIVE),
@@ -499,8 +493,6 @@ def num_kv_heads(model: ml_collections.ConfigDict) -> int:
 
 
 def _model_rules(m: ml_collections.ConfigDict) -> None:
-  if m.remat_offload and not m.remat:
-    raise ConfigError('model.remat_offload=True offloads what model.remat keeps: set model.remat=True too')
   if m.d_model % m.num_heads:
     raise ConfigError(f'model.num_heads={m.num_heads} does not divide model.d_model={m.d_model}')
   if 0 < m.yarn.factor < 1:

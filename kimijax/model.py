@@ -42,7 +42,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
-from jax.ad_checkpoint import checkpoint_name
 
 from kimijax import config as config_lib
 from kimijax.layers import residual as residual_lib
@@ -53,17 +52,6 @@ from kimijax.layers.mlp import SwiGLU
 from kimijax.layers.moe import MOE_STATE, MoE
 from kimijax.layers.norms import RMSNorm
 from kimijax.ops.segments import tokens_since_start
-
-# model.remat_offload: each layer's input (the residual state it reads) is named LAYER_INPUT, and
-# the per-layer remat saves that name alone, to the host's pinned memory; the backward copies it
-# back and recomputes the layer from it.
-LAYER_INPUT = 'layer_input'
-OFFLOAD_LAYER_INPUTS = jax.checkpoint_policies.save_and_offload_only_these_names(
-  names_which_can_be_saved=(),
-  names_which_can_be_offloaded=(LAYER_INPUT,),
-  offload_src='device',
-  offload_dst='pinned_host',
-)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -206,8 +194,6 @@ class Layer(nn.Module):
   def __call__(self, state, positions_bt, cache=None, segment_ids_bt=None):
     cfg = self.cfg
     dtype = jnp.dtype(cfg.compute_dtype)
-    if cfg.remat_offload:  # the layer reads its input only through the name OFFLOAD_LAYER_INPUTS offloads
-      state = jax.tree.map(lambda x: checkpoint_name(x, LAYER_INPUT), state)
     res = residual_lib.make_residual(cfg, log=self.log, kernels=self.kernels)
     stats = {'weights': [], 'input_rms': [], 'output_rms': []}
 
@@ -273,11 +259,8 @@ class Transformer(nn.Module):
     res = residual_lib.make_residual(cfg, log=self.log_attnres, kernels=kernels)
     state = res.start(jnp.take(embed, tokens_bt, axis=0).astype(cfg.residual_dtype))
 
-    # Remat per layer: the residual state (h, or the AttnRes sources) is the saved carry, in the
-    # host's pinned memory with model.remat_offload (Layer names it LAYER_INPUT).
-    layer_cls = Layer
-    if cfg.remat:
-      layer_cls = nn.remat(Layer, prevent_cse=True, policy=OFFLOAD_LAYER_INPUTS if cfg.remat_offload else None)
+    # Remat per layer: the residual state (h, or the AttnRes sources) is the saved carry.
+    layer_cls = nn.remat(Layer, prevent_cse=True) if cfg.remat else Layer
     max_logits, stats, new_cache = {}, [], {}
     for i, kind in enumerate(config_lib.layer_kinds(cfg)):
       name = f'layer_{i}'

@@ -268,7 +268,6 @@ def test_a_value_of_the_wrong_type_is_one_line_naming_the_key_and_the_type(text,
       "model.attn_impl='cudnn' has no document mask, which data.document_mask=True needs",
     ),
     ({'mesh.fsdp': -1}, 'at most one of mesh.data, mesh.fsdp, mesh.tensor may be -1'),
-    ({'model.remat_offload': True}, 'model.remat_offload=True offloads what model.remat keeps: set model.remat=True'),
   ],
 )
 def test_rules_between_keys(values, message):

@@ -17,10 +17,8 @@ that fits between the last two tried: give finer --seq_lens there.
 --compile_only runs no step: each length's step is compiled ahead of time (bench_train.py
 --compile_only) and judged by XLA's planned peak per device against the device's memory, so that
 lengths whose steps would take minutes (all attention grows quadratically) are sized in the time of
-a compile; the table gives the planned peak instead of the timings, with the pinned host memory
-the plan offloads to (a setup with model.remat_offload, bench_350m's :offload; the host must hold
-it), and a setup stops at its first length whose device plan does not fit. Run the longest that
-fits without it to confirm.
+a compile; the table gives the planned peak instead of the timings, and a setup stops at its first
+length whose plan does not fit. Run the longest that fits without it to confirm.
 
 Each row is printed as soon as its run ends, so a benchmark cut short still shows what it measured.
 --time_budget_s=S starts no run that would end past S seconds from the start, judged by the
@@ -102,16 +100,14 @@ def longest(setup: str, lengths: list[int], run, time_left=None, growth: float =
 
 
 def _columns(planned: bool) -> str:
-  return 'planned peak GiB | device GiB | planned host GiB' if planned else 'step ms | tokens/s | peak GiB'
+  return 'planned peak GiB | device GiB' if planned else 'step ms | tokens/s | peak GiB'
 
 
 def row_line(r: dict, planned: bool) -> str:
-  """One row of the Markdown table (planned: compile-only columns; the host's: what the step
-  offloads to pinned host memory, model.remat_offload)."""
+  """One row of the Markdown table (planned: compile-only columns)."""
   if 'planned_peak_GiB' in r:
     device = '-' if r['device_memory_GiB'] is None else f'{r["device_memory_GiB"]:.1f}'
-    host = f'{r["planned_host_GiB"]:.1f}' if r.get('planned_host_GiB') is not None else '-'
-    figures = f'{r["planned_peak_GiB"]:.1f} | {device} | {host}'
+    figures = f'{r["planned_peak_GiB"]:.1f} | {device}'
   elif r['status'] == TRAINED:
     tokens_s = r['batch'] * r['seq_len'] / r['step_ms'] * 1e3
     figures = f'{r["step_ms"]:.1f} | {tokens_s:,.0f} | {r["peak_memory_GiB"]:.1f}'

@@ -72,8 +72,7 @@ flags.DEFINE_bool(
   False,
   "compile the step ahead of time from the abstract train state and run nothing: print XLA's "
   "planned peak per device (kimijax.train.memory.compiled_peak_bytes) against the device's memory "
-  '(planned_peak_GiB, device_memory_GiB, fits; planned_host_GiB, the pinned host memory it offloads to) '
-  'instead of the timings; not with --documents',
+  '(planned_peak_GiB, device_memory_GiB, fits) instead of the timings; not with --documents',
 )
 flags.mark_flags_as_required(['config'])
 FLAGS = flags.FLAGS
@@ -213,14 +212,14 @@ def main(argv):
 
 def _compiled_plan(config, run, mesh) -> dict:
   """--compile_only's figures: the step compiled, not run; XLA's planned peak per device against
-  what one device may use, and the pinned host memory it plans (kimijax.train.memory.compiled_plan)."""
+  what one device may use (kimijax.train.memory)."""
   import jax
 
   from kimijax.model import count_params
   from kimijax.train import memory as memory_lib
 
   start = time.perf_counter()
-  planned, host = memory_lib.compiled_plan(run, config)
+  planned = memory_lib.compiled_peak_bytes(run, config)
   compile_s = time.perf_counter() - start
   limit = memory_lib.device_memory(mesh.devices.flat)
   return {
@@ -232,7 +231,6 @@ def _compiled_plan(config, run, mesh) -> dict:
     'attn_impl': config.model.attn_impl,
     'remat': config.model.remat,
     'planned_peak_GiB': planned / 2**30,
-    'planned_host_GiB': host / 2**30,
     'device_memory_GiB': None if limit is None else limit[0] / 2**30,
     'fits': None if limit is None else planned <= limit[0],
     'compile_s': compile_s,

@@ -26,8 +26,7 @@ The estimate is a sum of the arrays a step keeps alive at its peak, per device:
                    the probabilities
                  KDA: q, k, v, the output and its gate; the float32    5 c H Dh + 4 H Dh
                    log-decay g
-               With model.remat=True only each layer's input is kept (in the host's memory with
-               model.remat_offload=True: none on the device), and one layer's activations
+               With model.remat=True only each layer's input is kept, and one layer's activations
                while its backward runs.
   logits       float32 [B, T, V]; with train.loss_chunk > 0 (kimijax/train/loss.py) one chunk's
                float32 [chunk, V]
@@ -38,8 +37,7 @@ the CPU); where it is over a GPU's limit, XLA's plan decides (above). The device
 allocator limit (`memory_stats()['bytes_limit']`); on a CPU, the host's available memory (/proc/meminfo
 MemAvailable), shared by all its devices. Where a GPU's limit is JAX's default share of it (0.75,
 XLA_PYTHON_CLIENT_MEM_FRACTION unset), a step that fits 0.95 of it is told to set the variable; an
-MoE model is told model.moe.remat before model.remat; on a GPU model.remat_offload comes after
-model.remat and train.loss_chunk. train.check_memory=False skips the check.
+MoE model is told model.moe.remat before model.remat. train.check_memory=False skips the check.
 """
 
 from __future__ import annotations
@@ -129,11 +127,8 @@ def estimate(config: ml_collections.ConfigDict, n_params: int) -> Estimate:
   logits = 4 * (min(t.loss_chunk, tokens) if t.loss_chunk else tokens) * m.vocab_size
   moments = 2 if config.optimizer.name == 'adamw' else 1
   per_layer = [layer_activation_bytes(m, kind, t.seq_len) for kind in config_lib.layer_kinds(m)]
-  # With remat each layer's input is kept (on the host with remat_offload), and one layer's
-  # activations live during its backward.
-  if m.remat:
-    inputs = 0 if m.remat_offload else len(per_layer) * _bytes(m.residual_dtype) * m.d_model
-    kept = inputs + max(per_layer)
+  if m.remat:  # each layer's input kept; one layer's activations live during its backward
+    kept = len(per_layer) * _bytes(m.residual_dtype) * m.d_model + max(per_layer)
   else:
     kept = sum(per_layer)
   return Estimate(
@@ -180,26 +175,18 @@ def device_memory(devices) -> tuple[int, str] | None:
   return min(limits), f'the {min(limits) / GiB:.1f} GiB of memory XLA may use on each {devices[0].device_kind}'
 
 
-def compiled_plan(run, config: ml_collections.ConfigDict) -> tuple[int, int]:
+def compiled_peak_bytes(run, config: ml_collections.ConfigDict) -> int:
   """XLA's plan for one device of the train step of `run` (kimijax.train.step.build_training) at
   config.train's batch and sequence length, compiled ahead of time from the abstract state, so
-  nothing is initialised or run: (device bytes, host bytes), each the arguments, outputs and
-  temporaries of its buffer assignment in that memory, less the outputs that reuse the donated
-  state's buffers. The host's are what offloading puts in pinned host memory (model.remat_offload;
-  0 without it, and on a CPU, whose compiler keeps them with the rest). The batch carries no
-  document segments."""
+  nothing is initialised or run: the arguments, outputs and temporaries of its buffer assignment,
+  less the outputs that reuse the donated state's buffers. The batch carries no document segments."""
   shape = (config.train.batch_size, config.train.seq_len)
   spec = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=run.batch_sharding)
   batch = {'inputs': spec(jnp.int32), 'targets': spec(jnp.int32), 'mask': spec(jnp.float32)}
   stats = run.train_step.lower(run.abstract_state, batch).compile().memory_analysis()
-  device = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-  host = stats.host_argument_size_in_bytes + stats.host_output_size_in_bytes - stats.host_alias_size_in_bytes
-  return device + stats.temp_size_in_bytes, host + stats.host_temp_size_in_bytes
-
-
-def compiled_peak_bytes(run, config: ml_collections.ConfigDict) -> int:
-  """The device bytes of compiled_plan: XLA's planned peak per device of the train step."""
-  return compiled_plan(run, config)[0]
+  return (
+    stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+  )
 
 
 def describe(config: ml_collections.ConfigDict, est: Estimate, mesh_sizes: dict[str, int]) -> str:
@@ -222,18 +209,15 @@ JAX_DEFAULT_GPU_FRACTION = 0.75
 SUGGESTED_GPU_FRACTION = 0.95
 
 
-def _remedies(config: ml_collections.ConfigDict, gpu: bool = False) -> list[dict]:
+def _remedies(config: ml_collections.ConfigDict) -> list[dict]:
   """The changes that lower the step's memory without changing its maths, those not yet made, in the
   order the check suggests them: model.moe.remat (MoE models: one more expert forward),
-  model.remat, train.loss_chunk, the last two together; on a GPU (`gpu`) then the layers' inputs
-  offloaded to the host (model.remat_offload, with model.remat), alone and with the loss chunk."""
+  model.remat, train.loss_chunk, the last two together."""
   m = config.model
   moe_remat = {'model.moe.remat': True} if m.mlp_kind == 'moe' and not (m.moe.remat or m.remat) else {}
   remat = {} if m.remat else {'model.remat': True}
   chunk = {} if config.train.loss_chunk else {'train.loss_chunk': SUGGESTED_LOSS_CHUNK}
-  offload = {**remat, 'model.remat_offload': True} if gpu and not m.remat_offload else {}
-  both = {**remat, **chunk} if remat and chunk else {}
-  return [c for c in (moe_remat, remat, chunk, both, offload, {**offload, **chunk} if offload and chunk else {}) if c]
+  return [c for c in (moe_remat, remat, chunk, {**remat, **chunk} if remat and chunk else {}) if c]
 
 
 def _setting(changes: dict) -> str:
@@ -263,13 +247,12 @@ def gpu_fraction_advice(raised: int) -> str:
 def untried_remedies(config: ml_collections.ConfigDict, devices) -> list[str]:
   """What an out-of-memory step could try, most of it untried in `config`: the larger GPU
   allocator share where JAX's default applies, the remedies of _remedies, a smaller batch."""
-  devices = list(devices)
   advice = []
   memory = device_memory(devices)
-  raised = memory and raised_gpu_limit(devices, memory[0])
+  raised = memory and raised_gpu_limit(list(devices), memory[0])
   if raised:
     advice.append(gpu_fraction_advice(raised))
-  advice += [_setting(changes) for changes in _remedies(config, devices[0].platform == 'gpu')]
+  advice += [_setting(changes) for changes in _remedies(config)]
   return advice + ['lower train.batch_size or train.seq_len']
 
 
@@ -308,7 +291,7 @@ def check(
   raised = raised_gpu_limit(devices, limit)
   if raised is not None and (planned if planned is not None else est.per_device(mesh_sizes)) <= raised:
     advice.append(gpu_fraction_advice(raised))
-  for changes in _remedies(config, devices[0].platform == 'gpu'):
+  for changes in _remedies(config):
     need = estimate(_changed(config, changes), n_params).per_device(mesh_sizes)
     if need <= limit:
       advice.append(f'{_setting(changes)} (about {need / GiB:.1f} GiB)')

@@ -70,16 +70,14 @@ def test_bad_flags_are_one_usage_line():
 
 def test_compile_only_stops_at_the_first_plan_over_the_memory():
   """Compile-only figures (bench_train --compile_only): each length fits or not by XLA's plan; the
-  setup stops at the first that does not, and the table gives the planned peaks (the device's and
-  the pinned host memory's)."""
+  setup stops at the first that does not, and the table gives the planned peaks."""
   calls = []
 
   def run(args):
     calls.append(args)
     length = int(args.rsplit('--config.train.seq_len=', 1)[1])
     planned = length / 2**10
-    plan = {'planned_peak_GiB': planned, 'device_memory_GiB': 3.0, 'planned_host_GiB': length / 2**9}
-    return {'batch': 1, 'seq_len': length, **plan, 'fits': planned <= 3}
+    return {'batch': 1, 'seq_len': length, 'planned_peak_GiB': planned, 'device_memory_GiB': 3.0, 'fits': planned <= 3}
 
   rows = list(bench_context.longest('--config=c.py:long', [1024, 2048, 4096, 8192], run))
   assert len(calls) == 3
@@ -89,12 +87,9 @@ def test_compile_only_stops_at_the_first_plan_over_the_memory():
     (4096, bench_context.OVER),
   ]
   text = bench_context.table(rows)
-  assert text.splitlines()[0] == '| setup | seq_len | planned peak GiB | device GiB | planned host GiB | status |'
-  assert text.splitlines()[1] == '|---|---|---|---|---|---|'
-  assert f'| `--config=c.py:long` | 4096 | 4.0 | 3.0 | 8.0 | {bench_context.OVER} |' in text
-  older = {**rows[0]}
-  del older['planned_host_GiB']  # a result written before the host column: '-'
-  assert bench_context.row_line(older, True).endswith(f'| 1.0 | 3.0 | - | {bench_context.FITS} |')
+  assert text.splitlines()[0] == '| setup | seq_len | planned peak GiB | device GiB | status |'
+  assert text.splitlines()[1] == '|---|---|---|---|---|'
+  assert f'| `--config=c.py:long` | 4096 | 4.0 | 3.0 | {bench_context.OVER} |' in text
   assert bench_context.summary('s', rows) == f'- `s`: longest that fits 2048, {bench_context.OVER} at 4096'
 
 

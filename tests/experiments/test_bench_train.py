@@ -58,7 +58,6 @@ def test_compile_only_reports_xlas_plan_without_running(tmp_path):
     assert 'loss' not in result and 'step_ms' not in result
     assert result['seq_len'] == seq_len and result['fits'] is True
     assert 0 < result['planned_peak_GiB'] < result['device_memory_GiB']
-    assert result['planned_host_GiB'] == 0  # nothing offloaded (and a CPU's compiler keeps host buffers with the rest)
     plans.append(result['planned_peak_GiB'])
   assert plans[1] > plans[0]
   proc, _ = bench(tmp_path, '--compile_only', '--documents=8,24')

@@ -47,7 +47,7 @@ def test_estimate_is_below_but_near_xla_memory_analysis(overrides):
 
 def test_remat_and_longer_sequences_move_the_estimate_as_their_arrays_do():
   """Closed forms of the activations term: attention 'xla' grows with T^2 (the probabilities), remat
-  keeps one layer's activations besides each layer's input, remat_offload those inputs on the host."""
+  keeps one layer's activations besides each layer's input."""
   n = 10**6
   base = _config({'train.seq_len': 256})
   long = _config({'train.seq_len': 512})
@@ -58,8 +58,6 @@ def test_remat_and_longer_sequences_move_the_estimate_as_their_arrays_do():
   tokens = 4 * 256
   assert memory_lib.estimate(base, n).activations == 2 * per_layer * tokens
   assert memory_lib.estimate(remat, n).activations == tokens * (2 * 4 * d + per_layer)
-  offload = _config({'train.seq_len': 256, 'model.remat': True, 'model.remat_offload': True})
-  assert memory_lib.estimate(offload, n).activations == tokens * per_layer  # the inputs on the host
   long_layer = memory_lib.layer_activation_bytes(long.model, 'A', 512)
   assert long_layer - per_layer == 8 * h * 256  # the probabilities' row doubles
   assert memory_lib.estimate(base, n).state == 3 * 4 * n  # parameters and AdamW's two moments
@@ -221,25 +219,6 @@ def test_an_moe_step_is_told_its_expert_remat_first(monkeypatch):
   monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: (need + with_moe_remat) // 2)
   with pytest.raises(memory_lib.MemoryLimitError, match=r'set model\.moe\.remat=True \(about'):
     loop_lib.check_memory(config, ONE)
-
-
-def test_on_a_gpu_the_layers_inputs_offloaded_are_suggested_after_remat_and_the_loss_chunk(monkeypatch):
-  """A step that has remat and the loss chunk and fits only without the layers' inputs on the device
-  is told model.remat_offload on a GPU (where pinned host memory is not the device's), not on a CPU."""
-  config = _config({'train.seq_len': 512, 'model.remat': True, 'train.loss_chunk': 256})
-  n = flops_lib.count(flops_lib.abstract_params(config))
-  need = memory_lib.estimate(config, n).per_device(ONE_WAY)
-  offloaded = memory_lib.estimate(
-    _config({'train.seq_len': 512, 'model.remat': True, 'train.loss_chunk': 256, 'model.remat_offload': True}), n
-  ).per_device(ONE_WAY)
-  assert offloaded < need
-  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.9')  # no allocator advice here
-  with pytest.raises(memory_lib.MemoryLimitError, match=r'set model\.remat_offload=True \(about'):
-    memory_lib.check(config, [_FakeGpu((need + offloaded) // 2)], n, ONE_WAY)
-  monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: (need + offloaded) // 2)
-  with pytest.raises(memory_lib.MemoryLimitError) as info:
-    memory_lib.check(config, ONE, n, ONE_WAY)
-  assert 'remat_offload' not in str(info.value)
 
 
 def test_on_a_gpu_xlas_plan_decides_an_estimate_over_the_limit(monkeypatch):
