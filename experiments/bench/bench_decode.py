@@ -37,9 +37,10 @@ hybrid under several KDA kernel settings in one run, the same parameters and cac
 steps of each model for experiments/tools/profile_summary.
 
 Prints the benchmarks' header line (experiments/runs.py print_header), then Markdown: the settings
-and the copy bandwidth, then one table row per context and pattern. At ~350M most of a run is
-compilation (minutes per context on an H100 or H200), not the timed steps; with
-JAX_COMPILATION_CACHE_DIR set, a second run of the same shapes reuses it. Results:
+and the copy bandwidth, then one table row per context and model, the baseline's first, each printed
+as soon as it is measured. At ~350M most of a run is compilation (minutes per context on an H100 or
+H200), not the timed steps: --baseline_pattern='' leaves the baseline out (an A/B of --kda_tiles
+needs none), and with JAX_COMPILATION_CACHE_DIR set a second run of the same shapes reuses it. Results:
 experiments/results/bench_decode.md.
 """
 
@@ -59,7 +60,7 @@ def define_flags():
   flags.DEFINE_integer('batch', 1, 'sequences decoded together')
   flags.DEFINE_integer('steps', 50, 'timed decode steps, one by one, and the decode steps of one loop call')
   flags.DEFINE_string('hybrid_pattern', None, "layer pattern of the hybrid (default: the config's)")
-  flags.DEFINE_string('baseline_pattern', 'A', 'layer pattern of the baseline')
+  flags.DEFINE_string('baseline_pattern', 'A', "layer pattern of the baseline ('': none, the hybrid alone)")
   flags.DEFINE_float('copy_gib', 2.0, 'GiB of the buffer whose copy measures the memory bandwidth')
   flags.DEFINE_list(
     'kda_tiles',
@@ -256,20 +257,22 @@ def table(
   kda_tiles: tuple[str, ...] = ('',),
 ):
   """The Markdown lines: the setup and the measured copy bandwidth, the header, then per context a
-  row of the hybrid for each kda_tiles entry (labelled with it unless '') and one of the baseline;
-  with `profile_dir`, each model's steps at each context traced to PROFILE_DIR/hybrid_CONTEXT (the
-  entries after the first: hybrid1_CONTEXT, ...) and PROFILE_DIR/baseline_CONTEXT."""
+  row of the baseline (none where baseline is '') and one of the hybrid for each kda_tiles entry
+  (labelled with it unless ''), each yielded as soon as it is measured; with `profile_dir`, each
+  model's steps at each context traced to PROFILE_DIR/hybrid_CONTEXT (the entries after the first:
+  hybrid1_CONTEXT, ...) and PROFILE_DIR/baseline_CONTEXT."""
   from experiments.bench import timing
 
   bandwidth = timing.copy_bytes_per_s(int(copy_gib * 2**30))
-  hybrid_model, hybrid_params, hybrid_m = build(config, hybrid)
   models = {}
+  if baseline:
+    baseline_model, baseline_params, baseline_m = build(config, baseline)
+    models[baseline] = (baseline_model, baseline_m, baseline_params, 'baseline')
+  hybrid_model, hybrid_params, hybrid_m = build(config, hybrid)
   for i, text in enumerate(kda_tiles):  # the same parameters under each entry's kernel settings
     label = f'{hybrid} (kda {text})' if text else hybrid
     model, m = variant(config, hybrid, text) if text else (hybrid_model, hybrid_m)
     models[label] = (model, m, hybrid_params, f'hybrid{i or ""}')
-  baseline_model, baseline_params, baseline_m = build(config, baseline)
-  models[baseline] = (baseline_model, baseline_m, baseline_params, 'baseline')
   yield (
     f'batch {batch}; {steps} timed steps, {LOOP_CALLS} loop calls of {steps} steps; compute dtype '
     f'{config.model.compute_dtype}; MLA decode {config.model.mla_decode_impl} {config.model.kernels.mla_decode!r}; '
@@ -279,15 +282,16 @@ def table(
   yield HEADER
   yield '|' + '---|' * HEADER.count(' | ') + '---|'
   for context in contexts:
-    rows = {}
-    for label, (model, m, params, role) in models.items():
+    base = None
+    for label, (model, m, params, role) in models.items():  # the baseline first
       trace = profile_dir and f'{profile_dir}/{role}_{context}'
-      rows[label] = bench(model, params, m, context, batch, steps, bandwidth, trace)
-    base = rows.pop(baseline)
-    for label, r in rows.items():
-      speedup = f'{base["ms_per_token"] / r["ms_per_token"]:.2f}x ({base["read_MiB"] / r["read_MiB"]:.2f}x)'
-      yield row(context, label, r, speedup)
-    yield row(context, baseline, base)
+      r = bench(model, params, m, context, batch, steps, bandwidth, trace)
+      if role == 'baseline':
+        base = r
+        yield row(context, label, r)
+      else:
+        speedup = base and f'{base["ms_per_token"] / r["ms_per_token"]:.2f}x ({base["read_MiB"] / r["read_MiB"]:.2f}x)'
+        yield row(context, label, r, speedup or '')
 
 
 def main(argv):

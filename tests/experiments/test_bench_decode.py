@@ -53,7 +53,7 @@ def test_tiny_hybrid_prints_a_markdown_table_and_traces_each_pattern(tmp_path):
   )
   for role in ('hybrid', 'baseline'):  # the trace profile_summary reads
     assert list((tmp_path / f'{role}_8').glob('**/perfetto_trace.json.gz')), role
-  setup, blank, header, rule, hybrid, baseline = lines
+  setup, blank, header, rule, baseline, hybrid = lines  # each row as measured, the baseline first
   bandwidth = re.search(r'copy bandwidth ([\d,.]+) GB/s', setup)
   assert bandwidth and float(bandwidth[1].replace(',', '')) > 0
   assert blank == '' and header == bench_decode.HEADER
@@ -82,9 +82,17 @@ def test_kda_tiles_time_the_hybrid_once_per_entry_with_the_same_parameters():
     )
   )
   rows = [[c.strip() for c in line.split('|')[1:-1]] for line in lines[4:]]
-  assert [r[1] for r in rows] == ['KA', 'KA (kda fused_decode=0)', 'A']
-  assert rows[0][7] == rows[1][7]  # read MiB
-  assert rows[0][-1].endswith('x)') and rows[1][-1].endswith('x)') and rows[2][-1] == ''
+  assert [r[1] for r in rows] == ['A', 'KA', 'KA (kda fused_decode=0)']
+  assert rows[1][7] == rows[2][7]  # read MiB
+  assert rows[0][-1] == '' and rows[1][-1].endswith('x)') and rows[2][-1].endswith('x)')
+
+
+def test_no_baseline_times_the_hybrid_alone():
+  config = config_lib.load_file('configs/default.py', {**TINY, 'model.compute_dtype': 'float32'})
+  lines = list(bench_decode.table(config, [8], batch=2, steps=2, hybrid='KA', baseline='', copy_gib=0.001))
+  (row,) = lines[4:]
+  cells = [c.strip() for c in row.split('|')[1:-1]]
+  assert cells[:2] == ['8', 'KA'] and cells[-1] == ''
 
 
 def test_flag_errors():
