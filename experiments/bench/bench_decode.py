@@ -286,12 +286,12 @@ def table(
     for label, (model, m, params, role) in models.items():  # the baseline first
       trace = profile_dir and f'{profile_dir}/{role}_{context}'
       r = bench(model, params, m, context, batch, steps, bandwidth, trace)
+      speedup = ''
       if role == 'baseline':
         base = r
-        yield row(context, label, r)
-      else:
-        speedup = base and f'{base["ms_per_token"] / r["ms_per_token"]:.2f}x ({base["read_MiB"] / r["read_MiB"]:.2f}x)'
-        yield row(context, label, r, speedup or '')
+      elif base is not None:
+        speedup = f'{base["ms_per_token"] / r["ms_per_token"]:.2f}x ({base["read_MiB"] / r["read_MiB"]:.2f}x)'
+      yield row(context, label, r, speedup)
 
 
 def main(argv):
