@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.kda.settings import KdaSettings
+from kernels_pallas.kda.settings import checked
 from kernels_pallas.kda.step import token_specs
 from kernels_pallas.short_conv.conv import activate, sigmoid
 from kimijax.ops.kda import ACTIVATIONS, gate_log_decay
@@ -88,9 +88,7 @@ def kda_decode_pallas(
   -> (o [B, H, V] in v's dtype, new state float32, new prefixes (in the prefixes' dtype) or None).
   K and V powers of two >= 16. settings: the KdaSettings whose warps_step, stages_step and
   value_block_step this kernel takes (None: the defaults)."""
-  settings = KdaSettings() if settings is None else settings
-  if not isinstance(settings, KdaSettings):
-    raise TypeError(f"kda_decode impl='pallas': settings must be a KdaSettings or None, got {type(settings).__name__}")
+  settings = checked(settings, 'kda_decode')
   conv = () if prefixes is None else (tuple(prefixes), tuple(taps))
   return _kda_decode_pallas(
     q,

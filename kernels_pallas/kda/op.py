@@ -31,7 +31,7 @@ from kernels_pallas.kda.blocks import F32, SUB, any_steep
 from kernels_pallas.kda.cotangents import chunk_cotangents_kernel, wy_bwd_kernel
 from kernels_pallas.kda.cumsum import chunk_cumsum_kernel, gated_cumsum_kernel, gated_reverse_cumsum_kernel
 from kernels_pallas.kda.scores import diag_bwd_kernel, diag_fwd_kernel, scores_bwd_kernel, scores_fwd_kernel
-from kernels_pallas.kda.settings import KdaSettings
+from kernels_pallas.kda.settings import checked
 from kernels_pallas.kda.state import state_bwd_kernel, state_fwd_kernel
 from kernels_pallas.kda.wy import wy_apply_kernel, wy_inverse_kernel
 
@@ -601,7 +601,7 @@ def kda_pallas(
         f"kda impl='pallas': {name} = {d} must be a power of two >= 16 "
         f"(q {list(q.shape)}, v {list(v.shape)}); use impl='xla' for other sizes"
       )
-  settings = _checked(settings)
+  settings = checked(settings, 'kda')
   return _kda_pallas(
     q,
     k,
@@ -617,18 +617,6 @@ def kda_pallas(
     interpret=bool(interpret),
     settings=settings,
   )
-
-
-def _checked(settings) -> KdaSettings:
-  """settings, or the defaults for None; anything else than a KdaSettings is an error."""
-  if settings is None:
-    return KdaSettings()
-  if not isinstance(settings, KdaSettings):
-    raise TypeError(
-      f"kda impl='pallas': settings must be a KdaSettings (kernels_pallas/kda/settings.py) "
-      f'or None, got {type(settings).__name__}'
-    )
-  return settings
 
 
 @functools.partial(jax.jit, static_argnames=('scale', 'gate_lower_bound', 'interpret', 'settings'))

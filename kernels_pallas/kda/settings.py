@@ -1,4 +1,4 @@
-"""Triton settings of the KDA kernels (op.py, step.py), measured on an H200
+"""Triton settings of the KDA kernels (op.py, step.py, decode.py), measured on an H200
 (experiments/results/bench_kda.md). bench_kda and bench_train take any of them as
 --kda_tiles=key=int/key=int, the config as model.kernels.kda; the op takes them as
 `kda(..., impl='pallas', settings=KdaSettings(...))`."""
@@ -105,3 +105,16 @@ class KdaSettings(Settings):
     while stages > 1 and stages * per_stage + operands > SHARED_MEMORY:
       stages -= 1
     return stages
+
+
+def checked(settings, fn: str) -> KdaSettings:
+  """settings, or the defaults for None; anything else than a KdaSettings is an error naming `fn`
+  (the op whose impl='pallas' was given them)."""
+  if settings is None:
+    return KdaSettings()
+  if not isinstance(settings, KdaSettings):
+    raise TypeError(
+      f"{fn} impl='pallas': settings must be a KdaSettings (kernels_pallas/kda/settings.py) "
+      f'or None, got {type(settings).__name__}'
+    )
+  return settings

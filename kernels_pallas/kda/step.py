@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.kda.settings import KdaSettings
+from kernels_pallas.kda.settings import KdaSettings, checked
 
 F32 = jnp.float32
 
@@ -30,9 +30,7 @@ def kda_step_pallas(q, k, v, g, beta, state, *, scale, settings=None, interpret=
   """q, k, g [B, H, K], v [B, H, V], beta [B, H], state [B, H, K, V] float32 -> (o [B, H, V] in v's
   dtype, new state float32). K and V powers of two >= 16. settings: the KdaSettings whose
   warps_step, stages_step and value_block_step this kernel takes (None: the defaults)."""
-  settings = KdaSettings() if settings is None else settings
-  if not isinstance(settings, KdaSettings):
-    raise TypeError(f"kda_step impl='pallas': settings must be a KdaSettings or None, got {type(settings).__name__}")
+  settings = checked(settings, 'kda_step')
   return _kda_step_pallas(q, k, v, g, beta, state, scale=scale, settings=settings, interpret=interpret)
 
 

@@ -205,8 +205,15 @@ def test_settings_are_frozen_values_parsed_from_the_flags_form():
     KdaSettings(fused_gate=2)
   with pytest.raises(ValueError, match='value_block must be a positive int, got 0'):
     KdaSettings().replace(value_block=0)
-  with pytest.raises(TypeError, match='settings must be a KdaSettings'):
+  with pytest.raises(TypeError, match="kda impl='pallas': settings must be a KdaSettings"):
     kda_lib.kda(*_inputs(0, 1, 16, 1, 16, 16)[:5], impl='pallas', settings={'warps_diag': 4})
+  q, k, v, g, beta = (x[:, 0] for x in _inputs(0, 1, 16, 1, 16, 16)[:5])
+  state = jnp.zeros((1, 1, 16, 16), jnp.float32)
+  with pytest.raises(TypeError, match="kda_step impl='pallas': settings must be a KdaSettings"):
+    kda_lib.kda_step(q, k, v, g, beta, state, impl='pallas', settings={'warps_step': 4})
+  gate = dict(a_log=jnp.zeros(1), dt_bias=jnp.zeros((1, 16)))
+  with pytest.raises(TypeError, match="kda_decode impl='pallas': settings must be a KdaSettings"):
+    kda_lib.kda_decode(q, k, v, g, beta, state, **gate, impl='pallas', settings={'warps_step': 4})
 
 
 @pytest.mark.usefixtures('_full_precision')
