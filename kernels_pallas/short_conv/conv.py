@@ -8,12 +8,11 @@ kimijax.ops.short_conv):
 
     z[t] = sum_j w[j] x[t - W + 1 + j]   (x = 0 before the first token),   y = act(z)
 
-Three kernels, each program over `heads` heads (settings.py; every K feature of a head, for the
-L2 norm) and a run of row tiles, each tile reading its W shifted row windows from the
-whole-sequence block of its input with masked loads (rows outside [0, T) read as zero):
+Three kernels, one program per `rows` tokens and `heads` heads (settings.py; every K feature of
+a head, for the L2 norm), each reading its W shifted row windows from the whole-sequence block
+of its input with masked loads (rows outside [0, T) read as zero):
 
-- `short_conv_fwd`: z and the activation in one pass, y in x's dtype, over `tiles` tiles of `rows`
-  rows per program in turn (1 by default: one tile, no loop);
+- `short_conv_fwd`: z and the activation in one pass, y in x's dtype;
 - `short_conv_dz`: the backward's first pass: recomputes z, takes the activation's transpose
   (dz = dact(z)^T dy) and writes dz in x's dtype, and each program's part of dw (sum over its
   rows of x[t - W + 1 + j] dz[t], float32, from the float32 dz), summed over programs in XLA.
@@ -110,36 +109,24 @@ def _activate_transpose(z, dy, activation):
   return dy * s * (1.0 + z * (1.0 - s))
 
 
-def _conv(x_ref, w_ref, reach_ref, start, shape, t, sign):
-  """sum_j w[j] x[start + rows + sign (j - W + 1)] for the rows start + [0, rows) (taps past the
-  reach zeroed: _within_reach)."""
+def _conv(x_ref, w_ref, reach_ref, shape, t, sign):
+  """sum_j w[j] x[t0 + rows + sign (j - W + 1)] for this program's rows t0 + [0, rows) (taps past
+  the reach zeroed: _within_reach)."""
   width = w_ref.shape[0]
+  t0 = pl.program_id(1) * shape[0]
   # w[j] loaded before its window: without reach_ref, the same program as the plain conv
   return sum(
     w_ref[j][None]
-    * _within_reach(_window(x_ref, start + sign * (j - width + 1), shape, t), reach_ref, start, width - 1 - j, sign, t)
+    * _within_reach(_window(x_ref, t0 + sign * (j - width + 1), shape, t), reach_ref, t0, width - 1 - j, sign, t)
     for j in range(width)
   )
 
 
-def _fwd_kernel(x_ref, w_ref, *refs, t, rows, sign, activation):
-  """y_ref: this program's tiles of n * rows rows, taken `rows` at a time. refs: (y_ref,), or
-  (reach_ref, y_ref) with document masking."""
+def _fwd_kernel(x_ref, w_ref, *refs, t, sign, activation):
+  """refs: (y_ref,), or (reach_ref, y_ref) with document masking."""
   *reach_ref, y_ref = refs
   reach_ref = reach_ref[0] if reach_ref else None
-  shape = (rows,) + y_ref.shape[1:]
-  n = y_ref.shape[0] // rows
-  t0 = pl.program_id(1) * (n * rows)  # read outside the loop: interpret mode needs it there
-
-  def tile(i, carry):
-    z = _conv(x_ref, w_ref, reach_ref, t0 + i * rows, shape, t, sign)
-    y_ref[pl.ds(i * rows, rows)] = activate(z, activation).astype(y_ref.dtype)
-    return carry
-
-  if n == 1:
-    tile(0, None)
-  else:
-    jax.lax.fori_loop(0, n, tile, None)
+  y_ref[...] = activate(_conv(x_ref, w_ref, reach_ref, y_ref.shape, t, sign), activation).astype(y_ref.dtype)
 
 
 def _dz_kernel(x_ref, w_ref, dy_ref, *refs, t, rows, activation):
@@ -188,12 +175,11 @@ def _tiles(x, settings):
 
 def _conv_call(x, w, reach, *, sign, activation, settings, interpret, name):
   b, tp, h, dk, rows, hb = _tiles(x, settings)
-  n = settings.conv_tiles(tp)
-  whole, tile, taps = _specs(tp, hb, dk, w.shape[0], n * rows)
+  whole, tile, taps = _specs(tp, hb, dk, w.shape[0], rows)
   reach_specs, reach_args = _reach_input(reach, tp)
   return pl.pallas_call(
-    functools.partial(_fwd_kernel, t=tp, rows=rows, sign=sign, activation=activation),
-    grid=(b, tp // (n * rows), h // hb),
+    functools.partial(_fwd_kernel, t=tp, sign=sign, activation=activation),
+    grid=(b, tp // rows, h // hb),
     in_specs=[whole, taps] + reach_specs,
     out_specs=tile,
     out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),

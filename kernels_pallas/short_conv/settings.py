@@ -13,24 +13,18 @@ from kernels_pallas.settings import Settings
 
 @dataclasses.dataclass(frozen=True)
 class ShortConvSettings(Settings):
-  """Rows (tokens) per tile and heads per program, Triton warps and pipelining stages of the three
-  kernels; short_conv_fwd and short_conv_dx take `tiles` tiles of `rows` rows per program, one
-  after another, short_conv_dz dz_tiles tiles of dz_rows rows (at most: powers of two dividing the
-  padded T)."""
+  """Rows (tokens) and heads per program, Triton warps and pipelining stages of the three kernels;
+  short_conv_dz takes dz_tiles tiles of dz_rows rows per program (at most: powers of two dividing
+  the padded T)."""
 
   FAMILY = 'short_conv pallas'
 
   rows: int = 32
-  tiles: int = 1
   heads: int = 1
   warps: int = 8
   stages: int = 1
   dz_rows: int = 16
   dz_tiles: int = 32
-
-  def conv_tiles(self, tp: int) -> int:
-    """Row tiles per program of short_conv_fwd and short_conv_dx over tp (padded) tokens."""
-    return power_of_two_divisor(tp // self.rows, self.tiles)
 
   def dz_layout(self, tp: int) -> tuple[int, int]:
     """(rows per tile, row tiles per program) of short_conv_dz over tp (padded) tokens."""

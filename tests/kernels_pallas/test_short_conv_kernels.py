@@ -52,37 +52,6 @@ def test_pallas_dz_over_several_row_tiles_per_program():
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
 
 
-def test_pallas_fwd_and_dx_over_several_row_tiles_per_program():
-  """short_conv_fwd and short_conv_dx with 2 tiles of 16 rows per program: T = 120 pads to 128, so 4
-  programs along T each write two tiles; plain and with packed documents (each document's conv is
-  the float64 conv of that document alone)."""
-  settings = ShortConvSettings(rows=16, tiles=2)
-  assert settings.conv_tiles(128) == 2 and settings.conv_tiles(112) == 1
-  x, w, dy = short_conv_inputs(7, 2, 120, 2, 16)
-  for activation in ('silu', 'silu_l2'):
-    y = sc.short_conv(x, w, activation, impl='pallas', settings=settings)[0]
-    np.testing.assert_allclose(y, np_short_conv(x, w, activation), rtol=1e-5, atol=1e-6)
-    for got, want in zip(
-      short_conv_grads('pallas', activation, x, w, dy, settings), short_conv_grads('xla', activation, x, w, dy)
-    ):
-      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
-  # documents of 37, 50 and 33 tokens in row 0, one document in row 1
-  bounds = (0, 37, 87, 120)
-  segment_ids = np.zeros((2, 120), np.int32)
-  for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-    segment_ids[0, a:b] = i
-  y = sc.short_conv(x, w, 'silu_l2', impl='pallas', settings=settings, segment_ids=segment_ids)[0]
-  want = np.concatenate([np_short_conv(x[:1, a:b], w, 'silu_l2') for a, b in zip(bounds, bounds[1:])], axis=1)
-  np.testing.assert_allclose(y[:1], want, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(y[1:], np_short_conv(x[1:], w, 'silu_l2'), rtol=1e-5, atol=1e-6)
-  masked = lambda impl, s: jax.grad(
-    lambda x, w: jnp.sum(sc.short_conv(x, w, 'silu_l2', impl=impl, settings=s, segment_ids=segment_ids)[0] * dy),
-    (0, 1),
-  )(x, w)
-  for got, want in zip(masked('pallas', settings), masked('xla', None)):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
-
-
 def test_kernels_lower_to_triton_for_an_h200():
   """The three kernels of a training step go through the Pallas Triton lowering for an H200 here."""
   from experiments.tools.triton_report import lower_for_h200
