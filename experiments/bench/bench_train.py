@@ -160,7 +160,7 @@ def main(argv):
   step = lambda carry: train_step(carry[0], batch)
   start = time.perf_counter()  # the first step: compilation (or a cache load) and one step
   try:
-    first = jax.block_until_ready(loop_lib.first_step(train_step, state, batch, config, mesh))
+    first = loop_lib.first_step(train_step, state, batch, config, mesh)
   except memory_lib.MemoryLimitError as e:  # one line, with XLA's words (bench_context reads them)
     raise SystemExit(f'MemoryLimitError: {e}') from None
   first_step_s = time.perf_counter() - start

@@ -263,9 +263,11 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
 
 
 def first_step(train_step, state, batch, config, mesh):
-  """The first train step (it compiles), with XLA's out-of-memory error as one MemoryLimitError."""
+  """The first train step (it compiles), waited for, with XLA's out-of-memory error as one
+  MemoryLimitError: on a GPU the step's buffers may fail to allocate only once it runs, after the
+  asynchronous call has returned."""
   try:
-    return train_step(state, batch)
+    return jax.block_until_ready(train_step(state, batch))
   except jax.errors.JaxRuntimeError as e:
     text = str(e)
     if 'RESOURCE_EXHAUSTED' not in text and 'out of memory' not in text.lower():

@@ -169,6 +169,20 @@ def test_out_of_memory_in_the_first_step_is_one_line_and_leaves_no_workdir(tmp_p
   assert sorted(p.name for p in existing.iterdir()) == ['notes.txt']
 
 
+def test_out_of_memory_surfacing_when_the_first_step_is_waited_for_is_one_error(tmp_path, monkeypatch):
+  """On a GPU the step's allocation can fail after the asynchronous call has returned, when its
+  result is waited for: first_step waits, so that error too is one MemoryLimitError."""
+  config = config_lib.load('configs/default.py', {**TINY, 'train.steps': 3})
+
+  class Pending:
+    def block_until_ready(self):
+      raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 55.59GiB')
+
+  mesh = mesh_lib.make_mesh(config.mesh, ONE)
+  with pytest.raises(memory_lib.MemoryLimitError, match='out of memory in the first train step.*55.59GiB'):
+    loop_lib.first_step(lambda state, batch: (state, Pending()), {}, {}, config, mesh)
+
+
 class _FakeGpu:
   """A GPU as memory.check sees one: its platform, kind, process and allocator limit."""
 
