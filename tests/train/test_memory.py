@@ -169,7 +169,7 @@ def test_out_of_memory_in_the_first_step_is_one_line_and_leaves_no_workdir(tmp_p
   assert sorted(p.name for p in existing.iterdir()) == ['notes.txt']
 
 
-def test_out_of_memory_surfacing_when_the_first_step_is_waited_for_is_one_error(tmp_path, monkeypatch):
+def test_out_of_memory_surfacing_when_the_first_step_is_waited_for_is_one_error():
   """On a GPU the step's allocation can fail after the asynchronous call has returned, when its
   result is waited for: first_step waits, so that error too is one MemoryLimitError."""
   config = config_lib.load('configs/default.py', {**TINY, 'train.steps': 3})
