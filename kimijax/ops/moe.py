@@ -154,8 +154,51 @@ def _dot_f32(a, b):
 
 
 def router_logits(x_td, router_de):
-  """The router logits u = x W_r [T, E] in float32 (to float32 accuracy, forward and backward)."""
+  """The router logits u = x W_r [T, E] in float32 (to float32 accuracy, forward and backward). A
+  bf16 x (the compute dtype) goes to the tensor cores as it is (_router_logits_bf16); any other x
+  is cast to float32 for F32_ALGORITHM."""
+  if x_td.dtype == jnp.bfloat16:
+    return _router_logits_bf16(x_td, router_de.astype(jnp.float32))
   return _dot_f32(x_td, router_de)
+
+
+def _bf16_terms(a):
+  """a float32 as three bf16 terms, a = hi + mid + lo to about float32's 24 bits (F32_ALGORITHM's
+  split), stacked on a new last axis."""
+  hi = a.astype(jnp.bfloat16)
+  rest = a - hi.astype(jnp.float32)
+  mid = rest.astype(jnp.bfloat16)
+  return jnp.stack([hi, mid, (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)], axis=-1)
+
+
+def _sum_terms_dot(a, b_k3n):
+  """sum_j a @ b_k3n[:, j] for bf16 a [M, K] and three bf16 terms b [K, 3, N]: one GEMM of a against
+  the terms side by side, accumulated in float32, then the three columns' sums (float32 [M, N])."""
+  k, _, n = b_k3n.shape
+  return jnp.sum(jnp.matmul(a, b_k3n.reshape(k, 3 * n), preferred_element_type=jnp.float32).reshape(-1, 3, n), axis=1)
+
+
+@jax.custom_vjp
+def _router_logits_bf16(x_td, router_de):
+  """x W_r for a bf16 x and a float32 W_r: the products F32_ALGORITHM computes, without its split
+  of x (a bf16 x is its own first term, its others are zero), so x is never copied or cast: x
+  against W_r's three bf16 terms in one GEMM. Its gradient in W_r likewise (x^T against the three
+  terms of the cotangent); in x by F32_ALGORITHM on the small operands, rounded to bf16."""
+  return _sum_terms_dot(x_td, _bf16_terms(router_de).transpose(0, 2, 1))
+
+
+def _router_logits_bf16_fwd(x_td, router_de):
+  return _router_logits_bf16(x_td, router_de), (x_td, router_de)
+
+
+def _router_logits_bf16_bwd(res, du_te):
+  x_td, router_de = res
+  dx_td = _dot_f32(du_te, router_de.T).astype(x_td.dtype)
+  dw_de = _sum_terms_dot(x_td.T, _bf16_terms(du_te).transpose(0, 2, 1))
+  return dx_td, dw_de
+
+
+_router_logits_bf16.defvjp(_router_logits_bf16_fwd, _router_logits_bf16_bwd)
 
 
 class Routing(NamedTuple):

@@ -133,8 +133,8 @@ def test_router_logits_float32_accurate(x_dtype):
   assert abs(float(u) - np.sum(want_u * du64)) <= 1e-5 * np.sum(np.abs(want_u * du64))
   assert rel_rmse(moe.router_logits(x, w), want_u) <= 2e-6
   assert rel_rmse(dw, x64.T @ du64) <= 2e-6
-  if x_dtype == jnp.float32:  # a bf16 x gets a bf16 gradient
-    assert rel_rmse(dx, du64 @ w64.T) <= 2e-6
+  # a bf16 x gets its gradient rounded to bf16 (relative RMSE ~1.1e-3), so within 2e-3
+  assert rel_rmse(dx, du64 @ w64.T) <= (2e-6 if x_dtype == jnp.float32 else 2e-3)
 
 
 # ----------------------------------------------------------------------------- dispatch
