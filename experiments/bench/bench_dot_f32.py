@@ -1,5 +1,7 @@
 """The MoE layer's two float32 products under Precision.HIGHEST and under the tensor-core algorithm
-kimijax.ops.moe uses (F32_ALGORITHM, BF16_BF16_F32_X6): time and distance from HIGHEST.
+kimijax.ops.moe uses (F32_ALGORITHM, BF16_BF16_F32_X6), and the router as kimijax.ops.moe.router_logits
+computes it for a bf16 x (the same products as X6 without splitting x: x against W_r's three bf16
+terms in one GEMM): time and distance from HIGHEST.
 
     python -m experiments.bench.bench_dot_f32 [--tokens=65536 --d_model=1024 --experts=64 --blocks=320 --width=524288]
 
@@ -16,9 +18,10 @@ from absl import app, flags
 
 from experiments.bench import timing
 from experiments.tools.moe_accuracy import rel_rmse
-from kimijax.ops.moe import F32_ALGORITHM
+from kimijax.ops.moe import F32_ALGORITHM, router_logits
 
 ALGORITHMS = {'HIGHEST': jax.lax.Precision.HIGHEST, F32_ALGORITHM.name: F32_ALGORITHM}
+ROUTER_LOGITS = 'router_logits (x against three terms of W_r)'
 
 
 def rows(*, tokens, d_model, experts, blocks, width, repeats=20, warmup=2):
@@ -33,7 +36,10 @@ def rows(*, tokens, d_model, experts, blocks, width, repeats=20, warmup=2):
 
   def router(precision):
     def loss(x, w):
-      u = jnp.matmul(x.astype(jnp.float32), w, precision=precision, preferred_element_type=jnp.float32)
+      if precision == ROUTER_LOGITS:
+        u = router_logits(x, w)
+      else:
+        u = jnp.matmul(x.astype(jnp.float32), w, precision=precision, preferred_element_type=jnp.float32)
       return jnp.sum(jax.nn.sigmoid(u) * c)
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -43,9 +49,10 @@ def rows(*, tokens, d_model, experts, blocks, width, repeats=20, warmup=2):
     fn = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32))
     return lambda: fn(one_hot, dw)
 
+  forms = {'router': {**ALGORITHMS, ROUTER_LOGITS: ROUTER_LOGITS}, 'block sum': ALGORITHMS}
   for product, make in (('router', router), ('block sum', block_sum)):
     reference = None
-    for name, precision in ALGORITHMS.items():
+    for name, precision in forms[product].items():
       call = make(precision)
       median, fastest = timing.call_ms(call, repeats=repeats, warmup=warmup)
       out = jax.tree.leaves(call())
