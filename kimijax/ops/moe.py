@@ -276,10 +276,16 @@ def sort_by_expert(experts_tk, num_experts: int, *, first_expert=0) -> Dispatch:
   order_m = jnp.argsort(key_m, stable=True).astype(jnp.int32)
   m = key_m.shape[0]
   inverse_m = jnp.zeros((m,), jnp.int32).at[order_m].set(jnp.arange(m, dtype=jnp.int32), unique_indices=True)
-  # A compare-and-sum reduction over the rows (XLA fuses it, no [E, M] array), where a bincount
-  # would scatter-add M ones into E counters (contended atomics on the GPU).
-  group_sizes_e = jnp.sum(key_m[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
+  group_sizes_e = _counts(key_m, num_experts)
   return Dispatch(order_m, inverse_m, group_sizes_e)
+
+
+def _counts(ids, n: int):
+  """int32 [..., n]: how many of the ids on the last axis of `ids` equal each of 0 .. n - 1, as a
+  compare-and-sum reduction (XLA fuses it: no [..., n, M] array), where a bincount would
+  scatter-add one per id into n counters (contended atomics on the GPU)."""
+  ids = ids.astype(jnp.int32)
+  return jnp.sum(ids[..., None, :] == jnp.arange(n, dtype=jnp.int32)[:, None], axis=-1, dtype=jnp.int32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -1017,7 +1023,7 @@ def routed_experts(
 
 def expert_load(experts_tk, num_experts: int):
   """[E] float32: how many (token, k) rows chose each expert (exact integer counts)."""
-  return jnp.bincount(experts_tk.reshape(-1), length=num_experts).astype(jnp.float32)
+  return _counts(experts_tk.reshape(-1), num_experts).astype(jnp.float32)
 
 
 def update_bias(bias_e, load_e, *, rate: float = 1e-3, centred: bool = False):
@@ -1053,7 +1059,7 @@ def sequence_balance_loss(scores_bte, experts_btk, *, alpha: float):
     return jnp.zeros((), jnp.float32)
   _, t, e = scores_bte.shape
   k = experts_btk.shape[-1]
-  counts_be = jax.vmap(lambda x: jnp.bincount(x.reshape(-1), length=e))(experts_btk)
+  counts_be = _counts(experts_btk.reshape(experts_btk.shape[0], -1), e)
   f_be = jax.lax.stop_gradient(counts_be.astype(jnp.float32) * (e / (k * t)))
   p_be = jnp.mean(_normalised(scores_bte.astype(jnp.float32)), axis=1)
   return alpha * jnp.mean(jnp.sum(f_be * p_be, axis=-1))
