@@ -273,11 +273,20 @@ def sort_by_expert(experts_tk, num_experts: int, *, first_expert=0) -> Dispatch:
   Stable: within an expert rows keep token order."""
   local_m = experts_tk.reshape(-1).astype(jnp.int32) - first_expert
   key_m = jnp.where((local_m >= 0) & (local_m < num_experts), local_m, num_experts)
-  order_m = jnp.argsort(key_m, stable=True).astype(jnp.int32)
+  order_m = jnp.argsort(key_m.astype(_sort_key_dtype(num_experts)), stable=True).astype(jnp.int32)
   m = key_m.shape[0]
   inverse_m = jnp.zeros((m,), jnp.int32).at[order_m].set(jnp.arange(m, dtype=jnp.int32), unique_indices=True)
   group_sizes_e = _counts(key_m, num_experts)
   return Dispatch(order_m, inverse_m, group_sizes_e)
+
+
+def _sort_key_dtype(num_experts: int):
+  """The narrowest unsigned integer holding the sort keys 0 .. num_experts: a GPU radix sort makes one
+  pass per 8 bits of key, so uint8 keys (up to 255 experts) take one pass where int32 take four."""
+  for dtype in (jnp.uint8, jnp.uint16):
+    if num_experts <= jnp.iinfo(dtype).max:
+      return dtype
+  return jnp.int32
 
 
 def _counts(ids, n: int):

@@ -173,6 +173,23 @@ def test_dispatch_parts_against_numpy():
   np.testing.assert_array_equal(local.order_m, np.argsort(key, kind='stable'))
 
 
+@pytest.mark.parametrize('e', [254, 255, 256, 384])
+def test_sort_by_expert_at_every_key_width(e):
+  """The sort keys are 0 .. e (e: rows of other shards' experts) in the narrowest unsigned type:
+  uint8 up to 255 experts, uint16 above. Ties (many rows per expert) keep row order."""
+  rng = np.random.default_rng(4)
+  experts = rng.integers(0, e, size=(600, 4))
+  experts[:50] = e - 1  # the largest local key, and many ties
+  for first, n in [(0, e), (e // 2, e - e // 2)]:
+    dispatch = moe.sort_by_expert(jnp.asarray(experts, jnp.int32), n, first_expert=first)
+    local = experts.reshape(-1) - first
+    key = np.where((local >= 0) & (local < n), local, n)
+    order = np.argsort(key, kind='stable')
+    np.testing.assert_array_equal(dispatch.order_m, order)
+    np.testing.assert_array_equal(dispatch.inverse_m, np.argsort(order))
+    np.testing.assert_array_equal(dispatch.group_sizes_e, np.bincount(key, minlength=n + 1)[:n])
+
+
 def _expert_weights(rng, e, d, f):
   return _normal(rng, e, d, f, scale=0.5), _normal(rng, e, d, f, scale=0.5), _normal(rng, e, f, d, scale=0.5)
 
