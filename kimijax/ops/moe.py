@@ -447,12 +447,14 @@ def _blocked_layout(m: int, group_sizes_g, b: int) -> _Blocks:
   padded_ends = jnp.cumsum(padded)
   padded_starts = padded_ends - padded
   slot = jnp.arange(blocks * b, dtype=jnp.int32)
-  group_p = jnp.searchsorted(padded_ends, slot, side='right').astype(jnp.int32)  # G past the last group
+  # method='compare_all': each slot against the G ends in one fused reduction, where the default
+  # binary search runs as a loop of log2(G) dependent steps
+  group_p = jnp.searchsorted(padded_ends, slot, side='right', method='compare_all').astype(jnp.int32)  # G: none
   clamped_p = jnp.minimum(group_p, g - 1)
   offset_p = slot - padded_starts[clamped_p]  # >= the group's size in padding and trailing slots
   src_p = jnp.where(offset_p < sizes[clamped_p], starts[clamped_p] + offset_p, m)
   row = jnp.arange(m, dtype=jnp.int32)
-  group_r = jnp.minimum(jnp.searchsorted(ends, row, side='right'), g - 1).astype(jnp.int32)
+  group_r = jnp.minimum(jnp.searchsorted(ends, row, side='right', method='compare_all'), g - 1).astype(jnp.int32)
   dest_r = jnp.where(row < ends[-1], padded_starts[group_r] + row - starts[group_r], blocks * b)
   return _Blocks(src_p, dest_r, group_p[::b])
 
