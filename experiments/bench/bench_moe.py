@@ -73,7 +73,8 @@ def define_flags():
     'profile_dir',
     None,
     'also trace 3 forward+backward calls of each MoE cell of table 1 into DIR/<config>_<impl> '
-    '(read with experiments/tools/profile_summary.py --steps=3)',
+    '(read with experiments/tools/profile_summary.py --steps=3; with XLA_FLAGS=--xla_dump_to=HLO and one config, '
+    '--hlo_dump=HLO --module=loss names the ops)',
   )
   flags.DEFINE_string('dtype', None, 'compute dtype; default bfloat16 on a GPU, float32 elsewhere')
   flags.DEFINE_bool('parts', True, 'also time the dispatch parts (table 2)')
@@ -142,7 +143,10 @@ def _fwd_and_grad(apply, params, x):
   import jax.numpy as jnp
 
   dy = jax.random.normal(jax.random.key(1), x.shape, jnp.float32)
-  loss = lambda p, x, dy: jnp.sum(apply(p, x).astype(jnp.float32) * dy)
+
+  def loss(p, x, dy):  # named: its jitted gradient is the dump's module jit_loss (profile_summary --module=loss)
+    return jnp.sum(apply(p, x).astype(jnp.float32) * dy)
+
   return jax.jit(apply), _bound(jax.grad(loss, argnums=(0, 1)), dy=dy)
 
 
