@@ -449,7 +449,7 @@ def _blocked_layout(m: int, group_sizes_g, b: int) -> _Blocks:
   slot = jnp.arange(blocks * b, dtype=jnp.int32)
   # method='compare_all': each slot against the G ends in one fused reduction, where the default
   # binary search runs as a loop of log2(G) dependent steps
-  group_p = jnp.searchsorted(padded_ends, slot, side='right', method='compare_all').astype(jnp.int32)  # G: none
+  group_p = jnp.searchsorted(padded_ends, slot, side='right', method='compare_all').astype(jnp.int32)  # G past the end
   clamped_p = jnp.minimum(group_p, g - 1)
   offset_p = slot - padded_starts[clamped_p]  # >= the group's size in padding and trailing slots
   src_p = jnp.where(offset_p < sizes[clamped_p], starts[clamped_p] + offset_p, m)
