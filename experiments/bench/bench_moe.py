@@ -19,15 +19,17 @@ forward+backward (gradients of sum(y * dy) with respect to the parameters and x)
 (min) of --repeats calls in ms after --warmup, with TFLOP/s over the active FLOPs: forward
 2 T D (3 F (K + shared) + E) (the expert matmuls and the router), forward+backward 3x that; and
 the ratio MoE / dense of the forward+backward times (the issue's bar: <= 1.5, goal <= 1.2).
-Table 2, the parts of the routed path (kimijax.ops.moe) at the same shapes: 'route' (router
-logits and top-k), 'sort' (sort_by_expert), 'permute' (the gather of the T K rows),
+Table 2, the parts of the routed path (kimijax.ops.moe) at the same shapes: 'router logits'
+(router_logits, as the layer computes them), 'routing' (route: scores, top-k and weights from the
+logits), 'sort' (sort_by_expert), 'expert load' (the counts the train step's metrics and bias
+update read), 'permute' (the gather of the T K rows),
 'grouped swiglu' (expert_swiglu: the two grouped matmuls), 'combine' (inverse permutation and
 weighted sum, float32), forward and forward+backward where there is a gradient. 'xla_blocked'
 (and 'pallas', the same layout with Triton kernels: kernels_pallas/moe/; each at its default
 settings or under each of its --moe_tiles, one row each) runs permute, grouped swiglu and combine
 as one padded-layout function in the layer (the rows never in sorted order; kimijax/ops/moe.py):
-its row 'padded swiglu' times that, from the tokens to the weighted sum, so that route + sort +
-padded swiglu are its routed path; its 'grouped swiglu' row times it as a plain grouped matmul
+its row 'padded swiglu' times that, from the tokens to the weighted sum, so that router logits +
+routing + sort + padded swiglu are its routed path; its 'grouped swiglu' row times it as a plain grouped matmul
 (expert_swiglu). Table 3 (--matmuls), one grouped matmul of the expert SwiGLU at a time (the
 ragged_dot contract, gathers included: rows [T K, A] in the routing's groups times [E, A, B]):
 its forward, input gradient and weight gradient, each jitted on its own, against the dense
@@ -258,25 +260,28 @@ def layer_rows(
 
 
 def _routed_groups(x_td, e: int, k: int):
-  """Random router weights' routing of x_td (sigmoid, renormalised, Moonlight's scaling) and its
-  dispatch: (routing, dispatch, route, sort), the last two jitted."""
+  """Random router weights' routing of x_td as the layer computes it (`router_logits`, then sigmoid
+  routing renormalised with Moonlight's scaling) and its dispatch: (routing, dispatch, parts), parts
+  the jitted functions {'router logits': (x, W_r), 'routing': (logits,), 'sort': (experts,),
+  'expert load': (experts,)} and their arguments, for table 2."""
   import jax
   import jax.numpy as jnp
 
   from kimijax.ops import moe as moe_ops
 
   w_router = 0.02 * jax.random.normal(jax.random.key(5), (x_td.shape[1], e), jnp.float32)
-  route = jax.jit(
-    lambda x, w: moe_ops.route(
-      jnp.einsum('td,de->te', x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST),
-      None,
-      top_k=k,
-      scaling_factor=2.446,
-    )
-  )
-  routing = route(x_td, w_router)
+  router = jax.jit(moe_ops.router_logits)
+  route = jax.jit(lambda logits: moe_ops.route(logits, None, top_k=k, scaling_factor=2.446))
+  logits = router(x_td, w_router)
+  routing = route(logits)
   sort = jax.jit(lambda ex: moe_ops.sort_by_expert(ex, e))
-  return routing, sort(routing.experts_tk), (route, w_router), sort
+  parts = {
+    'router logits': (router, (x_td, w_router)),
+    'routing': (route, (logits,)),
+    'sort': (sort, (routing.experts_tk,)),
+    'expert load': (jax.jit(lambda ex: moe_ops.expert_load(ex, e)), (routing.experts_tk,)),
+  }
+  return routing, sort(routing.experts_tk), parts
 
 
 def _timed_sum(calls, tflop, repeats, warmup) -> tuple[list[str], float | None]:
@@ -384,11 +389,32 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
   x_td = jax.random.normal(keys[0], (tokens, d_model), dtype)
   for name in config_names:
     e, k, f = parse_config(name)
-    routing, dispatch, (route, w_router), sort = _routed_groups(x_td, e, k)
+    routing, dispatch, parts = _routed_groups(x_td, e, k)
     label = f'{name}'
+    router, (_, w_router) = parts['router logits']
+    c_te = jax.random.normal(keys[1], (tokens, e), jnp.float32)
+    router_grad = _bound(jax.grad(lambda x, w, c: jnp.sum(router(x, w) * c), argnums=(0, 1)), c=c_te)
     router_tflop = 2 * tokens * d_model * e / 1e12
-    yield [label, 'route', '-', _timed(route, (x_td, w_router), router_tflop, repeats, warmup)[0], '-']
-    yield [label, 'sort', '-', _timed(sort, (routing.experts_tk,), None, repeats, warmup)[0], '-']
+    yield [
+      label,
+      'router logits',
+      '-',
+      _timed(router, (x_td, w_router), router_tflop, repeats, warmup)[0],
+      _timed(router_grad, (x_td, w_router), 3 * router_tflop, repeats, warmup)[0],
+    ]
+    route, (logits,) = parts['routing']
+    route_grad = _bound(jax.grad(lambda u, c: jnp.sum(route(u).weights_tk * c)), c=c_te[:, :k])
+    yield [
+      label,
+      'routing',
+      '-',
+      _timed(route, (logits,), None, repeats, warmup)[0],
+      _timed(route_grad, (logits,), None, repeats, warmup)[0],
+    ]
+    del c_te, route_grad, router_grad
+    for part in ('sort', 'expert load'):
+      fn, args = parts[part]
+      yield [label, part, '-', _timed(fn, args, None, repeats, warmup)[0], '-']
 
     permute = _bound(lambda x, dispatch: moe_ops.permute(x, dispatch, k), dispatch=dispatch)
     g_md = jax.random.normal(keys[2], (tokens * k, d_model), jnp.float32)

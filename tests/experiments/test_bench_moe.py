@@ -28,8 +28,10 @@ def test_tiny_shapes_time_the_layer_against_the_dense_swiglu():
 def test_tiny_shapes_time_the_parts():
   rows = list(bench_moe.part_rows(['4x2x16'], ['xla', 'tokamax'], tokens=64, d_model=16, repeats=1, warmup=1))
   assert [(r[1], r[2]) for r in rows] == [
-    ('route', '-'),
+    ('router logits', '-'),
+    ('routing', '-'),
     ('sort', '-'),
+    ('expert load', '-'),
     ('permute', '-'),
     ('grouped swiglu', 'xla'),
     ('grouped swiglu', 'tokamax'),
@@ -37,7 +39,8 @@ def test_tiny_shapes_time_the_parts():
   ]
   by_part = {(r[1], r[2]): r for r in rows}
   assert re.fullmatch(TIMED, by_part[('sort', '-')][3]) and by_part[('sort', '-')][4] == '-'
-  for part in (('permute', '-'), ('combine', '-')):
+  assert all(re.fullmatch(TIMED + r', .* TFLOP/s', c) for c in by_part[('router logits', '-')][3:])
+  for part in (('routing', '-'), ('permute', '-'), ('combine', '-')):
     assert all(re.fullmatch(TIMED, c) for c in by_part[part][3:]), by_part[part]
   assert all(re.fullmatch(TIMED + r', .* TFLOP/s', c) for c in by_part[('grouped swiglu', 'xla')][3:])
   assert by_part[('grouped swiglu', 'tokamax')][3].startswith('n/a: needs an NVIDIA GPU')
