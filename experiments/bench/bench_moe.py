@@ -30,8 +30,9 @@ settings or under each of its --moe_tiles, one row each) runs permute, grouped s
 as one padded-layout function in the layer (the rows never in sorted order; kimijax/ops/moe.py):
 its row 'padded swiglu' times that, from the tokens to the weighted sum, so that router logits +
 routing + sort + padded swiglu are its routed path; its 'grouped swiglu' row times it as a plain
-grouped matmul (expert_swiglu). Table 3 (--matmuls), one grouped matmul of the expert SwiGLU at a time (the
-ragged_dot contract, gathers included: rows [T K, A] in the routing's groups times [E, A, B]):
+grouped matmul (expert_swiglu). Table 3 (--matmuls), one grouped matmul of the expert SwiGLU at a
+time (the ragged_dot contract, gathers included: rows [T K, A] in the routing's groups times
+[E, A, B]):
 its forward, input gradient and weight gradient, each jitted on its own, against the dense
 matmul of the same rows ([T K, A] x [A, B] and its two gradients) at the two shapes of the
 experts (A x B = D x 2F, then F x D). Table 4 (--kernels), the same products by the tile kernels
