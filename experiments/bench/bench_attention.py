@@ -10,8 +10,8 @@ Shapes (B, T, S, H, Hkv, D, Dv), causal, queries the last T of S positions: mha_
 v 128: 'cudnn' pads v to 192, 'tokamax' takes it as it is), decode_4k (T = 1 over a full 4096
 cache, forward only; 'xla' there is decode_attention, the path generation uses today), or any
 'BxTxSxHxHkvxDxDv'. Every cell runs kimijax.ops.attention.attention (or decode_attention) jitted:
-forward returns the output (and the max logits), forward+backward the gradients of
-sum(out * do) with respect to q, k and v (and the max logits), so no requested work is dropped.
+forward returns the output (and the max logits), forward+backward sum(out * do) and its gradients
+with respect to q, k and v (and the max logits), so no requested work is dropped.
 A cell is the median (min) of --repeats calls in ms after --warmup calls, with the forward's
 TFLOP/s (2 B H (D + Dv) x unmasked (query, key) pairs); 'xla' is skipped above
 --skip_xla_above keys (it writes the [T, S] logits), and out of memory or a kernel's refusal
@@ -95,7 +95,7 @@ def _cells(shape, impl, max_logits, dtype, repeats, warmup):
 
   fns = [(jax.jit(op), forward_tflop(shape))]
   if t > 1:
-    fns.append((jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True)), None))
+    fns.append((jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)), None))
   cells = []
   for fn, tflop in fns:
     try:

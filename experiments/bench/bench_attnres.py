@@ -5,9 +5,9 @@ pre-norm (merge_partial then RMSNorm in XLA, or fused: kimijax.ops.attnres.merge
     python -m experiments.bench.bench_attnres --batch=1 --seq_len=256 --sources=2   # CPU (pallas interpreted)
 
 Phase 1 of one block: S queries over n block sums (random bf16 sources [B, T, D] of different
-scales, random queries), forward (the S outputs and lse) and forward+backward (gradients of a
-random projection of the outputs, lse and the passed-through sources with respect to the
-sources and queries), for each impl and each n in --sources. Also phase 2 and the pre-norm of
+scales, random queries), forward (the S outputs and lse) and forward+backward (a
+random projection of the outputs, lse and the passed-through sources, and its gradients with
+respect to the sources and queries), for each impl and each n in --sources. Also phase 2 and the pre-norm of
 one consumer, unfused ('xla') and fused ('pallas', and the --merge_tiles variants), by default
 after adding the previous sublayer's output to the partial sum (--merge_add). For scale,
 the time of one pass over a [B, T, D] array (from chained scale-and-copies, a read and a write
@@ -137,7 +137,7 @@ def _phase1_fns(impl):
     return sum(jnp.sum(o.astype(jnp.float32) * w_outs) for o in outs + sources) + jnp.sum(lse * w_lse)
 
   forward = jax.jit(lambda v, q: phase1(v, q, impl=impl))
-  backward = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  backward = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   return forward, backward
 
 
@@ -225,7 +225,7 @@ def _merge_fns(impl):
     x, p = fn(*args[:-1])
     return jnp.sum((x.astype(jnp.float32) + p.astype(jnp.float32)) * args[-1])
 
-  return jax.jit(fn), jax.jit(jax.grad(loss, argnums=tuple(range(6 if FLAGS.merge_add else 5))))
+  return jax.jit(fn), jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6 if FLAGS.merge_add else 5))))
 
 
 def _check_merge(impl):

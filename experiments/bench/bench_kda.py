@@ -9,7 +9,8 @@ range of the KDA gate at init, where no 16-token sub-chunk is steep; beta = sigm
 --gate_log_max=3 makes nearly every sub-chunk steep (its decay drops by 60 or more in some
 feature), which the Pallas kernels form with their pairwise diagonal kernels instead of matmuls
 (kernels_pallas/kda/README.md, Stability): the slow path's cost. forward: o from (q, k, v, g,
-beta); forward+backward: the gradients of sum(o * do) with respect to all five inputs.
+beta); forward+backward: sum(o * do) and its gradients with respect to all five inputs (the
+value keeps the forward's output kernels, which the gradients alone do not need and XLA would drop).
 On a GPU where `import fla` works, fla's
 Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (experiments/results/bench_kda.md: 1.77 ms /
 10.0 ms at the default shape on an H200). --gated calls the op as the KDA layer does, with the
@@ -166,7 +167,7 @@ def _jax_rows(shape, dtype_name, impls, label='', settings=None):
 
     fwd = jax.jit(fn)
     loss = lambda do, *a, fn=fn: jnp.sum(fn(*a).astype(jnp.float32) * do.astype(jnp.float32))
-    fwd_bwd = jax.jit(jax.grad(loss, argnums=tuple(range(1, len(args) + 1))))
+    fwd_bwd = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(1, len(args) + 1))))
     row = [f'kimijax {impl}{label}']
     calls = ((fwd, args), (fwd_bwd, (do,) + args))
     try:
@@ -349,7 +350,7 @@ def _stage_rows(shape, dtype_name, settings):
 
 def _short_conv_rows(shape, dtype_name):
   """kimijax.ops.short_conv with 'silu_l2' (q's and k's activation) on x [B, T, H, K]: forward, and
-  the gradients of sum(y * dy) with respect to x and the taps."""
+  sum(y * dy) and its gradients with respect to x and the taps."""
   import jax
   import jax.numpy as jnp
 
@@ -366,7 +367,7 @@ def _short_conv_rows(shape, dtype_name):
   for impl, (text, conv_settings) in [('xla', ('', None))] + [('pallas', st) for st in settings]:
     fn = lambda x, w, impl=impl, st=conv_settings: sc.short_conv(x, w, 'silu_l2', impl=impl, settings=st)[0]
     loss = lambda x, w, dy, fn=fn: jnp.sum(fn(x, w).astype(jnp.float32) * dy.astype(jnp.float32))
-    calls = ((jax.jit(fn), (x, w)), (jax.jit(jax.grad(loss, argnums=(0, 1))), (x, w, dy)))
+    calls = ((jax.jit(fn), (x, w)), (jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (x, w, dy)))
     row = [f'short_conv {impl} (silu_l2)' + (f' [{text}]' if text else '')] + _cells(
       [lambda f=f, a=a: f(*a) for f, a in calls], jax.block_until_ready
     )

@@ -15,22 +15,24 @@ the same expert matmul FLOPs per token.
 
 Table 1, per config and grouped-matmul impl: the MoE layer (router, routing, dispatch, experts,
 combine, the router statistics the train step reads) and the dense SwiGLU, forward and
-forward+backward (gradients of sum(y * dy) with respect to the parameters and x), each the median
+forward+backward (the loss sum(y * dy) and its gradients with respect to the parameters and x,
+as a training step computes both: the gradients alone of that linear loss do not need y, and XLA
+would drop the forward's last matmul and the combine from both sides), each the median
 (min) of --repeats calls in ms after --warmup, with TFLOP/s over the active FLOPs: forward
 2 T D (3 F (K + shared) + E) (the expert matmuls and the router), forward+backward 3x that; and
 the ratio MoE / dense of the forward+backward times (the issue's bar: <= 1.5, goal <= 1.2).
 Table 2, the parts of the routed path (kimijax.ops.moe) at the same shapes: 'router logits'
 (router_logits, as the layer computes them), 'routing' (route: scores, top-k and weights from the
-logits), 'sort' (sort_by_expert), 'expert load' (the counts the train step's metrics and bias
-update read), 'permute' (the gather of the T K rows),
-'grouped swiglu' (expert_swiglu: the two grouped matmuls), 'combine' (inverse permutation and
-weighted sum, float32), forward and forward+backward where there is a gradient. 'xla_blocked'
-(and 'pallas', the same layout with Triton kernels: kernels_pallas/moe/; each at its default
-settings or under each of its --moe_tiles, one row each) runs permute, grouped swiglu and combine
-as one padded-layout function in the layer (the rows never in sorted order; kimijax/ops/moe.py):
-its row 'padded swiglu' times that, from the tokens to the weighted sum, so that router logits +
-routing + sort + padded swiglu are its routed path; its 'grouped swiglu' row times it as a plain
-grouped matmul (expert_swiglu). Table 3 (--matmuls), one grouped matmul of the expert SwiGLU at a
+logits), 'sort' (sort_by_expert), 'expert load' (the counts the train step's metrics and bias update
+read), 'permute' (the gather of the T K rows), 'grouped swiglu' (expert_swiglu: the two grouped
+matmuls), 'combine' (inverse permutation and weighted sum, float32), forward and forward+backward (a
+loss and its gradients, as in table 1) where there is a gradient. 'xla_blocked' (and 'pallas', the
+same layout with Triton kernels: kernels_pallas/moe/; each at its default settings or under each of
+its --moe_tiles, one row each) runs permute, grouped swiglu and combine as one padded-layout
+function in the layer (the rows never in sorted order; kimijax/ops/moe.py): its row 'padded swiglu'
+times that, from the tokens to the weighted sum, so that router logits + routing + sort + padded
+swiglu are its routed path; its 'grouped swiglu' row times it as a plain grouped matmul
+(expert_swiglu). Table 3 (--matmuls), one grouped matmul of the expert SwiGLU at a
 time (the ragged_dot contract, gathers included: rows [T K, A] in the routing's groups times
 [E, A, B]):
 its forward, input gradient and weight gradient, each jitted on its own, against the dense
@@ -140,8 +142,9 @@ def _trace(fn, args, directory, calls=3):
 
 
 def _fwd_and_grad(apply, params, x):
-  """Jitted forward and forward+backward (gradients of sum(y * dy) in float32 with respect to the
-  params and x) of apply(params, x) -> y."""
+  """Jitted forward and forward+backward (the loss sum(y * dy) in float32 and its gradients with
+  respect to the params and x: the value keeps y, which the gradients alone do not need) of
+  apply(params, x) -> y."""
   import jax
   import jax.numpy as jnp
 
@@ -150,7 +153,7 @@ def _fwd_and_grad(apply, params, x):
   def loss(p, x, dy):  # named: its jitted gradient is the dump's module jit_loss (profile_summary --module=loss)
     return jnp.sum(apply(p, x).astype(jnp.float32) * dy)
 
-  return jax.jit(apply), _bound(jax.grad(loss, argnums=(0, 1)), dy=dy)
+  return jax.jit(apply), _bound(jax.value_and_grad(loss, argnums=(0, 1)), dy=dy)
 
 
 def _bound(fn, **arrays):
@@ -394,7 +397,7 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
     label = f'{name}'
     router, (_, w_router) = parts['router logits']
     c_te = jax.random.normal(keys[1], (tokens, e), jnp.float32)
-    router_grad = _bound(jax.grad(lambda x, w, c: jnp.sum(router(x, w) * c), argnums=(0, 1)), c=c_te)
+    router_grad = _bound(jax.value_and_grad(lambda x, w, c: jnp.sum(router(x, w) * c), argnums=(0, 1)), c=c_te)
     router_tflop = 2 * tokens * d_model * e / 1e12
     yield [
       label,
@@ -404,7 +407,7 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
       _timed(router_grad, (x_td, w_router), 3 * router_tflop, repeats, warmup)[0],
     ]
     route, (logits,) = parts['routing']
-    route_grad = _bound(jax.grad(lambda u, c: jnp.sum(route(u).weights_tk * c)), c=c_te[:, :k])
+    route_grad = _bound(jax.value_and_grad(lambda u, c: jnp.sum(route(u).weights_tk * c)), c=c_te[:, :k])
     yield [
       label,
       'routing',
@@ -420,7 +423,7 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
     permute = _bound(lambda x, dispatch: moe_ops.permute(x, dispatch, k), dispatch=dispatch)
     g_md = jax.random.normal(keys[2], (tokens * k, d_model), jnp.float32)
     permute_grad = _bound(
-      jax.grad(lambda x, dispatch, g: jnp.sum(moe_ops.permute(x, dispatch, k).astype(jnp.float32) * g)),
+      jax.value_and_grad(lambda x, dispatch, g: jnp.sum(moe_ops.permute(x, dispatch, k).astype(jnp.float32) * g)),
       dispatch=dispatch,
       g=g_md,
     )
@@ -449,7 +452,7 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
       )
       g_out = jax.random.normal(keys[6], (tokens * k, d_model), jnp.float32)
       swiglu_loss = lambda *a, sizes, g: jnp.sum(swiglu(*a, sizes).astype(jnp.float32) * g)
-      swiglu_grad = _bound(jax.grad(swiglu_loss, argnums=(0, 1, 2, 3)), sizes=dispatch.group_sizes_e, g=g_out)
+      swiglu_grad = _bound(jax.value_and_grad(swiglu_loss, argnums=(0, 1, 2, 3)), sizes=dispatch.group_sizes_e, g=g_out)
       tflop = forward_tflop(tokens, d_model, f * k)
       yield [
         label,
@@ -463,7 +466,7 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
         padded = lambda x, r, *ws, dispatch, routed=routed, settings=settings: routed(x, r, dispatch, *ws, settings)
         g_td = jax.random.normal(keys[7], (tokens, d_model), jnp.float32)
         padded_loss = lambda *a, dispatch, g: jnp.sum(padded(*a, dispatch=dispatch) * g)
-        padded_grad = _bound(jax.grad(padded_loss, argnums=(0, 1, 2, 3, 4)), dispatch=dispatch, g=g_td)
+        padded_grad = _bound(jax.value_and_grad(padded_loss, argnums=(0, 1, 2, 3, 4)), dispatch=dispatch, g=g_td)
         args = (x_td, routing.weights_tk, *w)
         yield [
           label,
@@ -477,7 +480,7 @@ def part_rows(config_names, impls, tokens=65536, d_model=1024, dtype_name=None, 
     g_td = jax.random.normal(keys[7], (tokens, d_model), jnp.float32)
     combine = lambda y, w, dispatch: moe_ops.combine(y, dispatch, w)
     combine_loss = lambda y, w, dispatch, g: jnp.sum(combine(y, w, dispatch) * g)
-    combine_grad = _bound(jax.grad(combine_loss, argnums=(0, 1)), dispatch=dispatch, g=g_td)
+    combine_grad = _bound(jax.value_and_grad(combine_loss, argnums=(0, 1)), dispatch=dispatch, g=g_td)
     yield [
       label,
       'combine',
