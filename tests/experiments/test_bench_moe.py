@@ -109,3 +109,27 @@ def test_moe_tiles_give_each_impl_one_row_per_its_settings():
     bench_moe.impl_variants(['xla_blocked', 'pallas'], ['block_m=64'])
   with pytest.raises(ValueError, match=r"unknown keys \['block_x'\]"):
     bench_moe.impl_variants(['pallas'], ['block_x=64'])
+
+
+def test_forward_backward_computes_the_forward_output():
+  """The timed forward+backward returns the loss sum(y * dy) with the gradients, as a training step
+  does (the gradients alone of this linear loss do not need y, and XLA would drop the forward's
+  last matmul): the value against a float64 NumPy SwiGLU of the same parameters."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import linen as nn
+
+  from kimijax.layers.mlp import SwiGLU
+
+  x = jax.random.normal(jax.random.key(3), (2, 4, 16), jnp.float32)
+  dense = SwiGLU(hidden=32, init_std=0.2, dtype=jnp.float32)
+  params = dense.init(jax.random.key(0), x)['params']
+  _, fwd_bwd = bench_moe._fwd_and_grad(lambda p, x: dense.apply({'params': p}, x), params, x)
+  value, (d_params, dx) = fwd_bwd(params, x)
+  p64 = {name: np.asarray(w, np.float64) for name, w in nn.unbox(params).items()}
+  x64, dy64 = np.asarray(x, np.float64), np.asarray(fwd_bwd.keywords['dy'], np.float64)
+  gate = x64 @ p64['wi_gate']
+  y64 = (gate / (1 + np.exp(-gate)) * (x64 @ p64['wi_up'])) @ p64['wo']
+  np.testing.assert_allclose(float(value), np.sum(y64 * dy64), rtol=1e-4)
+  assert dx.shape == x.shape and set(d_params) == set(params)
