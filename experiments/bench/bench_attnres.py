@@ -5,14 +5,13 @@ pre-norm (merge_partial then RMSNorm in XLA, or fused: kimijax.ops.attnres.merge
     python -m experiments.bench.bench_attnres --batch=1 --seq_len=256 --sources=2   # CPU (pallas interpreted)
 
 Phase 1 of one block: S queries over n block sums (random bf16 sources [B, T, D] of different
-scales, random queries), forward (the S outputs and lse) and forward+backward (a
-random projection of the outputs, lse and the passed-through sources, and its gradients with
-respect to the sources and queries), for each impl and each n in --sources. Also phase 2 and the pre-norm of
-one consumer, unfused ('xla') and fused ('pallas', and the --merge_tiles variants), by default
-after adding the previous sublayer's output to the partial sum (--merge_add). For scale,
-the time of one pass over a [B, T, D] array (from chained scale-and-copies, a read and a write
-each), so each figure can be read as passes; the figures include each call's launch overhead,
-the pass time does not.
+scales, random queries), forward (the S outputs and lse) and forward+backward (a random projection
+of the outputs, lse and the passed-through sources, and its gradients with respect to the sources
+and queries), for each impl and each n in --sources. Also phase 2 and the pre-norm of one consumer,
+unfused ('xla') and fused ('pallas', and the --merge_tiles variants), by default after adding the
+previous sublayer's output to the partial sum (--merge_add). For scale, the time of one pass over a
+[B, T, D] array (from chained scale-and-copies, a read and a write each), so each figure can be read
+as passes; the figures include each call's launch overhead, the pass time does not.
 Before timing, each impl's outputs and gradients are checked against impl 'xla' in float32.
 Each figure is the median of --repeats timed calls after --warmup calls; prints a Markdown table.
 """

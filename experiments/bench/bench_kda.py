@@ -10,7 +10,7 @@ range of the KDA gate at init, where no 16-token sub-chunk is steep; beta = sigm
 feature), which the Pallas kernels form with their pairwise diagonal kernels instead of matmuls
 (kernels_pallas/kda/README.md, Stability): the slow path's cost. forward: o from (q, k, v, g,
 beta); forward+backward: sum(o * do) and its gradients with respect to all five inputs (the
-value keeps the forward's output kernels, which the gradients alone do not need and XLA would drop).
+value keeps the forward's output kernels, which XLA drops from the gradients alone).
 On a GPU where `import fla` works, fla's
 Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (experiments/results/bench_kda.md: 1.77 ms /
 10.0 ms at the default shape on an H200). --gated calls the op as the KDA layer does, with the
