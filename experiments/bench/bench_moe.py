@@ -32,16 +32,15 @@ its --moe_tiles, one row each) runs permute, grouped swiglu and combine as one p
 function in the layer (the rows never in sorted order; kimijax/ops/moe.py): its row 'padded swiglu'
 times that, from the tokens to the weighted sum, so that router logits + routing + sort + padded
 swiglu are its routed path; its 'grouped swiglu' row times it as a plain grouped matmul
-(expert_swiglu). Table 3 (--matmuls), one grouped matmul of the expert SwiGLU at a
-time (the ragged_dot contract, gathers included: rows [T K, A] in the routing's groups times
-[E, A, B]):
-its forward, input gradient and weight gradient, each jitted on its own, against the dense
-matmul of the same rows ([T K, A] x [A, B] and its two gradients) at the two shapes of the
-experts (A x B = D x 2F, then F x D). Table 4 (--kernels), the same products by the tile kernels
-alone of an impl that has them ('pallas', 'mosaic': kimijax.ops.moe.tile_kernels) on rows already
-gathered into the padded layout's slots (tiles of block_m rows per expert): what table 3 costs
-beyond the kernels is the gathers into the slots and back. An impl that cannot run here, or a cell
-out of memory, is a cell saying so, not a crash. Prints Markdown.
+(expert_swiglu). Table 3 (--matmuls), one grouped matmul of the expert SwiGLU at a time (the
+ragged_dot contract, gathers included: rows [T K, A] in the routing's groups times [E, A, B]): its
+forward, input gradient and weight gradient, each jitted on its own, against the dense matmul of the
+same rows ([T K, A] x [A, B] and its two gradients) at the two shapes of the experts (A x B = D x
+2F, then F x D). Table 4 (--kernels), the same products by the tile kernels alone of an impl that
+has them ('pallas', 'mosaic': kimijax.ops.moe.tile_kernels) on rows already gathered into the padded
+layout's slots (tiles of block_m rows per expert): what table 3 costs beyond the kernels is the
+gathers into the slots and back. An impl that cannot run here, or a cell out of memory, is a cell
+saying so, not a crash. Prints Markdown.
 Results go to experiments/results/moe.md.
 """
 
