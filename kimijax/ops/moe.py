@@ -40,7 +40,8 @@ IMPLS, the grouped matmul (ragged dot) by name:
                b = the power of two nearest M / (4 G), at least 8 (4: BlockedSettings'
                blocks_per_group, model.kernels.moe). On XLA:CPU 5-9x faster than
                lax.ragged_dot at the CPU configs' shapes, as fast as a dense SwiGLU of the same
-               active width (experiments/results/moe.md); the fastest on the GPU too, and model.moe.impl's default.
+               active width (experiments/results/moe.md), and model.moe.impl's default; on
+               Hopper GPUs 'mosaic' is faster (below).
                `routed_experts` runs the whole expert SwiGLU in the padded layout
                (`_blocked_routed`, one custom VJP): forward, one gather of the tokens straight
                into the experts' padded slots (slot p holds token order_m[src_p] // K, zero in
