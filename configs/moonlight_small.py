@@ -11,7 +11,7 @@ Variants: :gpu      one GPU: d 768, 12 layers, 64 routed experts top-6 + 2 share
 Expected: CPU (the default): 7.30M parameters, 1.42M active; eval loss 2.33 nats/byte at step
           100 and 1.88 at step 300 (1.23M tokens), about 1.4 s a step on a 2-core CPU
           (experiments/results/moe.md); :gpu on one H100: 899M parameters (147M active), about
-          144k tokens/s on 'xla_blocked' (faster on 'mosaic'), eval loss 0.80 / 0.64 / 0.57
+          144k tokens/s on 'xla_blocked' (the variant now runs 'mosaic'), eval loss 0.80 / 0.64 / 0.57
           nats/byte at steps 500 / 1000 / 1500 (experiments/results/moe.md).
 
 The routing is Moonlight's release (DeepSeek-V3's): sigmoid scores, the chosen experts' scores

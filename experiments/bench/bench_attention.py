@@ -8,7 +8,7 @@ without max logits, forward and forward+backward, side by side in one process (i
 Shapes (B, T, S, H, Hkv, D, Dv), causal, queries the last T of S positions: mha_4k (8, 4096, 4096,
 16, 16, 128, 128), mha_16k (2, 16384, ...), gqa_4k (16 query / 4 key-value heads), mla_4k (q/k 192,
 v 128: 'cudnn' pads v to 192, 'tokamax' takes it as it is), decode_4k (T = 1 over a full 4096
-cache, forward only; 'xla' there is decode_attention, the path generation uses today), or any
+cache, forward only; 'xla' there is decode_attention, the path generation uses), or any
 'BxTxSxHxHkvxDxDv'. Every cell runs kimijax.ops.attention.attention (or decode_attention) jitted:
 forward returns the output (and the max logits), forward+backward sum(out * do) and its gradients
 with respect to q, k and v (and the max logits), so no requested work is dropped.
@@ -17,9 +17,7 @@ TFLOP/s (2 B H (D + Dv) x unmasked (query, key) pairs); 'xla' is skipped above
 --skip_xla_above keys (it writes the [T, S] logits), and out of memory or a kernel's refusal
 is a cell, not a crash. Prints a Markdown table.
 
-Expected on one H200 (experiments/results/bench_attention.md; measure again here): mha_4k
-tokamax ~0.93 / 4.1 ms, cudnn 0.96 / 3.9-4.0 ms without max logits; mla_4k tokamax ~1.07 /
-5.6 ms. Results go to experiments/results/bench_attention.md, with the step comparisons it
+Figures on an H200: experiments/results/bench_attention.md, with the step comparisons it
 lists (experiments/bench/bench_compare.py: bench_350m and its 3:1 KDA:MLA hybrid, 'tokamax'
 against 'cudnn', with and without max logits).
 """

@@ -12,8 +12,8 @@ feature), which the Pallas kernels form with their pairwise diagonal kernels ins
 beta); forward+backward: sum(o * do) and its gradients with respect to all five inputs (the
 value keeps the forward's output kernels, which XLA drops from the gradients alone).
 On a GPU where `import fla` works, fla's
-Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (experiments/results/bench_kda.md: 1.77 ms /
-10.0 ms at the default shape on an H200). --gated calls the op as the KDA layer does, with the
+Triton `chunk_kda` (PyTorch) runs on the same shapes in bf16, for reference (figures:
+experiments/results/bench_kda.md). --gated calls the op as the KDA layer does, with the
 decay gate's pre-activation and parameters in place of g (kimijax.ops.kda.kda's a_log, dt_bias).
 --kernels lists the device time of every kernel inside one call of 'pallas' and of fla, from
 their profilers: the per-kernel comparison of the two, without the launch gaps of --stages.

@@ -13,7 +13,7 @@ bench_compare runs it against the same config without it. With --compile_only no
 initialised or run: the step is compiled from the abstract train state and the figures are XLA's
 planned peak per device, the device's memory and whether the plan fits it (bench_context uses it to
 find the longest sequence that fits without running steps that take minutes).
-(bench_350m on one H200: 392 ms/step, 167k tokens/s, 0.449 MFU; experiments/results/bench_train.md).
+(figures: experiments/results/bench_train.md).
 Model FLOPs per token come from kimijax.train.flops (6 N plus
 causal attention, the count the ladders use; Muon's Newton-Schulz is not in MFU). For an MoE model
 N is the active parameter count (active_params_M; the routed experts a token does not use are
