@@ -69,7 +69,7 @@ flags.DEFINE_enum(
   'print the resolved config and parameter counts without training; export: write the latest '
   'checkpoint as a Hugging Face folder (--export_dir).',
 )
-flags.DEFINE_string('prompt', '', 'generate: the text to continue.')
+flags.DEFINE_string('prompt', '', 'generate: the text to continue (empty: a newline).')
 flags.DEFINE_integer('max_new_tokens', 200, "generate: tokens to add (> 0), in the run's tokenizer.")
 flags.DEFINE_float('temperature', 0.8, 'generate: sampling temperature (>= 0); 0 is greedy.')
 flags.DEFINE_integer('top_k', 0, 'generate: keep the k most likely tokens (0: all).')
@@ -129,14 +129,10 @@ def main(argv):
       sys.exit(f'UsageError: --peer_timeout_s={FLAGS.peer_timeout_s} must be positive')
     join_processes(jax)
 
-  from kimijax.data import DataError
-  from kimijax.hf.safetensors import HfError
-  from kimijax.train.checkpoint import CheckpointError
-  from kimijax.train.interrupt import Interrupted, exit_status
-  from kimijax.train.lock import WorkdirError
-  from kimijax.train.loop import NonFiniteError, train
+  from kimijax.train.loop import train
+  from kimijax.train.user_errors import one_line_errors
 
-  try:  # these errors carry one message naming the key or path; a traceback would bury it
+  with one_line_errors(UsageError):  # errors that name the key or path; a traceback would bury them
     if FLAGS.mode == 'generate':
       return generate_text(config)
     if FLAGS.mode == 'eval':
@@ -146,17 +142,6 @@ def main(argv):
     if FLAGS.mode == 'export':
       return export_run()
     summary = train(config, FLAGS.workdir)
-  except Interrupted as e:
-    print(f'kimijax: {e}', file=sys.stderr, flush=True)
-    sys.exit(exit_status(e.signum))
-  except KeyboardInterrupt as e:  # a second stop signal (StopNow), or Ctrl-C outside training
-    what = str(e) or 'Ctrl-C'
-    print(
-      f'kimijax: interrupted ({what}); a run resumes from its last complete checkpoint', file=sys.stderr, flush=True
-    )
-    sys.exit(exit_status(getattr(e, 'signum', 2)))
-  except (ConfigError, DataError, CheckpointError, WorkdirError, NonFiniteError, UsageError, HfError) as e:
-    sys.exit(f'{type(e).__name__}: {e}')
   if jax.process_index() == 0:
     print_summary(summary)
 
@@ -283,11 +268,13 @@ def generate_text(config=None):
     raise UsageError(message)
   from kimijax.data import load_tokenizer
   from kimijax.data.pipeline import tokenizer_spec
-  from kimijax.infer.generate import load_for_generation, timed_generate
+  from kimijax.infer.generate import cache_too_large, load_for_generation, timed_generate
 
   config, model, params = load_for_generation(FLAGS.workdir, config, FLAGS.param_dtype)
   tokenizer = load_tokenizer(tokenizer_spec(config))  # the run's (data.tokenizer)
   prompt = tokenizer.encode(FLAGS.prompt or '\n')
+  if message := cache_too_large(config.model, FLAGS.num_samples, len(prompt) + FLAGS.max_new_tokens):
+    raise UsageError(f'--max_new_tokens={FLAGS.max_new_tokens} x --num_samples={FLAGS.num_samples}: {message}')
   tokens, timing = timed_generate(
     model,
     params,

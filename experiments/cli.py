@@ -1,10 +1,12 @@
 """What the workflow scripts share on the command line: one message, no traceback, for a user's
-mistake (a bad config key or value, a missing data path, a run folder of another config)."""
+mistake (a bad config key or value, a missing data path, a run folder of another config) or a stop
+request."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+from typing import NoReturn
 
 
 def list_in_help(*names: str) -> None:
@@ -16,19 +18,22 @@ def list_in_help(*names: str) -> None:
     flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
 
 
+def usage_error(message: str) -> NoReturn:
+  """Ends a tool whose flags cannot be used with one line naming the flag (where absl's
+  app.UsageError would print the whole module docstring before it)."""
+  sys.exit(f'UsageError: {message}')
+
+
 @contextlib.contextmanager
 def user_errors():
-  """Turns the errors that name a key or path into `sys.exit('<Type>: <message>')`; quiets absl's
-  INFO logs (orbax logs every checkpoint step)."""
+  """A user's mistake as one line and no traceback, a stop request as the run's exit status, as in
+  run.py (kimijax/train/user_errors.py; here with WorkflowError too); quiets absl's INFO logs
+  (orbax logs every checkpoint step)."""
   from absl import logging
 
   logging.set_verbosity(logging.WARNING)
   from experiments.runs import WorkflowError
-  from kimijax.config import ConfigError
-  from kimijax.data import DataError
-  from kimijax.train.checkpoint import CheckpointError
+  from kimijax.train.user_errors import one_line_errors
 
-  try:
+  with one_line_errors(WorkflowError):
     yield
-  except (ConfigError, DataError, CheckpointError, WorkflowError) as e:
-    sys.exit(f'{type(e).__name__}: {e}')

@@ -352,6 +352,19 @@ def fmt_mean(values: list[float], digits: int = 4) -> str:
   return f'{mean:.{digits}f}' + (f' ± {spread:.{digits}f}' if spread is not None else '')
 
 
+def check_outputs(workdir: str | pathlib.Path, publish: str | None = None) -> None:
+  """Before any training: WorkdirError if `workdir` cannot be a folder, WorkflowError if the
+  --publish prefix's folder cannot (a file in the way)."""
+  from kimijax.train.lock import check_workdir
+
+  check_workdir(workdir)
+  if publish:
+    folder = pathlib.Path(publish).absolute().parent
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+      raise WorkflowError(f'--publish={publish}: {existing} is a file, not a folder')
+
+
 def publish(files: dict[str, pathlib.Path], dest_prefix: str | pathlib.Path) -> list[pathlib.Path]:
   """Copies {suffix: file} to dest_prefix + suffix (e.g. experiments/results/NAME.md); the Markdown
   file's links to the others are rewritten to their new names."""

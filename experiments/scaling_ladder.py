@@ -198,6 +198,9 @@ def run_ladder(
   """Runs (or resumes) the ladder's rungs, then writes ladder.json / .md / .png; returns the json data.
   report_only=True trains nothing: the report covers the rungs finished in workdir."""
   workdir = pathlib.Path(workdir)
+  if time_budget_s is not None and time_budget_s < 0:
+    raise WorkflowError(f'--time_budget_s={time_budget_s} must be >= 0 (0: one rung; leave it out for no budget)')
+  runs_lib.check_outputs(workdir, publish)
   planned = plan(ladder, workdir, variants)
   runs = [] if report_only else [r for r in planned if r['chosen']]
   started = time.time()

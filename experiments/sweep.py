@@ -271,6 +271,7 @@ def run_points(
 ) -> dict:
   """run_sweep for an explicit list of (label, overrides) points (the ablations' arms)."""
   workdir = pathlib.Path(workdir)
+  runs_lib.check_outputs(workdir, publish)
   runs = plan(config, named_points, seeds, workdir)
   results = []
   for k, run in enumerate(runs):

@@ -295,6 +295,7 @@ def run(
           'MoE layers to read the expert loads from'
         )
   workdir = pathlib.Path(workdir)
+  runs_lib.check_outputs(workdir, publish)
   data = sweep.run_points(
     config,
     [(a.name, a.overrides) for a in chosen],

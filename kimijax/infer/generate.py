@@ -37,7 +37,7 @@ import numpy as np
 
 from kimijax import config as config_lib
 from kimijax.data.tokenizer import config_vocab_size
-from kimijax.infer.cache import init_cache
+from kimijax.infer.cache import cache_bytes, init_cache
 from kimijax.infer.sampling import sample
 from kimijax.model import Transformer, as_variables, inference_variables
 from kimijax.parallel import mesh as mesh_lib
@@ -134,6 +134,21 @@ def _checked_prompt(prompt_bt, max_new_tokens: int):
   if max_new_tokens < 1:
     raise ValueError(f'generate: max_new_tokens={max_new_tokens} must be positive')
   return prompt_bt
+
+
+def cache_too_large(m, batch: int, length: int, devices=None) -> str | None:
+  """What generate's cache of batch x length tokens (model config m) needs, where that is more
+  than the devices' memory together (kimijax.train.memory.device_memory); None where it fits or
+  the memory cannot be told. Checked before anything compiles: an out-of-memory error of XLA's
+  would come only after the prefill's compilation."""
+  from kimijax.train.memory import GiB, device_memory
+
+  devices = list(devices or jax.local_devices())
+  memory = device_memory(devices)
+  need = cache_bytes(jax.eval_shape(lambda: init_cache(m, batch, length)))
+  if memory is None or need <= memory[0] * len(devices):
+    return None
+  return f'the decode cache of {batch} x {length} tokens needs {need / GiB:.1f} GiB, more than {memory[1]}'
 
 
 def decode(model: nn.Module, params, prompt_bt, logits_bv, cache, rng, *, max_new_tokens: int, **sampling):

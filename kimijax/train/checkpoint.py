@@ -290,13 +290,25 @@ def load_run_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   path = pathlib.Path(workdir) / 'config.json'
   if not path.exists():
     raise CheckpointError(f'{path} not found: --workdir must be a folder that run.py trained into')
+  try:
+    saved = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f'{path} is not readable JSON ({e}); it is the config run.py wrote for DIR') from None
+  if not isinstance(saved, dict):
+    raise CheckpointError(f'{path} holds a {type(saved).__name__}, not the config (a JSON object) run.py wrote')
   config = base_config()
-  for key, value in _flatten(json.loads(path.read_text())).items():
+  for key, value in _flatten(saved).items():
     key_now = LEGACY_KEYS.get(key, key)
     *groups, name = key_now.split('.')
     node = config
-    for group in groups:
-      node = node[group]
+    try:
+      for group in groups:
+        node = node[group]
+      known = name in node
+    except (KeyError, TypeError):
+      known = False
+    if not known:
+      raise CheckpointError(f'{path}: unknown config key {key!r}; the file is not a config run.py wrote')
     node[name] = tuple(tuple(r) for r in value) if key == 'mesh.rules' else _current(key_now, value)
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = -1, 1, 1
   return validate(config)

@@ -31,10 +31,13 @@ class WorkdirLockedError(WorkdirError):
 
 
 def check_workdir(workdir: str | pathlib.Path) -> None:
-  """Raises WorkdirError if `workdir` exists and is not a folder."""
+  """Raises WorkdirError if `workdir`, or the nearest of its parents that exists, is not a folder."""
   path = pathlib.Path(workdir)
   if path.exists() and not path.is_dir():
     raise WorkdirError(f'--workdir {path} exists and is not a folder; give a new or existing folder')
+  existing = next((p for p in path.absolute().parents if p.exists()), None)
+  if existing is not None and not existing.is_dir():
+    raise WorkdirError(f'--workdir {path} lies under {existing}, which is a file; give a folder path')
 
 
 def _start_ticks(pid: int) -> int | None:

@@ -342,10 +342,9 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
   def check(step: int, metrics: dict) -> None:
     if not bool(metrics['finite']):
       checkpointer.wait()
-      raise NonFiniteError(
-        f'loss or gradients became NaN/Inf at step {step}; stopped. The last good '
-        f'checkpoint is step {checkpointer.latest_step()} in {checkpointer.directory}'
-      )
+      last = checkpointer.latest_step()
+      kept = f'The last good checkpoint is step {last} in' if last is not None else 'No checkpoint was saved yet in'
+      raise NonFiniteError(f'loss or gradients became NaN/Inf at step {step}; stopped. {kept} {checkpointer.directory}')
 
   # On MQAR the masked targets are the queried values, so the accuracy is the recall accuracy.
   accuracy_key = 'eval_recall_accuracy' if config.data.source == 'mqar' else 'eval_accuracy'

@@ -78,6 +78,25 @@ def test_ablation_overrides_are_checked_before_training(tmp_path, override, mess
   assert not (tmp_path / 'runs').exists()
 
 
+@pytest.mark.parametrize(
+  'args, message',
+  [
+    (['--workdir={file}/w'], 'WorkdirError: --workdir {file}/w lies under {file}, which is a file'),
+    (['--workdir={tmp}/w', '--publish={file}/x'], 'WorkflowError: --publish={file}/x: {file} is a file, not a folder'),
+  ],
+  ids=['workdir under a file', 'publish under a file'],
+)
+def test_sweep_output_paths_are_checked_before_training(tmp_path, args, message):
+  file = tmp_path / 'a_file'
+  file.write_text('x')
+  fill = lambda text: text.format(file=file, tmp=tmp_path)
+  sweep = ['experiments.sweep', '--config=configs/default.py', '--sweep=optimizer.name=adamw,muon', '--seeds=1']
+  proc = _popen(sweep + [fill(a) for a in args])
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 1 and fill(message) in err and 'Traceback' not in err, err[-2000:]
+  assert not (tmp_path / 'w').exists()
+
+
 @pytest.mark.long
 def test_an_ablation_trains_under_config_overrides(tmp_path):
   small = {

@@ -126,3 +126,23 @@ def test_bad_arguments():
     gen.generate(model, {}, [[1, 2]], max_new_tokens=0)
   with pytest.raises(ValueError, match=r'at least one token, got \(2, 0\)'):
     gen.generate(model, {}, np.zeros((2, 0), np.int32), max_new_tokens=3)
+
+
+def test_a_cache_past_the_devices_memory_is_named_before_compiling():
+  """cache_too_large against the closed form of an MHA cache: K and V of [B, L, Hkv, Dh] per layer
+  in the compute dtype (float32 here)."""
+  from kimijax.config import num_kv_heads
+  from kimijax.train.memory import GiB, device_memory
+
+  m = MODELS['all-attention, MHA']
+  per_token = m.num_layers * 2 * num_kv_heads(m) * (m.d_model // m.num_heads) * 4
+  assert gen.cache_too_large(m, batch=2, length=64) is None
+  devices = jax.local_devices()
+  memory = device_memory(devices)
+  if memory is None:
+    pytest.skip("this host's memory cannot be told")
+  length = 2 * memory[0] * len(devices) // (2 * per_token)  # twice the memory, for a batch of 2
+  message = gen.cache_too_large(m, batch=2, length=length)
+  assert message == (
+    f'the decode cache of 2 x {length} tokens needs {2 * length * per_token / GiB:.1f} GiB, more than {memory[1]}'
+  )

@@ -42,6 +42,10 @@ def _cases(tmp: pathlib.Path) -> dict:
   a_file.write_text('not a folder')
   no_run = tmp / 'not_a_run'
   no_run.mkdir()
+  bad_json, not_config = tmp / 'bad_json', tmp / 'not_config'
+  for folder, text in ((bad_json, '{"model": {"d_model": 6'), (not_config, '{"model": {"d_modle": 64}}')):
+    folder.mkdir()
+    (folder / 'config.json').write_text(text)
   run = [sys.executable, str(ROOT / 'run.py')]
   gen = run + ['--mode=generate', f'--workdir={no_run}']
   return {
@@ -56,6 +60,18 @@ def _cases(tmp: pathlib.Path) -> dict:
     'workdir is a file': (
       run + ['--config=configs/default.py', f'--workdir={a_file}'] + TINY_FLAGS,
       f'--workdir {a_file} exists and is not a folder',
+    ),
+    'workdir under a file': (
+      run + ['--config=configs/default.py', f'--workdir={a_file}/run'] + TINY_FLAGS,
+      f'--workdir {a_file}/run lies under {a_file}, which is a file',
+    ),
+    'config.json not json': (
+      run + ['--mode=eval', f'--workdir={bad_json}'],
+      f'CheckpointError: {bad_json}/config.json is not readable JSON',
+    ),
+    'config.json of unknown keys': (
+      run + ['--mode=generate', f'--workdir={not_config}'],
+      f"CheckpointError: {not_config}/config.json: unknown config key 'model.d_modle'",
     ),
     'max_new_tokens': (gen + ['--max_new_tokens=0'], '--max_new_tokens=0 must be positive'),
     'top_k': (gen + ['--top_k=-1'], '--top_k=-1 must be >= 0'),
@@ -164,6 +180,9 @@ CASE_NAMES = [
   'missing config file',
   'unknown variant',
   'workdir is a file',
+  'workdir under a file',
+  'config.json not json',
+  'config.json of unknown keys',
   'max_new_tokens',
   'top_k',
   'num_samples',

@@ -78,6 +78,9 @@ def test_workdir_that_is_a_file(tmp_path):
   path.write_text('x')
   with pytest.raises(WorkdirError, match='exists and is not a folder'):
     check_workdir(path)
+  with pytest.raises(WorkdirError, match=f'lies under {path}, which is a file'):
+    check_workdir(path / 'run' / 'sub')
+  check_workdir(tmp_path / 'new' / 'run')  # folders still to be made: fine
 
 
 def test_train_refuses_a_locked_workdir_before_any_compute(tmp_path, live_process):
