@@ -20,12 +20,17 @@ EOS_TOKEN, PAD_TOKEN = '<|endoftext|>', '<|pad|>'
 MIN_VOCAB = 256 + 2
 
 
+def check_vocab_size(vocab_size: int) -> None:
+  """DataError if a BPE of `vocab_size` ids cannot hold the 256 bytes, EOS and PAD."""
+  if vocab_size < MIN_VOCAB:
+    raise DataError(f'--train_tokenizer={vocab_size} is below {MIN_VOCAB} (256 bytes + EOS + PAD)')
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int):
   """A tokenizers.Tokenizer trained on `texts` with at most `vocab_size` ids (module docstring)."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-  if vocab_size < MIN_VOCAB:
-    raise DataError(f'--train_tokenizer={vocab_size} is below {MIN_VOCAB} (256 bytes + EOS + PAD)')
+  check_vocab_size(vocab_size)
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   tok.decoder = decoders.ByteLevel()

@@ -264,9 +264,20 @@ def prepare(
     raise DataError(f'--val_fraction={val_fraction} must be in [0, 1)')
   if train_tokenizer and tokenizer != 'byte':
     raise DataError('give either --tokenizer or --train_tokenizer, not both')
+  if train_tokenizer:
+    from kimijax.data.bpe_train import check_vocab_size
+
+    check_vocab_size(train_tokenizer)  # before anything is written to --output
+  if workers is not None and workers < 0:
+    raise DataError(f'--workers={workers} must be >= 0 (0: one per core)')
+  if not unit_mb > 0:
+    raise DataError(f'--unit_mb={unit_mb} must be positive')
   workers = max(1, int(workers or os.cpu_count() or 1))
   unit_bytes = max(1, int(unit_mb * 2**20))
   output = pathlib.Path(output).expanduser()
+  existing = next((p for p in (output, *output.absolute().parents) if p.exists()), None)
+  if existing is not None and not existing.is_dir():
+    raise DataError(f'--output={output}: {existing} is a file, not a folder')
   files = inputs_lib.expand_inputs(inputs)
   if not train_tokenizer:
     tok = load_tokenizer(tokenizer)

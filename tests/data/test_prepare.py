@@ -207,6 +207,17 @@ def test_bad_input_is_one_line_before_any_tokenization(tmp_path):
   (tmp_path / 'full' / 'x').write_text('x')
   with pytest.raises(DataError, match='not empty'):
     run([tmp_path / 'ok.txt'], tmp_path / 'full')
+  # option errors leave --output unwritten, so the corrected command runs there
+  for kw, message in [
+    ({'train_tokenizer': 10}, '--train_tokenizer=10 is below 258'),
+    ({'workers': -1}, '--workers=-1 must be >= 0'),
+    ({'unit_mb': 0}, '--unit_mb=0 must be positive'),
+  ]:
+    with pytest.raises(DataError, match=message):
+      run([tmp_path / 'ok.txt'], tmp_path / 'fresh', **kw)
+    assert not (tmp_path / 'fresh').exists()
+  with pytest.raises(DataError, match=f'{tmp_path / "ok.txt"} is a file, not a folder'):
+    run([tmp_path / 'ok.txt'], tmp_path / 'ok.txt' / 'out')
 
 
 def test_command_line(tmp_path):
