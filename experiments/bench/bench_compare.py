@@ -34,6 +34,7 @@ import time
 from absl import app, flags
 
 from experiments import runs as runs_lib
+from experiments.cli import usage_error
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -106,10 +107,10 @@ def header(results: list[dict]) -> dict:
 def main(argv):
   del argv
   if FLAGS.rounds < 1:
-    raise app.UsageError(f'--rounds must be >= 1; got {FLAGS.rounds}')
+    usage_error(f'--rounds must be >= 1; got {FLAGS.rounds}')
   for name in ('base', 'other'):
     if '--config' not in getattr(FLAGS, name):
-      raise app.UsageError(f'--{name} must give bench_train.py a --config; got {getattr(FLAGS, name)!r}')
+      usage_error(f'--{name} must give bench_train.py a --config; got {getattr(FLAGS, name)!r}')
   pathlib.Path(FLAGS.cache_dir).mkdir(parents=True, exist_ok=True)
   runs, order, last_s, start = [], run_order(FLAGS.rounds), {}, time.monotonic()
   with tempfile.TemporaryDirectory() as tmp:

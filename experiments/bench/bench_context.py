@@ -34,6 +34,7 @@ import time
 from absl import app, flags
 
 from experiments.bench import bench_compare
+from experiments.cli import usage_error
 
 FLAGS = flags.FLAGS
 OUT_OF_MEMORY = ('RESOURCE_EXHAUSTED', 'out of memory', 'Out of memory', 'OOM')
@@ -148,10 +149,10 @@ def main(argv):
   try:
     lengths = parse_lengths(FLAGS.seq_lens)
   except ValueError as e:
-    raise app.UsageError(str(e)) from None
+    usage_error(str(e))
   setups = [s.strip() for s in FLAGS.setups.split(';') if s.strip()]
   if not setups or any('--config' not in s for s in setups):
-    raise app.UsageError(f'--setups must give bench_train.py a --config in each setup; got {FLAGS.setups!r}')
+    usage_error(f'--setups must give bench_train.py a --config in each setup; got {FLAGS.setups!r}')
   pathlib.Path(FLAGS.cache_dir).mkdir(parents=True, exist_ok=True)
   rows, start = [], time.monotonic()
   time_left = None if FLAGS.time_budget_s is None else lambda: FLAGS.time_budget_s - (time.monotonic() - start)

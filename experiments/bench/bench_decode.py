@@ -48,6 +48,8 @@ import functools
 
 from absl import app, flags
 
+from experiments.cli import usage_error
+
 FLAGS = flags.FLAGS
 
 
@@ -303,7 +305,7 @@ def main(argv):
   with user_errors():
     config = config_from_flags('config')
   if message := flag_error(FLAGS.contexts, FLAGS.steps, FLAGS.copy_gib, tuple(FLAGS.kda_tiles)):
-    raise app.UsageError(message)
+    usage_error(message)
   hybrid = FLAGS.hybrid_pattern or config.model.layer_pattern
   contexts = [int(c) for c in FLAGS.contexts]
   runs.print_header()

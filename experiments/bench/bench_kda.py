@@ -33,17 +33,25 @@ from absl import app, flags
 
 from experiments import runs
 
-flags.DEFINE_integer('batch', 8, 'B')
-flags.DEFINE_integer('seq_len', 4096, 'T')
-flags.DEFINE_integer('heads', 16, 'H')
-flags.DEFINE_integer('head_dim', 128, 'K = V')
-flags.DEFINE_integer('chunk_size', 64, "chunk length of impl='xla'")
-flags.DEFINE_string(
-  'dtype', None, 'input dtype of q, k, v, beta (g is float32); default bfloat16 on GPU, float32 on CPU'
+IMPL_NAMES = ('xla_recurrent', 'xla', 'pallas', 'fla')  # kimijax.ops.kda.IMPLS, and fla's chunk_kda
+
+flags.DEFINE_integer('batch', 8, 'B', lower_bound=1)
+flags.DEFINE_integer('seq_len', 4096, 'T', lower_bound=1)
+flags.DEFINE_integer('heads', 16, 'H', lower_bound=1)
+flags.DEFINE_integer('head_dim', 128, 'K = V', lower_bound=1)
+flags.DEFINE_integer('chunk_size', 64, "chunk length of impl='xla'", lower_bound=1)
+flags.DEFINE_enum(
+  'dtype',
+  None,
+  ['bfloat16', 'float16', 'float32'],
+  'input dtype of q, k, v, beta (g is float32); default bfloat16 on GPU, float32 on CPU',
 )
-flags.DEFINE_list('impls', ['xla_recurrent', 'xla', 'pallas', 'fla'], 'what to time')
-flags.DEFINE_integer('repeats', 10, 'timed calls per figure')
-flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
+flags.DEFINE_list('impls', list(IMPL_NAMES), f'what to time, of {IMPL_NAMES}')
+flags.register_validator(
+  'impls', lambda names: set(names) <= set(IMPL_NAMES), f'--impls: each of {IMPL_NAMES} (fla: its chunk_kda)'
+)
+flags.DEFINE_integer('repeats', 10, 'timed calls per figure', lower_bound=1)
+flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)', lower_bound=0)
 flags.DEFINE_bool(
   'stages',
   False,

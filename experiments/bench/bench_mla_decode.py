@@ -132,14 +132,15 @@ def rows(
 
 def main(argv):
   del argv
-  from absl import app, flags
+  from absl import flags
 
   from experiments import runs
   from experiments.bench import timing
+  from experiments.cli import usage_error
 
   FLAGS = flags.FLAGS
   if message := flag_error(FLAGS.contexts, FLAGS.rope_dims, FLAGS.tiles, FLAGS.dtype, FLAGS.copy_mib):
-    raise app.UsageError(message)
+    usage_error(message)
   runs.print_header()
   copy_gbs = timing.copy_bytes_per_s(FLAGS.copy_mib * 2**20) / 1e9
   print(

@@ -56,9 +56,9 @@ def define_flags():
   from absl import flags
 
   flags.DEFINE_list('configs', list(CONFIGS), "'ExKxF': routed experts, top-k, expert hidden")
-  flags.DEFINE_integer('tokens', 65536, 'tokens per call (16 sequences of tokens / 16)')
-  flags.DEFINE_integer('d_model', 1024, 'D')
-  flags.DEFINE_integer('shared', 0, 'shared experts (each of width F)')
+  flags.DEFINE_integer('tokens', 65536, 'tokens per call (16 sequences of tokens / 16)', lower_bound=16)
+  flags.DEFINE_integer('d_model', 1024, 'D', lower_bound=1)
+  flags.DEFINE_integer('shared', 0, 'shared experts (each of width F)', lower_bound=0)
   flags.DEFINE_list(
     'impls',
     list(IMPLS),
@@ -80,14 +80,29 @@ def define_flags():
     '(read with experiments/tools/profile_summary.py --steps=3; with XLA_FLAGS=--xla_dump_to=HLO and one config, '
     '--hlo_dump=HLO --module=loss names the ops)',
   )
-  flags.DEFINE_string('dtype', None, 'compute dtype; default bfloat16 on a GPU, float32 elsewhere')
+  flags.DEFINE_enum(
+    'dtype', None, ['bfloat16', 'float16', 'float32'], 'compute dtype; default bfloat16 on a GPU, float32 elsewhere'
+  )
   flags.DEFINE_bool('parts', True, 'also time the dispatch parts (table 2)')
   flags.DEFINE_bool(
     'matmuls', False, "also time one grouped matmul and each of its gradients against cuBLAS's (table 3)"
   )
   flags.DEFINE_bool('kernels', False, 'also time the tile kernels alone, without the gathers (table 4)')
-  flags.DEFINE_integer('repeats', 10, 'timed calls per cell')
-  flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)')
+  flags.DEFINE_integer('repeats', 10, 'timed calls per cell', lower_bound=1)
+  flags.DEFINE_integer('warmup', 2, 'untimed calls first (the first compiles)', lower_bound=0)
+  flags.register_validator('configs', _valid_configs, "--configs: each entry 'ExKxF' (experts x top-k x hidden)")
+
+
+def _valid_configs(names: list[str]) -> bool:
+  """The --configs validator: every entry parses (parse_config raises, naming the entry)."""
+  from absl import flags
+
+  for name in names:
+    try:
+      parse_config(name)
+    except ValueError as e:
+      raise flags.ValidationError(str(e)) from None
+  return True
 
 
 def parse_config(name: str) -> tuple[int, int, int]:

@@ -32,6 +32,7 @@ import time
 
 from absl import app, flags
 
+from experiments.cli import usage_error
 from kimijax.config import define_config_flag
 
 define_config_flag('config', None, 'config file, FILE[:VARIANT[,VARIANT]].')
@@ -132,7 +133,7 @@ def main(argv):
   except ValueError as e:  # a bad file, variant, key or tile setting: one line naming it
     raise SystemExit(f'ConfigError: {e}') from None
   if FLAGS.compile_only and documents:
-    raise app.UsageError('--compile_only takes no --documents')
+    usage_error('--compile_only takes no --documents')
   uses_tokamax = config.model.attn_impl in ('tokamax', 'gpu') or (
     config.model.mlp_kind == 'moe' and config.model.moe.impl == 'tokamax'
   )

@@ -27,6 +27,8 @@ from __future__ import annotations
 import numpy as np
 from absl import app, flags
 
+from experiments.cli import usage_error
+
 flags.DEFINE_integer('batch', 2, 'B')
 flags.DEFINE_integer('seq_len', 1000, 'T (any: the implementations pad the tail)')
 flags.DEFINE_integer('heads', 4, 'H')
@@ -149,7 +151,7 @@ def main(argv):
 
   for impl in FLAGS.impls:
     if impl != 'fla' and impl not in kda_lib.IMPLS:
-      raise app.UsageError(f'--impls: {impl!r} is unknown; allowed: {tuple(kda_lib.IMPLS)} and fla')
+      usage_error(f'--impls: {impl!r} is unknown; allowed: {tuple(kda_lib.IMPLS)} and fla')
   print(f'jax {jax.__version__}; backend {jax.default_backend()}; device {jax.devices()[0].device_kind}')
   print(
     f'shape B, T, H, K=V = {shape}; inputs {FLAGS.dtype}; gated {FLAGS.gated}; relative RMSE against '

@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 from absl import app, flags
 
+from experiments.cli import usage_error
+
 FLAGS = flags.FLAGS
 
 
@@ -114,9 +116,9 @@ def main(argv):
   try:
     shapes = [parse_shape(s) for s in FLAGS.shapes]
   except ValueError as e:
-    raise app.UsageError(str(e)) from None
+    usage_error(str(e))
   if FLAGS.dtype not in ('bfloat16', 'float16', 'float32'):
-    raise app.UsageError(f"--dtype={FLAGS.dtype!r} is not one of 'bfloat16', 'float16', 'float32'")
+    usage_error(f"--dtype={FLAGS.dtype!r} is not one of 'bfloat16', 'float16', 'float32'")
   print(f'# devices: {jax.devices()}; dtype {FLAGS.dtype}; reference float64 NumPy\n')
   print('| T x D x F x E x K | impl | y | grad x | grad W_gate | grad W_up | grad W_down |')
   print('|---|---|---|---|---|---|---|')

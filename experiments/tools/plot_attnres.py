@@ -26,6 +26,8 @@ import sys
 import numpy as np
 from absl import app, flags, logging
 
+from experiments.cli import usage_error
+
 flags.DEFINE_multi_string('workdir', None, 'run folder(s) with config.json and checkpoints/')
 flags.DEFINE_integer('batches', 4, 'validation batches to average over')
 flags.DEFINE_string('out', None, 'output folder (default: the first --workdir)')
@@ -141,7 +143,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   if not FLAGS.workdir:
-    raise app.UsageError('give at least one --workdir')
+    usage_error('give at least one --workdir')
   from kimijax.config import ConfigError
   from kimijax.data import DataError
   from kimijax.train.checkpoint import CheckpointError

@@ -30,6 +30,8 @@ import re
 
 from absl import app, flags
 
+from experiments.cli import usage_error
+
 flags.DEFINE_integer('steps', 3, 'steps the trace holds (bench_train.py --profile_dir profiles 3)')
 flags.DEFINE_integer('top', 25, 'how many op names to list')
 flags.DEFINE_string(
@@ -169,7 +171,7 @@ def hlo_origins(directory: str, module: str = 'train_step') -> dict[str, str]:
 
 def main(argv):
   if len(argv) != 2:
-    raise app.UsageError('usage: profile_summary.py PROFILE_DIR [--steps=N] [--top=N]')
+    usage_error('usage: profile_summary.py PROFILE_DIR [--steps=N] [--top=N]')
   path = newest_trace(argv[1])
   events = read_device_events(path)
   if not events:
