@@ -33,12 +33,16 @@ def main(argv):
   del argv
   from experiments import sweep
   from experiments.cli import user_errors
+  from experiments.runs import WorkflowError
   from kimijax.config import config_from_flags
 
   FLAGS = flags.FLAGS
   with user_errors():
     config = config_from_flags('config')
-    axes = sweep.parse_axes([f'optimizer.name={",".join(FLAGS.optimizers)}'], config)
+    names = FLAGS.optimizers
+    if not names or len(set(names)) != len(names):
+      raise WorkflowError(f'--optimizers={",".join(names)}: give one or more optimizer names, each once')
+    axes = sweep.parse_axes([f'optimizer.name={",".join(names)}'], config)
     sweep.run_sweep(
       config, axes, seeds=FLAGS.seeds, workdir=FLAGS.workdir, publish=FLAGS.publish, title='AdamW vs Muon vs MuonClip'
     )

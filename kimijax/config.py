@@ -656,6 +656,8 @@ def apply_variants(
   for name in chosen:
     if name not in variants:
       raise ConfigError(f'unknown variant {name!r}; allowed: {", ".join(map(repr, variants))}')
+  if len(set(chosen)) != len(chosen):
+    raise ConfigError(f'variants {names!r} name one twice; give each once')
   for name, edit in variants.items():
     if name in chosen:
       edit(config)

@@ -398,6 +398,7 @@ def test_load_works_from_any_working_directory(tmp_path, monkeypatch):
   [
     ('configs/default.py:gqa2', None, "configs/default.py: unknown variant 'gqa2'; allowed: 'gqa', 'nope'"),
     ('configs/kimi_linear_small.py:rope,nope1', None, "unknown variant 'nope1'; allowed: 'all_mla', "),
+    ('configs/default.py:gqa,gqa', None, "configs/default.py: variants 'gqa,gqa' name one twice"),
     ('configs/ladder.py:smoke,gpu', None, "configs/ladder.py: 'smoke,gpu': give one ladder"),
     ('configs/no_such.py', None, "config file 'configs/no_such.py' not found"),
     ('configs/default.py', {'train.stepz': '10'}, "unknown config key 'train.stepz'; known keys in 'train'"),

@@ -149,7 +149,8 @@ def program_command(program: str, cwd: pathlib.Path) -> list[str]:
     for base in (ROOT / program, cwd / program):
       if base.is_file():
         return [sys.executable, str(base.absolute())]
-    raise LaunchError(f'--program={program}: no such file (looked in {cwd} and {ROOT})')
+    places = ' and '.join(dict.fromkeys(str(d) for d in (cwd, ROOT)))
+    raise LaunchError(f'--program={program}: no such file (looked in {places})')
   if not re.fullmatch(r'[A-Za-z_][\w.]*', program):
     raise LaunchError(f'--program={program!r} is neither a .py script nor a module name')
   return [sys.executable, '-m', program]
