@@ -93,6 +93,9 @@ class CheckpointError(RuntimeError):
   """A checkpoint that cannot be restored into this run."""
 
 
+UNTOUCHED = 'it was left untouched: move it away or use another --workdir'
+
+
 def _flatten(d, prefix=''):
   out = {}
   for k, v in d.items():
@@ -238,22 +241,29 @@ class Checkpointer:
       ),
     )
 
-  def restore(self, step: int, abstract_state, config: ml_collections.ConfigDict):
-    """(state laid out as abstract_state's shardings, data-iterator state) of `step`."""
+  def check_config(self, step: int, config: ml_collections.ConfigDict):
+    """The metadata (config, checksums) saved with `step`, read without the state; a CheckpointError
+    naming each key when that config's model or optimizer (config_mismatches) is not `config`'s:
+    the one check of a resume, made also where a finished run restores nothing."""
     path = self.directory / str(step)
-    untouched = 'it was left untouched: move it away or use another --workdir'
     try:  # orbax raises many exception types for unreadable files
       meta = self.manager.restore(
         step, args=ocp.args.Composite(config=ocp.args.JsonRestore(), checksums=ocp.args.JsonRestore())
       )
     except Exception as e:
-      raise CheckpointError(f'checkpoint {path} cannot be read ({type(e).__name__}: {e}); {untouched}') from e
+      raise CheckpointError(f'checkpoint {path} cannot be read ({type(e).__name__}: {e}); {UNTOUCHED}') from e
     mismatches = config_mismatches(meta.config, config)
     if mismatches:
       raise CheckpointError(
         f'checkpoint {path} was written by a different model or optimizer config; '
-        f'{untouched}. Differences (saved -> now): ' + '; '.join(mismatches)
+        f'{UNTOUCHED}. Differences (saved -> now): ' + '; '.join(mismatches)
       )
+    return meta
+
+  def restore(self, step: int, abstract_state, config: ml_collections.ConfigDict):
+    """(state laid out as abstract_state's shardings, data-iterator state) of `step`."""
+    path = self.directory / str(step)
+    meta = self.check_config(step, config)
     self.restored_config = meta.config
     try:
       restored = self.manager.restore(
@@ -263,7 +273,7 @@ class Checkpointer:
         ),
       )
     except Exception as e:
-      raise CheckpointError(f'checkpoint {path} cannot be restored ({type(e).__name__}: {e}); {untouched}') from e
+      raise CheckpointError(f'checkpoint {path} cannot be restored ({type(e).__name__}: {e}); {UNTOUCHED}') from e
     state = _state_from(restored.state, abstract_state)
     sums = state_checksums(state)
     bad = sorted(k for k in set(sums) | set(meta.checksums) if sums.get(k) != meta.checksums.get(k))
@@ -271,7 +281,7 @@ class Checkpointer:
       more = f' and {len(bad) - 5} more' if len(bad) > 5 else ''
       raise CheckpointError(
         f'checkpoint {path} is corrupt: the restored arrays {bad[:5]}{more} do not '
-        f'match the checksums saved with them; {untouched}'
+        f'match the checksums saved with them; {UNTOUCHED}'
       )
     return state, restored.data
 

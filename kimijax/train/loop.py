@@ -215,7 +215,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, dev
   """Trains (or resumes) `config` in `workdir` on `devices` (default: all); returns a summary.
 
   Process 0 holds a lock on the workdir for the run's life (kimijax.train.lock). A run whose
-  checkpoint already reached train.steps writes nothing and returns summary['already_finished'].
+  checkpoint already reached train.steps writes nothing and returns summary['already_finished'] (a
+  CheckpointError naming the keys where config's model or optimizer is not the checkpoint's, as on resume).
   A stop signal (Ctrl-C, SIGTERM, SIGUSR1: kimijax.train.interrupt) stops after the current step,
   saves a checkpoint of it within train.preemption_grace_s and raises Interrupted. A train step that
   would not fit the devices' memory stops before any step runs (kimijax.train.memory). A run
@@ -288,7 +289,10 @@ def _train_locked(config, workdir: pathlib.Path, mesh, train_loader, val_local, 
   checkpointer = ckpt_lib.Checkpointer(workdir / 'checkpoints', keep=t.keep_checkpoints)
   start = checkpointer.latest_step()
   if start is not None and start >= t.steps:  # a re-run of a finished run: report, write nothing
-    checkpointer.close()
+    try:  # under another model or optimizer it is refused as a resume is, naming the keys
+      checkpointer.check_config(start, config)
+    finally:
+      checkpointer.close()
     final_loss, eval_loss = _final_losses(workdir, start)
     return {
       'already_finished': True,

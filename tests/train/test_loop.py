@@ -308,6 +308,29 @@ def test_rerun_of_a_finished_run_writes_nothing(finished_run):
   assert after == before
 
 
+def test_rerun_of_a_finished_run_under_another_model_is_refused_as_a_resume_is(finished_run):
+  """A finished run re-run with a model key changed: the resume's error naming the key (not
+  'already finished'), word for word what an unfinished run's resume says, and nothing written; a
+  key that may differ on resume (MAY_DIFFER: model.remat) still finds the run finished. Through
+  run.py: one line on stderr, status 1, no traceback."""
+  workdir, _, _ = finished_run
+  before = {p: p.stat().st_mtime_ns for p in workdir.rglob('*') if p.is_file() and p.name != 'eval.jsonl'}
+  with pytest.raises(CheckpointError) as finished:
+    _train(make_config({**RUN, 'model.mlp_dim': 256}), workdir)
+  with pytest.raises(CheckpointError) as unfinished:
+    _train(make_config({**RUN, 'model.mlp_dim': 256, 'train.steps': 5}), workdir)
+  assert str(finished.value) == str(unfinished.value)
+  assert str(finished.value).endswith('Differences (saved -> now): model.mlp_dim: 128 -> 256')
+  assert _train(make_config({**RUN, 'model.remat': True}), workdir)['already_finished']
+  after = {p: p.stat().st_mtime_ns for p in workdir.rglob('*') if p.is_file() and p.name != 'eval.jsonl'}
+  assert after == before
+
+  proc = run_py(workdir, {**RUN, 'model.mlp_dim': 256}, cwd=ROOT)
+  _, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 1 and 'Traceback' not in stderr, stderr[-2000:]
+  assert stderr.strip().splitlines() == [f'CheckpointError: {finished.value}'], stderr[-2000:]
+
+
 def test_resume_under_another_optimizer_names_the_key(finished_run, tmp_path):
   workdir, _, _ = finished_run
   config = make_config({**RUN, 'train.steps': 5, 'optimizer.name': 'muon'})
