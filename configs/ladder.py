@@ -4,7 +4,8 @@ variants.
     python -m experiments.scaling_ladder --config=configs/ladder.py:smoke --workdir=runs/ladder_smoke
     python -m experiments.scaling_ladder --config=configs/ladder.py:gpu --workdir=runs/ladder_gpu --variants=adamw
 
-Ladders (the file's variants, one at a time; each with its expected result and its results file):
+Ladders (the file's variants, one at a time, always named: --config=configs/ladder.py alone is an
+error listing them; each with its expected result and its results file):
   smoke        3 rungs x {adamw, muon}, CPU, the byte-level stdlib corpus: 6 runs in 2.5 to 10 min
                on a 2-core CPU (the longer with other jobs beside them), muon below adamw at every
                rung (experiments/results/ladder_smoke.md)
@@ -177,7 +178,8 @@ VARIANTS = {
 
 
 def get_config(name: str | None = None) -> ml_collections.ConfigDict:
-  name = name or 'smoke'
+  if not name:  # no default: the ladders differ in machine and hours (the docstring)
+    raise ConfigError(f'give a ladder: --config=configs/ladder.py:NAME, NAME one of {", ".join(map(repr, VARIANTS))}')
   if ',' in name:
     raise ConfigError(f'{name!r}: give one ladder; allowed: {", ".join(map(repr, VARIANTS))}')
   c = ml_collections.ConfigDict()

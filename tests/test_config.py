@@ -428,7 +428,12 @@ def test_a_config_files_own_error_names_the_file(tmp_path):
 def test_load_file_leaves_a_ladder_unvalidated():
   ladder = load_file('configs/ladder.py:gpu', {'base.train.steps': '1e2'})
   assert ladder.name == 'gpu' and ladder.base.train.steps == 100 and ladder.base.model.attn_impl == 'tokamax'
-  assert load_file('configs/ladder.py').name == 'smoke'
+  with pytest.raises(ConfigError) as info:  # no default ladder (its docstring): one line naming them all
+    load_file('configs/ladder.py')
+  assert str(info.value) == (
+    "configs/ladder.py: give a ladder: --config=configs/ladder.py:NAME, NAME one of 'smoke', 'smoke_moe', "
+    "'gpu', 'gpu_attnres', 'gpu_hybrid', 'gpu_moe'"
+  )
 
 
 def test_the_config_flag_takes_a_file_variants_and_overrides(monkeypatch):

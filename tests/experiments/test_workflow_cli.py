@@ -139,3 +139,16 @@ def test_ladder_from_json_with_a_training_flag_is_one_line(tmp_path):
   _, err = proc.communicate(timeout=300)
   assert proc.returncode == 1 and 'Traceback' not in err, err[-2000:]
   assert err.strip() == 'WorkflowError: --from_json rewrites the report of a ladder.json alone; it takes no --variants'
+
+
+def test_ladder_without_a_ladder_name_is_one_line_naming_them(tmp_path):
+  """configs/ladder.py holds several ladders and documents no default: without :NAME the ladder
+  stops with one line listing them, before anything is written (it used to run 'smoke')."""
+  proc = _popen(['experiments.scaling_ladder', '--config=configs/ladder.py', f'--workdir={tmp_path}/out'])
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 1 and 'Traceback' not in err, err[-2000:]
+  assert err.strip().splitlines() == [
+    "ConfigError: configs/ladder.py: give a ladder: --config=configs/ladder.py:NAME, NAME one of 'smoke', "
+    "'smoke_moe', 'gpu', 'gpu_attnres', 'gpu_hybrid', 'gpu_moe'"
+  ]
+  assert not (tmp_path / 'out').exists()
