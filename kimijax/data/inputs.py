@@ -180,9 +180,38 @@ def group_units(pieces: list[Piece], unit_bytes: int) -> list[list[Piece]]:
   return units
 
 
+def _read_errors() -> tuple[type[BaseException], ...]:
+  """What reading a damaged or unreadable input raises: I/O errors, a truncated .gz (EOFError),
+  zstandard's and pyarrow's own errors (imported here, where they are installed)."""
+  errors: list[type[BaseException]] = [OSError, EOFError, ValueError]
+  try:
+    import zstandard
+
+    errors.append(zstandard.ZstdError)
+  except ImportError:
+    pass
+  try:
+    import pyarrow as pa
+
+    errors.append(pa.ArrowException)
+  except ImportError:
+    pass
+  return tuple(errors)
+
+
 def read_documents(piece: Piece, field: str) -> Iterator[str | bytes]:
   """The documents of `piece` in file order: str (JSONL, parquet) or bytes (text files). Null
-  values are skipped; a record without the field is a DataError naming the file."""
+  values are skipped; a record without the field, or a file that fails while it is read (a
+  truncated .gz, an I/O error), is a DataError naming the file."""
+  try:
+    yield from _documents(piece, field)
+  except DataError:
+    raise
+  except _read_errors() as e:
+    raise DataError(f'{piece.path} cannot be read ({type(e).__name__}: {" ".join(str(e).split())[:200]})') from None
+
+
+def _documents(piece: Piece, field: str) -> Iterator[str | bytes]:
   path = pathlib.Path(piece.path)
   if piece.kind == 'text':
     yield path.read_bytes()

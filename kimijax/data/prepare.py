@@ -25,7 +25,10 @@ Resuming: each finished unit is committed by DIR/units/unit-N.json (its shards a
 atomically before it). A run that is killed (even SIGKILL) resumes from the committed units when the
 same command is run again; the result is the same as an uninterrupted run. Run on a finished DIR with
 the same inputs and options, it says so and does nothing; on a DIR holding other inputs or options it
-stops with an error. DIR/plan.json records the inputs (path, size, mtime) and options.
+stops with an error. DIR/plan.json records the inputs (path, size, mtime) and options. A fresh
+preparation that stops on its input or options (a DataError: no documents, a file that cannot be
+read, an empty train split) removes what it wrote, its .lock and the folders it created, so that
+the corrected command runs on the same --output.
 """
 
 from __future__ import annotations
@@ -258,7 +261,9 @@ def prepare(
 ) -> dict:
   """Prepares (or resumes, or finds finished) the shards of `inputs` in `output`; returns
   {'already_done': bool, 'manifest': dict, 'output': str, 'seconds': float}. See the module
-  docstring; DataError on bad input, before any tokenization."""
+  docstring; DataError on bad input, before any tokenization where the checks can tell (a file
+  damaged past its first record fails once it is read); a fresh preparation's DataError leaves
+  `output` as it found it."""
   began = time.time()
   if not 0.0 <= val_fraction < 1.0:
     raise DataError(f'--val_fraction={val_fraction} must be in [0, 1)')
@@ -294,12 +299,15 @@ def prepare(
   plan = _plan(files, options)
   comparable = lambda p: {**p, 'options': {k: v for k, v in p['options'].items() if k not in ('inputs', 'tokenizer')}}
 
+  created = [p for p in (output, *output.parents) if not p.exists()]  # innermost first
   output.mkdir(parents=True, exist_ok=True)
   lock = open(output / '.lock', 'a')
   try:
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
+    lock.close()
     raise DataError(f'--output={output} is being written by another kimijax.data.prepare') from None
+  fresh = False  # set once this call starts a preparation in an empty --output
   try:
     if (output / 'manifest.json').is_file():
       manifest = shards_lib.read_manifest(output)
@@ -321,7 +329,7 @@ def prepare(
         raise DataError(
           f'--output={output} is not empty and holds no kimijax.data.prepare plan; choose an empty or new folder'
         )
-      resuming = False
+      resuming, fresh = False, True
     units, used, skipped = _units(plan, text_field, unit_bytes)
     _write_json(output / 'plan.json', plan)
     (output / 'units').mkdir(exist_ok=True)
@@ -342,9 +350,34 @@ def prepare(
     _write_json(output / 'manifest.json', manifest)
     log(f'{output}: {_describe(manifest)}; {time.time() - began:.1f} s')
     return {'already_done': False, 'manifest': manifest, 'output': str(output), 'seconds': time.time() - began}
+  except DataError:
+    if fresh:  # bad input: nothing of this preparation can be resumed by the corrected command
+      _remove_preparation(output, created)
+    raise
   finally:
     fcntl.flock(lock, fcntl.LOCK_UN)
     lock.close()
+
+
+def _remove_preparation(output: pathlib.Path, created: list[pathlib.Path]) -> None:
+  """Removes what a fresh preparation wrote in `output` (which held nothing else: at most a .lock)
+  and the folders in `created` (innermost first) that are then empty, so that the corrected command
+  finds --output as it was. Called under the lock: the .lock goes last."""
+  import shutil
+
+  for entry in output.iterdir():
+    if entry.name == '.lock':
+      continue
+    if entry.is_dir() and not entry.is_symlink():
+      shutil.rmtree(entry, ignore_errors=True)
+    else:
+      entry.unlink(missing_ok=True)
+  (output / '.lock').unlink(missing_ok=True)
+  for folder in created:
+    try:
+      folder.rmdir()
+    except OSError:  # not empty (another process's .lock since), or gone
+      break
 
 
 def _tokenize_units(output, units, spec, tok, text_field, val_fraction, workers, resuming, progress, log):

@@ -220,6 +220,41 @@ def test_bad_input_is_one_line_before_any_tokenization(tmp_path):
     run([tmp_path / 'ok.txt'], tmp_path / 'ok.txt' / 'out')
 
 
+def test_a_failed_preparation_leaves_no_trace_and_the_corrected_command_runs_there(tmp_path):
+  """Input that fails (not text; a .gz cut short, which fails only once it is read; options that
+  leave the train split empty) stops with one line naming it and removes what it wrote: no
+  .lock or plan.json left in --output, the folders it created gone, a folder that was there kept
+  (empty). The corrected command then prepares on the same --output."""
+  import gzip
+
+  (tmp_path / 'bin.dat').write_bytes(bytes(range(256)) * 8)
+  lines = b''.join(json.dumps({'text': f'document {i} ' * 20}).encode() + b'\n' for i in range(500))
+  packed = gzip.compress(lines)
+  (tmp_path / 'cut.jsonl.gz').write_bytes(packed[: len(packed) // 2])
+  (tmp_path / 'ok.txt').write_text('some text to tokenize\n')
+  (tmp_path / 'there').mkdir()
+  cases = [
+    ([tmp_path / 'bin.dat'], {}, tmp_path / 'new1' / 'out', 'holds no documents'),
+    (
+      [tmp_path / 'cut.jsonl.gz'],
+      {},
+      tmp_path / 'new2' / 'out',
+      f'{tmp_path / "cut.jsonl.gz"} cannot be read (EOFError',
+    ),
+    ([tmp_path / 'ok.txt'], {'val_fraction': 0.999}, tmp_path / 'there', 'no non-empty documents for the train split'),
+  ]
+  for inputs, kw, output, message in cases:
+    with pytest.raises(DataError) as err:
+      run(inputs, output, **kw)
+    assert message in str(err.value) and '\n' not in str(err.value), str(err.value)
+    if output.name == 'there':
+      assert list(output.iterdir()) == []
+    else:
+      assert not output.parent.exists()
+    done = run([tmp_path / 'ok.txt'], output)
+    assert not done['already_done'] and done['manifest']['splits']['train']['tokens'] > 0
+
+
 def test_command_line(tmp_path):
   (tmp_path / 'in').mkdir()
   (tmp_path / 'in' / 'a.jsonl').write_text('{"body": "x"}\n')
