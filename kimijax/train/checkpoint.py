@@ -411,7 +411,7 @@ def initial_weights(config: ml_collections.ConfigDict, abstract_params, abstract
   folder = config.train.init_from
   check_init_from(config)
   mesh = jax.tree.leaves(abstract_params)[0].sharding.mesh
-  _check_fit(folder, abstract_params, mesh)
+  check_fit(folder, abstract_params, mesh)
   if not is_run_folder(folder):
     from kimijax.hf.weights import load_sharded
 
@@ -432,7 +432,7 @@ def initial_weights(config: ml_collections.ConfigDict, abstract_params, abstract
   return place(state.params, abstract_params), place(state.moe_state, abstract_moe_state)
 
 
-def _check_fit(folder: str, abstract_params, mesh) -> None:
+def check_fit(folder: str, abstract_params, mesh) -> None:
   """MemoryLimitError when one device's share of the parameters (laid out and typed as
   `abstract_params` says) exceeds its memory."""
   from kimijax.train.memory import GiB, MemoryLimitError, device_memory

@@ -10,7 +10,8 @@ checkpoint (kimijax.train.checkpoint.MUST_MATCH; YaRN may change, as for a conte
 mesh is data-parallel over this host's devices (and off a GPU the implementations become
 kimijax.config.portable's, as for generation). Each call appends one line to DIR/eval.jsonl, with
 the loss by position bucket (kimijax.train.loop.position_buckets); metrics.jsonl, the checkpoints
-and TensorBoard are left as training wrote them.
+and TensorBoard are left as training wrote them. Weights or an eval step (train.batch_size x
+train.seq_len) that cannot fit the devices' memory stop first, from shapes alone (check_memory).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import jax
 from kimijax import config as config_lib
 from kimijax.data import eval_batches
 from kimijax.data.tokenizer import config_vocab_size
-from kimijax.model import Transformer, inference_variables
+from kimijax.model import Transformer, inference_params, inference_variables
 from kimijax.parallel import mesh as mesh_lib
-from kimijax.train.checkpoint import latest_weights, load_run_config
+from kimijax.train import memory as memory_lib
+from kimijax.train.checkpoint import check_fit, latest_complete_step, latest_weights, load_run_config
 from kimijax.train.loop import evaluate_details
 from kimijax.train.step import in_mesh, make_eval_step
 
@@ -43,16 +45,17 @@ def evaluate_run(
     config.model = config_lib.portable(config.model)
   num_batches = num_batches or config.train.eval_batches
   config_vocab_size(config)  # a tokenizer with ids past the model's vocabulary is a DataError naming both
-  batches = eval_batches(config, num_batches)  # fails on bad data before the restore
   # Data-parallel over as many of this host's devices as divide the batch (the run may have
   # trained on another number of devices).
   devices = jax.devices()
   count = max(n for n in range(1, len(devices) + 1) if config.train.batch_size % n == 0)
   mesh = mesh_lib.make_mesh(config.mesh, devices[:count])
   model = Transformer(config.model)
-  params, moe_state, step = latest_weights(workdir, config, model, mesh, param_dtype)
   sharding = mesh_lib.batch_sharding(mesh, config.mesh)
   eval_step = in_mesh(jax.jit(make_eval_step(model, config.train.loss_chunk)), mesh, config.mesh)
+  check_memory(workdir, config, model, mesh, eval_step, param_dtype)  # before any data, weights or compile
+  batches = eval_batches(config, num_batches)  # fails on bad data before the restore
+  params, moe_state, step = latest_weights(workdir, config, model, mesh, param_dtype)
   batches = [{k: jax.device_put(v, sharding) for k, v in b.items()} for b in batches]
   details = evaluate_details(eval_step, inference_variables(params, moe_state), batches)
   result = {
@@ -72,3 +75,25 @@ def evaluate_run(
   with (workdir / 'eval.jsonl').open('a') as f:
     f.write(json.dumps(result) + '\n')
   return result
+
+
+def check_memory(workdir, config, model, mesh, eval_step, param_dtype: str = 'float32') -> None:
+  """MemoryLimitError where the weights as held (param_dtype), naming the folder they come from
+  (kimijax.train.checkpoint.check_fit), or the eval step at config.train's batch_size x seq_len,
+  naming those keys (kimijax.train.memory.check_eval), cannot fit the devices' memory: from shapes
+  alone, before anything is read or compiled. On a GPU, XLA's plan of the step settles an estimate
+  over the limit; a plan that fits is said in one line."""
+  from kimijax.optim import make_optimizer
+  from kimijax.train.state import state_shardings
+
+  abstract, _ = state_shardings(model, make_optimizer(config), config, mesh)
+  params = inference_params(abstract.params, param_dtype)
+  from_init = config.train.init_from and latest_complete_step(workdir) is None
+  check_fit(config.train.init_from if from_init else str(workdir), params, mesh)
+  param_bytes = sum(a.dtype.itemsize * a.size for a in jax.tree.leaves(params))
+  weights = inference_variables(params, abstract.moe_state)
+  batch_sharding = mesh_lib.batch_sharding(mesh, config.mesh)
+  plan = lambda: memory_lib.compiled_eval_peak_bytes(eval_step, weights, config, batch_sharding)
+  note = memory_lib.check_eval(config, list(mesh.devices.flat), param_bytes, dict(mesh.shape), plan=plan)
+  if note and jax.process_index() == 0:
+    print(f'kimijax: {note}', flush=True)

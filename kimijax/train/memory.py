@@ -38,6 +38,11 @@ allocator limit (`memory_stats()['bytes_limit']`); on a CPU, the host's availabl
 MemAvailable), shared by all its devices. Where a GPU's limit is JAX's default share of it (0.75,
 XLA_PYTHON_CLIENT_MEM_FRACTION unset), a step that fits 0.95 of it is told to set the variable; an
 MoE model is told model.moe.remat before model.remat. train.check_memory=False skips the check.
+
+--mode=eval's step is checked the same way (check_eval, eval_estimate): a forward pass, whose
+parameters, residual stream and largest sublayer (or logits) are counted low, before the
+checkpoint is read or the step compiled; on a GPU XLA's plan of the eval step settles an estimate
+over the limit.
 """
 
 from __future__ import annotations
@@ -100,24 +105,30 @@ def _mlp_bytes(model: ml_collections.ConfigDict, c: int) -> int:
   return c * (shared + 3 * hidden * model.moe.top_k + model.moe.top_k * model.d_model)
 
 
-def layer_activation_bytes(model: ml_collections.ConfigDict, kind: str, seq_len: int) -> int:
-  """Bytes per token that the backward keeps of one layer ('A' or 'K' mixer and its MLP)."""
-  c, r, d = _bytes(model.compute_dtype), _bytes(model.residual_dtype), model.d_model
-  total = 2 * (r + c) * d + _mlp_bytes(model, c)  # two sublayers' inputs and normed inputs; the MLP
+def _mixer_bytes(model: ml_collections.ConfigDict, kind: str, seq_len: int) -> int:
+  """Bytes per token of one mixer's arrays ('A' or 'K'): KDA's q, k, v, output, gate and log-decay;
+  attention's q, k, v and output, with model.attn_impl='xla' also its float32 logits and probabilities."""
+  c = _bytes(model.compute_dtype)
   if kind == 'K':
     heads, head_dim = config_lib.kda_dims(model)
-    return total + 5 * c * heads * head_dim + 4 * heads * head_dim
+    return 5 * c * heads * head_dim + 4 * heads * head_dim
   heads = model.num_heads
   if model.attention_kind == 'mla':
     nope, rope, v = config_lib.mla_dims(model)
-    qk = nope + rope
-    total += c * (heads * (2 * qk + 2 * v) + model.mla_kv_lora_rank)
+    total = c * (heads * (2 * (nope + rope) + 2 * v) + model.mla_kv_lora_rank)
   else:
-    head_dim = d // heads
-    total += c * (2 * heads * head_dim + 2 * config_lib.num_kv_heads(model) * head_dim)
+    head_dim = model.d_model // heads
+    total = c * (2 * heads * head_dim + 2 * config_lib.num_kv_heads(model) * head_dim)
   if model.attn_impl == 'xla':  # the [B, H, T, T] logits and probabilities, float32
     total += 8 * heads * seq_len
   return total
+
+
+def layer_activation_bytes(model: ml_collections.ConfigDict, kind: str, seq_len: int) -> int:
+  """Bytes per token that the backward keeps of one layer ('A' or 'K' mixer and its MLP)."""
+  c, r, d = _bytes(model.compute_dtype), _bytes(model.residual_dtype), model.d_model
+  # two sublayers' inputs and normed inputs; the MLP; the mixer
+  return 2 * (r + c) * d + _mlp_bytes(model, c) + _mixer_bytes(model, kind, seq_len)
 
 
 def estimate(config: ml_collections.ConfigDict, n_params: int) -> Estimate:
@@ -136,6 +147,42 @@ def estimate(config: ml_collections.ConfigDict, n_params: int) -> Estimate:
     gradients=2 * 4 * n_params,
     activations=tokens * kept,
     logits=logits,
+  )
+
+
+def _forward_sublayer_bytes(model: ml_collections.ConfigDict, kind: str, seq_len: int) -> int:
+  """Bytes per token that a forward pass must hold at once inside one sublayer, counted low: an
+  MLP's gate and up ([T, F] of the hidden units a token uses: an MoE layer's top_k routed and
+  num_shared experts'); attention's float32 logits and probabilities with model.attn_impl='xla',
+  else its q, k, v and output; KDA's arrays (_mixer_bytes)."""
+  c = _bytes(model.compute_dtype)
+  if kind == 'MLP':
+    if model.mlp_kind != 'moe':
+      return 2 * c * model.mlp_dim
+    return 2 * c * config_lib.moe_hidden(model)[0] * (model.moe.top_k + model.moe.num_shared)
+  if kind == 'A' and model.attn_impl == 'xla':
+    return 8 * model.num_heads * seq_len
+  return _mixer_bytes(model, kind, seq_len)
+
+
+def eval_estimate(config: ml_collections.ConfigDict, param_bytes: int) -> Estimate:
+  """The eval step's memory in all: a forward pass at config.train's batch x seq_len, nothing kept
+  for a backward and no optimizer state. What it must hold at once, counted low (it is checked
+  against XLA's memory analysis of the compiled eval step in tests/train/test_memory.py): the
+  parameters as held (`param_bytes`, all of them), the residual stream, and at the peak either the
+  largest sublayer's arrays (_forward_sublayer_bytes) or the float32 logits (one chunk's with
+  train.loss_chunk)."""
+  m, t = config.model, config.train
+  tokens = t.batch_size * t.seq_len
+  logits = 4 * (min(t.loss_chunk, tokens) if t.loss_chunk else tokens) * m.vocab_size
+  kinds = {'MLP', *config_lib.layer_kinds(m)}
+  sublayer = tokens * max(_forward_sublayer_bytes(m, kind, t.seq_len) for kind in kinds)
+  residual = tokens * _bytes(m.residual_dtype) * m.d_model
+  return Estimate(
+    state=param_bytes,
+    gradients=0,
+    activations=residual + (sublayer if sublayer >= logits else 0),
+    logits=logits if logits > sublayer else 0,
   )
 
 
@@ -187,6 +234,17 @@ def compiled_peak_bytes(run, config: ml_collections.ConfigDict) -> int:
   return (
     stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
   )
+
+
+def compiled_eval_peak_bytes(eval_step, weights, config: ml_collections.ConfigDict, batch_sharding) -> int:
+  """XLA's plan for one device of `eval_step` (kimijax.train.step.make_eval_step, jitted in its mesh)
+  on `weights` (ShapeDtypeStructs with their shardings) at config.train's batch and sequence
+  length, compiled ahead of time, nothing allocated: its arguments, outputs and temporaries."""
+  shape = (config.train.batch_size, config.train.seq_len)
+  spec = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding)
+  batch = {'inputs': spec(jnp.int32), 'targets': spec(jnp.int32), 'mask': spec(jnp.float32)}
+  stats = eval_step.lower(weights, batch).compile().memory_analysis()
+  return stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
 
 
 def describe(config: ml_collections.ConfigDict, est: Estimate, mesh_sizes: dict[str, int]) -> str:
@@ -302,5 +360,53 @@ def check(
   planned_text = f" (XLA's plan of the step: {planned / GiB:.1f} GiB)" if planned is not None else ''
   raise MemoryLimitError(
     f'{describe(config, est, mesh_sizes)}{planned_text}, more than {what}: {", or ".join(advice)} '
+    '(train.check_memory=False skips this check)'
+  )
+
+
+def check_eval(
+  config: ml_collections.ConfigDict, devices, param_bytes: int, mesh_sizes: dict[str, int], plan=None
+) -> str | None:
+  """MemoryLimitError, naming train.batch_size and train.seq_len (the eval batch) and the estimate,
+  when the eval step (eval_estimate, for parameters of param_bytes as held) exceeds what each
+  device may use; as `check` does for the train step, before anything is restored or compiled:
+  nothing when that cannot be told or with train.check_memory=False, and on a GPU given `plan`
+  (XLA's planned peak per device, compiled_eval_peak_bytes) the plan decides an estimate over the
+  limit, a plan that fits being returned as a line to print."""
+  if not config.train.check_memory:
+    return None
+  memory = device_memory(devices)
+  if memory is None:
+    return None
+  limit, what = memory
+  est = eval_estimate(config, param_bytes)
+  need = est.per_device(mesh_sizes)
+  if need <= limit:
+    return None
+  planned = plan() if plan is not None and devices[0].platform == 'gpu' else None
+  if planned is not None and planned <= limit:
+    return (
+      f'memory: eval step estimated at {need / GiB:.1f} GiB per device, over {what}; '
+      f"XLA's plan of the step, {planned / GiB:.1f} GiB, fits"
+    )
+  advice = []
+  raised = raised_gpu_limit(devices, limit)
+  if raised is not None and (planned if planned is not None else need) <= raised:
+    advice.append(gpu_fraction_advice(raised))
+  if not config.train.loss_chunk:
+    chunked = eval_estimate(_changed(config, {'train.loss_chunk': SUGGESTED_LOSS_CHUNK}), param_bytes)
+    if chunked.per_device(mesh_sizes) <= limit:
+      advice.append(
+        f'set train.loss_chunk={SUGGESTED_LOSS_CHUNK} (about {chunked.per_device(mesh_sizes) / GiB:.1f} GiB)'
+      )
+  advice.append('lower train.seq_len or train.batch_size')
+  t = config.train
+  ways = math.prod(mesh_sizes.values())
+  where = f' per device of {ways}' if ways > 1 else ''
+  planned_text = f" (XLA's plan of the step: {planned / GiB:.1f} GiB)" if planned is not None else ''
+  raise MemoryLimitError(
+    f'the eval step at train.batch_size={t.batch_size} x train.seq_len={t.seq_len} needs about {need / GiB:.1f} '
+    f'GiB{where} (estimated: parameters {est.state / GiB:.1f} GiB, activations {est.activations / GiB:.1f} GiB, '
+    f'logits {est.logits / GiB:.1f} GiB in all){planned_text}, more than {what}: {", or ".join(advice)} '
     '(train.check_memory=False skips this check)'
   )

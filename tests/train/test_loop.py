@@ -273,6 +273,33 @@ def test_run_py_evaluates_and_generates_from_a_trained_run_with_keys_changed(fin
   assert proc.returncode == 0 and proc.stdout.startswith('def '), proc.stderr[-2000:]
 
 
+def _run_py_eval(workdir, *argv):
+  return subprocess.run(
+    [sys.executable, str(ROOT / 'run.py'), '--mode=eval', f'--workdir={workdir}', '--compile_cache=', *argv],
+    cwd=ROOT,
+    env=cpu_subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+
+
+def test_run_py_eval_that_cannot_fit_is_one_line_before_compiling(finished_run):
+  """--mode=eval at a context whose eval step is past any host's memory (attention's [B, H, T, T]
+  float32 logits at T = 2^20: tens of TB): one MemoryLimitError line naming train.batch_size and
+  train.seq_len, before the checkpoint is read or the step compiled (it used to end in XLA's
+  out-of-memory traceback), and no eval.jsonl line."""
+  workdir = finished_run[0]
+  log = workdir / 'eval.jsonl'
+  logged = log.read_text() if log.exists() else None
+  proc = _run_py_eval(workdir, f'--config=configs/trained.py:{workdir}', f'--config.train.seq_len={2**20}')
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 1 and 'Traceback' not in proc.stderr and len(lines) == 1, proc.stderr[-2000:]
+  assert lines[0].startswith(f'MemoryLimitError: the eval step at train.batch_size=4 x train.seq_len={2**20} needs')
+  assert 'lower train.seq_len or train.batch_size' in lines[0]
+  assert (log.read_text() if log.exists() else None) == logged
+
+
 def test_a_new_run_starts_from_another_runs_checkpoint_under_another_optimizer(finished_run, tmp_path):
   """train.init_from=DIR: the new run's parameters are DIR's latest checkpoint's, its optimizer
   state is Muon's fresh one (DIR trained with AdamW); eval and generate of the new run, before it

@@ -270,3 +270,81 @@ def test_the_allocator_advice_follows_xlas_plan_where_there_is_one(monkeypatch):
     with pytest.raises(memory_lib.MemoryLimitError) as info:
       memory_lib.check(config, gpu, n, ONE_WAY, plan=lambda p=planned: int(need * p))
     assert ('XLA_PYTHON_CLIENT_MEM_FRACTION=0.95' in str(info.value)) == advised, planned
+
+
+# ------------------------------------------------------------------- the eval step (--mode=eval)
+
+
+def _eval_plan(config):
+  """XLA's memory analysis of the compiled eval step on one CPU device (compiled_eval_peak_bytes):
+  an account of the step independent of the estimate's closed form."""
+  from kimijax.model import Transformer
+  from kimijax.train.step import in_mesh, make_eval_step
+
+  mesh = mesh_lib.make_mesh(config.mesh, ONE)
+  step = in_mesh(jax.jit(make_eval_step(Transformer(config.model), config.train.loss_chunk)), mesh, config.mesh)
+  params = flops_lib.abstract_params(config)
+  return memory_lib.compiled_eval_peak_bytes(step, params, config, mesh_lib.batch_sharding(mesh, config.mesh))
+
+
+@pytest.mark.parametrize(
+  'overrides',
+  [
+    {'train.seq_len': 256},
+    {'train.seq_len': 1024},
+    {'train.seq_len': 512, 'train.loss_chunk': 256, 'model.vocab_size': 4096},
+    {'train.seq_len': 256, 'model.vocab_size': 8192},
+    {'train.seq_len': 512, 'model.layer_pattern': 'KA'},
+  ],
+  ids=['attention', 'long', 'loss_chunk', 'logits', 'kda'],
+)
+def test_eval_estimate_is_below_but_near_xla_memory_analysis(overrides):
+  """The eval estimate errs low (it must never refuse an eval that runs) and within 2.5x of XLA's
+  plan of the compiled eval step, float32 parameters."""
+  config = _config(overrides)
+  n = flops_lib.count(flops_lib.abstract_params(config))
+  estimate = memory_lib.eval_estimate(config, 4 * n).total
+  xla = _eval_plan(config)
+  assert 0.4 * xla <= estimate <= xla, (estimate, xla)
+
+
+def test_an_eval_that_cannot_fit_is_one_line_naming_its_batch_and_length(monkeypatch):
+  """A host of less memory than the eval step's estimate: one MemoryLimitError naming
+  train.batch_size x train.seq_len; train.loss_chunk suggested where the logits are what does not
+  fit and a chunk would; train.check_memory=False skips the check."""
+  config = _config({'train.seq_len': 2048, 'model.vocab_size': 65536})
+  n = flops_lib.count(flops_lib.abstract_params(config))
+  need = memory_lib.eval_estimate(config, 4 * n).total
+  tokens = 4 * 2048
+  assert need == 4 * n + tokens * 4 * 128 + 4 * tokens * 65536  # parameters, residual, float32 logits
+  monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: need - 1)
+  with pytest.raises(memory_lib.MemoryLimitError) as info:
+    memory_lib.check_eval(config, ONE, 4 * n, ONE_WAY)
+  message = str(info.value)
+  assert '\n' not in message
+  assert message.startswith(
+    f'the eval step at train.batch_size=4 x train.seq_len=2048 needs about {need / 2**30:.1f} GiB'
+  )
+  assert 'set train.loss_chunk=4096 (about' in message and message.endswith(
+    '(train.check_memory=False skips this check)'
+  )
+  assert 'lower train.seq_len or train.batch_size' in message
+  monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: need)
+  assert memory_lib.check_eval(config, ONE, 4 * n, ONE_WAY) is None
+  monkeypatch.setattr(memory_lib, '_host_available_bytes', lambda: 4 * n)
+  with pytest.raises(memory_lib.MemoryLimitError) as info:
+    memory_lib.check_eval(config, ONE, 4 * n, ONE_WAY)
+  assert 'loss_chunk' not in str(info.value)  # the chunked step does not fit either
+  skipped = _config({'train.seq_len': 2048, 'model.vocab_size': 65536, 'train.check_memory': False})
+  assert memory_lib.check_eval(skipped, ONE, 4 * n, ONE_WAY) is None
+
+
+def test_an_eval_over_the_estimate_on_a_gpu_is_settled_by_xlas_plan(monkeypatch):
+  config = _config({'train.seq_len': 256})
+  need = memory_lib.eval_estimate(config, 10**6).per_device(ONE_WAY)
+  monkeypatch.setenv('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.9')
+  gpu = [_FakeGpu(int(need * 0.8))]
+  note = memory_lib.check_eval(config, gpu, 10**6, ONE_WAY, plan=lambda: int(need * 0.7))
+  assert note.startswith('memory: eval step estimated at') and note.endswith('fits')
+  with pytest.raises(memory_lib.MemoryLimitError, match=r"\(XLA's plan of the step: [0-9.]+ GiB\), more than"):
+    memory_lib.check_eval(config, gpu, 10**6, ONE_WAY, plan=lambda: int(need * 0.9))
