@@ -35,8 +35,8 @@ Config files and their variants (--config=FILE:VARIANT, several as FILE:a,b; eac
 Re-running the same training command resumes from DIR/checkpoints (and does nothing once the run
 has reached train.steps). Ctrl-C, SIGTERM (a scheduler's preemption) or SIGUSR1 stops after the
 current step, saves a checkpoint of it (within train.preemption_grace_s seconds), releases the
-workdir and exits with status 128 + the signal (130 for Ctrl-C, 143 for SIGTERM). A step that would
-not fit the device's memory stops before compiling, naming its estimate. For several processes
+workdir and exits with status 128 + the signal (130 for Ctrl-C, 143 for SIGTERM). A train or eval
+step that would not fit the device's memory stops before compiling, naming its estimate. For several processes
 (hosts), start one copy per process with --coordinator_address=HOST:PORT --num_processes=N
 --process_id=I (or none of them where jax.distributed detects the cluster itself, e.g. under SLURM).
 """
@@ -109,7 +109,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
   import jax
 
-  from kimijax.config import ConfigError, config_from_flags
+  from kimijax.config import ConfigError, config_from_flags, overrides_from_flags
 
   try:  # a mistake in the command stops here, before any process waits for the others or computes
     if FLAGS.mode != 'config' and not FLAGS.workdir:
@@ -118,6 +118,14 @@ def main(argv):
       raise UsageError("--mode=export writes DIR's checkpoint under DIR's own config.json; drop --config")
     if FLAGS.mode in ('train', 'config') and FLAGS.config is None:
       raise ConfigError(f'--config=FILE[:variant] is required for --mode={FLAGS.mode}')
+    if FLAGS.config is None and (overrides := overrides_from_flags('config')):
+      key = next(iter(overrides))  # it would be ignored: without --config, DIR/config.json is used as it is
+      raise UsageError(
+        f'--config.{key} needs --config: --mode={FLAGS.mode} without it takes DIR/config.json as it is; '
+        f'give --config=configs/trained.py:{FLAGS.workdir} to change its keys'
+        if FLAGS.mode != 'export'
+        else f"--config.{key}: --mode=export writes DIR's checkpoint under DIR's own config.json; drop it"
+      )
     # eval and generate take the run's config.json unless --config is given (then
     # train.init_from, a released checkpoint, stands in while DIR has no checkpoint)
     config = config_from_flags('config') if FLAGS.mode in ('train', 'config') or FLAGS.config else None

@@ -221,6 +221,36 @@ def test_a_run_refused_on_its_init_from_leaves_no_workdir(results):
   assert not (results['tmp'] / 'init').exists()
 
 
+@pytest.mark.parametrize('mode', ['eval', 'generate', 'export'])
+def test_a_config_override_without_config_is_one_line_not_ignored(tmp_path, mode):
+  """--mode=eval|generate|export take DIR/config.json as it is without --config: a --config.KEY=V
+  there used to be dropped without a word (an eval at the trained length where a longer one was
+  asked for); now one UsageError line naming the key, before anything is read."""
+  argv = [
+    sys.executable,
+    str(ROOT / 'run.py'),
+    f'--mode={mode}',
+    f'--workdir={tmp_path}',
+    '--config.train.seq_len=8192',
+  ]
+  proc = subprocess.run(
+    argv + [f'--export_dir={tmp_path}/hf'] * (mode == 'export'),
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  expected = (
+    "UsageError: --config.train.seq_len: --mode=export writes DIR's checkpoint under DIR's own config.json; drop it"
+    if mode == 'export'
+    else f'UsageError: --config.train.seq_len needs --config: --mode={mode} without it takes DIR/config.json as it '
+    f'is; give --config=configs/trained.py:{tmp_path} to change its keys'
+  )
+  assert proc.returncode == 1 and proc.stderr.strip() == expected, proc.stderr[-2000:]
+  assert list(tmp_path.iterdir()) == []
+
+
 def test_waiting_process_says_what_it_waits_for(results):
   _, stdout, _, _ = results['peers never come']
   assert re.search(r'process 0 of 2 waiting up to 3 s for every process to join at 127\.0\.0\.1:\d+', stdout)
