@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -321,6 +322,39 @@ def _changed(config: ml_collections.ConfigDict, changes: dict) -> ml_collections
   return config
 
 
+class _OverLimit(NamedTuple):
+  limit: int
+  what: str  # the limit in words
+  planned: int | None  # XLA's planned peak per device, where it was asked for
+  advice: list[str]  # the larger GPU allocator share, where it would fit
+
+
+def _over_limit(config: ml_collections.ConfigDict, devices, need: float, plan, label: str):
+  """The shared start of check and check_eval for a step estimated at `need` bytes per device:
+  None where it fits, or that cannot be told, or with train.check_memory=False; a line for the
+  start-up report ('memory: {label} ...') where the estimate is over the limit but XLA's plan
+  (on a GPU, `plan()`) fits; otherwise an _OverLimit to name in the error."""
+  if not config.train.check_memory:
+    return None
+  memory = device_memory(devices)
+  if memory is None:
+    return None
+  limit, what = memory
+  if need <= limit:
+    return None
+  planned = plan() if plan is not None and devices[0].platform == 'gpu' else None
+  if planned is not None and planned <= limit:
+    return (
+      f'memory: {label} {need / GiB:.1f} GiB per device, over {what}; '
+      f"XLA's plan of the step, {planned / GiB:.1f} GiB, fits"
+    )
+  advice = []
+  raised = raised_gpu_limit(devices, limit)
+  if raised is not None and (planned if planned is not None else need) <= raised:
+    advice.append(gpu_fraction_advice(raised))
+  return _OverLimit(limit, what, planned, advice)
+
+
 def check(
   config: ml_collections.ConfigDict, devices, n_params: int, mesh_sizes: dict[str, int], plan=None
 ) -> str | None:
@@ -330,25 +364,11 @@ def check(
   over the limit is checked against the plan, since XLA's GPU compiler schedules a step to fit
   its memory limit and the estimate can then err high; a plan that fits lets the step run and
   is returned as a line for the start-up report."""
-  if not config.train.check_memory:
-    return None
-  memory = device_memory(devices)
-  if memory is None:
-    return None
-  limit, what = memory
   est = estimate(config, n_params)
-  if est.per_device(mesh_sizes) <= limit:
-    return None
-  planned = plan() if plan is not None and devices[0].platform == 'gpu' else None
-  if planned is not None and planned <= limit:
-    return (
-      f'memory: estimated {est.per_device(mesh_sizes) / GiB:.1f} GiB per device, over {what}; '
-      f"XLA's plan of the step, {planned / GiB:.1f} GiB, fits"
-    )
-  advice = []
-  raised = raised_gpu_limit(devices, limit)
-  if raised is not None and (planned if planned is not None else est.per_device(mesh_sizes)) <= raised:
-    advice.append(gpu_fraction_advice(raised))
+  over = _over_limit(config, devices, est.per_device(mesh_sizes), plan, 'estimated')
+  if not isinstance(over, _OverLimit):
+    return over
+  limit, what, planned, advice = over
   for changes in _remedies(config):
     need = estimate(_changed(config, changes), n_params).per_device(mesh_sizes)
     if need <= limit:
@@ -373,26 +393,12 @@ def check_eval(
   nothing when that cannot be told or with train.check_memory=False, and on a GPU given `plan`
   (XLA's planned peak per device, compiled_eval_peak_bytes) the plan decides an estimate over the
   limit, a plan that fits being returned as a line to print."""
-  if not config.train.check_memory:
-    return None
-  memory = device_memory(devices)
-  if memory is None:
-    return None
-  limit, what = memory
   est = eval_estimate(config, param_bytes)
   need = est.per_device(mesh_sizes)
-  if need <= limit:
-    return None
-  planned = plan() if plan is not None and devices[0].platform == 'gpu' else None
-  if planned is not None and planned <= limit:
-    return (
-      f'memory: eval step estimated at {need / GiB:.1f} GiB per device, over {what}; '
-      f"XLA's plan of the step, {planned / GiB:.1f} GiB, fits"
-    )
-  advice = []
-  raised = raised_gpu_limit(devices, limit)
-  if raised is not None and (planned if planned is not None else need) <= raised:
-    advice.append(gpu_fraction_advice(raised))
+  over = _over_limit(config, devices, need, plan, 'eval step estimated at')
+  if not isinstance(over, _OverLimit):
+    return over
+  limit, what, planned, advice = over
   if not config.train.loss_chunk:
     chunked = eval_estimate(_changed(config, {'train.loss_chunk': SUGGESTED_LOSS_CHUNK}), param_bytes)
     if chunked.per_device(mesh_sizes) <= limit:
