@@ -12,7 +12,8 @@ Variants: :gpu     one H200: d 768, 12 layers, 64 routed experts top-8 + 1 share
           :muon    Muon instead of AdamW
 Expected: CPU (the default): 2.74M parameters, 1.19M active; eval loss 2.31 nats/byte at step
           100 (410k tokens), about 3.7 s a step on a 2-core CPU (experiments/results/moe.md);
-          :gpu: not yet measured.
+          :gpu on one H100: 673M parameters (128M active), about 221k tokens/s, eval loss
+          0.83 / 0.69 / 0.61 nats/byte at steps 500 / 1000 / 1500 (experiments/results/moe.md).
 
 The routing is the release's: sigmoid scores, renormalised and scaled by 2.446, the balancing
 bias for choosing only (DeepSeek-V3's update, rate 1e-3), no balance loss, one shared expert. MLA
