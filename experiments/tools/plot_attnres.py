@@ -42,15 +42,15 @@ def collect_stats(workdir: str | pathlib.Path, batches: int = 4) -> dict:
   from kimijax.data import eval_batches
   from kimijax.model import Transformer, as_variables, inference_variables
   from kimijax.parallel import mesh as mesh_lib
-  from kimijax.train.checkpoint import load_run_config, restore_latest_state
+  from kimijax.train.checkpoint import load_run_config, restore_latest_weights
   from kimijax.train.step import in_mesh
 
   workdir = pathlib.Path(workdir)
   config = load_run_config(workdir)
   mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
   model = Transformer(config.model, log_attnres=True)
-  state, step = restore_latest_state(workdir, config, model, mesh)
-  params = inference_variables(state.params, state.moe_state)  # with the MoE biases, if any
+  params, moe_state, step = restore_latest_weights(workdir, config, model, mesh)
+  params = inference_variables(params, moe_state)  # with the MoE biases, if any
 
   forward = jax.jit(
     lambda p, x: model.apply(as_variables(p), x)[1]['attnres'],

@@ -217,6 +217,17 @@ def state_checksums(state) -> dict[str, list[int]]:
   }
 
 
+def _check_sums(path: pathlib.Path, sums: dict, saved: dict) -> None:
+  """CheckpointError naming the arrays whose checksums (state_checksums) are not those saved."""
+  bad = sorted(k for k in set(sums) | set(saved) if sums.get(k) != saved.get(k))
+  if bad:
+    more = f' and {len(bad) - 5} more' if len(bad) > 5 else ''
+    raise CheckpointError(
+      f'checkpoint {path} is corrupt: the restored arrays {bad[:5]}{more} do not '
+      f'match the checksums saved with them; {UNTOUCHED}'
+    )
+
+
 class Checkpointer:
   def __init__(self, directory: str | pathlib.Path, *, keep: int):
     self.directory = pathlib.Path(directory).absolute()
@@ -275,15 +286,33 @@ class Checkpointer:
     except Exception as e:
       raise CheckpointError(f'checkpoint {path} cannot be restored ({type(e).__name__}: {e}); {UNTOUCHED}') from e
     state = _state_from(restored.state, abstract_state)
-    sums = state_checksums(state)
-    bad = sorted(k for k in set(sums) | set(meta.checksums) if sums.get(k) != meta.checksums.get(k))
-    if bad:
-      more = f' and {len(bad) - 5} more' if len(bad) > 5 else ''
-      raise CheckpointError(
-        f'checkpoint {path} is corrupt: the restored arrays {bad[:5]}{more} do not '
-        f'match the checksums saved with them; {UNTOUCHED}'
-      )
+    _check_sums(path, state_checksums(state), meta.checksums)
     return state, restored.data
+
+  def restore_weights(self, step: int, abstract_state, config: ml_collections.ConfigDict):
+    """(params, moe_state) of `step` laid out as abstract_state's shardings, checked like a resume
+    (check_config, then the checksums of what is read), without reading the optimizer state: for
+    evaluation, generation and train.init_from, which would otherwise hold the optimizer's moments
+    (one to two times the parameters' bytes) as well."""
+    from kimijax.train.state import TrainState
+
+    path = self.directory / str(step)
+    meta = self.check_config(step, config)
+    wanted = {k: v for k, v in _saved_tree(abstract_state).items() if k != 'opt_state'}
+    try:
+      tree = ocp.PyTreeCheckpointer().restore(
+        path / 'state',
+        args=ocp.args.PyTreeRestore(
+          item=wanted, restore_args=ocp.checkpoint_utils.construct_restore_args(wanted), partial_restore=True
+        ),
+      )
+    except Exception as e:
+      raise CheckpointError(f'checkpoint {path} cannot be restored ({type(e).__name__}: {e}); {UNTOUCHED}') from e
+    moe_state = tree.get('moe_state', {})
+    read = TrainState(step=tree['step'], params=tree['params'], opt_state=None, moe_state=moe_state)
+    saved = {k: v for k, v in meta.checksums.items() if not k.startswith('.opt_state')}
+    _check_sums(path, state_checksums(read), saved)
+    return tree['params'], moe_state
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -324,10 +353,10 @@ def load_run_config(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   return validate(config)
 
 
-def restore_latest_state(workdir: str | pathlib.Path, config: ml_collections.ConfigDict, model, mesh):
-  """(TrainState laid out on `mesh`, step) of the latest checkpoint in DIR/checkpoints, checked
-  like a resume: evaluation and generation take its params and, for a model with MoE layers, its
-  moe_state (kimijax.model.inference_variables)."""
+def restore_latest_weights(workdir: str | pathlib.Path, config: ml_collections.ConfigDict, model, mesh):
+  """(params, moe_state, step) of the latest checkpoint in DIR/checkpoints laid out on `mesh`,
+  checked like a resume, the optimizer state not read (Checkpointer.restore_weights): what
+  evaluation, generation (kimijax.model.inference_variables) and train.init_from take."""
   from kimijax.optim import make_optimizer
   from kimijax.train.state import state_shardings
 
@@ -339,9 +368,11 @@ def restore_latest_state(workdir: str | pathlib.Path, config: ml_collections.Con
   if step is None:
     raise CheckpointError(f'no checkpoint in {directory}')
   abstract, _ = state_shardings(model, make_optimizer(config), config, mesh)
-  state, _ = checkpointer.restore(step, abstract, config)
-  checkpointer.close()
-  return state, step
+  try:
+    params, moe_state = checkpointer.restore_weights(step, abstract, config)
+  finally:
+    checkpointer.close()
+  return params, moe_state, step
 
 
 def latest_complete_step(workdir: str | pathlib.Path) -> int | None:
@@ -367,8 +398,8 @@ def latest_weights(
 
     abstract, _ = state_shardings(model, make_optimizer(config), config, mesh)
     return *initial_weights(config, inference_params(abstract.params, param_dtype), abstract.moe_state), 0
-  state, step = restore_latest_state(workdir, config, model, mesh)
-  return inference_params(state.params, param_dtype), state.moe_state, step
+  params, moe_state, step = restore_latest_weights(workdir, config, model, mesh)
+  return inference_params(params, param_dtype), moe_state, step
 
 
 def is_run_folder(folder: str | pathlib.Path) -> bool:
@@ -425,11 +456,11 @@ def initial_weights(config: ml_collections.ConfigDict, abstract_params, abstract
     differences = '; '.join(errors)
     raise CheckpointError(f'train.init_from={folder}: its model differs from this config (saved -> now): {differences}')
   source.mesh = config.mesh  # its state laid out on this run's mesh
-  state, _ = restore_latest_state(folder, source, Transformer(config_lib.portable(source.model)), mesh)
+  params, moe_state, _ = restore_latest_weights(folder, source, Transformer(config_lib.portable(source.model)), mesh)
   place = lambda tree, abstract: jax.tree.map(
     lambda x, a: jax.device_put(x, a.sharding).astype(a.dtype), tree, abstract
   )
-  return place(state.params, abstract_params), place(state.moe_state, abstract_moe_state)
+  return place(params, abstract_params), place(moe_state, abstract_moe_state)
 
 
 def check_fit(folder: str, abstract_params, mesh) -> None:

@@ -280,6 +280,52 @@ def test_mismatched_config_stops_before_training(reference, tmp_path):
   assert '64' in message and '32' in message
 
 
+def test_weights_restore_reads_and_checks_params_not_the_optimizer_state(reference, tmp_path):
+  """restore_latest_weights (eval, generation, train.init_from) gives the saved params bit for bit,
+  refuses a params array whose saved checksum differs, and leaves the optimizer's moments out (it
+  does not read them): a wrong checksum recorded for one of them stops a resume's full restore but
+  not this one."""
+  from kimijax.model import Transformer
+  from kimijax.optim import make_optimizer
+  from kimijax.parallel import mesh as mesh_lib
+  from kimijax.train.checkpoint import Checkpointer, restore_latest_weights
+  from kimijax.train.state import state_shardings
+
+  config = make_config({**RESUMABLE})
+  model, mesh = Transformer(config.model), mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
+  params, moe_state, step = restore_latest_weights(reference, config, model, mesh)
+  assert step == 8 and moe_state == {}
+  on_disk = saved_arrays(reference, 8)
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  assert len(leaves) == sum(k.startswith("['params']") for k in on_disk)
+  for path, leaf in leaves:
+    np.testing.assert_array_equal(np.asarray(leaf), on_disk["['params']" + jax.tree_util.keystr(path)])
+
+  def with_wrong_checksum(prefix):
+    workdir = tmp_path / prefix.strip('.')
+    shutil.copytree(reference, workdir)
+    meta = workdir / 'checkpoints' / '8' / 'checksums' / 'metadata'
+    sums = json.loads(meta.read_text())
+    key = next(k for k in sorted(sums) if k.startswith(prefix))
+    sums[key] = [sums[key][0] ^ 1, sums[key][1]]
+    meta.write_text(json.dumps(sums))
+    return workdir, key
+
+  workdir, key = with_wrong_checksum('.params')
+  with pytest.raises(CheckpointError, match='is corrupt') as info:
+    restore_latest_weights(workdir, config, model, mesh)
+  assert key in str(info.value)
+
+  workdir, key = with_wrong_checksum('.opt_state')
+  restored, _, _ = restore_latest_weights(workdir, config, model, mesh)
+  jax.tree.map(np.testing.assert_array_equal, restored, params)
+  abstract, _ = state_shardings(model, make_optimizer(config), config, mesh)
+  checkpointer = Checkpointer(workdir / 'checkpoints', keep=config.train.keep_checkpoints)
+  with pytest.raises(CheckpointError, match='is corrupt'):
+    checkpointer.restore(8, abstract, config)
+  checkpointer.close()
+
+
 # ------------------------------------------------------- 5. generation from a trained run
 
 
