@@ -248,15 +248,21 @@ def compiled_eval_peak_bytes(eval_step, weights, config: ml_collections.ConfigDi
   return stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
 
 
-def describe(config: ml_collections.ConfigDict, est: Estimate, mesh_sizes: dict[str, int]) -> str:
+def describe(config: ml_collections.ConfigDict, est: Estimate, mesh_sizes: dict[str, int], step: str = 'train') -> str:
+  """The estimate of the `step` ('train' or 'eval', which holds no optimizer state or gradients) at
+  config.train's batch and length, per device and by part."""
   t = config.train
   ways = math.prod(mesh_sizes.values())
   where = f' per device of {ways}' if ways > 1 else ''
+  if step == 'train':
+    parts = {'parameters and optimizer state': est.state, 'gradients': est.gradients}
+  else:
+    parts = {'parameters': est.state}
+  parts.update(activations=est.activations, logits=est.logits)
+  listed = ', '.join(f'{name} {size / GiB:.1f} GiB' for name, size in parts.items())
   return (
-    f'the train step at train.batch_size={t.batch_size} x train.seq_len={t.seq_len} needs about '
-    f'{est.per_device(mesh_sizes) / GiB:.1f} GiB{where} (estimated: parameters and optimizer state '
-    f'{est.state / GiB:.1f} GiB, gradients {est.gradients / GiB:.1f} GiB, activations '
-    f'{est.activations / GiB:.1f} GiB, logits {est.logits / GiB:.1f} GiB in all)'
+    f'the {step} step at train.batch_size={t.batch_size} x train.seq_len={t.seq_len} needs about '
+    f'{est.per_device(mesh_sizes) / GiB:.1f} GiB{where} (estimated: {listed} in all)'
   )
 
 
@@ -355,6 +361,16 @@ def _over_limit(config: ml_collections.ConfigDict, devices, need: float, plan, l
   return _OverLimit(limit, what, planned, advice)
 
 
+def _limit_error(description: str, over: _OverLimit) -> MemoryLimitError:
+  """The one-line error of check and check_eval: the step's estimate (describe), XLA's plan where
+  there is one, the limit and the advice."""
+  planned = f" (XLA's plan of the step: {over.planned / GiB:.1f} GiB)" if over.planned is not None else ''
+  return MemoryLimitError(
+    f'{description}{planned}, more than {over.what}: {", or ".join(over.advice)} '
+    '(train.check_memory=False skips this check)'
+  )
+
+
 def check(
   config: ml_collections.ConfigDict, devices, n_params: int, mesh_sizes: dict[str, int], plan=None
 ) -> str | None:
@@ -368,7 +384,7 @@ def check(
   over = _over_limit(config, devices, est.per_device(mesh_sizes), plan, 'estimated')
   if not isinstance(over, _OverLimit):
     return over
-  limit, what, planned, advice = over
+  limit, advice = over.limit, over.advice  # the advice grows in place
   for changes in _remedies(config):
     need = estimate(_changed(config, changes), n_params).per_device(mesh_sizes)
     if need <= limit:
@@ -377,11 +393,7 @@ def check(
   advice.append('lower train.batch_size or train.seq_len')
   if devices[0].platform == 'cpu':
     advice.append('use a config sized for a CPU, such as configs/default.py')
-  planned_text = f" (XLA's plan of the step: {planned / GiB:.1f} GiB)" if planned is not None else ''
-  raise MemoryLimitError(
-    f'{describe(config, est, mesh_sizes)}{planned_text}, more than {what}: {", or ".join(advice)} '
-    '(train.check_memory=False skips this check)'
-  )
+  raise _limit_error(describe(config, est, mesh_sizes), over)
 
 
 def check_eval(
@@ -394,11 +406,10 @@ def check_eval(
   (XLA's planned peak per device, compiled_eval_peak_bytes) the plan decides an estimate over the
   limit, a plan that fits being returned as a line to print."""
   est = eval_estimate(config, param_bytes)
-  need = est.per_device(mesh_sizes)
-  over = _over_limit(config, devices, need, plan, 'eval step estimated at')
+  over = _over_limit(config, devices, est.per_device(mesh_sizes), plan, 'eval step estimated at')
   if not isinstance(over, _OverLimit):
     return over
-  limit, what, planned, advice = over
+  limit, advice = over.limit, over.advice  # the advice grows in place
   if not config.train.loss_chunk:
     chunked = eval_estimate(_changed(config, {'train.loss_chunk': SUGGESTED_LOSS_CHUNK}), param_bytes)
     if chunked.per_device(mesh_sizes) <= limit:
@@ -406,13 +417,4 @@ def check_eval(
         f'set train.loss_chunk={SUGGESTED_LOSS_CHUNK} (about {chunked.per_device(mesh_sizes) / GiB:.1f} GiB)'
       )
   advice.append('lower train.seq_len or train.batch_size')
-  t = config.train
-  ways = math.prod(mesh_sizes.values())
-  where = f' per device of {ways}' if ways > 1 else ''
-  planned_text = f" (XLA's plan of the step: {planned / GiB:.1f} GiB)" if planned is not None else ''
-  raise MemoryLimitError(
-    f'the eval step at train.batch_size={t.batch_size} x train.seq_len={t.seq_len} needs about {need / GiB:.1f} '
-    f'GiB{where} (estimated: parameters {est.state / GiB:.1f} GiB, activations {est.activations / GiB:.1f} GiB, '
-    f'logits {est.logits / GiB:.1f} GiB in all){planned_text}, more than {what}: {", or ".join(advice)} '
-    '(train.check_memory=False skips this check)'
-  )
+  raise _limit_error(describe(config, est, mesh_sizes, 'eval'), over)
